@@ -1,0 +1,146 @@
+"""Publish events inside the caller's transaction (psycopg 3 sync/async, SQLAlchemy).
+
+The insert is one statement for any number of events, so it costs one round trip. If the
+caller's transaction rolls back, the events never existed (G1). A repeated idempotency
+key yields the stored event and ``created=False`` (G2).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidEvent
+from .event import Event, make_event
+from .sqlfiles import query
+
+
+@dataclass(frozen=True)
+class Published:
+    id: uuid.UUID
+    created: bool  # False: the idempotency key was known; id is the event stored earlier
+
+
+class Outbox:
+    """Producer side. ``default_topic`` applies to events published without one."""
+
+    def __init__(self, default_topic: str | None = None) -> None:
+        self.default_topic = default_topic
+
+    # -- building -------------------------------------------------------------------------
+
+    def event(self, **fields: Any) -> Event:
+        if fields.get("topic") is None:
+            fields["topic"] = self.default_topic
+        event = make_event(**fields)
+        if event.topic is None:
+            raise InvalidEvent(f"{event.type!r} event (key {event.key!r}) has no topic and the Outbox has no default_topic")
+        return event
+
+    def _events(self, events: Iterable[Event | dict[str, Any]]) -> list[Event]:
+        out = []
+        for e in events:
+            if isinstance(e, dict):
+                out.append(self.event(**e))
+            elif e.topic is None:
+                out.append(self.event(**e.model_dump()))
+            else:
+                out.append(e)
+        if not out:
+            raise InvalidEvent("publish_many needs at least one event")
+        return out
+
+    @staticmethod
+    def _params(events: Sequence[Event]) -> dict[str, list[str | None]]:
+        payloads = [e.payload_json() for e in events]  # raises before anything is sent
+        return {
+            "ids": [str(e.id) for e in events],
+            "topics": [e.topic for e in events],
+            "keys": [e.key for e in events],
+            "types": [e.type for e in events],
+            "payloads": payloads,
+            "headers": [json.dumps(e.headers) for e in events],
+            "idempotency_keys": [e.idempotency_key for e in events],
+            "times": [e.time.isoformat() if e.time else None for e in events],
+        }
+
+    @staticmethod
+    def _interpret(rows: Sequence[Sequence[Any]]) -> list[Published | None]:
+        return [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in rows]
+
+    @staticmethod
+    def _fill(results: list[Published | None], events: Sequence[Event], found: Sequence[Sequence[Any]]) -> list[Published]:
+        by_key = {r[0]: _uuid(r[1]) for r in found}
+        return [r if r is not None else Published(by_key[e.idempotency_key], False)  # type: ignore[index]
+                for r, e in zip(results, events, strict=True)]
+
+    # -- sync -----------------------------------------------------------------------------
+
+    def publish(self, conn: Any, **fields: Any) -> Published:
+        """Publish one event with ``conn`` (psycopg Connection/Cursor, SQLAlchemy Connection/Session)."""
+        return self.publish_many(conn, [self.event(**fields)])[0]
+
+    def publish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
+        batch = self._events(events)
+        params = self._params(batch)
+        results = self._interpret(_execute(conn, query("publish", "publish"), params))
+        if None in results:
+            missing = [e.idempotency_key for e, r in zip(batch, results, strict=True) if r is None]
+            found = _execute(conn, query("publish", "find_by_idempotency_keys"), {"idempotency_keys": missing})
+            return self._fill(results, batch, found)
+        return results  # type: ignore[return-value]
+
+    # -- async ----------------------------------------------------------------------------
+
+    async def apublish(self, conn: Any, **fields: Any) -> Published:
+        """Publish one event with an async connection (psycopg AsyncConnection, SQLAlchemy async)."""
+        return (await self.apublish_many(conn, [self.event(**fields)]))[0]
+
+    async def apublish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
+        batch = self._events(events)
+        params = self._params(batch)
+        results = self._interpret(await _aexecute(conn, query("publish", "publish"), params))
+        if None in results:
+            missing = [e.idempotency_key for e, r in zip(batch, results, strict=True) if r is None]
+            found = await _aexecute(conn, query("publish", "find_by_idempotency_keys"), {"idempotency_keys": missing})
+            return self._fill(results, batch, found)
+        return results  # type: ignore[return-value]
+
+
+def _uuid(value: Any) -> uuid.UUID:
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+
+
+def _execute(conn: Any, sql: str, params: dict[str, Any]) -> list[Any]:
+    if hasattr(conn, "exec_driver_sql"):  # SQLAlchemy Connection
+        return list(conn.exec_driver_sql(sql, params).fetchall())
+    if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # SQLAlchemy Session
+        return list(conn.connection().exec_driver_sql(sql, params).fetchall())
+    if hasattr(conn, "cursor"):  # psycopg Connection
+        with conn.cursor() as cur:
+            cur.execute(sql, params)
+            return list(cur.fetchall())
+    if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg Cursor
+        conn.execute(sql, params)
+        return list(conn.fetchall())
+    raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg connection or cursor, "
+                    "or a SQLAlchemy Connection or Session")
+
+
+async def _aexecute(conn: Any, sql: str, params: dict[str, Any]) -> list[Any]:
+    if hasattr(conn, "exec_driver_sql"):  # SQLAlchemy AsyncConnection
+        return list((await conn.exec_driver_sql(sql, params)).fetchall())
+    if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # SQLAlchemy AsyncSession
+        return list((await (await conn.connection()).exec_driver_sql(sql, params)).fetchall())
+    if hasattr(conn, "cursor"):  # psycopg AsyncConnection
+        async with conn.cursor() as cur:
+            await cur.execute(sql, params)
+            return list(await cur.fetchall())
+    if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg AsyncCursor
+        await conn.execute(sql, params)
+        return list(await conn.fetchall())
+    raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg AsyncConnection or cursor, "
+                    "or a SQLAlchemy AsyncConnection or AsyncSession")

@@ -1,0 +1,52 @@
+-- name: try_lock
+-- One housekeeper at a time across all relays: a transaction-scoped advisory lock.
+SELECT pg_try_advisory_xact_lock(%(lock_key)s::bigint) AS acquired;
+
+-- name: mark_dead_workers
+-- Workers not heard from within the TTL leave the ring.
+UPDATE outbox.workers
+SET status = 'dead'
+WHERE status <> 'dead'
+  AND last_seen_at < clock_timestamp() - make_interval(secs => %(ttl)s)
+RETURNING id;
+
+-- name: expire_leases
+-- Free buckets whose lease ran out or whose owner is dead; the position stays, so their events
+-- are read again by the next owner. Each such lapse is counted for crash-loop isolation.
+UPDATE outbox.cursors c
+SET owner = NULL, lease_expires_at = NULL, lapses = c.lapses + 1
+WHERE c.owner IS NOT NULL
+  AND (c.lease_expires_at < clock_timestamp()
+       OR c.owner IN (SELECT id FROM outbox.workers WHERE status = 'dead'))
+RETURNING c.sink, c.bucket, c.owner;
+
+-- name: forget_dead_workers
+-- Drop registry rows of workers dead for longer than the grace period.
+DELETE FROM outbox.workers
+WHERE status = 'dead'
+  AND last_seen_at < clock_timestamp() - make_interval(secs => %(forget_after)s);
+
+-- name: apply_retention
+-- Delete a slice of events older than the retention that every sink has passed and that no
+-- parked row or dead letter still needs.
+WITH safe AS (
+    -- Per bucket, the lowest position over all sinks (no sink: nothing is safe to delete).
+    SELECT DISTINCT ON (bucket) bucket, position_xid, position_seq
+    FROM outbox.cursors
+    ORDER BY bucket, position_xid, position_seq
+),
+old AS (
+    SELECT e.bucket, e.xid, e.seq
+    FROM outbox.events e
+    JOIN safe s ON s.bucket = e.bucket
+    WHERE e.created_at < clock_timestamp() - make_interval(secs => %(retention)s)
+      AND (e.xid, e.seq) <= (s.position_xid, s.position_seq)
+      AND NOT EXISTS (SELECT 1 FROM outbox.parked p
+                      WHERE p.bucket = e.bucket AND p.xid = e.xid AND p.seq = e.seq)
+      AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters d
+                      WHERE d.bucket = e.bucket AND d.xid = e.xid AND d.seq = e.seq)
+    LIMIT %(limit)s
+)
+DELETE FROM outbox.events e
+USING old
+WHERE e.bucket = old.bucket AND e.xid = old.xid AND e.seq = old.seq;

@@ -1,0 +1,51 @@
+-- name: heartbeat
+-- Register this worker or refresh it; also the way it announces draining.
+INSERT INTO outbox.workers (id, status, sinks, metadata)
+VALUES (%(worker)s, %(status)s, %(sinks)s::text[], %(metadata)s::jsonb)
+ON CONFLICT (id) DO UPDATE
+    SET status = EXCLUDED.status, sinks = EXCLUDED.sinks, metadata = EXCLUDED.metadata,
+        last_seen_at = clock_timestamp();
+
+-- name: live_workers
+-- Workers that count for ring ownership: alive (not draining) and heard from within the TTL.
+SELECT id, sinks
+FROM outbox.workers
+WHERE status = 'alive'
+  AND last_seen_at > clock_timestamp() - make_interval(secs => %(ttl)s)
+ORDER BY id;
+
+-- name: leave
+-- Clean exit: the worker is gone from the registry at once.
+DELETE FROM outbox.workers WHERE id = %(worker)s;
+
+-- name: acquire_leases
+-- Lease free or expired buckets of one sink. Each acquisition bumps the fence; taking over an
+-- expired lease counts a lapse at that position.
+UPDATE outbox.cursors c
+SET owner            = %(worker)s,
+    fence            = c.fence + 1,
+    lapses           = c.lapses + CASE WHEN c.owner IS NULL THEN 0 ELSE 1 END,
+    lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
+WHERE c.sink = %(sink)s
+  AND c.bucket = ANY(%(buckets)s::int[])
+  AND (c.owner IS NULL OR c.lease_expires_at < clock_timestamp())
+RETURNING c.bucket, c.fence, c.lapses;
+
+-- name: renew_leases
+-- Extend the leases this worker still holds under the same fence; missing buckets were lost.
+UPDATE outbox.cursors c
+SET lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
+FROM unnest(%(buckets)s::int[], %(fences)s::bigint[]) AS v(bucket, fence)
+WHERE c.sink = %(sink)s AND c.bucket = v.bucket
+  AND c.owner = %(worker)s AND c.fence = v.fence
+  AND c.lease_expires_at > clock_timestamp()
+RETURNING c.bucket;
+
+-- name: release_leases
+-- Hand buckets back without waiting for expiry (ring change, drain).
+UPDATE outbox.cursors c
+SET owner = NULL, lease_expires_at = NULL
+FROM unnest(%(buckets)s::int[], %(fences)s::bigint[]) AS v(bucket, fence)
+WHERE c.sink = %(sink)s AND c.bucket = v.bucket
+  AND c.owner = %(worker)s AND c.fence = v.fence
+RETURNING c.bucket;

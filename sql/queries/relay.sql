@@ -1,0 +1,127 @@
+-- name: register_sink
+-- Create a sink and its cursor rows (position zero: a new sink starts from the oldest retained event).
+WITH sink AS (
+    INSERT INTO outbox.sinks (name, kind) VALUES (%(sink)s, %(kind)s)
+    ON CONFLICT (name) DO NOTHING
+)
+INSERT INTO outbox.cursors (sink, bucket)
+SELECT %(sink)s, b FROM generate_series(0, 255) AS b
+ON CONFLICT (sink, bucket) DO NOTHING;
+
+-- name: sink_kind
+-- The kind a sink was registered with, so that one name is never used for two kinds.
+SELECT kind FROM outbox.sinks WHERE name = %(sink)s;
+
+-- name: fetch_events
+-- Read past the cursor of each leased bucket, in position order, up to a per-bucket limit.
+WITH horizon AS (
+    -- Every transaction with an xid below xmin has ended: no earlier position can still appear.
+    SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
+),
+leased AS (
+    -- The buckets to read, in the caller's (rotating) order, each with its own limit.
+    SELECT l.bucket, l.lim, l.ord, c.position_xid, c.position_seq
+    FROM unnest(%(buckets)s::int[], %(limits)s::int[]) WITH ORDINALITY AS l(bucket, lim, ord)
+    JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = l.bucket AND c.owner = %(worker)s
+),
+blocked AS (
+    -- Keys with parked events: newer events of these keys queue behind them.
+    SELECT DISTINCT p.partition_key
+    FROM outbox.parked p
+    WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
+)
+SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
+       e.payload, e.headers, e.created_at,
+       e.partition_key IN (SELECT partition_key FROM blocked) AS blocked,
+       h.xmin::text::bigint AS horizon
+FROM horizon h
+CROSS JOIN leased l
+CROSS JOIN LATERAL (
+    -- One index range scan on events_position per bucket.
+    SELECT *
+    FROM outbox.events e
+    WHERE e.bucket = l.bucket
+      AND (e.xid, e.seq) > (l.position_xid, l.position_seq)
+      AND e.xid < h.xmin
+    ORDER BY e.xid, e.seq
+    LIMIT l.lim
+) e;
+
+-- name: fetch_parked
+-- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it.
+WITH heads AS (
+    -- The oldest parked event of each key decides when the key may move again.
+    SELECT DISTINCT ON (p.bucket, p.partition_key) p.bucket, p.partition_key, p.available_at
+    FROM outbox.parked p
+    WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
+    ORDER BY p.bucket, p.partition_key, p.xid, p.seq
+),
+due AS (
+    SELECT bucket, partition_key FROM heads
+    WHERE available_at <= clock_timestamp()
+    LIMIT %(keys)s
+)
+SELECT q.bucket, q.xid::text::bigint AS xid, q.seq, e.id, e.partition_key, e.topic, e.type,
+       e.payload, e.headers, e.created_at, q.attempts
+FROM due d
+CROSS JOIN LATERAL (
+    SELECT * FROM outbox.parked q
+    WHERE q.sink = %(sink)s AND q.bucket = d.bucket AND q.partition_key = d.partition_key
+    ORDER BY q.xid, q.seq
+    LIMIT %(per_key)s
+) q
+JOIN outbox.events e ON e.bucket = q.bucket AND e.xid = q.xid AND e.seq = q.seq
+ORDER BY q.bucket, q.partition_key, q.xid, q.seq;
+
+-- name: checkpoint
+-- Commit one batch's outcome, fenced: for the buckets still leased under the same token, advance
+-- cursors, park or reschedule failures, drop finished parked rows and record dead letters.
+-- Buckets whose lease was lost get nothing; the caller learns which buckets made it.
+WITH fenced AS (
+    -- The fence check and the cursor advance in one step (positions only move forward).
+    UPDATE outbox.cursors c
+    SET position_xid = CASE WHEN v.xid IS NOT NULL AND (v.xid::text::xid8, v.seq) > (c.position_xid, c.position_seq)
+                            THEN v.xid::text::xid8 ELSE c.position_xid END,
+        position_seq = CASE WHEN v.xid IS NOT NULL AND (v.xid::text::xid8, v.seq) > (c.position_xid, c.position_seq)
+                            THEN v.seq ELSE c.position_seq END,
+        lapses       = CASE WHEN v.xid IS NOT NULL THEN 0 ELSE c.lapses END,
+        advanced_at  = clock_timestamp()
+    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(xids)s::bigint[], %(seqs)s::bigint[])
+         AS v(bucket, fence, xid, seq)
+    WHERE c.sink = %(sink)s AND c.bucket = v.bucket
+      AND c.owner = %(worker)s AND c.fence = v.fence
+      AND c.lease_expires_at > clock_timestamp()
+    RETURNING c.bucket
+),
+park AS (
+    -- New parked events, and new retry times for parked heads that failed again.
+    INSERT INTO outbox.parked (sink, bucket, xid, seq, partition_key, event_id, attempts, available_at, last_error)
+    SELECT %(sink)s, p.bucket, p.xid::text::xid8, p.seq, p.partition_key, p.event_id, p.attempts,
+           clock_timestamp() + make_interval(secs => p.delay), p.error
+    FROM unnest(%(park_buckets)s::int[], %(park_xids)s::bigint[], %(park_seqs)s::bigint[],
+                %(park_keys)s::text[], %(park_ids)s::uuid[], %(park_attempts)s::int[],
+                %(park_delays)s::float8[], %(park_errors)s::text[])
+         AS p(bucket, xid, seq, partition_key, event_id, attempts, delay, error)
+    WHERE p.bucket IN (SELECT bucket FROM fenced)
+    ON CONFLICT (sink, bucket, xid, seq) DO UPDATE
+        SET attempts = EXCLUDED.attempts, available_at = EXCLUDED.available_at, last_error = EXCLUDED.last_error
+),
+unpark AS (
+    -- Parked events that were delivered or dead-lettered.
+    DELETE FROM outbox.parked q
+    USING unnest(%(done_buckets)s::int[], %(done_xids)s::bigint[], %(done_seqs)s::bigint[]) AS d(bucket, xid, seq)
+    WHERE q.sink = %(sink)s AND q.bucket = d.bucket AND q.xid = d.xid::text::xid8 AND q.seq = d.seq
+      AND d.bucket IN (SELECT bucket FROM fenced)
+),
+dead AS (
+    -- Poison events: past max attempts or failed for good; they stop blocking their key.
+    INSERT INTO outbox.dead_letters (sink, event_id, bucket, xid, seq, partition_key, attempts, last_error)
+    SELECT %(sink)s, x.event_id, x.bucket, x.xid::text::xid8, x.seq, x.partition_key, x.attempts, x.error
+    FROM unnest(%(dead_buckets)s::int[], %(dead_xids)s::bigint[], %(dead_seqs)s::bigint[],
+                %(dead_keys)s::text[], %(dead_ids)s::uuid[], %(dead_attempts)s::int[], %(dead_errors)s::text[])
+         AS x(bucket, xid, seq, partition_key, event_id, attempts, error)
+    WHERE x.bucket IN (SELECT bucket FROM fenced)
+    ON CONFLICT (sink, event_id) DO UPDATE
+        SET attempts = EXCLUDED.attempts, last_error = EXCLUDED.last_error, dead_at = clock_timestamp()
+)
+SELECT bucket FROM fenced;
