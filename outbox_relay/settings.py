@@ -34,8 +34,6 @@ class RelaySettings(BaseSettings):
     )
     default_topic: str | None = Field(None, description="topic for events published without one")
     source: str = Field("outbox-relay", description="CloudEvents ce_source header value")
-    projections: list[str] = Field(default_factory=list, description="projection names to run (see --app)")
-    app: str | None = Field(None, description="module:attribute of the ProjectionRegistry for --projection")
 
     # batching and leases
     batch_size: int = Field(1000, ge=1, le=100_000, description="events read per fetch")
@@ -69,13 +67,11 @@ class RelaySettings(BaseSettings):
     def _consistent(self) -> RelaySettings:
         if self.heartbeat_seconds * 2 > self.worker_ttl_seconds:
             raise ValueError("worker_ttl_seconds must be at least twice heartbeat_seconds")
-        if self.projections and not self.app:
-            raise ValueError("--projection needs --app (module:attribute of a ProjectionRegistry)")
         return self
 
     @property
     def sinks(self) -> list[str]:
-        return ([self.kafka_sink] if self.kafka else []) + list(self.projections)
+        return [self.kafka_sink] if self.kafka else []
 
     def kafka_producer_config(self) -> dict[str, Any]:
         return {"bootstrap.servers": self.kafka_bootstrap_servers, **self.kafka_config}

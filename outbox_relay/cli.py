@@ -1,0 +1,221 @@
+"""``outbox-relay``: migrate, run, status, dead-letters.
+
+Every option of ``run`` is a RelaySettings field and can also come from the environment
+variable named in ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from pydantic.fields import FieldInfo
+
+from .dsn import redact
+from .errors import OutboxError
+from .migrate import migrate
+from .settings import ENV_PREFIX, RelaySettings, load_settings
+from .sqlfiles import query
+
+log = logging.getLogger("outbox_relay.cli")
+
+
+class _WorkerIdFilter(logging.Filter):
+    def __init__(self, worker_id: str) -> None:
+        super().__init__()
+        self.worker_id = worker_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker_id = self.worker_id
+        return True
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "worker": getattr(record, "worker_id", None),
+            "thread": record.threadName,
+            "message": redact(record.getMessage()),
+        }
+        if record.exc_info:
+            entry["exception"] = redact(self.formatException(record.exc_info))
+        return json.dumps(entry)
+
+
+class _RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+def setup_logging(level: str, as_json: bool, worker_id: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_WorkerIdFilter(worker_id))
+    handler.setFormatter(_JsonFormatter() if as_json else _RedactingFormatter(
+        "%(asctime)s %(levelname)s %(name)s [worker=%(worker_id)s %(threadName)s] %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def _env(name: str) -> str:
+    return f"{ENV_PREFIX}{name.upper()}"
+
+
+def _add_setting(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
+    flag = "--" + name.replace("_", "-")
+    help_text = f"{field.description or name} [env {_env(name)}]"
+    if field.annotation is bool:
+        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    elif name == "kafka_config":
+        parser.add_argument("--kafka-option", dest=name, action="append", metavar="KEY=VALUE", default=None,
+                            help=f"librdkafka setting, repeatable (TLS/SASL pass through) [env {_env(name)} as JSON]")
+    else:
+        parser.add_argument(flag, dest=name, default=None, help=help_text)
+
+
+def _dsn_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dsn", default=None, help=f"PostgreSQL connection string [env {_env('dsn')}]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="outbox-relay", description=__doc__)
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    parser.add_argument("--log-json", action="store_true", help="one JSON object per log line")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("migrate", help="create or update the outbox schema (safe to run concurrently)")
+    _dsn_arg(p)
+
+    p = sub.add_parser("run", help="run a relay worker until SIGTERM (drain) or a second signal (hard stop)")
+    for name, field in RelaySettings.model_fields.items():
+        _add_setting(p, name, field)
+
+    p = sub.add_parser("status", help="workers, their buckets, backlog per sink, dead letters by key")
+    _dsn_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("dead-letters", help="list, retry or discard dead letters")
+    _dsn_arg(p)
+    p.add_argument("action", choices=["list", "retry", "discard"])
+    p.add_argument("--sink", default=None, help="sink name (required for retry and discard)")
+    p.add_argument("--key", default=None, help="only this partition key")
+    p.add_argument("--event", dest="events", action="append", default=None, help="only this event id (repeatable)")
+    p.add_argument("--all", action="store_true", help="retry/discard every dead letter of the sink")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _settings_from(args: argparse.Namespace) -> RelaySettings:
+    overrides: dict[str, Any] = {}
+    for name in RelaySettings.model_fields:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if name == "kafka_config":
+            pairs = [v.split("=", 1) for v in value]
+            bad = [v for v, p in zip(value, pairs, strict=True) if len(p) != 2]
+            if bad:
+                raise OutboxError(f"--kafka-option needs KEY=VALUE, got {bad[0]!r}")
+            value = dict(pairs)
+        overrides[name] = value
+    return load_settings(**overrides)
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    return args.dsn or load_settings().dsn.get_secret_value()
+
+
+def _print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
+    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for i, r in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _query_rows(dsn: str, group: str, name: str, params: dict[str, Any] | None = None
+                ) -> tuple[list[str], list[tuple[Any, ...]]]:
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.cursor() as cur:
+        cur.execute(query(group, name), params or {})
+        cols = [d.name for d in cur.description or []]
+        return cols, list(cur.fetchall())
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    dsn = _dsn(args)
+    sections = {
+        "workers": _query_rows(dsn, "admin", "workers"),
+        "backlog": _query_rows(dsn, "admin", "backlog"),
+        "oldest open transaction (holds back delivery)": _query_rows(dsn, "admin", "horizon_holder"),
+        "dead letters by key": _query_rows(dsn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20}),
+    }
+    if args.json:
+        print(json.dumps({k: [dict(zip(c, r, strict=True)) for r in rows] for k, (c, rows) in sections.items()},
+                         default=str, indent=2))
+        return 0
+    for title, (cols, rows) in sections.items():
+        print(f"\n{title}:")
+        _print_table(rows, cols) if rows else print("  (none)")
+    return 0
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    dsn = _dsn(args)
+    if args.action == "list":
+        cols, rows = _query_rows(dsn, "admin", "dead_letters", {"sink": args.sink, "key": args.key, "limit": args.limit})
+        if args.json:
+            print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=2))
+        else:
+            _print_table(rows, cols) if rows else print("no dead letters")
+        return 0
+    if not args.sink:
+        raise OutboxError(f"dead-letters {args.action} needs --sink")
+    if not (args.events or args.key or args.all):
+        raise OutboxError(f"dead-letters {args.action} needs --event, --key or --all")
+    name = "retry_dead_letters" if args.action == "retry" else "discard_dead_letters"
+    _, rows = _query_rows(dsn, "admin", name, {"sink": args.sink, "event_ids": args.events, "key": args.key})
+    verb = "queued for retry" if args.action == "retry" else "discarded"
+    print(f"{len(rows)} dead letters {verb}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            settings = _settings_from(args)
+            setup_logging(args.log_level, args.log_json, settings.worker_id)
+            from .worker import Worker
+
+            Worker(settings).run()
+            return 0
+        setup_logging(args.log_level, args.log_json, "-")
+        if args.command == "migrate":
+            applied = migrate(_dsn(args))
+            print(f"applied {len(applied)} migrations" + (": " + ", ".join(f"{m.version:04d}_{m.name}" for m in applied)
+                                                         if applied else " (schema up to date)"))
+            return 0
+        if args.command == "status":
+            return cmd_status(args)
+        if args.command == "dead-letters":
+            return cmd_dead_letters(args)
+    except OutboxError as exc:
+        print(f"outbox-relay: error: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    except psycopg.OperationalError as exc:
+        print(f"outbox-relay: database error: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Relay-side database access: every statement the relay runs, set-based per batch.
+
+The loop (relay.py) holds no SQL; it calls these functions with a connection.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from .sqlfiles import query
+
+Conn = psycopg.Connection[Any]
+
+
+@dataclass(slots=True)
+class StoredEvent:
+    bucket: int
+    xid: int
+    seq: int
+    id: uuid.UUID
+    key: str
+    topic: str | None
+    type: str
+    payload_text: str  # jsonb as text: Kafka sends it as is; projections parse it
+    headers_text: str
+    created_at: datetime
+    attempts: int = 0  # failed attempts so far (parked events)
+    blocked: bool = False  # an older event of this key is parked
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.xid, self.seq)
+
+    @property
+    def payload(self) -> Any:
+        return json.loads(self.payload_text)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return json.loads(self.headers_text) if self.headers_text != "{}" else {}
+
+
+@dataclass
+class Checkpoint:
+    """The outcome of one batch, written by one fenced statement."""
+
+    fences: dict[int, int]  # bucket -> fence token of every bucket this batch touched
+    advance: dict[int, tuple[int, int]] = field(default_factory=dict)  # bucket -> new position
+    park: list[tuple[StoredEvent, int, float, str | None]] = field(default_factory=list)  # attempts, delay, error
+    done: list[StoredEvent] = field(default_factory=list)  # parked events that left the park
+    dead: list[tuple[StoredEvent, int, str]] = field(default_factory=list)  # attempts, error
+
+    def params(self, sink: str, worker: str) -> dict[str, Any]:
+        buckets = sorted(self.fences)
+        return {
+            "sink": sink,
+            "worker": worker,
+            "buckets": buckets,
+            "fences": [self.fences[b] for b in buckets],
+            "xids": [self.advance[b][0] if b in self.advance else None for b in buckets],
+            "seqs": [self.advance[b][1] if b in self.advance else None for b in buckets],
+            "park_buckets": [e.bucket for e, *_ in self.park],
+            "park_xids": [e.xid for e, *_ in self.park],
+            "park_seqs": [e.seq for e, *_ in self.park],
+            "park_keys": [e.key for e, *_ in self.park],
+            "park_ids": [e.id for e, *_ in self.park],
+            "park_attempts": [a for _, a, _, _ in self.park],
+            "park_delays": [d for _, _, d, _ in self.park],
+            "park_errors": [err for *_, err in self.park],
+            "done_buckets": [e.bucket for e in self.done],
+            "done_xids": [e.xid for e in self.done],
+            "done_seqs": [e.seq for e in self.done],
+            "dead_buckets": [e.bucket for e, _, _ in self.dead],
+            "dead_xids": [e.xid for e, _, _ in self.dead],
+            "dead_seqs": [e.seq for e, _, _ in self.dead],
+            "dead_keys": [e.key for e, _, _ in self.dead],
+            "dead_ids": [e.id for e, _, _ in self.dead],
+            "dead_attempts": [a for _, a, _ in self.dead],
+            "dead_errors": [err for _, _, err in self.dead],
+        }
+
+
+def register_sink(conn: Conn, sink: str, kind: str) -> None:
+    with conn.transaction():
+        conn.execute(query("relay", "register_sink"), {"sink": sink, "kind": kind})
+        row = conn.execute(query("relay", "sink_kind"), {"sink": sink}).fetchone()
+    if row and row[0] != kind:
+        from .errors import ConfigurationError
+
+        raise ConfigurationError(f"sink {sink!r} is registered as {row[0]!r}, not {kind!r}: pick another name")
+
+
+def fetch_events(
+    conn: Conn, sink: str, worker: str, limits: dict[int, int]
+) -> tuple[list[StoredEvent], int | None]:
+    """New events past each bucket's cursor, plus the read horizon (snapshot xmin)."""
+    buckets = list(limits)
+    rows = conn.execute(
+        query("relay", "fetch_events"),
+        {"sink": sink, "worker": worker, "buckets": buckets, "limits": [limits[b] for b in buckets]},
+    ).fetchall()
+    horizon = rows[0][11] if rows else None
+    events = [
+        StoredEvent(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _text(r[7]), _text(r[8]), r[9], blocked=r[10])
+        for r in rows
+    ]
+    return events, horizon
+
+
+def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:
+    rows = conn.execute(
+        query("relay", "fetch_parked"),
+        {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key},
+    ).fetchall()
+    return [StoredEvent(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _text(r[7]), _text(r[8]), r[9], r[10]) for r in rows]
+
+
+def checkpoint(conn: Conn, sink: str, worker: str, cp: Checkpoint) -> set[int]:
+    """Write the batch outcome; returns the buckets whose fence held (the others were lost)."""
+    if not cp.fences:
+        return set()
+    return {r[0] for r in conn.execute(query("relay", "checkpoint"), cp.params(sink, worker)).fetchall()}
+
+
+# -- membership -------------------------------------------------------------------------
+
+
+def heartbeat(conn: Conn, worker: str, status: str, sinks: Sequence[str], metadata: dict[str, Any]) -> None:
+    conn.execute(
+        query("membership", "heartbeat"),
+        {"worker": worker, "status": status, "sinks": list(sinks), "metadata": json.dumps(metadata)},
+    )
+
+
+def live_workers(conn: Conn, ttl: float) -> list[tuple[str, list[str]]]:
+    return [(r[0], list(r[1])) for r in conn.execute(query("membership", "live_workers"), {"ttl": ttl})]
+
+
+def leave(conn: Conn, worker: str) -> None:
+    conn.execute(query("membership", "leave"), {"worker": worker})
+
+
+def acquire_leases(
+    conn: Conn, sink: str, worker: str, buckets: Iterable[int], lease_seconds: float
+) -> dict[int, tuple[int, int]]:
+    """bucket -> (fence, lapses) for the buckets this call acquired."""
+    rows = conn.execute(
+        query("membership", "acquire_leases"),
+        {"sink": sink, "worker": worker, "buckets": sorted(buckets), "lease_seconds": lease_seconds},
+    ).fetchall()
+    return {r[0]: (r[1], r[2]) for r in rows}
+
+
+def renew_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int], lease_seconds: float) -> set[int]:
+    buckets = sorted(fences)
+    rows = conn.execute(
+        query("membership", "renew_leases"),
+        {"sink": sink, "worker": worker, "buckets": buckets, "fences": [fences[b] for b in buckets],
+         "lease_seconds": lease_seconds},
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+def release_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int]) -> set[int]:
+    buckets = sorted(fences)
+    rows = conn.execute(
+        query("membership", "release_leases"),
+        {"sink": sink, "worker": worker, "buckets": buckets, "fences": [fences[b] for b in buckets]},
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)

@@ -1,0 +1,270 @@
+"""A relay process: registry heartbeat and ring, one thread per sink, housekeeping, LISTEN.
+
+Threads and who owns what:
+- membership: heartbeat, ring -> each runner's ``desired`` buckets, lease renewal.
+- one SinkRunner per sink: acquires/releases its own leases, delivers, checkpoints.
+- housekeeping: every few seconds, if it wins the advisory lock.
+- listener: LISTEN outbox_events_v1, sets ``wake`` (polling stays the baseline).
+First SIGTERM/SIGINT drains (leave the ring, stop claiming, finish the batch, release,
+exit); a second one stops hard (drop the batch in flight; the next owner redelivers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from . import store
+from .dsn import redact
+from .housekeeping import Housekeeping
+from .kafka_sink import KafkaSink
+from .migrate import check_schema
+from .relay import SinkRunner
+from .ring import Ring
+from .settings import RelaySettings
+from .sink import Sink
+from .store import Conn
+
+log = logging.getLogger("outbox_relay.worker")
+
+NOTIFY_CHANNEL = "outbox_events_v1"
+VERSION = "0.1.0"
+
+
+def _configure(conn: Conn) -> None:
+    # Custom plans: a generic plan for the ANY(array) / unnest statements can be many times
+    # slower (GUIDE section 4), and planning these small statements is cheap.
+    conn.execute("SET plan_cache_mode = force_custom_plan")
+
+
+class Worker:
+    def __init__(self, settings: RelaySettings, sinks: list[Sink] | None = None) -> None:
+        self.settings = settings
+        self.id = settings.worker_id
+        self.stopping = threading.Event()  # drain requested
+        self.stopped = threading.Event()  # all threads should exit now
+        self._sinks = sinks
+        self.runners: list[SinkRunner] = []
+        self.pool: ConnectionPool[Conn] | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        s = self.settings
+        dsn = s.dsn.get_secret_value()
+        sinks = self._sinks if self._sinks is not None else self._default_sinks()
+        if not sinks:
+            from .errors import ConfigurationError
+
+            raise ConfigurationError("no sink to run: enable --kafka")
+        self.pool = ConnectionPool(
+            dsn, min_size=2, max_size=len(sinks) + 4, open=False, configure=_configure,
+            kwargs={"autocommit": True, "application_name": f"outbox-relay {self.id}"[:63]},
+            check=ConnectionPool.check_connection, name="outbox-relay",
+        )
+        self._open_pool(dsn)
+        with self.pool.connection() as conn:
+            check_schema(conn)
+            for sink in sinks:
+                store.register_sink(conn, sink.name, sink.kind)
+        self.runners = [SinkRunner(sink, self.pool, s) for sink in sinks]
+        self._heartbeat("alive")
+        self._refresh_ring()
+        self._spawn("membership", self._membership_loop)
+        self._spawn("housekeeping", self._housekeeping_loop)
+        if s.listen:
+            self._spawn("listener", self._listen_loop)
+        for runner in self.runners:
+            self._spawn(f"sink-{runner.sink.name}", runner.run)
+        log.info("worker %s started: sinks %s, database %s", self.id, [r.sink.name for r in self.runners],
+                 redact(dsn))
+
+    def _default_sinks(self) -> list[Sink]:
+        s = self.settings
+        sinks: list[Sink] = []
+        if s.kafka:
+            sinks.append(KafkaSink(s.kafka_sink, s.kafka_producer_config(), s.default_topic, s.source))
+        return sinks
+
+    def _open_pool(self, dsn: str) -> None:
+        assert self.pool is not None
+        delay = 1.0
+        while True:
+            try:
+                self.pool.open(wait=True, timeout=10.0)
+                return
+            except PoolTimeout:
+                if self.stopping.is_set():
+                    raise
+                log.warning("database %s is unavailable; retrying in %.0fs", redact(dsn), delay)
+                self.stopping.wait(delay)
+                delay = min(delay * 2, 30.0)
+
+    def run(self, install_signals: bool = True) -> None:
+        """Start, then block until drained or stopped."""
+        if install_signals:
+            self.install_signal_handlers()
+        self.start()
+        self.wait()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, _frame: FrameType | None) -> None:
+            if self.stopping.is_set():
+                log.warning("second %s: stopping hard", signal.Signals(signum).name)
+                self.stop_hard()
+            else:
+                log.info("%s: draining", signal.Signals(signum).name)
+                self.drain()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def drain(self) -> None:
+        """Leave the ring, stop claiming, finish the batch in flight, release, exit."""
+        self.stopping.set()
+        for r in self.runners:
+            r.draining.set()
+        self._wake_all()
+        threading.Thread(target=self._drain_deadline, daemon=True).start()
+
+    def _drain_deadline(self) -> None:
+        if not self._sinks_done(self.settings.drain_seconds):
+            log.warning("drain did not finish within %.0fs: stopping hard", self.settings.drain_seconds)
+            self.stop_hard()
+
+    def stop_hard(self) -> None:
+        self.stopping.set()
+        for r in self.runners:
+            r.abort.set()
+            r.draining.set()
+        self._wake_all()
+
+    def _sinks_done(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            if t.name.startswith("sink-"):
+                t.join(max(0.0, deadline - time.monotonic()))
+                if t.is_alive():
+                    return False
+        return True
+
+    def wait(self) -> None:
+        while not self._sinks_done(0.5):
+            pass
+        self.stopped.set()
+        self._wake_all()
+        try:
+            self._leave()
+        finally:
+            for t in self._threads:
+                t.join(5.0)
+            for r in self.runners:
+                r.sink.close()
+            if self.pool is not None:
+                self.pool.close()
+        log.info("worker %s stopped", self.id)
+
+    # -- threads ---------------------------------------------------------------------------
+
+    def _wake_all(self) -> None:
+        for r in self.runners:
+            r.wake.set()
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _membership_loop(self) -> None:
+        s = self.settings
+        renew_every = s.lease_seconds / 3
+        next_renew = time.monotonic() + renew_every
+        next_beat = time.monotonic() + s.heartbeat_seconds
+        while not self.stopped.is_set():
+            self.stopped.wait(min(0.5, renew_every, s.heartbeat_seconds))
+            if self.stopped.is_set():
+                break
+            now = time.monotonic()
+            try:
+                if now >= next_renew:
+                    next_renew = now + renew_every
+                    for r in self.runners:
+                        r.renew()
+                if now >= next_beat:
+                    next_beat = now + s.heartbeat_seconds
+                    self._heartbeat("draining" if self.stopping.is_set() else "alive")
+                    self._refresh_ring()
+            except Exception as exc:
+                log.warning("membership: %s: %s", type(exc).__name__, redact(str(exc)))
+
+    def _heartbeat(self, status: str) -> None:
+        assert self.pool is not None
+        meta = {"version": VERSION, "host": socket.gethostname(), "pid": os.getpid()}
+        with self.pool.connection() as conn:
+            store.heartbeat(conn, self.id, status, [r.sink.name for r in self.runners], meta)
+
+    def _refresh_ring(self) -> None:
+        assert self.pool is not None
+        with self.pool.connection() as conn:
+            live = store.live_workers(conn, self.settings.worker_ttl_seconds)
+        changed = False
+        for r in self.runners:
+            members = [w for w, sinks in live if r.sink.name in sinks]
+            desired = set() if self.stopping.is_set() else Ring(members, self.settings.vnodes).buckets_of(self.id)
+            if desired != r.desired:
+                changed = True
+                r.desired = desired
+        if changed:
+            self._wake_all()
+
+    def _leave(self) -> None:
+        if self.pool is None:
+            return
+        try:
+            with self.pool.connection(timeout=5.0) as conn:
+                store.leave(conn, self.id)
+        except Exception as exc:
+            log.warning("could not leave the registry (%s); housekeeping will mark this worker dead", exc)
+
+    def _housekeeping_loop(self) -> None:
+        assert self.pool is not None
+        hk = Housekeeping(self.pool, self.settings)
+        interval = self.settings.housekeeping_seconds
+        while not self.stopping.wait(interval * (0.75 + 0.5 * (time.monotonic() % 1))):
+            try:
+                result = hk.run_once()
+                if result.expired_leases or result.dead_workers:
+                    self._wake_all()
+            except Exception as exc:
+                log.warning("housekeeping: %s: %s", type(exc).__name__, redact(str(exc)))
+
+    def _listen_loop(self) -> None:
+        dsn = self.settings.dsn.get_secret_value()
+        while not self.stopped.is_set():
+            try:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    self._wake_all()  # we may have missed notifications while disconnected
+                    while not self.stopped.is_set():
+                        for _ in conn.notifies(timeout=1.0, stop_after=1):
+                            self._wake_all()
+            except Exception as exc:
+                if self.stopped.is_set():
+                    return
+                log.warning("listener: %s: %s; polling until it reconnects", type(exc).__name__, redact(str(exc)))
+                self.stopped.wait(2.0)
+
+
+def run_worker(settings: RelaySettings, **kwargs: Any) -> None:
+    Worker(settings, **kwargs).run()
