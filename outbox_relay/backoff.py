@@ -13,5 +13,5 @@ class Backoff:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after the given (1-based) failed attempt: uniform in [d/2, d]."""
-        ceiling = min(self.cap, self.base * 2 ** max(0, attempt - 1))
+        ceiling = min(self.cap, self.base * 2.0 ** max(0, attempt - 1))
         return ceiling / 2 + random.random() * ceiling / 2

@@ -171,7 +171,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_dead_letters(args: argparse.Namespace) -> int:
     dsn = _dsn(args)
     if args.action == "list":
-        cols, rows = _query_rows(dsn, "admin", "dead_letters", {"sink": args.sink, "key": args.key, "limit": args.limit})
+        params = {"sink": args.sink, "key": args.key, "limit": args.limit}
+        cols, rows = _query_rows(dsn, "admin", "dead_letters", params)
         if args.json:
             print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=2))
         else:

@@ -88,7 +88,7 @@ class KafkaSink:
             if topic is None:
                 outcomes[e.id] = Failure("event has no topic and the relay has no --default-topic", retriable=False)
                 continue
-            headers = [
+            headers: list[tuple[str, str | bytes | None]] = [
                 ("ce_specversion", b"1.0"),
                 ("ce_id", str(e.id).encode()),
                 ("ce_source", self.source),
@@ -116,6 +116,9 @@ class KafkaSink:
         # outage; the membership thread keeps renewing our leases meanwhile.
         while pending > 0:
             if abort.is_set():
+                # Drop what is still queued so that nothing of ours lands after the next
+                # owner has started (it redelivers from the same cursor).
+                self._producer.purge()
                 raise Aborted()
             self._producer.poll(0.05)
         return commit(outcomes, None)

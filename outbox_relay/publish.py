@@ -37,7 +37,8 @@ class Outbox:
             fields["topic"] = self.default_topic
         event = make_event(**fields)
         if event.topic is None:
-            raise InvalidEvent(f"{event.type!r} event (key {event.key!r}) has no topic and the Outbox has no default_topic")
+            raise InvalidEvent(
+                f"{event.type!r} event (key {event.key!r}) has no topic and the Outbox has no default_topic")
         return event
 
     def _events(self, events: Iterable[Event | dict[str, Any]]) -> list[Event]:
@@ -54,7 +55,7 @@ class Outbox:
         return out
 
     @staticmethod
-    def _params(events: Sequence[Event]) -> dict[str, list[str | None]]:
+    def _params(events: Sequence[Event]) -> dict[str, Any]:
         payloads = [e.payload_json() for e in events]  # raises before anything is sent
         return {
             "ids": [str(e.id) for e in events],
@@ -72,9 +73,11 @@ class Outbox:
         return [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in rows]
 
     @staticmethod
-    def _fill(results: list[Published | None], events: Sequence[Event], found: Sequence[Sequence[Any]]) -> list[Published]:
+    def _fill(
+        results: list[Published | None], events: Sequence[Event], found: Sequence[Sequence[Any]]
+    ) -> list[Published]:
         by_key = {r[0]: _uuid(r[1]) for r in found}
-        return [r if r is not None else Published(by_key[e.idempotency_key], False)  # type: ignore[index]
+        return [r if r is not None else Published(by_key[e.idempotency_key], False)
                 for r, e in zip(results, events, strict=True)]
 
     # -- sync -----------------------------------------------------------------------------

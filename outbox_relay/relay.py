@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from psycopg_pool import ConnectionPool
 
@@ -52,7 +52,7 @@ class Leases:
                 self._fences[bucket] = fence
                 self._lapses[bucket] = lapses
 
-    def drop(self, buckets: Sequence[int] | set[int], fences: dict[int, int] | None = None) -> None:
+    def drop(self, buckets: Iterable[int], fences: dict[int, int] | None = None) -> None:
         """Forget buckets (only if still under the given fences, when given)."""
         with self._lock:
             for b in buckets:

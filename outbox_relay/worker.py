@@ -60,7 +60,8 @@ class Worker:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Connect, register and start the threads. False if asked to stop before the database came up."""
         s = self.settings
         dsn = s.dsn.get_secret_value()
         sinks = self._sinks if self._sinks is not None else self._default_sinks()
@@ -73,7 +74,9 @@ class Worker:
             kwargs={"autocommit": True, "application_name": f"outbox-relay {self.id}"[:63]},
             check=ConnectionPool.check_connection, name="outbox-relay",
         )
-        self._open_pool(dsn)
+        if not self._open_pool(dsn):
+            self.pool.close()
+            return False
         with self.pool.connection() as conn:
             check_schema(conn)
             for sink in sinks:
@@ -89,6 +92,7 @@ class Worker:
             self._spawn(f"sink-{runner.sink.name}", runner.run)
         log.info("worker %s started: sinks %s, database %s", self.id, [r.sink.name for r in self.runners],
                  redact(dsn))
+        return True
 
     def _default_sinks(self) -> list[Sink]:
         s = self.settings
@@ -97,26 +101,28 @@ class Worker:
             sinks.append(KafkaSink(s.kafka_sink, s.kafka_producer_config(), s.default_topic, s.source))
         return sinks
 
-    def _open_pool(self, dsn: str) -> None:
+    def _open_pool(self, dsn: str) -> bool:
+        """Wait for the database (a relay started before it is normal in a deploy)."""
         assert self.pool is not None
         delay = 1.0
         while True:
             try:
-                self.pool.open(wait=True, timeout=10.0)
-                return
+                self.pool.open(wait=True, timeout=min(10.0, max(delay, 2.0)))
+                return True
             except PoolTimeout:
                 if self.stopping.is_set():
-                    raise
+                    return False
                 log.warning("database %s is unavailable; retrying in %.0fs", redact(dsn), delay)
-                self.stopping.wait(delay)
+                if self.stopping.wait(delay):
+                    return False
                 delay = min(delay * 2, 30.0)
 
     def run(self, install_signals: bool = True) -> None:
         """Start, then block until drained or stopped."""
         if install_signals:
             self.install_signal_handlers()
-        self.start()
-        self.wait()
+        if self.start():
+            self.wait()
 
     def install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: FrameType | None) -> None:
