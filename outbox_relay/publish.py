@@ -8,6 +8,7 @@ key yields the stored event and ``created=False`` (G2).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,10 @@ from typing import Any
 from .errors import InvalidEvent
 from .event import Event, make_event
 from .sqlfiles import query
+
+# A NUL written by json.dumps: "\\u0000" after an even number of backslashes (an odd number
+# means the backslash itself was escaped). jsonb refuses it, as text columns refuse a NUL.
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,36 @@ class Outbox:
         return out
 
     @staticmethod
+    def _distinct(events: Sequence[Event]) -> tuple[list[Event], list[int]]:
+        """The events to insert, and for each input the index of its insert (the same Event twice is one)."""
+        first: dict[uuid.UUID, int] = {}
+        unique: list[Event] = []
+        where: list[int] = []
+        for e in events:
+            i = first.get(e.id)
+            if i is None:
+                first[e.id] = i = len(unique)
+                unique.append(e)
+            elif unique[i] != e:
+                raise InvalidEvent(f"two different events in one batch have the id {e.id}")
+            where.append(i)
+        return unique, where
+
+    @staticmethod
+    def _expand(results: Sequence[Published], where: Sequence[int]) -> list[Published]:
+        """Results per input: a repeat of an event already in the batch was not created by it."""
+        seen: set[int] = set()
+        out = []
+        for i in where:
+            out.append(results[i] if i not in seen else Published(results[i].id, False))
+            seen.add(i)
+        return out
+
+    @staticmethod
     def _params(events: Sequence[Event]) -> dict[str, Any]:
         payloads = [e.payload_json() for e in events]  # raises before anything is sent
+        for e, payload in zip(events, payloads, strict=True):
+            _check_storable(e, payload)
         return {
             "ids": [str(e.id) for e in events],
             "topics": [e.topic for e in events],
@@ -87,14 +120,14 @@ class Outbox:
         return self.publish_many(conn, [self.event(**fields)])[0]
 
     def publish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
-        batch = self._events(events)
+        batch, where = self._distinct(self._events(events))
         params = self._params(batch)
         results = self._interpret(_execute(conn, query("publish", "publish"), params))
         if None in results:
             missing = [e.idempotency_key for e, r in zip(batch, results, strict=True) if r is None]
             found = _execute(conn, query("publish", "find_by_idempotency_keys"), {"idempotency_keys": missing})
-            return self._fill(results, batch, found)
-        return results  # type: ignore[return-value]
+            return self._expand(self._fill(results, batch, found), where)
+        return self._expand(results, where)  # type: ignore[arg-type]
 
     # -- async ----------------------------------------------------------------------------
 
@@ -103,14 +136,40 @@ class Outbox:
         return (await self.apublish_many(conn, [self.event(**fields)]))[0]
 
     async def apublish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
-        batch = self._events(events)
+        batch, where = self._distinct(self._events(events))
         params = self._params(batch)
         results = self._interpret(await _aexecute(conn, query("publish", "publish"), params))
         if None in results:
             missing = [e.idempotency_key for e, r in zip(batch, results, strict=True) if r is None]
             found = await _aexecute(conn, query("publish", "find_by_idempotency_keys"), {"idempotency_keys": missing})
-            return self._fill(results, batch, found)
-        return results  # type: ignore[return-value]
+            return self._expand(self._fill(results, batch, found), where)
+        return self._expand(results, where)  # type: ignore[arg-type]
+
+
+def _check_storable(event: Event, payload: str) -> None:
+    """Refuse text PostgreSQL would reject mid-statement, which would abort the caller's transaction."""
+    fields: list[tuple[str, str | None]] = [
+        ("type", event.type), ("key", event.key), ("topic", event.topic), ("idempotency_key", event.idempotency_key),
+        *((f"headers name {name!r}", name) for name in event.headers),
+        *((f"headers.{name}", value) for name, value in event.headers.items()),
+    ]
+    for field, value in fields:
+        if value is None:
+            continue
+        if "\x00" in value:
+            raise InvalidEvent(f"invalid event: {field}: contains a NUL character, which PostgreSQL can not store")
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise InvalidEvent(f"invalid event: {field}: is not valid Unicode (a lone surrogate)") from None
+    if _JSON_NUL.search(payload):
+        raise InvalidEvent(f"invalid event: payload of {event.type!r} event (key {event.key!r}) contains a NUL "
+                           "character (\\u0000), which PostgreSQL jsonb can not store")
+    try:
+        payload.encode()
+    except UnicodeEncodeError:
+        raise InvalidEvent(f"invalid event: payload of {event.type!r} event (key {event.key!r}) is not valid "
+                           "Unicode (a lone surrogate)") from None
 
 
 def _uuid(value: Any) -> uuid.UUID:

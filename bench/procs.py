@@ -1,0 +1,311 @@
+"""Helper processes the bench starts (each in its own interpreter, so no GIL is shared).
+
+    python bench/procs.py ref-worker ...         the seed's claim loop (claim 25, complete row by row)
+    python bench/procs.py latency-producer ...   publish at a fixed rate, record commit times per event id
+    python bench/procs.py latency-consumer ...   assign() every partition, record receive times per event id
+    python bench/procs.py enqueue ...            publish for a while, N events per transaction
+
+Protocol with the parent: the process prints ``ready`` once connected, waits for a line on
+stdin (``go``), works, and prints one JSON line with its results (or writes them to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import zlib
+from typing import Any
+
+import psycopg
+
+# -- the seed reference loop (Durable Work in Postgres, part 1) -----------------------------
+
+REF_SCHEMA = """
+CREATE TABLE inbox (
+  id               UUID PRIMARY KEY DEFAULT uuidv7(),
+  partition_key    TEXT NOT NULL,
+  partition_bucket INT NOT NULL
+                   CHECK (partition_bucket >= 0 AND partition_bucket < 1024),
+  payload          JSONB NOT NULL,
+  status           TEXT NOT NULL DEFAULT 'pending',
+  idempotency_key  TEXT,
+  claimed_by       TEXT,
+  lease_expires_at TIMESTAMPTZ,
+  lease_generation BIGINT NOT NULL DEFAULT 0,
+  attempts         INT NOT NULL DEFAULT 0,
+  max_attempts     INT NOT NULL DEFAULT 5,
+  available_at     TIMESTAMPTZ NOT NULL DEFAULT now(),
+  created_at       TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE UNIQUE INDEX idx_inbox_idempotency
+  ON inbox (idempotency_key) WHERE idempotency_key IS NOT NULL;
+"""
+
+REF_ENQUEUE = """
+INSERT INTO inbox (partition_key, partition_bucket, payload)
+SELECT k, b, p::jsonb FROM unnest(%(keys)s::text[], %(buckets)s::int[], %(payloads)s::text[]) AS t(k, b, p)
+"""
+
+REF_CLAIM = """
+WITH picked AS (
+  SELECT id FROM inbox
+  WHERE status = 'pending' AND available_at <= now()
+  ORDER BY created_at, id
+  LIMIT 25
+  FOR UPDATE SKIP LOCKED
+)
+UPDATE inbox i
+SET status = 'processing',
+    claimed_by = %(worker)s,
+    lease_expires_at = now() + interval '90 seconds',
+    lease_generation = lease_generation + 1,
+    attempts = attempts + 1
+FROM picked WHERE i.id = picked.id
+RETURNING i.id, i.partition_key, i.payload::text, i.lease_generation
+"""
+
+REF_COMPLETE = """
+UPDATE inbox
+SET status = 'completed'
+WHERE id = %s
+  AND claimed_by = %s
+  AND lease_generation = %s
+  AND lease_expires_at > now()
+  AND status = 'processing'
+"""
+
+
+def ref_bucket(key: str) -> int:
+    return zlib.crc32(key.encode()) % 1024
+
+
+def _ready_then_wait() -> None:
+    print("ready", flush=True)
+    line = sys.stdin.readline()
+    if line.strip() != "go":
+        sys.exit(0)
+
+
+def ref_worker(args: argparse.Namespace) -> None:
+    from confluent_kafka import Producer
+
+    from outbox_relay.kafka_sink import PRODUCER_DEFAULTS
+
+    producer = Producer({**PRODUCER_DEFAULTS, "bootstrap.servers": args.bootstrap})
+    producer.list_topics(args.topic, timeout=10)  # metadata fetched before the clock starts
+    conn = psycopg.connect(args.dsn, autocommit=True)
+    worker = args.id
+    failures: list[str] = []
+
+    def on_delivery(err: Any, _msg: Any) -> None:
+        if err is not None:
+            failures.append(str(err))
+
+    _ready_then_wait()
+    processed = 0
+    stale = 0
+    last_done = time.time()
+    while True:
+        batch = conn.execute(REF_CLAIM, {"worker": worker}).fetchall()
+        if not batch:
+            break
+        if args.per_row_flush:
+            # The seed's handler literally: one row, one produce, wait for the ack, complete.
+            for row_id, key, payload, generation in batch:
+                producer.produce(args.topic, payload.encode(), key.encode(),
+                                 headers=[("ce_id", str(row_id).encode())], on_delivery=on_delivery)
+                producer.flush()
+                if failures:
+                    raise RuntimeError(failures[0])
+                stale += conn.execute(REF_COMPLETE, (row_id, worker, generation)).rowcount != 1
+                processed += 1
+        else:
+            # Produce the claimed 25, wait for every ack, then complete row by row.
+            for row_id, key, payload, _generation in batch:
+                producer.produce(args.topic, payload.encode(), key.encode(),
+                                 headers=[("ce_id", str(row_id).encode())], on_delivery=on_delivery)
+            producer.flush()
+            if failures:
+                raise RuntimeError(failures[0])
+            for row_id, _key, _payload, generation in batch:
+                stale += conn.execute(REF_COMPLETE, (row_id, worker, generation)).rowcount != 1
+                processed += 1
+        last_done = time.time()
+    print(json.dumps({"processed": processed, "stale": stale, "last_done": last_done}), flush=True)
+
+
+# -- steady-state latency ---------------------------------------------------------------------
+
+
+def latency_producer(args: argparse.Namespace) -> None:
+    from outbox_relay import Outbox
+
+    outbox = Outbox(default_topic=args.topic)
+    conn = psycopg.connect(args.dsn)
+    tick = args.tick_ms / 1000.0
+    commits: dict[str, float] = {}
+    txs = 0
+    _ready_then_wait()
+    start = time.monotonic()
+    sent = 0
+    i = 0
+    while True:
+        now = time.monotonic()
+        elapsed = now - start
+        if elapsed >= args.duration:
+            break
+        due = int(args.rate * elapsed) - sent
+        if due > 0:
+            batch = []
+            for _ in range(due):
+                batch.append({"type": "bench.latency", "key": f"order:{i % args.keys}",
+                              "payload": {"n": i, "note": "steady-state latency probe"}})
+                i += 1
+            published = outbox.publish_many(conn, batch)
+            conn.commit()
+            committed = time.time()
+            for p in published:
+                commits[str(p.id)] = committed
+            sent += due
+            txs += 1
+        next_tick = start + (int(elapsed / tick) + 1) * tick
+        time.sleep(max(0.0, next_tick - time.monotonic()))
+    actual = time.monotonic() - start
+    with open(args.out, "w") as f:
+        json.dump({"commits": commits, "seconds": actual, "transactions": txs}, f)
+    print(json.dumps({"sent": sent, "seconds": actual, "transactions": txs}), flush=True)
+
+
+def latency_consumer(args: argparse.Namespace) -> None:
+    from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_CREATE_TIME, Consumer, TopicPartition
+
+    consumer = Consumer({
+        "bootstrap.servers": args.bootstrap,
+        "group.id": "outbox-bench-latency",  # required by the client; assign() never joins the group
+        "enable.auto.commit": False,
+        "fetch.wait.max.ms": 5,
+        "fetch.error.backoff.ms": 5,
+        "fetch.queue.backoff.ms": 0,
+    })
+    consumer.assign([TopicPartition(args.topic, p, OFFSET_BEGINNING) for p in range(args.partitions)])
+    consumer.consume(num_messages=1, timeout=1.0)  # connect and fetch once before the clock starts
+    received: dict[str, float] = {}
+    produced: dict[str, float] = {}  # the message's CreateTime: when the relay called produce()
+    duplicates = 0
+    expect: list[int] = []
+    stop = threading.Event()
+
+    def control() -> None:
+        # "expect N": stop once N distinct events arrived (or --timeout later); "stop": now.
+        # End of input alone does not stop it: the parent's communicate() closes stdin.
+        for line in sys.stdin:
+            parts = line.split()
+            if parts and parts[0] == "expect":
+                expect.append(int(parts[1]))
+            if parts and parts[0] == "stop":
+                stop.set()
+                return
+
+    print("ready", flush=True)
+    threading.Thread(target=control, daemon=True).start()
+    deadline: float | None = None
+    reason = "stop"
+    while not stop.is_set():
+        msgs = consumer.consume(num_messages=1000, timeout=0.05)
+        now = time.time()
+        for m in msgs:
+            if m.error():
+                continue
+            ce_id = next((v.decode() for k, v in (m.headers() or []) if k == "ce_id"), None)
+            if ce_id is None:
+                continue
+            if ce_id in received:
+                duplicates += 1
+            else:
+                received[ce_id] = now
+                kind, ts = m.timestamp()
+                if kind == TIMESTAMP_CREATE_TIME:
+                    produced[ce_id] = ts / 1000.0
+        if expect:
+            if len(received) >= expect[0]:
+                reason = "count"
+                break
+            if deadline is None:
+                deadline = time.monotonic() + args.timeout
+            elif time.monotonic() > deadline:
+                reason = "timeout"
+                break
+    consumer.close()
+    with open(args.out, "w") as f:
+        json.dump({"received": received, "produced": produced, "duplicates": duplicates, "exit": reason}, f)
+    print(json.dumps({"received": len(received), "duplicates": duplicates, "exit": reason}), flush=True)
+
+
+# -- enqueue rate ---------------------------------------------------------------------------
+
+
+def enqueue(args: argparse.Namespace) -> None:
+    from outbox_relay import Outbox
+
+    outbox = Outbox(default_topic=args.topic)
+    conn = psycopg.connect(args.dsn)
+    _ready_then_wait()
+    start = time.monotonic()
+    n = 0
+    txs = 0
+    while time.monotonic() - start < args.duration:
+        if args.per_tx == 1:
+            outbox.publish(conn, type="bench.enqueue", key=f"order:{(args.id * 7919 + n) % args.keys}",
+                           payload={"n": n, "producer": args.id, "note": "enqueue rate probe"})
+        else:
+            outbox.publish_many(conn, [
+                {"type": "bench.enqueue", "key": f"order:{(args.id * 7919 + n + j) % args.keys}",
+                 "payload": {"n": n + j, "producer": args.id, "note": "enqueue rate probe"}}
+                for j in range(args.per_tx)])
+        conn.commit()
+        n += args.per_tx
+        txs += 1
+    elapsed = time.monotonic() - start
+    print(json.dumps({"events": n, "transactions": txs, "seconds": elapsed}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("ref-worker")
+    p.add_argument("--dsn", required=True)
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--id", required=True)
+    p.add_argument("--per-row-flush", action="store_true")
+    p = sub.add_parser("latency-producer")
+    p.add_argument("--dsn", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--rate", type=float, required=True)
+    p.add_argument("--duration", type=float, required=True)
+    p.add_argument("--tick-ms", type=float, default=10.0)
+    p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("latency-consumer")
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--partitions", type=int, required=True)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("enqueue")
+    p.add_argument("--dsn", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--per-tx", type=int, required=True)
+    p.add_argument("--duration", type=float, required=True)
+    p.add_argument("--id", type=int, required=True)
+    p.add_argument("--keys", type=int, default=1000)
+    args = parser.parse_args()
+    {"ref-worker": ref_worker, "latency-producer": latency_producer, "latency-consumer": latency_consumer,
+     "enqueue": enqueue}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,974 @@
+"""outbox-relay benchmark: one command, its own servers, medians of several runs.
+
+    python bench/run.py                 # the default bench (about 10 minutes on 2 cores)
+    python bench/run.py --quick         # about 2 minutes: fewer events, runs and history sizes
+    python bench/run.py --cases drain,reference --events 50000 --runs 5
+
+Cases (bench/README.md explains each one and its caveats):
+    drain      N events published first, then 1/2/4 `outbox-relay run` processes deliver them to Kafka
+    reference  the seed's claim loop (claim 25 with SKIP LOCKED, complete row by row), same N, same servers
+    latency    commit-to-consumer latency at a steady publish rate with 2 relays running
+    enqueue    4 concurrent producer processes, 1 and 100 events per transaction
+    claim      EXPLAIN (ANALYZE, BUFFERS) of the relay's fetch query as stored history grows
+Peak RSS of each relay process is read at the end of every drain run.
+
+Prints a Markdown table and writes every raw figure as JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+warnings.filterwarnings("ignore", module="platformdirs")
+
+import psycopg  # noqa: E402
+from servers import Servers, busy_fraction, machine  # noqa: E402
+
+from outbox_relay import Outbox, migrate  # noqa: E402
+from outbox_relay import store as relay_store  # noqa: E402
+from outbox_relay.ring import Ring  # noqa: E402
+from outbox_relay.sqlfiles import query  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+PROCS = HERE / "procs.py"
+SINK = "kafka"
+PARTITIONS = 8
+VNODES = 64  # the relay's default
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def summary(values: Sequence[float]) -> dict[str, Any]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "values": []}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": list(vals)}
+
+
+# -- shared helpers --------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, servers: Servers) -> None:
+        self.args = args
+        assert servers.postgres is not None and servers.tansu is not None
+        self.pg = servers.postgres
+        self.kafka = servers.tansu
+        self.base = servers.base
+        self.results: dict[str, Any] = {}
+
+    def fresh_outbox_db(self) -> tuple[str, str]:
+        name = self.pg.create_database("outbox")
+        dsn = self.pg.dsn(name)
+        migrate(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            relay_store.register_sink(conn, SINK, "kafka")  # what the relay does at start; idempotent
+        return name, dsn
+
+    def payload(self, i: int) -> dict[str, Any]:
+        return {"order_id": i, "amount_cents": 1000 + i % 9000, "currency": "EUR",
+                "customer": f"customer-{i % 5000}", "note": "outbox-relay bench event"}
+
+    # -- relay processes -----------------------------------------------------------------------
+
+    def start_relays(self, n: int, dsn: str, topic: str, tag: str,
+                     extra: Sequence[str] = ()) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        env["OUTBOX_DSN"] = dsn
+        relays = []
+        for i in range(n):
+            wid = f"bench-{tag}-{i}"
+            logf = (self.base / f"{wid}.log").open("wb")
+            cmd = [sys.executable, "-m", "outbox_relay.cli", "--log-level", "warning", "run",
+                   "--default-topic", topic, "--kafka-bootstrap-servers", self.kafka.bootstrap,
+                   "--batch-size", str(self.args.batch_size), "--worker-id", wid, *self.args.relay_args, *extra]
+            relays.append((wid, subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL)))
+        return relays
+
+    @staticmethod
+    def stop_relays(relays: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+        for _, p in relays:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p in relays:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    @staticmethod
+    def peak_rss_mb(pid: int) -> float | None:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        return None
+
+    @staticmethod
+    def wait_ring(conn: psycopg.Connection[Any], ids: list[str], relays: list[Any], timeout: float = 60.0) -> float:
+        """Wait until every bucket is leased by the owner the ring gives it (a settled group)."""
+        want = Ring(ids, VNODES).assignment()
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            for wid, p in relays:
+                if p.poll() is not None:
+                    raise RuntimeError(f"relay {wid} exited with {p.returncode} while starting")
+            rows = conn.execute("SELECT bucket, owner FROM outbox.cursors WHERE sink = %s", (SINK,)).fetchall()
+            if len(rows) == len(want) and all(want[b] == o for b, o in rows):
+                return time.monotonic() - start
+            time.sleep(0.05)
+        raise RuntimeError(f"relays {ids} did not settle on the ring within {timeout:.0f}s")
+
+    @staticmethod
+    def targets(conn: psycopg.Connection[Any]) -> tuple[list[int], list[int], list[int]]:
+        """Per bucket, the last stored position: delivered once the bucket's cursor reaches it."""
+        rows = conn.execute(
+            "SELECT DISTINCT ON (bucket) bucket, xid::text::bigint, seq FROM outbox.events "
+            "ORDER BY bucket, xid DESC, seq DESC").fetchall()
+        return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
+    @staticmethod
+    def wait_delivered(conn: psycopg.Connection[Any], targets: tuple[list[int], list[int], list[int]],
+                       relays: list[Any], timeout: float, interval: float = 0.01) -> float:
+        buckets, xids, seqs = targets
+        sql = ("SELECT count(*) FROM outbox.cursors c "
+               "JOIN unnest(%s::int[], %s::bigint[], %s::bigint[]) AS t(bucket, xid, seq) ON t.bucket = c.bucket "
+               "WHERE c.sink = %s AND (c.position_xid, c.position_seq) >= (t.xid::text::xid8, t.seq)")
+        deadline = time.monotonic() + timeout
+        while True:
+            row = conn.execute(sql, (buckets, xids, seqs, SINK)).fetchone()
+            if row and row[0] == len(buckets):
+                return time.time()
+            if time.monotonic() > deadline:
+                done = row[0] if row else 0
+                raise RuntimeError(f"not delivered within {timeout:.0f}s ({done}/{len(buckets)} buckets)")
+            for wid, p in relays:
+                if p.poll() is not None:
+                    raise RuntimeError(f"relay {wid} exited with {p.returncode}")
+            time.sleep(interval)
+
+    def count_topic(self, topic: str, expected: int, timeout: float = 60.0, ids_out: set[str] | None = None
+                    ) -> dict[str, int]:
+        """Consume the whole topic with assign() (Tansu's end offsets are not reliable)."""
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+        consumer = Consumer({"bootstrap.servers": self.kafka.bootstrap, "group.id": "outbox-bench-verify",
+                             "enable.auto.commit": False, "fetch.wait.max.ms": 50})
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
+        messages = 0
+        ids: set[str] = set()
+        deadline = time.monotonic() + timeout
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline:
+            batch = consumer.consume(num_messages=5000, timeout=0.2)
+            if batch:
+                quiet_since = time.monotonic()
+            for m in batch:
+                if m.error():
+                    continue
+                messages += 1
+                ce_id = next((v for k, v in (m.headers() or []) if k == "ce_id"), None)
+                if ce_id is not None:
+                    ids.add(ce_id.decode())
+            if messages >= expected and time.monotonic() - quiet_since > 1.0:
+                break
+            if messages < expected and time.monotonic() - quiet_since > 10.0:
+                break
+        consumer.close()
+        if ids_out is not None:
+            ids_out.update(ids)
+        return {"messages": messages, "distinct_ids": len(ids)}
+
+    def warm_up(self, dsn: str, topic: str, relays: list[Any]) -> int:
+        """Deliver one event per bucket through running relays, so that each relay's producer
+        knows the topic (librdkafka's first produce to an unseen topic waits about 0.5 s for
+        metadata): a one-off cost of a fresh topic, not of delivery."""
+        outbox = Outbox(default_topic=topic)
+        with psycopg.connect(dsn) as conn:
+            keys = [r[0] for r in conn.execute(
+                "SELECT DISTINCT ON (outbox.bucket_v1(k)) k "
+                "FROM (SELECT 'warmup:' || g AS k FROM generate_series(1, 20000) AS g) s "
+                "ORDER BY outbox.bucket_v1(k), k")]
+            outbox.publish_many(conn, [{"type": "bench.warmup", "key": k, "payload": {}} for k in keys])
+            conn.commit()
+            targets = self.targets(conn)
+        with psycopg.connect(dsn, autocommit=True) as poll:
+            self.wait_delivered(poll, targets, relays, timeout=60)
+        return len(keys)
+
+    def publish_backlog(self, dsn: str, n: int, topic: str, hold: bool
+                        ) -> tuple[psycopg.Connection[Any] | None, float]:
+        """Publish n events in transactions of --tx-size (publish_many).
+
+        hold=True: the first event is written by a transaction left open, so that the relays'
+        read horizon (snapshot xmin) stays below every event until the caller commits it.
+        """
+        outbox = Outbox(default_topic=topic)
+        keys = self.args.keys
+        tx = self.args.tx_size
+        start = time.monotonic()
+        blocker = None
+        first = 0
+        if hold:
+            blocker = psycopg.connect(dsn)
+            outbox.publish(blocker, type="bench.order_paid", key="order:0", payload=self.payload(0))
+            first = 1
+        with psycopg.connect(dsn) as conn:
+            for lo in range(first, n, tx):
+                outbox.publish_many(conn, [
+                    {"type": "bench.order_paid", "key": f"order:{i % keys}", "payload": self.payload(i)}
+                    for i in range(lo, min(n, lo + tx))])
+                conn.commit()
+        return blocker, time.monotonic() - start
+
+    # -- case 1 + 5: drain and peak RSS -----------------------------------------------------------
+
+    def drain_once(self, relays_n: int, mode: str, verify: bool, run: int) -> dict[str, Any]:
+        n = self.args.events
+        name, dsn = self.fresh_outbox_db()
+        topic = self.kafka.create_topic(f"drain{relays_n}", PARTITIONS)
+        relays: list[tuple[str, subprocess.Popen[bytes]]] = []
+        blocker = None
+        out: dict[str, Any] = {"relays": relays_n, "mode": mode, "run": run}
+        warmups = 0
+        try:
+            with psycopg.connect(dsn, autocommit=True) as poll:
+                if mode == "warm":
+                    # Relays up and settled on the ring, producers warmed up; then the backlog is
+                    # published behind an open transaction (below their read horizon) and released.
+                    relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}")
+                    out["settle_seconds"] = self.wait_ring(poll, [w for w, _ in relays], relays)
+                    warmups = self.warm_up(dsn, topic, relays)
+                    blocker, out["publish_seconds"] = self.publish_backlog(dsn, n, topic, hold=True)
+                    targets = self.targets(blocker)  # sees its own (uncommitted) event too
+                    t0 = time.time()
+                    blocker.commit()  # the backlog becomes visible, and its NOTIFY wakes the relays
+                else:
+                    _, out["publish_seconds"] = self.publish_backlog(dsn, n, topic, hold=False)
+                    targets = self.targets(poll)
+                    t0 = time.time()
+                    relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}")
+                t_end = self.wait_delivered(poll, targets, relays, timeout=self.args.drain_timeout)
+                row = poll.execute("SELECT extract(epoch FROM min(advanced_at))::float8 FROM outbox.cursors "
+                                   "WHERE sink = %s AND advanced_at > to_timestamp(%s)", (SINK, t0)).fetchone()
+                out["first_checkpoint_after_s"] = (row[0] - t0) if row and row[0] else None
+            out["seconds"] = t_end - t0
+            out["events_per_s"] = n / (t_end - t0)
+            out["peak_rss_mb"] = {wid: self.peak_rss_mb(p.pid) for wid, p in relays}
+            if verify:
+                out["topic"] = self.count_topic(topic, n + warmups)
+                out["topic"]["expected"] = n + warmups
+        finally:
+            if blocker is not None:
+                blocker.close()
+            self.stop_relays(relays)
+            self.pg.drop_database(name)
+        return out
+
+    def case_drain(self) -> None:
+        runs = []
+        for run in range(self.args.runs):
+            for relays_n in self.args.relays:
+                for mode in self.args.drain_modes:
+                    verify = run == 0 and mode == "warm"
+                    r = self.drain_once(relays_n, mode, verify, run)
+                    rss = max(v or 0 for v in r["peak_rss_mb"].values())
+                    log(f"drain {mode} {relays_n} relays run {run + 1}: {r['events_per_s']:,.0f} ev/s "
+                        f"({r['seconds']:.2f}s, first checkpoint after {r['first_checkpoint_after_s'] or 0:.2f}s, "
+                        f"rss {rss:.0f} MB)"
+                        + (f", topic {r['topic']}" if "topic" in r else ""))
+                    runs.append(r)
+        self.results["drain"] = runs
+
+    # -- case 2: the seed reference loop -----------------------------------------------------------
+
+    def reference_once(self, workers: int, run: int) -> dict[str, Any]:
+        from procs import REF_ENQUEUE, REF_SCHEMA, ref_bucket
+
+        n = self.args.events
+        name = self.pg.create_database("ref")
+        dsn = self.pg.dsn(name)
+        topic = self.kafka.create_topic(f"ref{workers}", PARTITIONS)
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            with psycopg.connect(dsn) as conn:
+                conn.execute(REF_SCHEMA)
+                conn.commit()
+                for lo in range(0, n, self.args.tx_size):
+                    rng = range(lo, min(n, lo + self.args.tx_size))
+                    keys = [f"order:{i % self.args.keys}" for i in rng]
+                    conn.execute(REF_ENQUEUE, {"keys": keys, "buckets": [ref_bucket(k) for k in keys],
+                                               "payloads": [json.dumps(self.payload(i)) for i in rng]})
+                    conn.commit()
+            for i in range(workers):
+                cmd = [sys.executable, str(PROCS), "ref-worker", "--dsn", dsn, "--bootstrap", self.kafka.bootstrap,
+                       "--topic", topic, "--id", f"ref-{run}-{i}"]
+                if self.args.ref_per_row_flush:
+                    cmd.append("--per-row-flush")
+                procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            for p in procs:
+                assert p.stdout is not None
+                if p.stdout.readline().strip() != "ready":
+                    raise RuntimeError("reference worker failed to start")
+            t0 = time.time()
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            reports = []
+            for p in procs:
+                stdout, _ = p.communicate(timeout=self.args.drain_timeout)
+                if p.returncode != 0:
+                    raise RuntimeError(f"reference worker exited with {p.returncode}")
+                reports.append(json.loads(stdout.strip().splitlines()[-1]))
+            t_end = max(r["last_done"] for r in reports)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                row = conn.execute("SELECT count(*) FILTER (WHERE status = 'completed') FROM inbox").fetchone()
+            assert row is not None
+            if row[0] != n:
+                raise RuntimeError(f"reference loop completed {row[0]} of {n} rows")
+            return {"workers": workers, "run": run, "seconds": t_end - t0, "events_per_s": n / (t_end - t0),
+                    "processed": [r["processed"] for r in reports], "stale_completes": sum(r["stale"] for r in reports)}
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.pg.drop_database(name)
+
+    def case_reference(self) -> None:
+        runs = []
+        for run in range(self.args.runs):
+            for workers in self.args.ref_workers:
+                r = self.reference_once(workers, run)
+                log(f"reference {workers} workers run {run + 1}: {r['events_per_s']:,.0f} ev/s ({r['seconds']:.2f}s)")
+                runs.append(r)
+        self.results["reference"] = runs
+
+    # -- case 3: steady-state latency ----------------------------------------------------------------
+
+    CURSOR_LOG = """
+    CREATE TABLE public.bench_cursor_log (bucket int, position_xid xid8, position_seq bigint, at timestamptz);
+    CREATE FUNCTION public.bench_log_cursor() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF (NEW.position_xid, NEW.position_seq) IS DISTINCT FROM (OLD.position_xid, OLD.position_seq) THEN
+            INSERT INTO public.bench_cursor_log
+            VALUES (NEW.bucket, NEW.position_xid, NEW.position_seq, NEW.advanced_at);
+        END IF;
+        RETURN NULL;
+    END $$;
+    CREATE TRIGGER bench_log_cursor AFTER UPDATE ON outbox.cursors
+        FOR EACH ROW EXECUTE FUNCTION public.bench_log_cursor();
+    """
+
+    @staticmethod
+    def checkpoint_times(dsn: str, ids: list[str]) -> dict[str, float]:
+        """Per event id: when the relay's checkpoint first moved its bucket's cursor past it
+        (the relay checkpoints only after the broker acknowledged the whole batch)."""
+        import bisect
+        from collections import defaultdict
+
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            events = conn.execute("SELECT id::text, bucket, xid::text::bigint, seq FROM outbox.events "
+                                  "WHERE id = ANY(%s::uuid[])", (ids,)).fetchall()
+            log_rows = conn.execute(
+                "SELECT bucket, position_xid::text::bigint, position_seq, extract(epoch FROM at)::float8 "
+                "FROM public.bench_cursor_log ORDER BY bucket, position_xid, position_seq").fetchall()
+        per_bucket: dict[int, list[tuple[tuple[int, int], float]]] = defaultdict(list)
+        for b, x, q, at in log_rows:
+            per_bucket[b].append(((x, q), at))
+        out = {}
+        for eid, b, x, q in events:
+            entries = per_bucket.get(b, [])
+            i = bisect.bisect_left([pos for pos, _ in entries], (x, q))
+            if i < len(entries):
+                out[eid] = min(at for _, at in entries[i:])  # positions only move forward; min is safe
+        return out
+
+    def latency_once(self, rate: float, run: int) -> dict[str, Any]:
+        name, dsn = self.fresh_outbox_db()
+        if not self.args.no_cursor_log:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(self.CURSOR_LOG)  # bench instrumentation, this database only
+        topic = self.kafka.create_topic(f"lat{int(rate)}", PARTITIONS)
+        relays: list[tuple[str, subprocess.Popen[bytes]]] = []
+        consumer = producer = None
+        commits_path = self.base / f"lat-commits-{run}-{int(rate)}.json"
+        received_path = self.base / f"lat-received-{run}-{int(rate)}.json"
+        try:
+            consumer = subprocess.Popen(
+                [sys.executable, str(PROCS), "latency-consumer", "--bootstrap", self.kafka.bootstrap,
+                 "--topic", topic, "--partitions", str(PARTITIONS), "--out", str(received_path), "--timeout", "10"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            relays = self.start_relays(self.args.latency_relays, dsn, topic, f"lat{int(rate)}r{run}")
+            with psycopg.connect(dsn, autocommit=True) as poll:
+                self.wait_ring(poll, [w for w, _ in relays], relays)
+            warmups = self.warm_up(dsn, topic, relays)
+            assert consumer.stdout is not None and consumer.stdin is not None
+            if consumer.stdout.readline().strip() != "ready":
+                raise RuntimeError("latency consumer failed to start")
+            producer = subprocess.Popen(
+                [sys.executable, str(PROCS), "latency-producer", "--dsn", dsn, "--topic", topic,
+                 "--rate", str(rate), "--duration", str(self.args.latency_seconds),
+                 "--tick-ms", str(self.args.latency_tick_ms), "--keys", str(self.args.keys),
+                 "--out", str(commits_path)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert producer.stdout is not None and producer.stdin is not None
+            if producer.stdout.readline().strip() != "ready":
+                raise RuntimeError("latency producer failed to start")
+            producer.stdin.write("go\n")
+            producer.stdin.flush()
+            pstdout, _ = producer.communicate(timeout=self.args.latency_seconds + 60)
+            sent = json.loads(pstdout.strip().splitlines()[-1])
+            consumer.stdin.write(f"expect {sent['sent'] + warmups}\n")
+            consumer.stdin.flush()
+            consumer.communicate(timeout=60)
+            rss = {wid: self.peak_rss_mb(p.pid) for wid, p in relays}
+            diagnosis = self.diagnose_missing(dsn, commits_path, received_path, topic)
+            acked = {} if self.args.no_cursor_log else self.checkpoint_times(
+                dsn, list(json.loads(commits_path.read_text())["commits"]))
+        finally:
+            for p in (producer, consumer):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.stop_relays(relays)
+            self.pg.drop_database(name)
+        commits = json.loads(commits_path.read_text())
+        received = json.loads(received_path.read_text())
+        got = received["received"]
+        lat = sorted((got[i] - t) * 1000 for i, t in commits["commits"].items() if i in got)
+        missing = len(commits["commits"]) - len(lat)
+        # Commit -> the relay's checkpoint after the broker's ack: an upper bound of commit -> ack.
+        ack = sorted((acked[i] - t) * 1000 for i, t in commits["commits"].items() if i in acked)
+        # Split at the relay's produce() call (the message's CreateTime, same clock):
+        # commit -> produce is the relay's pickup; produce -> receive is librdkafka + Tansu + consumer.
+        made = received.get("produced", {})
+        pickup = sorted((made[i] - t) * 1000 for i, t in commits["commits"].items() if i in made)
+        transit = sorted((got[i] - made[i]) * 1000 for i in commits["commits"] if i in made and i in got)
+
+        def pct(p: float, xs: list[float] | None = None) -> float | None:
+            xs = lat if xs is None else xs
+            return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else None
+
+        return {"rate": rate, "run": run, "sent": sent["sent"], "seconds": sent["seconds"],
+                "achieved_rate": sent["sent"] / sent["seconds"], "transactions": sent["transactions"],
+                "received": len(lat), "missing": missing, "duplicates": received["duplicates"],
+                "ack_p50_ms": pct(50, ack), "ack_p90_ms": pct(90, ack), "ack_p99_ms": pct(99, ack),
+                "ack_max_ms": ack[-1] if ack else None, "ack_measured": len(ack),
+                "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99), "max_ms": lat[-1] if lat else None,
+                "pickup_p50_ms": pct(50, pickup), "pickup_p99_ms": pct(99, pickup),
+                "transit_p50_ms": pct(50, transit), "transit_p99_ms": pct(99, transit),
+                "peak_rss_mb": rss, "missing_diagnosis": diagnosis}
+
+    def diagnose_missing(self, dsn: str, commits_path: Path, received_path: Path, topic: str
+                         ) -> dict[str, Any] | None:
+        """If the consumer did not see some committed events, say where they are (never expected)."""
+        commits = json.loads(commits_path.read_text())["commits"]
+        got = json.loads(received_path.read_text())["received"]
+        missing = [i for i in commits if i not in got]
+        if not missing:
+            return None
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            known = {str(r[0]) for r in conn.execute("SELECT id FROM outbox.events")}
+            rows = conn.execute(
+                "SELECT e.id::text, e.bucket, e.xid::text, e.seq, e.partition_key, "
+                "(e.xid, e.seq) <= (c.position_xid, c.position_seq) AS behind_cursor, c.position_xid::text, "
+                "c.position_seq, c.owner FROM outbox.events e JOIN outbox.cursors c "
+                "ON c.sink = %s AND c.bucket = e.bucket WHERE e.id = ANY(%s::uuid[])", (SINK, missing)).fetchall()
+        strangers = [i for i in got if i not in known]
+        # Is it on the topic at all? A second consumer reads everything from the beginning.
+        on_topic: set[str] = set()
+        recount = self.count_topic(topic, len(got) + len(missing), timeout=30, ids_out=on_topic)
+        out = {"missing": [list(r) for r in rows], "received_unknown_to_db": strangers[:20],
+               "second_consumer": recount, "missing_found_by_second_consumer": sum(i in on_topic for i in missing),
+               "consumer_exit": json.loads(received_path.read_text()).get("exit"),
+               "received_total": len(got), "committed_total": len(commits)}
+        log(f"MISSING at the consumer: {json.dumps(out, default=str)[:2000]}")
+        return out
+
+    def case_latency(self) -> None:
+        runs = []
+        for run in range(self.args.runs):
+            for rate in self.args.latency_rates:
+                r = self.latency_once(rate, run)
+                log(f"latency {rate:.0f} ev/s run {run + 1}: commit->checkpoint p50 {r['ack_p50_ms'] or 0:.1f} ms, "
+                    f"p99 {r['ack_p99_ms'] or 0:.1f} ms, max {r['ack_max_ms'] or 0:.1f} ms; "
+                    f"commit->consumer p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, "
+                    f"max {r['max_ms']:.1f} ms; commit->produce p50/p99 {r['pickup_p50_ms']:.1f}/"
+                    f"{r['pickup_p99_ms']:.1f} ms, produce->receive {r['transit_p50_ms']:.1f}/"
+                    f"{r['transit_p99_ms']:.1f} ms ({r['received']}/{r['sent']} received, "
+                    f"{r['achieved_rate']:.0f} ev/s achieved)")
+                runs.append(r)
+        self.results["latency"] = runs
+
+    # -- case 4: enqueue rate ----------------------------------------------------------------------
+
+    def enqueue_once(self, per_tx: int, run: int, notify: bool = True) -> dict[str, Any]:
+        name, dsn = self.fresh_outbox_db()
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            if not notify:  # diagnostic only: what the statement-level NOTIFY trigger costs producers
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    conn.execute("ALTER TABLE outbox.events DISABLE TRIGGER events_notify")
+            for i in range(self.args.producers):
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(PROCS), "enqueue", "--dsn", dsn, "--topic", "bench-enqueue",
+                     "--per-tx", str(per_tx), "--duration", str(self.args.enqueue_seconds), "--id", str(i),
+                     "--keys", str(self.args.keys)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            for p in procs:
+                assert p.stdout is not None
+                if p.stdout.readline().strip() != "ready":
+                    raise RuntimeError("enqueue producer failed to start")
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            reports = []
+            for p in procs:
+                stdout, _ = p.communicate(timeout=self.args.enqueue_seconds + 60)
+                reports.append(json.loads(stdout.strip().splitlines()[-1]))
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                row = conn.execute("SELECT count(*) FROM outbox.events").fetchone()
+            stored = row[0] if row else 0
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.pg.drop_database(name)
+        events = sum(r["events"] for r in reports)
+        seconds = max(r["seconds"] for r in reports)
+        if stored != events:
+            raise RuntimeError(f"enqueue: producers reported {events} events, the table holds {stored}")
+        txs = sum(r["transactions"] for r in reports)
+        return {"per_tx": per_tx, "run": run, "notify": notify, "producers": len(reports), "events": events,
+                "seconds": seconds, "events_per_s": events / seconds, "transactions_per_s": txs / seconds}
+
+    def case_enqueue(self) -> None:
+        runs = []
+        for run in range(self.args.runs):
+            variants = [(1, True), (100, True)] + ([(1, False)] if self.args.enqueue_no_notify else [])
+            for per_tx, notify in variants:
+                r = self.enqueue_once(per_tx, run, notify)
+                log(f"enqueue {per_tx}/tx{'' if notify else ' (NOTIFY trigger disabled)'} run {run + 1}: "
+                    f"{r['events_per_s']:,.0f} ev/s ({r['transactions_per_s']:,.0f} tx/s)")
+                runs.append(r)
+        self.results["enqueue"] = runs
+
+    # -- case 6: claim-query cost as history grows -----------------------------------------------------
+
+    def case_claim(self) -> None:
+        name, dsn = self.fresh_outbox_db()
+        owner = "bench-claim"
+        buckets = list(range(self.args.claim_buckets))
+        # The relay's own per-bucket limit for a full batch spread over the leased buckets.
+        limit = max(8, self.args.batch_size // len(buckets))
+        sizes = []
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("SET plan_cache_mode = force_custom_plan")  # what the relay's pool sets
+                conn.execute(
+                    "UPDATE outbox.cursors SET owner = %s, fence = 1, lease_expires_at = now() + interval '1 day' "
+                    "WHERE sink = %s AND bucket = ANY(%s::int[])", (owner, SINK, buckets))
+                stored = 0
+                for target in self.args.claim_sizes:
+                    t_load = time.monotonic()
+                    pending = self.args.claim_pending
+                    history = target - pending - stored  # earlier pending events became history too
+                    chunk = 500_000
+                    while history > 0:
+                        step = min(chunk, history)
+                        with conn.transaction():
+                            conn.execute(
+                                "INSERT INTO outbox.events (partition_key, topic, type, payload, created_at) "
+                                "SELECT 'order:' || (g %% %s), 'bench-history', 'bench.history', "
+                                "jsonb_build_object('order_id', g, 'amount_cents', 1000 + g %% 9000, "
+                                "'currency', 'EUR', 'note', 'delivered history'), "
+                                "now() - interval '1 day' "
+                                "FROM generate_series(%s::bigint, %s::bigint) AS g",
+                                (self.args.keys, stored + 1, stored + step))
+                        stored += step
+                        history -= step
+                    # Everything stored so far is history: every cursor of the sink moves past it.
+                    conn.execute(
+                        "UPDATE outbox.cursors c SET position_xid = m.xid, position_seq = m.seq "
+                        "FROM (SELECT xid, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1) m "
+                        "WHERE c.sink = %s", (SINK,))
+                    # Then the pending events, committed, so below the read horizon.
+                    outbox = Outbox(default_topic="bench-claim")
+                    for lo in range(0, pending, 500):
+                        with conn.transaction():
+                            outbox.publish_many(conn, [
+                                {"type": "bench.pending", "key": f"order:{i % self.args.keys}",
+                                 "payload": self.payload(i)} for i in range(lo, min(pending, lo + 500))])
+                    stored += pending
+                    conn.execute("VACUUM ANALYZE outbox.events")
+                    load_s = time.monotonic() - t_load
+                    params = {"sink": SINK, "worker": owner, "buckets": buckets, "limits": [limit] * len(buckets)}
+                    row = conn.execute(
+                        "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s "
+                        "AND c.bucket = e.bucket AND (e.xid, e.seq) > (c.position_xid, c.position_seq) "
+                        "WHERE c.owner = %s", (SINK, owner)).fetchone()
+                    pending_leased = row[0] if row else 0
+                    explains = []
+                    for _ in range(max(3, self.args.runs)):
+                        plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("relay", "fetch_events"),
+                                            params).fetchone()
+                        assert plan is not None
+                        explains.append(plan[0][0])
+                    text_plan = "\n".join(r[0] for r in conn.execute(
+                        "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + query("relay", "fetch_events"), params))
+                    size = conn.execute(
+                        "SELECT pg_total_relation_size('outbox.events'), pg_relation_size('outbox.events'), "
+                        "pg_relation_size('outbox.events_position'), pg_indexes_size('outbox.events')").fetchone()
+                    assert size is not None
+                    entry = {
+                        "stored_events": stored,
+                        "pending_total": pending,
+                        "pending_in_leased_buckets": pending_leased,
+                        "buckets": len(buckets),
+                        "per_bucket_limit": limit,
+                        "rows_returned": int(explains[-1]["Plan"].get("Actual Rows") or 0),
+                        "execution_ms": summary([e["Execution Time"] for e in explains]),
+                        "planning_ms": summary([e["Planning Time"] for e in explains]),
+                        "shared_hit": explains[-1]["Plan"].get("Shared Hit Blocks"),
+                        "shared_read": explains[-1]["Plan"].get("Shared Read Blocks"),
+                        "first_run_shared_read": explains[0]["Plan"].get("Shared Read Blocks"),
+                        "uses_events_position": "events_position" in text_plan,
+                        "total_bytes": size[0], "table_bytes": size[1], "position_index_bytes": size[2],
+                        "indexes_bytes": size[3], "load_seconds": load_s,
+                        "plan": text_plan,
+                    }
+                    log(f"claim cost at {stored:,} events: {entry['execution_ms']['median']:.2f} ms, "
+                        f"shared hit {entry['shared_hit']}, read {entry['shared_read']}, "
+                        f"{entry['rows_returned']} rows, size {size[0] / 2**20:.0f} MiB (load {load_s:.0f}s)")
+                    sizes.append(entry)
+        finally:
+            self.pg.drop_database(name)
+        self.results["claim"] = sizes
+
+    # -- profile ---------------------------------------------------------------------------------
+
+    def case_profile(self) -> None:
+        """One warm drain with one relay under py-spy; summarise where its time goes."""
+        import shutil
+
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        n = self.args.events
+        name, dsn = self.fresh_outbox_db()
+        topic = self.kafka.create_topic("profile", PARTITIONS)
+        relays: list[tuple[str, subprocess.Popen[bytes]]] = []
+        raw = RESULTS / f"profile-{self.stamp}.txt"
+        blocker = None
+        try:
+            blocker, _ = self.publish_backlog(dsn, n, topic, hold=True)
+            with psycopg.connect(dsn, autocommit=True) as poll:
+                targets = self.targets(blocker)
+                relays = self.start_relays(1, dsn, topic, "profile")
+                self.wait_ring(poll, [w for w, _ in relays], relays)
+                spy_proc = subprocess.Popen([spy, "record", "--pid", str(relays[0][1].pid), "--rate", "200",
+                                             "--idle", "--nonblocking", "--format", "raw", "--output", str(raw)],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)
+                t0 = time.time()
+                blocker.commit()
+                t_end = self.wait_delivered(poll, targets, relays, timeout=self.args.drain_timeout)
+                spy_proc.send_signal(signal.SIGINT)
+                spy_proc.wait(30)
+        finally:
+            if blocker is not None:
+                blocker.close()
+            self.stop_relays(relays)
+            self.pg.drop_database(name)
+        self.results["profile"] = {"events_per_s": n / (t_end - t0), "raw": str(raw),
+                                   "top": profile_summary(raw) if raw.exists() else None}
+        log(f"profile: {n / (t_end - t0):,.0f} ev/s under py-spy; raw stacks in {raw}")
+
+    # -- entry --------------------------------------------------------------------------------------
+
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _frame_key(frame: str) -> str:
+    """'func (path/file.py:123)' -> 'func (file.py)'."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.split(':')[0].rsplit('/', 1)[-1]})" if where else name
+
+
+def profile_summary(raw: Path, top: int = 30) -> dict[str, Any]:
+    """Wall-time share per function in the sink thread while it has work, from py-spy's collapsed
+    stacks (--idle: waiting on Postgres or on broker acks counts too; waiting for work does not).
+    Inclusive: the function or anything it called. Self: the innermost frame."""
+    inclusive: dict[str, int] = {}
+    self_t: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_s = line.rpartition(" ")
+        if "SinkRunner.run (" not in stack:
+            continue
+        count = int(count_s)
+        frames = [_frame_key(f) for f in stack.split(";")]
+        if frames[-3:-1] == ["SinkRunner.run (relay.py)", "Event.wait (threading.py)"]:
+            continue  # idle: waiting for work (before the backlog is released, after it is done)
+        total += count
+        for key in set(frames):
+            inclusive[key] = inclusive.get(key, 0) + count
+        self_t[frames[-1]] = self_t.get(frames[-1], 0) + count
+
+    def share(d: dict[str, int]) -> list[tuple[str, float]]:
+        ranked = sorted(d.items(), key=lambda kv: -kv[1])[:top]
+        return [(k, round(100 * v / total, 1)) for k, v in ranked] if total else []
+
+    return {"sink_thread_samples": total, "inclusive_pct": share(inclusive), "self_pct": share(self_t)}
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit in ("ev/s", "tx/s"):
+        return f"{v:,.0f}"
+    if unit == "x":
+        return f"{v:.2f}"
+    if unit == "MB":
+        return f"{v:.0f}"
+    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
+    lines: list[str] = []
+    m = meta["machine"]
+    lines.append(f"## outbox-relay bench, {meta['started']}")
+    lines.append("")
+    lines.append(f"Machine: {m['cores']} cores, {m.get('ram_gib', '?')} GiB RAM, {m.get('cpu', '?')}, "
+                 f"Linux {m['kernel']}, Python {m['python']}. PostgreSQL {meta['postgres']['version']} "
+                 f"(embedded; fsync={meta['postgres']['settings']['fsync']}, synchronous_commit="
+                 f"{meta['postgres']['settings']['synchronous_commit']}, shared_buffers="
+                 f"{meta['postgres']['settings']['shared_buffers']}), Tansu broker (in-memory), "
+                 f"topics of {PARTITIONS} partitions.")
+    busy = meta.get("background_busy", {})
+    if busy:
+        lines.append("CPU busy (all cores) in the second before each case, i.e. load from outside the bench: "
+                     + ", ".join(f"{c} {100 * b:.0f}%" for c, b in busy.items())
+                     + ". Anything well above 0% means the figures are skewed by other work.")
+    a = meta["args"]
+    lines.append(f"N = {a['events']:,} events over {a['keys']:,} keys, published in transactions of {a['tx_size']}; "
+                 f"relay --batch-size {a['batch_size']}; {a['runs']} runs per case: median (min-max).")
+    lines.append("")
+    lines.append("| case | metric | median | min | max | runs |")
+    lines.append("|---|---|---:|---:|---:|---:|")
+
+    def row(case: str, metric: str, unit: str, values: Sequence[float | None]) -> dict[str, Any]:
+        s = summary([v for v in values if v is not None])
+        lines.append(f"| {case} | {metric} | {fmt(s['median'], unit)} | {fmt(s['min'], unit)} | "
+                     f"{fmt(s['max'], unit)} | {len(s['values'])} |")
+        return s
+
+    ours: dict[int, list[float]] = {}
+    ours_cold: dict[int, list[float]] = {}
+    if "drain" in results:
+        for mode in a["drain_modes"]:
+            for r_n in a["relays"]:
+                rs = [r for r in results["drain"] if r["relays"] == r_n and r["mode"] == mode]
+                label = {"warm": "backlog released to running relays", "cold": "from relay process start"}[mode]
+                row(f"drain {a['events']:,}, {r_n} relay{'s' if r_n > 1 else ''} ({label})", "events/s", "ev/s",
+                    [r["events_per_s"] for r in rs])
+                (ours if mode == "warm" else ours_cold)[r_n] = [r["events_per_s"] for r in rs]
+    ref: dict[int, list[float]] = {}
+    if "reference" in results:
+        flush = "per-row produce+flush" if a["ref_per_row_flush"] else "produce 25, one flush"
+        for w in a["ref_workers"]:
+            rs = [r for r in results["reference"] if r["workers"] == w]
+            ref[w] = [r["events_per_s"] for r in rs]
+            row(f"seed reference loop, {w} worker{'s' if w > 1 else ''} (claim 25 SKIP LOCKED, {flush}, "
+                f"complete row by row)", "events/s", "ev/s", ref[w])
+        for label, mine in (("released backlog", ours), ("from relay process start", ours_cold)):
+            for w in a["ref_workers"]:
+                if mine.get(w) and ref.get(w):
+                    pairs = [o / r for o, r in zip(mine[w], ref[w], strict=False)]
+                    med = statistics.median(mine[w]) / statistics.median(ref[w])
+                    lines.append(f"| ratio ours ({label})/reference, {w} relay{'s' if w > 1 else ''} vs {w} "
+                                 f"worker{'s' if w > 1 else ''} | x (paired runs) | {med:.1f} | {min(pairs):.1f} | "
+                                 f"{max(pairs):.1f} | {len(pairs)} |")
+    if "latency" in results:
+        for rate in a["latency_rates"]:
+            rs = [r for r in results["latency"] if r["rate"] == rate]
+            case = f"latency at {rate:,.0f} ev/s, {a['latency_relays']} relays, {a['latency_seconds']:.0f}s"
+            row(case, "achieved publish rate ev/s", "ev/s", [r["achieved_rate"] for r in rs])
+            for k, label in (("ack_p50_ms", "commit -> acked+checkpointed p50 ms"),
+                             ("ack_p99_ms", "commit -> acked+checkpointed p99 ms"),
+                             ("ack_max_ms", "commit -> acked+checkpointed max ms"),
+                             ("pickup_p50_ms", "commit -> relay produce() p50 ms"),
+                             ("pickup_p99_ms", "commit -> relay produce() p99 ms"),
+                             ("p50_ms", "commit -> consumer receive p50 ms"),
+                             ("p99_ms", "commit -> consumer receive p99 ms"),
+                             ("max_ms", "commit -> consumer receive max ms")):
+                row(case, label, "ms", [r[k] for r in rs])
+            lost = sum(r["missing"] for r in rs)
+            if lost:
+                found = sum((r.get("missing_diagnosis") or {}).get("missing_found_by_second_consumer", 0) for r in rs)
+                lines.append(f"| {case} | events the live consumer never received (all runs) | {lost} | | | |")
+                lines.append(f"| {case} | ... of which a second consumer found on the topic | {found} | | | |")
+    if "enqueue" in results:
+        for per_tx, notify in ((1, True), (100, True), (1, False)):
+            rs = [r for r in results["enqueue"] if r["per_tx"] == per_tx and r["notify"] == notify]
+            if rs:
+                row(f"enqueue, {a['producers']} producer processes, {per_tx} event{'s' if per_tx > 1 else ''}/"
+                    f"transaction{'' if notify else ' (diagnostic: NOTIFY trigger disabled)'}",
+                    "events/s", "ev/s", [r["events_per_s"] for r in rs])
+    if "drain" in results:
+        for r_n in a["relays"]:
+            rs = [r for r in results["drain"] if r["relays"] == r_n]
+            row(f"relay peak RSS (VmHWM) after drain, {r_n} relay{'s' if r_n > 1 else ''}", "MB, max over relays",
+                "MB", [max(v for v in r["peak_rss_mb"].values() if v is not None) for r in rs])
+    if "claim" in results:
+        lines.append("")
+        c0 = results["claim"][0]
+        lines.append(f"Claim query (`relay.fetch_events`, EXPLAIN ANALYZE BUFFERS, {c0['buckets']} leased buckets, "
+                     f"limit {c0['per_bucket_limit']} per bucket, {c0['pending_total']:,} pending events; "
+                     f"all older events are delivered history behind the cursors):")
+        lines.append("")
+        lines.append("| stored events | pending in leased buckets | rows returned | execution ms median (min-max) | "
+                     "planning ms | shared hit | shared read | uses events_position | table+indexes |")
+        lines.append("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+        for c in results["claim"]:
+            e = c["execution_ms"]
+            lines.append(f"| {c['stored_events']:,} | {c['pending_in_leased_buckets']:,} | {c['rows_returned']} | "
+                         f"{e['median']:.2f} ({e['min']:.2f}-{e['max']:.2f}) | {c['planning_ms']['median']:.2f} | "
+                         f"{c['shared_hit']} | {c['shared_read']} | {'yes' if c['uses_events_position'] else 'NO'} | "
+                         f"{c['total_bytes'] / 2**20:,.0f} MiB |")
+    if "drain" in results:
+        checks = [r for r in results["drain"] if "topic" in r]
+        if checks:
+            lines.append("")
+            lines.append("Topic check (consumed with assign()): " + "; ".join(
+                f"{r['relays']} relay{'s' if r['relays'] > 1 else ''}: {r['topic']['messages']:,} messages, "
+                f"{r['topic']['distinct_ids']:,} distinct ce_id, expected {r['topic']['expected']:,}" for r in checks))
+    if "profile" in results and results["profile"].get("top"):
+        p = results["profile"]
+        lines.append("")
+        lines.append(f"Profile of one relay draining {a['events']:,} events (py-spy --idle, sink thread, "
+                     f"{p['top']['sink_thread_samples']} busy samples, {p['events_per_s']:,.0f} ev/s under the "
+                     "profiler), share of the sink thread's busy wall time, inclusive:")
+        lines.append("")
+        for k, v in p["top"]["inclusive_pct"][:25]:
+            lines.append(f"- {v:5.1f}%  {k}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="about 2 minutes: fewer events, runs and sizes")
+    p.add_argument("--cases", default="drain,reference,latency,enqueue,claim",
+                   help="comma list of drain, reference, latency, enqueue, claim, profile")
+    p.add_argument("--events", type=int, default=None, help="N for drain and reference (default 20000)")
+    p.add_argument("--runs", type=int, default=None, help="runs per case (default 3)")
+    p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--tx-size", type=int, default=500, help="events per producer transaction for the backlog")
+    p.add_argument("--batch-size", type=int, default=1000, help="relay --batch-size")
+    p.add_argument("--relays", default="1,2,4", help="relay process counts for the drain case")
+    p.add_argument("--drain-modes", default="warm,cold",
+                   help="warm: relays running and settled, then the backlog is released; cold: timed from spawn")
+    p.add_argument("--drain-timeout", type=float, default=300.0)
+    p.add_argument("--relay-args", default="", help="extra `outbox-relay run` options for every relay, one string")
+    p.add_argument("--ref-workers", default="1,4")
+    p.add_argument("--ref-per-row-flush", action="store_true",
+                   help="reference handler waits for each row's ack (the seed's literal loop)")
+    p.add_argument("--latency-rates", default=None, help="events/s, comma list (default 1000,5000)")
+    p.add_argument("--latency-seconds", type=float, default=None, help="publish duration (default 15)")
+    p.add_argument("--latency-relays", type=int, default=2)
+    p.add_argument("--latency-tick-ms", type=float, default=10.0,
+                   help="the producer commits the events due every tick in one transaction")
+    p.add_argument("--no-cursor-log", action="store_true",
+                   help="latency: no cursor-move trigger (so no commit -> checkpoint figures); to gauge its cost")
+    p.add_argument("--producers", type=int, default=4, help="producer processes for the enqueue case")
+    p.add_argument("--enqueue-seconds", type=float, default=None, help="default 5")
+    p.add_argument("--enqueue-no-notify", action="store_true",
+                   help="also measure 1 event/transaction with the NOTIFY trigger disabled (diagnostic)")
+    p.add_argument("--claim-sizes", default=None, help="stored events, comma list (default 10000,1000000,5000000)")
+    p.add_argument("--claim-buckets", type=int, default=64)
+    p.add_argument("--claim-pending", type=int, default=4000,
+                   help="pending events over all 256 buckets (about a quarter fall in the leased 64)")
+    p.add_argument("--profile", action="store_true", help="also run one drain under py-spy (same as --cases +profile)")
+    p.add_argument("--keep", action="store_true", help="keep the server directory under /tmp")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.events = args.events or (10_000 if quick else 20_000)
+    args.runs = args.runs or (2 if quick else 3)
+    args.latency_rates = [float(x) for x in (args.latency_rates or ("1000" if quick else "1000,5000")).split(",")]
+    args.latency_seconds = args.latency_seconds or (8.0 if quick else 15.0)
+    args.enqueue_seconds = args.enqueue_seconds or (3.0 if quick else 5.0)
+    args.claim_sizes = [int(x) for x in (args.claim_sizes or ("10000,1000000" if quick
+                                                             else "10000,1000000,5000000")).split(",")]
+    args.relays = [int(x) for x in args.relays.split(",")]
+    args.relay_args = shlex.split(args.relay_args)
+    args.ref_workers = [int(x) for x in args.ref_workers.split(",")]
+    args.drain_modes = [x for x in args.drain_modes.split(",") if x]
+    if quick and "cold" in args.drain_modes and args.drain_modes != ["cold"]:
+        args.drain_modes = ["warm"]
+    args.cases = [c for c in args.cases.split(",") if c]
+    if args.profile and "profile" not in args.cases:
+        args.cases.append("profile")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    started = dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    t_start = time.monotonic()
+    with Servers(keep=args.keep) as servers:
+        assert servers.postgres is not None
+        bench = Bench(args, servers)
+        meta = {"started": started, "machine": machine(),
+                "postgres": {"version": servers.postgres.version, "settings": servers.postgres.settings},
+                "args": {k: v for k, v in vars(args).items()}}
+        log(f"servers up: PostgreSQL {servers.postgres.version} in {servers.base}, Tansu on "
+            f"{bench.kafka.bootstrap}")
+        cases: dict[str, Callable[[], None]] = {"drain": bench.case_drain, "reference": bench.case_reference,
+                                                "latency": bench.case_latency, "enqueue": bench.case_enqueue,
+                                                "claim": bench.case_claim, "profile": bench.case_profile}
+        for case in args.cases:
+            # Other work on the machine skews every figure: record how busy it was just before.
+            busy = busy_fraction(1.0)
+            meta.setdefault("background_busy", {})[case] = round(busy, 3)
+            meta.setdefault("loadavg_before", {})[case] = os.getloadavg()[0]
+            t = time.monotonic()
+            log(f"case {case} ... (machine {100 * busy:.0f}% busy just before, load average {os.getloadavg()[0]:.1f})")
+            cases[case]()
+            bench.results.setdefault("timings", {})[case] = time.monotonic() - t
+            log(f"case {case} done in {time.monotonic() - t:.0f}s")
+    meta["total_seconds"] = time.monotonic() - t_start
+    text = report(meta, bench.results)
+    out = RESULTS / f"bench-{Bench.stamp}.json"
+    out.write_text(json.dumps({"meta": meta, "results": bench.results, "table": text}, indent=2, default=str))
+    print(text)
+    print(f"\n(total {meta['total_seconds']:.0f}s; raw results in {out.relative_to(HERE.parent)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

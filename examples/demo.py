@@ -1,0 +1,273 @@
+"""The whole path on embedded servers: producer -> outbox -> two relays -> Kafka -> consumer.
+
+    python examples/demo.py          # or: bash scripts/demo.sh (creates .venv and installs first)
+
+1. Starts a private PostgreSQL 18 and a Tansu broker (both from wheels), creates the topic.
+2. Runs `outbox-relay migrate`, then starts TWO `outbox-relay run` processes; they split the
+   256 buckets between them through the database alone.
+3. A producer places and pays ~20 orders; each event is published in the transaction that
+   writes the order row (examples/order_service.py).
+4. A consumer (assign() on every partition, no consumer group) prints each message as it arrives
+   and checks that every order's events arrived in publish order.
+5. Prints `outbox-relay status`, then sends SIGTERM to both relays: they drain and exit 0.
+
+Exit status 0 when every event arrived once or more, in order per key, and both relays exited 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from decimal import Decimal
+from pathlib import Path
+from typing import IO, Any
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # order_service, next to this file
+
+from order_service import create_schema, pay_order, place_order
+
+from outbox_relay.embedded import EmbeddedKafka, EmbeddedPostgres
+
+TOPIC = "orders"
+PARTITIONS = 3
+ORDERS = 20
+RELAYS = ("relay-a", "relay-b")
+# Short intervals so that the demo moves quickly; production defaults are in `outbox-relay run --help`.
+RELAY_OPTIONS = ["--default-topic", TOPIC, "--heartbeat-seconds", "0.5", "--worker-ttl-seconds", "2",
+                 "--lease-seconds", "6", "--poll-seconds", "0.5", "--housekeeping-seconds", "1",
+                 "--drain-seconds", "10"]
+# What a relay logs that is worth showing here (everything at warning level and above is shown too).
+INTERESTING = ("started", "acquired", "released", "draining", "stopped", "dead-lettered")
+
+_print_lock = threading.Lock()
+
+
+def say(text: str) -> None:
+    with _print_lock:
+        print(text, flush=True)
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "outbox_relay.cli", *args]
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f}s")
+        time.sleep(interval)
+
+
+# -- relays -----------------------------------------------------------------------------------
+
+
+class Relay:
+    """One `outbox-relay run` process; its JSON log lines are summarised on our stdout."""
+
+    def __init__(self, name: str, env: dict[str, str], bootstrap: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            cli("--log-json", "run", "--worker-id", name, "--kafka-bootstrap-servers", bootstrap, *RELAY_OPTIONS),
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        self.started = threading.Event()
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stderr,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[bytes] | None) -> None:
+        assert stream is not None
+        for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            try:
+                entry = json.loads(line)
+            except ValueError:  # not a log line (a crash trace, librdkafka's own output)
+                say(f"  [{self.name}] {line}")
+                continue
+            message = str(entry.get("message", ""))
+            if "started" in message:
+                self.started.set()
+            if entry.get("level") not in ("debug", "info") or any(w in message for w in INTERESTING):
+                say(f"  [{self.name}] {entry.get('level')}: {message}")
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            say(f"  [{self.name}] did not exit within {timeout:.0f}s: killing it")
+            self.proc.kill()
+            code = self.proc.wait()
+        self._reader.join(2)
+        return code
+
+
+# -- consumer ---------------------------------------------------------------------------------
+
+
+def _text(value: str | bytes | None) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
+
+
+class Printer:
+    """Reads every partition of the topic from the beginning (assign(), no group) and prints."""
+
+    def __init__(self, bootstrap: str, partitions: list[int]) -> None:
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+        self.consumer = Consumer({
+            "bootstrap.servers": bootstrap,
+            "group.id": "outbox-demo",  # required by the client; assign() never joins the group
+            "enable.auto.commit": False,
+            "enable.partition.eof": False,
+        })
+        self.consumer.assign([TopicPartition(TOPIC, p, OFFSET_BEGINNING) for p in partitions])
+        self.seen: dict[str, list[tuple[str, str]]] = defaultdict(list)  # key -> [(ce_id, type)]
+        self.ids: set[str] = set()
+        self.messages = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="consumer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            msg = self.consumer.poll(0.2)
+            if msg is None:
+                continue
+            if msg.error():
+                say(f"  consumer: {msg.error()}")
+                continue
+            raw = msg.headers() or []  # a consumer gets a list of (name, value)
+            headers = {k: _text(v) for k, v in (raw.items() if isinstance(raw, dict) else raw)}
+            key = _text(msg.key())
+            ce_type, ce_id = headers.get("ce_type", "?"), headers.get("ce_id", "?")
+            self.messages += 1
+            duplicate = ce_id in self.ids
+            self.ids.add(ce_id)
+            if not duplicate:
+                self.seen[key].append((ce_id, ce_type))
+            say(f"  consumed  partition {msg.partition()}  {key:<9} {ce_type:<12} {_text(msg.value())}"
+                + ("  (duplicate, ignored)" if duplicate else ""))
+        self.consumer.close()
+
+
+# -- producer ---------------------------------------------------------------------------------
+
+
+def produce(dsn: str) -> list[tuple[str, str]]:
+    """Place and pay the orders in shuffled interleaving; returns (key, type) in publish order."""
+    rng = random.Random(7)
+    pending = [(i, "place") for i in range(1, ORDERS + 1)]
+    published: list[tuple[str, str]] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_schema(conn)
+        placed: list[int] = []
+        while pending or placed:
+            # Pay a placed order or place a new one, at random: keys interleave, per-key order is fixed.
+            if placed and (not pending or rng.random() < 0.5):
+                order_id = placed.pop(rng.randrange(len(placed)))
+                result = pay_order(conn, order_id, payment_id=f"pay-{order_id}")
+                published.append((f"order:{order_id}", "OrderPaid"))
+                verb = "paid  "
+            else:
+                order_id, _ = pending.pop(0)
+                result = place_order(conn, order_id, customer=f"customer-{order_id % 7}",
+                                     amount=Decimal(10 + order_id) + Decimal("0.99"))
+                placed.append(order_id)
+                published.append((f"order:{order_id}", "OrderPlaced"))
+                verb = "placed"
+            say(f"  produced  order:{order_id:<3} {verb} (event {str(result.id)[:8]}..., created={result.created})")
+            time.sleep(0.02)
+        # A retried request: same idempotency key, no second event.
+        again = pay_order(conn, 1, payment_id="pay-1")
+        say(f"  produced  order:1   paid again by a retried request: created={again.created} (no new event)")
+    return published
+
+
+def main() -> int:
+    started = time.monotonic()
+    ok = True
+    say("starting embedded PostgreSQL 18 and Tansu (Kafka protocol) ...")
+    with EmbeddedPostgres() as pg, EmbeddedKafka() as kafka:
+        kafka.create_topic(TOPIC, partitions=PARTITIONS)
+        partitions = kafka.partitions(TOPIC)
+        say(f"  database {pg.dsn}\n  broker   {kafka.bootstrap_servers}, topic {TOPIC!r} with "
+            f"{len(partitions)} partitions")
+        env = {**os.environ, "OUTBOX_DSN": pg.dsn, "PYTHONUNBUFFERED": "1"}
+
+        say("\n$ outbox-relay migrate")
+        out = subprocess.run(cli("migrate"), env=env, capture_output=True, text=True, check=False)
+        say("  " + (out.stdout.strip() or out.stderr.strip()))
+        if out.returncode != 0:
+            return 1
+
+        say(f"\nstarting {len(RELAYS)} relays: outbox-relay run {' '.join(RELAY_OPTIONS)} ...")
+        relays = [Relay(name, env, kafka.bootstrap_servers) for name in RELAYS]
+        try:
+            wait_for(lambda: all(r.started.is_set() or r.proc.poll() is not None for r in relays), 30,
+                     "the relays to start")
+            if any(r.proc.poll() is not None for r in relays):
+                say("a relay exited at start")
+                return 1
+            # The ring settles once both relays have seen each other's heartbeat.
+            with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                def split() -> bool:
+                    rows = conn.execute("SELECT owner, count(*) FROM outbox.cursors WHERE owner IS NOT NULL "
+                                        "GROUP BY owner").fetchall()
+                    return len(rows) == len(RELAYS) and sum(n for _, n in rows) == 256
+                wait_for(split, 20, "the relays to split the buckets", interval=0.2)
+                owners = conn.execute("SELECT owner, count(*) FROM outbox.cursors GROUP BY owner ORDER BY owner")
+                say("  buckets: " + ", ".join(f"{o} {n}" for o, n in owners))
+
+            printer = Printer(kafka.bootstrap_servers, partitions)
+            say(f"\nproducing: {ORDERS} orders placed and paid, each event in the order's own transaction")
+            published = produce(pg.dsn)
+            expected_ids = len(published)
+            wait_for(lambda: len(printer.ids) >= expected_ids, 30, "every event to arrive")
+            time.sleep(0.5)  # show a late duplicate, if any
+            printer.stop.set()
+            printer.thread.join(5)
+
+            by_key: dict[str, list[str]] = defaultdict(list)
+            for key, type_ in published:
+                by_key[key].append(type_)
+            wrong = [k for k, types in by_key.items() if [t for _, t in printer.seen.get(k, [])] != types]
+            say(f"\nconsumer: {printer.messages} messages, {len(printer.ids)} distinct events "
+                f"(published {expected_ids}); per-key order " + ("ok for all " + str(len(by_key)) + " keys"
+                                                                   if not wrong else f"WRONG for {wrong}"))
+            ok = not wrong and len(printer.ids) == expected_ids
+
+            say("\n$ outbox-relay status")
+            out = subprocess.run(cli("status"), env=env, capture_output=True, text=True, check=False)
+            say("\n".join("  " + line for line in (out.stdout + out.stderr).strip().splitlines()))
+            ok = ok and out.returncode == 0
+        finally:
+            say("\nSIGTERM to the relays (they drain: leave the ring, finish the batch, release, exit)")
+            for r in relays:
+                r.terminate()
+            for r in relays:
+                code = r.wait(30)
+                say(f"  {r.name} exited with {code}")
+                ok = ok and code == 0
+    say(f"\n{'done' if ok else 'FAILED'} in {time.monotonic() - started:.1f}s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except TimeoutError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        sys.exit(1)

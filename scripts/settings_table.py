@@ -1,0 +1,79 @@
+"""The configuration reference of docs/operations.md, generated from RelaySettings.
+
+    python scripts/settings_table.py            # print the table
+    python scripts/settings_table.py --write    # replace it in docs/operations.md
+    python scripts/settings_table.py --check    # exit 1 if docs/operations.md is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic_core import PydanticUndefined
+
+from outbox_relay.settings import ENV_PREFIX, RelaySettings
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
+
+
+def _default(name: str, field: Any) -> str:
+    if field.default_factory is not None:
+        return "`{}`" if name == "kafka_config" else "host-pid"
+    value = field.default
+    if value is PydanticUndefined or value is None:
+        return "(none)"
+    if hasattr(value, "get_secret_value"):
+        value = value.get_secret_value()
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{value}`"
+
+
+def _flag(name: str, field: Any) -> str:
+    if name == "kafka_config":
+        return "`--kafka-option KEY=VALUE` (repeatable)"
+    flag = "--" + name.replace("_", "-")
+    if field.annotation is bool:
+        return f"`{flag}` / `--no-{name.replace('_', '-')}`"
+    return f"`{flag}`"
+
+
+def table() -> str:
+    lines = ["| option | environment | default | meaning |", "|---|---|---|---|"]
+    for name, field in RelaySettings.model_fields.items():
+        env = f"`{ENV_PREFIX}{name.upper()}`" + (" (JSON object)" if name == "kafka_config" else "")
+        lines.append(f"| {_flag(name, field)} | {env} | {_default(name, field)} | {field.description or ''} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true")
+    mode.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    generated = table()
+    if not (args.write or args.check):
+        print(generated)
+        return 0
+    text = DOC.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    updated = f"{head}{BEGIN}\n{generated}\n{END}{tail}"
+    if args.check:
+        if updated != text:
+            print(f"{DOC} is stale: run python scripts/settings_table.py --write", file=sys.stderr)
+            return 1
+        return 0
+    DOC.write_text(updated)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Install outbox-relay with its test tools and run every check: the one command for a fresh machine.
+#
+#   scripts/test.sh              ruff, mypy (strict), the whole pytest suite; then the integration
+#                                tests again against PostgreSQL 15 at 127.0.0.1:5432 if it answers
+#   scripts/test.sh -k publish   extra arguments go to the first pytest run
+#
+# Needs only python3 (3.11+) and PyPI: the tests start PostgreSQL 18 and a Kafka-protocol broker
+# (Tansu) from wheels, or use Docker when an engine answers. Environment:
+#   VENV                  virtualenv to create/use (default .venv)
+#   PYTHON                interpreter that creates it (default python3)
+#   OUTBOX_TEST_DSN       run the suite against this PostgreSQL instead of a private one
+#   OUTBOX_TEST_KAFKA     ... and this Kafka (bootstrap servers)
+#   OUTBOX_LOCAL_PG_DSN   the machine's PostgreSQL for the second run
+#                         (default postgresql://postgres@127.0.0.1:5432/postgres)
+# Every step runs even if an earlier one failed; the exit status is non-zero if any failed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+LOCAL_PG_DSN=${OUTBOX_LOCAL_PG_DSN:-postgresql://postgres@127.0.0.1:5432/postgres}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "+ $PYTHON -m venv $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+echo "+ pip install -e '.[test]'"
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q -e '.[test]'
+
+failed=()
+step() {
+    local name=$1
+    shift
+    echo
+    echo "=== $name: $*"
+    if ! "$@"; then
+        failed+=("$name")
+    fi
+}
+
+step ruff "$VENV/bin/ruff" check .
+step mypy "$VENV/bin/mypy"
+step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 "$@"
+
+# The machines' own PostgreSQL 15 (no uuidv7(), other planner defaults): the integration tests
+# once more against it. Acceptance tests (marked slow) run only once, above.
+if [ -z "${OUTBOX_TEST_DSN:-}" ]; then
+    if "$VENV/bin/python" - "$LOCAL_PG_DSN" <<'PY' 2>/dev/null
+import sys
+
+import psycopg
+
+psycopg.connect(sys.argv[1], connect_timeout=3).close()
+PY
+    then
+        step pytest-local-pg env OUTBOX_TEST_DSN="$LOCAL_PG_DSN" \
+            "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 -m "not slow" tests/integration
+    else
+        echo
+        echo "=== no PostgreSQL answers at $LOCAL_PG_DSN: skipping the second integration run"
+    fi
+fi
+
+echo
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "all checks passed"

@@ -1,0 +1,150 @@
+-- The current schema snapshot: every object that `outbox-relay migrate` creates, in one file.
+--
+-- Hand-kept: it equals migrate.BOOTSTRAP (schema and outbox.schema_migrations) plus every
+-- migration in sql/migrations/ applied in order. A migration is the change; this file is the
+-- result, for reading the schema in one place and for setting up a database in one step.
+-- tests/integration/test_migrations.py checks that loading this file and applying all migrations
+-- give the same catalog (tables, columns, defaults, indexes, constraints, functions, triggers),
+-- and that `migrate` finds nothing to do afterwards. When you add a migration, update this file
+-- and the version list at the end.
+
+CREATE SCHEMA outbox;
+
+-- Applied migrations (migrate.BOOTSTRAP).
+CREATE TABLE outbox.schema_migrations (
+    version    integer     NOT NULL PRIMARY KEY,
+    name       text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+-- 0001_initial: event log, sinks with per-bucket cursors and leases, parked retries,
+-- dead letters, worker registry (see sql/migrations/0001_initial.sql for the design paragraph).
+
+-- The one definition of a key's bucket. Producers in any language get it for free
+-- because events.bucket is generated from it. hashtextextended is the hash behind hash
+-- partitioning, so it is stable across versions and platforms. 256 buckets: fine
+-- enough for even spread over dozens of workers, few enough that a fetch probes each
+-- owned bucket's index range cheaply.
+CREATE FUNCTION outbox.bucket_v1(partition_key text) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
+    RETURN (hashtextextended(partition_key, 0) & 255)::integer;
+
+CREATE TABLE outbox.events (
+    id              uuid        NOT NULL DEFAULT gen_random_uuid(),
+    -- Position: top-level transaction id, then insertion order. Relays read in this
+    -- order, so two transactions racing on one key are ordered by xid (first writer).
+    xid             xid8        NOT NULL DEFAULT pg_current_xact_id(),
+    seq             bigint      NOT NULL GENERATED ALWAYS AS IDENTITY,
+    partition_key   text        NOT NULL
+                    CONSTRAINT events_key_valid
+                    CHECK (partition_key <> '' AND octet_length(partition_key) <= 1024),
+    bucket          integer     NOT NULL GENERATED ALWAYS AS (outbox.bucket_v1(partition_key)) STORED,
+    topic           text,
+    type            text        NOT NULL CONSTRAINT events_type_valid CHECK (type <> ''),
+    payload         jsonb       NOT NULL,
+    headers         jsonb       NOT NULL DEFAULT '{}'::jsonb,
+    idempotency_key text,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT events_pkey PRIMARY KEY (id)
+);
+
+-- The claim path: one index range per owned bucket, starting at the cursor. Delivered
+-- history sits to the left of every cursor and is never scanned.
+CREATE UNIQUE INDEX events_position ON outbox.events (bucket, xid, seq);
+-- Producer idempotency: one event per key for as long as the event is retained.
+CREATE UNIQUE INDEX events_idempotency_key ON outbox.events (idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+-- Retention and time-based replay; BRIN because created_at follows insertion order.
+CREATE INDEX events_created_at ON outbox.events USING brin (created_at);
+
+-- Wake idle relays. One notification per statement (not per row); Postgres also folds
+-- identical notifications within a transaction. Polling stays the baseline.
+CREATE FUNCTION outbox.notify_events_v1() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('outbox_events_v1', '');
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER events_notify AFTER INSERT ON outbox.events
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox.notify_events_v1();
+
+CREATE TABLE outbox.workers (
+    id           text        NOT NULL,
+    status       text        NOT NULL DEFAULT 'alive'
+                 CONSTRAINT workers_status_valid CHECK (status IN ('alive', 'draining', 'dead')),
+    sinks        text[]      NOT NULL DEFAULT '{}',
+    started_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
+    last_seen_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    metadata     jsonb       NOT NULL DEFAULT '{}'::jsonb,
+    CONSTRAINT workers_pkey PRIMARY KEY (id)
+);
+
+CREATE TABLE outbox.sinks (
+    name       text        NOT NULL
+               CONSTRAINT sinks_name_valid CHECK (name ~ '^[a-z0-9][a-z0-9_.:-]{0,62}$'),
+    kind       text        NOT NULL CONSTRAINT sinks_kind_valid CHECK (kind IN ('kafka', 'projection')),
+    created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    CONSTRAINT sinks_pkey PRIMARY KEY (name)
+);
+
+-- One row per (sink, bucket): delivery position plus the lease on the bucket.
+-- Updated once per batch, so keep it HOT-friendly: no index on mutable columns.
+CREATE TABLE outbox.cursors (
+    sink             text        NOT NULL,
+    bucket           integer     NOT NULL CONSTRAINT cursors_bucket_valid CHECK (bucket >= 0 AND bucket < 256),
+    position_xid     xid8        NOT NULL DEFAULT '0'::xid8,
+    position_seq     bigint      NOT NULL DEFAULT 0,
+    owner            text,
+    -- Fencing token: bumped on every acquisition; every state change names it.
+    fence            bigint      NOT NULL DEFAULT 0,
+    lease_expires_at timestamptz,
+    -- Leases that expired (owner died or stalled) without the position moving;
+    -- reset when it moves. Drives crash-loop isolation of a poison event.
+    lapses           integer     NOT NULL DEFAULT 0,
+    advanced_at      timestamptz,
+    CONSTRAINT cursors_pkey PRIMARY KEY (sink, bucket),
+    CONSTRAINT cursors_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
+) WITH (fillfactor = 50);
+
+-- Events of keys whose head failed: the head waits for its retry, the events behind
+-- it wait for the head. Everything else in the bucket flows past.
+CREATE TABLE outbox.parked (
+    sink          text        NOT NULL,
+    bucket        integer     NOT NULL,
+    xid           xid8        NOT NULL,
+    seq           bigint      NOT NULL,
+    partition_key text        NOT NULL,
+    event_id      uuid        NOT NULL,
+    attempts      integer     NOT NULL DEFAULT 0,
+    available_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    last_error    text,
+    parked_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    CONSTRAINT parked_pkey PRIMARY KEY (sink, bucket, xid, seq),
+    CONSTRAINT parked_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
+);
+
+-- Heads per key in position order.
+CREATE INDEX parked_key ON outbox.parked (sink, bucket, partition_key, xid, seq);
+
+CREATE TABLE outbox.dead_letters (
+    sink          text        NOT NULL,
+    event_id      uuid        NOT NULL,
+    bucket        integer     NOT NULL,
+    xid           xid8        NOT NULL,
+    seq           bigint      NOT NULL,
+    partition_key text        NOT NULL,
+    attempts      integer     NOT NULL,
+    last_error    text        NOT NULL,
+    dead_at       timestamptz NOT NULL DEFAULT clock_timestamp(),
+    CONSTRAINT dead_letters_pkey PRIMARY KEY (sink, event_id),
+    CONSTRAINT dead_letters_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
+);
+
+CREATE INDEX dead_letters_key ON outbox.dead_letters (sink, partition_key);
+CREATE INDEX dead_letters_position ON outbox.dead_letters (bucket, xid, seq);
+
+-- The migrations this snapshot contains.
+INSERT INTO outbox.schema_migrations (version, name) VALUES
+    (1, 'initial');

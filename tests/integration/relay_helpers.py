@@ -1,0 +1,269 @@
+"""Shared pieces of the relay integration tests: a recording test sink, settings, a pool, SQL probes.
+
+The database and the broker are always real (fixtures ``dsn`` / ``kafka_bootstrap`` from
+tests/conftest.py). Only the *sink* is replaced by ``RecordingSink`` where a test is about claim,
+order or retry logic: it records every attempt (worker, bucket, fence, time window) and fails the
+events it is told to fail.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from outbox_relay import store
+from outbox_relay.publish import Outbox
+from outbox_relay.relay import SinkRunner
+from outbox_relay.settings import RelaySettings
+from outbox_relay.sink import Aborted, CommitFn, Failure, Outcomes
+from outbox_relay.store import StoredEvent
+
+SINK = "recorder"
+TOPIC = "relay-test"
+ALL_BUCKETS = frozenset(range(256))
+
+FailFn = Callable[[StoredEvent, int], Failure | None]  # (event, attempts seen so far) -> outcome
+
+
+def make_settings(dsn: str, worker_id: str, **overrides: Any) -> RelaySettings:
+    """Settings for in-process relays: fast knobs, no Kafka (the test passes its own sinks)."""
+    values: dict[str, Any] = {
+        "kafka": False,
+        "lease_seconds": 30.0,
+        "heartbeat_seconds": 0.2,
+        "worker_ttl_seconds": 1.0,
+        "housekeeping_seconds": 0.5,
+        "poll_seconds": 0.05,
+        "backoff_base_seconds": 0.01,
+        "backoff_max_seconds": 0.05,
+        "listen": False,
+        "drain_seconds": 20.0,
+    }
+    values.update(overrides)
+    return RelaySettings(dsn=dsn, worker_id=worker_id, **values)
+
+
+def _configure(conn: psycopg.Connection[Any]) -> None:
+    conn.execute("SET plan_cache_mode = force_custom_plan")  # as the relay's own pool does
+
+
+@pytest.fixture(name="pool")
+def pool_fixture(dsn: str) -> Iterator[ConnectionPool[Any]]:
+    p: ConnectionPool[Any] = ConnectionPool(dsn, min_size=1, max_size=12, open=True, configure=_configure,
+                                            kwargs={"autocommit": True})
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+# -- the test sink ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attempt:
+    worker: str
+    event_id: uuid.UUID
+    key: str
+    bucket: int
+    fence: int
+    position: tuple[int, int]
+    error: str | None  # None: delivered
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class Batch:
+    worker: str
+    buckets: frozenset[int]  # every bucket the batch touched (its fences)
+    start: float
+    end: float = 0.0
+    committed: frozenset[int] = frozenset()  # buckets whose fence held at commit
+    events: tuple[uuid.UUID, ...] = ()
+
+
+@dataclass
+class RecordingSink:
+    """A sink that records what it is given and fails what ``fail`` says.
+
+    Like a correct sink it stops a key at its first failure within a batch (the events of that
+    key behind it are left out of the outcomes, i.e. "not attempted").
+    """
+
+    worker: str = "w"
+    fail: FailFn | None = None
+    name: str = SINK
+    kind: str = "projection"
+    hold: float = 0.0  # seconds to spend "delivering" each batch (widens the windows G8 checks)
+    gate: threading.Event | None = None  # when given, deliver waits for it (in-flight batch)
+    entered: threading.Event = field(default_factory=threading.Event)
+    attempts: list[Attempt] = field(default_factory=list)
+    batches: list[Batch] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _seen: dict[uuid.UUID, int] = field(default_factory=lambda: defaultdict(int))
+
+    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: CommitFn,
+                abort: threading.Event) -> set[int]:
+        batch = Batch(self.worker, frozenset(fences), time.monotonic(), events=tuple(e.id for e in events))
+        with self.lock:
+            self.batches.append(batch)
+        self.entered.set()
+        if self.gate is not None:
+            while not self.gate.wait(0.05):
+                if abort.is_set():
+                    raise Aborted()
+        outcomes: Outcomes = {}
+        failed_keys: set[str] = set()
+        for e in events:
+            if e.key in failed_keys:
+                continue
+            with self.lock:
+                n = self._seen[e.id]
+                self._seen[e.id] = n + 1
+            outcome = self.fail(e, n) if self.fail is not None else None
+            outcomes[e.id] = outcome
+            with self.lock:
+                self.attempts.append(Attempt(self.worker, e.id, e.key, e.bucket, fences[e.bucket], e.position,
+                                             outcome.error if outcome else None))
+            if outcome is not None:
+                failed_keys.add(e.key)
+        if self.hold:
+            time.sleep(self.hold)
+        ok = commit(outcomes, None)
+        batch.end = time.monotonic()
+        batch.committed = frozenset(ok)
+        return ok
+
+    def close(self) -> None:
+        pass
+
+    # views
+
+    def delivered(self) -> list[Attempt]:
+        with self.lock:
+            return [a for a in self.attempts if a.ok]
+
+    def delivered_ids(self) -> set[uuid.UUID]:
+        return {a.event_id for a in self.delivered()}
+
+    def attempts_of(self, event_id: uuid.UUID) -> list[Attempt]:
+        with self.lock:
+            return [a for a in self.attempts if a.event_id == event_id]
+
+
+def merged_attempts(sinks: Iterable[RecordingSink]) -> list[Attempt]:
+    """Attempts of several workers' sinks in one list (each sink's own order is kept)."""
+    out: list[Attempt] = []
+    for s in sinks:
+        with s.lock:
+            out.extend(s.attempts)
+    return out
+
+
+def dedup_per_key(attempts: Iterable[Attempt]) -> dict[str, list[uuid.UUID]]:
+    """Per key, the delivered event ids with redeliveries removed (first occurrence kept)."""
+    seen: set[uuid.UUID] = set()
+    out: dict[str, list[uuid.UUID]] = defaultdict(list)
+    for a in attempts:
+        if a.ok and a.event_id not in seen:
+            seen.add(a.event_id)
+            out[a.key].append(a.event_id)
+    return dict(out)
+
+
+# -- publishing and probes --------------------------------------------------------------------
+
+
+def publish(dsn: str, events: Sequence[tuple[str, str, Any]], *, topic: str | None = TOPIC) -> list[uuid.UUID]:
+    """Publish (key, type, payload) events in one committed transaction; returns their ids in order."""
+    outbox = Outbox(default_topic=topic)
+    with psycopg.connect(dsn) as conn:
+        published = outbox.publish_many(conn, [{"key": k, "type": t, "payload": p} for k, t, p in events])
+    return [p.id for p in published]
+
+
+def keys_in_bucket(dsn: str, bucket: int, n: int, prefix: str = "key") -> list[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT k FROM (SELECT %s || i AS k FROM generate_series(1, 200000) AS i) s "
+            "WHERE outbox.bucket_v1(k) = %s LIMIT %s", (prefix, bucket, n)).fetchall()
+    assert len(rows) == n
+    return [r[0] for r in rows]
+
+
+def bucket_of(dsn: str, key: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT outbox.bucket_v1(%s)", (key,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def fetch_all(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def cursor_row(dsn: str, bucket: int, sink: str = SINK) -> dict[str, Any]:
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(
+            "SELECT position_xid::text::bigint AS xid, position_seq AS seq, owner, fence, lease_expires_at, lapses "
+            "FROM outbox.cursors WHERE sink = %s AND bucket = %s", (sink, bucket)).fetchone()
+    assert row is not None
+    return row
+
+
+def owners(dsn: str, sink: str = SINK) -> dict[int, str | None]:
+    return {b: o for b, o in fetch_all(dsn, "SELECT bucket, owner FROM outbox.cursors WHERE sink = %s", (sink,))}
+
+
+def dead_letters(dsn: str, sink: str = SINK) -> dict[uuid.UUID, tuple[int, str]]:
+    rows = fetch_all(dsn, "SELECT event_id, attempts, last_error FROM outbox.dead_letters WHERE sink = %s", (sink,))
+    return {r[0]: (r[1], r[2]) for r in rows}
+
+
+def parked_ids(dsn: str, sink: str = SINK) -> set[uuid.UUID]:
+    return {r[0] for r in fetch_all(dsn, "SELECT event_id FROM outbox.parked WHERE sink = %s", (sink,))}
+
+
+def register(dsn: str, sink: str = SINK, kind: str = "projection") -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        store.register_sink(conn, sink, kind)
+
+
+def runner_for(sink: Any, pool: ConnectionPool[Any], settings: RelaySettings,
+               buckets: Iterable[int] = ALL_BUCKETS) -> SinkRunner:
+    """A SinkRunner that wants ``buckets`` (what the membership thread would compute from the ring)."""
+    with pool.connection() as conn:
+        store.register_sink(conn, sink.name, sink.kind)
+    runner = SinkRunner(sink, pool, settings)
+    runner.desired = set(buckets)
+    return runner
+
+
+def run_until(runner: SinkRunner, predicate: Callable[[], Any], timeout: float = 15.0,
+              interval: float = 0.01) -> int:
+    """Call ``runner.run_once()`` until ``predicate()`` holds; returns how many cycles it took."""
+    deadline = time.monotonic() + timeout
+    cycles = 0
+    while True:
+        runner.run_once()
+        cycles += 1
+        if predicate():
+            return cycles
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.1f}s ({cycles} cycles) waiting for "
+                                 f"{getattr(predicate, '__name__', predicate)!r}")
+        time.sleep(interval)

@@ -1,0 +1,343 @@
+"""Claims, leases and fencing against a real PostgreSQL (G2, G4, G5, G9, G11 and part 8's five).
+
+Leases are taken with ``store.acquire_leases`` or by a ``SinkRunner`` whose ``desired`` buckets the
+test sets (what the membership thread would compute from the ring); no membership thread runs, so
+nothing renews a lease unless the test does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from outbox_relay import store
+from outbox_relay.housekeeping import Housekeeping
+from outbox_relay.publish import Outbox
+from outbox_relay.sink import Failure
+from outbox_relay.store import Checkpoint, StoredEvent
+from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
+    ALL_BUCKETS,
+    SINK,
+    TOPIC,
+    RecordingSink,
+    cursor_row,
+    dead_letters,
+    fetch_all,
+    keys_in_bucket,
+    make_settings,
+    parked_ids,
+    pool_fixture,
+    publish,
+    register,
+    run_until,
+    runner_for,
+)
+from tests.servers import wait_until
+
+
+def _lease_expired(dsn: str, bucket: int) -> bool:
+    rows = fetch_all(dsn, "SELECT lease_expires_at < clock_timestamp() FROM outbox.cursors "
+                          "WHERE sink = %s AND bucket = %s", (SINK, bucket))
+    return bool(rows[0][0])
+
+
+# -- part 8 (1): producer idempotency -----------------------------------------------------------
+
+
+def test_same_idempotency_key_twice_stores_one_event(dsn: str) -> None:
+    outbox = Outbox(default_topic=TOPIC)
+    with psycopg.connect(dsn) as conn:
+        first = outbox.publish(conn, type="order.created", key="order-1", payload={"n": 1},
+                               idempotency_key="request-1")
+    with psycopg.connect(dsn) as conn:  # the producer retries in a new transaction
+        again = outbox.publish(conn, type="order.created", key="order-1", payload={"n": 2},
+                               idempotency_key="request-1")
+    assert first.created is True
+    assert again.created is False and again.id == first.id
+    rows = fetch_all(dsn, "SELECT id, payload FROM outbox.events WHERE idempotency_key = 'request-1'")
+    assert rows == [(first.id, {"n": 1})]
+    assert fetch_all(dsn, "SELECT count(*) FROM outbox.events") == [(1,)]
+
+
+# -- part 8 (2) / G4: exclusive claim -----------------------------------------------------------
+
+
+def test_concurrent_acquire_gives_each_bucket_to_exactly_one_worker(dsn: str) -> None:
+    register(dsn)
+    threads_n, rounds = 8, 4
+    conns = [psycopg.connect(dsn, autocommit=True) for _ in range(threads_n)]
+    try:
+        for round_ in range(1, rounds + 1):
+            barrier = threading.Barrier(threads_n)
+            results: list[dict[int, tuple[int, int]]] = [{} for _ in range(threads_n)]
+            errors: list[BaseException] = []
+
+            def claim(i: int, barrier: threading.Barrier = barrier,
+                      results: list[dict[int, tuple[int, int]]] = results,
+                      errors: list[BaseException] = errors) -> None:
+                try:
+                    barrier.wait(10)
+                    results[i] = store.acquire_leases(conns[i], SINK, f"w{i}", ALL_BUCKETS, 30.0)
+                except BaseException as exc:  # surfaced below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=claim, args=(i,)) for i in range(threads_n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert not errors
+            claimed = Counter(b for r in results for b in r)
+            assert set(claimed) == set(ALL_BUCKETS), "every bucket is claimed by someone"
+            assert [b for b, n in claimed.items() if n > 1] == [], "a bucket was acquired by two workers"
+            expected_owner = {b: f"w{i}" for i, r in enumerate(results) for b in r}
+            db = {b: (o, f) for b, o, f in fetch_all(
+                dsn, "SELECT bucket, owner, fence FROM outbox.cursors WHERE sink = %s", (SINK,))}
+            assert {b: o for b, (o, _) in db.items()} == expected_owner
+            assert {f for _, f in db.values()} == {round_}, "each acquisition bumps the fence once"
+            assert all(fence == round_ for r in results for fence, _ in r.values())
+            # A second claim while the leases are live gets nothing.
+            assert store.acquire_leases(conns[0], SINK, "latecomer", ALL_BUCKETS, 30.0) == {}
+            for i, r in enumerate(results):
+                released = store.release_leases(conns[i], SINK, f"w{i}", {b: f for b, (f, _) in r.items()})
+                assert released == set(r)
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_fetch_reads_only_buckets_leased_by_the_caller(dsn: str) -> None:
+    register(dsn)
+    mine, free = 7, 8
+    ids_mine = publish(dsn, [(k, "t", {"i": i}) for i, k in enumerate(keys_in_bucket(dsn, mine, 3) * 2)])
+    publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, free, 3)])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert set(store.acquire_leases(conn, SINK, "a", [mine], 30.0)) == {mine}
+        events, _ = store.fetch_events(conn, SINK, "b", {mine: 100, free: 100})
+        assert events == [], "a worker read a bucket leased by another, or one it never leased"
+        events, horizon = store.fetch_events(conn, SINK, "a", {mine: 100, free: 100})
+    assert [e.id for e in events] == ids_mine, "only the caller's bucket, in publish order"
+    assert {e.bucket for e in events} == {mine}
+    assert horizon is not None and all(e.xid < horizon for e in events)
+
+
+# -- part 8 (3) / G11: an expired lease is recovered -------------------------------------------
+
+
+def test_expired_lease_is_freed_by_housekeeping_and_taken_over_with_the_next_fence(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket = 42
+    sink_a = RecordingSink("worker-a")
+    runner_a = runner_for(sink_a, pool, make_settings(dsn, "worker-a", lease_seconds=0.3), {bucket})
+    runner_a.rebalance()  # leases the bucket; nothing renews it from here on (worker A is stuck)
+    assert cursor_row(dsn, bucket)["owner"] == "worker-a"
+    assert cursor_row(dsn, bucket)["fence"] == 1
+    ids = publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, bucket, 4)])
+
+    wait_until(lambda: _lease_expired(dsn, bucket), 5.0, message="the lease to expire")
+    settings_b = make_settings(dsn, "worker-b")
+    result = Housekeeping(pool, settings_b).run_once()
+    assert result.ran and result.expired_leases == 1
+    row = cursor_row(dsn, bucket)
+    assert (row["owner"], row["lease_expires_at"], row["lapses"], row["fence"]) == (None, None, 1, 1)
+    assert (row["xid"], row["seq"]) == (0, 0), "expiry must not move the position"
+    # Other buckets were never leased: housekeeping left them alone.
+    assert fetch_all(dsn, "SELECT count(*) FROM outbox.cursors WHERE lapses <> 0") == [(1,)]
+
+    sink_b = RecordingSink("worker-b")
+    runner_b = runner_for(sink_b, pool, settings_b, {bucket})
+    run_until(runner_b, lambda: sink_b.delivered_ids() == set(ids))
+    assert [a.event_id for a in sink_b.delivered()] == ids
+    assert {a.fence for a in sink_b.attempts} == {2}
+    row = cursor_row(dsn, bucket)
+    assert (row["owner"], row["fence"], row["lapses"]) == ("worker-b", 2, 0)
+    last = fetch_all(dsn, "SELECT max((xid::text::bigint, seq)) FROM outbox.events")[0][0]
+    assert (row["xid"], row["seq"]) >= (int(last[0]), int(last[1])), "the cursor passed every event"
+
+    # The stuck worker wakes up: it reads and delivers nothing.
+    runner_a.run_once()
+    assert sink_a.attempts == []
+
+
+# -- part 8 (4) / G5: a worker that lost its lease writes nothing -------------------------------
+
+
+def _snapshot(dsn: str) -> dict[str, Any]:
+    return {
+        "cursors": fetch_all(dsn, "SELECT bucket, position_xid::text, position_seq, owner, fence, lease_expires_at, "
+                                  "lapses FROM outbox.cursors ORDER BY sink, bucket"),
+        "parked": fetch_all(dsn, "SELECT * FROM outbox.parked"),
+        "dead": fetch_all(dsn, "SELECT * FROM outbox.dead_letters"),
+    }
+
+
+def test_stale_owner_cannot_checkpoint_park_dead_letter_renew_or_release(dsn: str) -> None:
+    register(dsn)
+    bucket = 3
+    k1, k2 = keys_in_bucket(dsn, bucket, 2)
+    publish(dsn, [(k1, "t", {"n": 1}), (k1, "t", {"n": 2}), (k2, "t", {"n": 3})])
+    with psycopg.connect(dsn, autocommit=True) as a, psycopg.connect(dsn, autocommit=True) as b:
+        assert store.acquire_leases(a, SINK, "a", [bucket], 0.3) == {bucket: (1, 0)}
+        events, _ = store.fetch_events(a, SINK, "a", {bucket: 100})
+        assert len(events) == 3
+        wait_until(lambda: _lease_expired(dsn, bucket), 5.0, message="A's lease to expire")
+        # Expired but nobody took it over yet: A already can neither complete nor renew.
+        expired = _snapshot(dsn)
+        late = Checkpoint(fences={bucket: 1}, advance={bucket: events[-1].position},
+                          dead=[(events[0], 1, "too late")])
+        assert store.checkpoint(a, SINK, "a", late) == set()
+        assert store.renew_leases(a, SINK, "a", {bucket: 1}, 30.0) == set()
+        assert _snapshot(dsn) == expired
+        # B takes the expired lease over directly (no housekeeping in between): fence 2, one lapse.
+        assert store.acquire_leases(b, SINK, "b", [bucket], 30.0) == {bucket: (2, 1)}
+        before = _snapshot(dsn)
+
+        stale = Checkpoint(fences={bucket: 1}, advance={bucket: events[-1].position},
+                           park=[(events[0], 1, 0.0, "stale failure")], done=[events[1]],
+                           dead=[(events[2], 9, "stale poison")])
+        assert store.checkpoint(a, SINK, "a", stale) == set()
+        assert store.renew_leases(a, SINK, "a", {bucket: 1}, 30.0) == set()
+        assert store.release_leases(a, SINK, "a", {bucket: 1}) == set()
+        # Even with the current fence, a worker that is not the owner writes nothing.
+        stale.fences = {bucket: 2}
+        assert store.checkpoint(a, SINK, "a", stale) == set()
+        assert store.release_leases(a, SINK, "a", {bucket: 2}) == set()
+        assert _snapshot(dsn) == before, "a fenced-out worker changed cursors, parked rows or dead letters"
+        assert cursor_row(dsn, bucket)["owner"] == "b"
+
+        # Control: the current owner under its fence does move the cursor.
+        assert store.checkpoint(b, SINK, "b", Checkpoint(fences={bucket: 2},
+                                                         advance={bucket: events[-1].position})) == {bucket}
+        row = cursor_row(dsn, bucket)
+        assert (row["xid"], row["seq"]) == events[-1].position
+
+
+def test_an_older_fence_of_the_same_worker_is_rejected(dsn: str) -> None:
+    """Owner names alone are not enough: the same worker re-acquiring gets a new generation."""
+    register(dsn)
+    bucket = 9
+    publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, bucket, 2)])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert store.acquire_leases(conn, SINK, "a", [bucket], 0.2) == {bucket: (1, 0)}
+        events, _ = store.fetch_events(conn, SINK, "a", {bucket: 100})
+        wait_until(lambda: _lease_expired(dsn, bucket), 5.0)
+        assert store.acquire_leases(conn, SINK, "a", [bucket], 30.0) == {bucket: (2, 1)}
+        old = Checkpoint(fences={bucket: 1}, advance={bucket: events[-1].position},
+                         dead=[(events[0], 1, "from the old generation")])
+        assert store.checkpoint(conn, SINK, "a", old) == set()
+        assert store.renew_leases(conn, SINK, "a", {bucket: 1}, 30.0) == set()
+        assert store.release_leases(conn, SINK, "a", {bucket: 1}) == set()
+    row = cursor_row(dsn, bucket)
+    assert (row["xid"], row["seq"], row["owner"], row["fence"]) == (0, 0, "a", 2)
+    assert dead_letters(dsn) == {}
+
+
+def test_runner_whose_lease_was_taken_over_mid_batch_discards_its_batch(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket = 77
+    k1, k2 = keys_in_bucket(dsn, bucket, 2)
+    ids = publish(dsn, [(k1, "t", {"n": 1}), (k2, "t", {"n": 2}), (k1, "t", {"n": 3})])
+    gate = threading.Event()
+    # A stalls inside its batch; when it resumes it fails k1's head (it would park k1).
+    sink_a = RecordingSink("worker-a", gate=gate, fail=lambda e, n: Failure("a: boom") if e.id == ids[0] else None)
+    runner_a = runner_for(sink_a, pool, make_settings(dsn, "worker-a", lease_seconds=0.3), {bucket})
+    a_result: list[int] = []
+    t = threading.Thread(target=lambda: a_result.append(runner_a.run_once()))
+    t.start()
+    try:
+        assert sink_a.entered.wait(10)
+        wait_until(lambda: _lease_expired(dsn, bucket), 5.0)
+        sink_b = RecordingSink("worker-b")
+        runner_b = runner_for(sink_b, pool, make_settings(dsn, "worker-b"), {bucket})
+        run_until(runner_b, lambda: sink_b.delivered_ids() == set(ids))
+        after_b = cursor_row(dsn, bucket)
+    finally:
+        gate.set()
+        t.join(10)
+    assert a_result == [3]
+    assert runner_a.leases.snapshot() == {}, "the fenced-out runner must forget the bucket"
+    row = cursor_row(dsn, bucket)
+    assert (row["xid"], row["seq"], row["owner"], row["fence"]) == (after_b["xid"], after_b["seq"], "worker-b", 2)
+    assert parked_ids(dsn) == set() and dead_letters(dsn) == {}
+    runner_a.run_once()  # next cycle: A wants the bucket but it is B's
+    assert len(sink_a.batches) == 1
+
+
+# -- part 8 (5) / G9: poison isolation ----------------------------------------------------------
+
+
+def test_event_failing_max_attempts_is_dead_lettered_and_unblocks_its_key(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket = 11
+    k, other = keys_in_bucket(dsn, bucket, 2)
+    poison, k2, x, k3 = publish(dsn, [(k, "bad", {}), (k, "t", {"n": 2}), (other, "t", {}), (k, "t", {"n": 3})])
+
+    def fail(e: StoredEvent, n: int) -> Failure | None:
+        return Failure(f"handler crashed (attempt {n + 1})") if e.id == poison else None
+
+    sink = RecordingSink("w", fail=fail)
+    runner = runner_for(sink, pool, make_settings(dsn, "w", max_attempts=3), {bucket})
+    run_until(runner, lambda: {k2, x, k3} <= sink.delivered_ids())
+
+    assert dead_letters(dsn) == {poison: (3, "handler crashed (attempt 3)")}
+    row = fetch_all(dsn, "SELECT partition_key, bucket FROM outbox.dead_letters WHERE event_id = %s", (poison,))
+    assert row == [(k, bucket)]
+    seq = [(a.event_id, a.ok) for a in sink.attempts]
+    assert [ok for i, ok in seq if i == poison] == [False, False, False]
+    last_poison = max(n for n, (i, _) in enumerate(seq) if i == poison)
+    first_k2 = min(n for n, (i, _) in enumerate(seq) if i == k2)
+    assert first_k2 > last_poison, "a later event of the key was attempted before its head was dead-lettered"
+    assert [a.event_id for a in sink.delivered() if a.key == k] == [k2, k3]
+    second_poison = [n for n, (i, _) in enumerate(seq) if i == poison][1]
+    assert seq.index((x, True)) < second_poison, "the other key waited for the failing one"
+    assert parked_ids(dsn) == set()
+    runner.run_once()
+    assert dead_letters(dsn) == {poison: (3, "handler crashed (attempt 3)")}
+    assert len(sink.attempts_of(poison)) == 3
+
+
+# -- crash-loop isolation ----------------------------------------------------------------------
+
+
+def _set_lapses(dsn: str, bucket: int, lapses: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.cursors SET lapses = %s WHERE sink = %s AND bucket = %s", (lapses, SINK, bucket))
+
+
+def test_head_of_a_crash_looping_bucket_is_dead_lettered_as_poison(dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket, max_lapses = 5, 3
+    k, other = keys_in_bucket(dsn, bucket, 2)
+    head, nxt, third = publish(dsn, [(k, "t", {"n": 1}), (k, "t", {"n": 2}), (other, "t", {"n": 3})])
+    sink = RecordingSink("w")
+    runner = runner_for(sink, pool, make_settings(dsn, "w", max_lapses=max_lapses), {bucket})
+    _set_lapses(dsn, bucket, 2 * max_lapses)
+
+    runner.run_once()
+    assert sink.attempts_of(head) == [], "the suspected poison event must not be handed to the sink again"
+    letters = dead_letters(dsn)
+    assert set(letters) == {head}
+    attempts, error = letters[head]
+    assert attempts == 1 and "lapsed" in error
+    assert cursor_row(dsn, bucket)["lapses"] == 0, "isolating the head moves the position: lapses reset"
+
+    run_until(runner, lambda: sink.delivered_ids() == {nxt, third})
+    assert [a.event_id for a in sink.delivered()] == [nxt, third]
+
+
+def test_a_bucket_that_lapsed_max_lapses_times_is_read_one_event_at_a_time(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket = 6
+    ids = publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, bucket, 5)])
+    sink = RecordingSink("w")
+    runner = runner_for(sink, pool, make_settings(dsn, "w", max_lapses=3), {bucket})
+    _set_lapses(dsn, bucket, 3)
+    runner.run_once()
+    assert [a.event_id for a in sink.attempts] == ids[:1], "a crash-loop suspect is read one event at a time"
+    assert dead_letters(dsn) == {}
+    run_until(runner, lambda: sink.delivered_ids() == set(ids))
+    assert [a.event_id for a in sink.attempts] == ids
+    assert len(sink.batches) == 2, "once the position moved, the bucket is read in batches again"

@@ -1,0 +1,152 @@
+"""Per-key order (G6) against a real PostgreSQL: failing heads, retries, transactions that commit late.
+
+Order is position order: (xid of the writing transaction, seq). Two transactions racing on one
+key are ordered by which one wrote first (took its xid first), not by commit time; the relay only
+reads below the snapshot xmin, so a transaction that commits late is never skipped.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from outbox_relay.publish import Outbox
+from outbox_relay.sink import Failure
+from outbox_relay.store import StoredEvent
+from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
+    TOPIC,
+    RecordingSink,
+    cursor_row,
+    dead_letters,
+    dedup_per_key,
+    fetch_all,
+    keys_in_bucket,
+    make_settings,
+    parked_ids,
+    pool_fixture,
+    publish,
+    run_until,
+    runner_for,
+)
+
+
+def test_failing_head_blocks_only_its_own_key(dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket = 20
+    k, o1, o2 = keys_in_bucket(dsn, bucket, 3)
+    ids = publish(dsn, [(k, "t", {"n": 1}), (o1, "t", {}), (k, "t", {"n": 2}), (o2, "t", {}),
+                        (k, "t", {"n": 3}), (o1, "t", {})])
+    head, other_a, k2, other_b, k3, other_c = ids
+
+    def fail(e: StoredEvent, n: int) -> Failure | None:
+        return Failure(f"transient {n + 1}") if e.id == head and n < 2 else None
+
+    sink = RecordingSink("w", fail=fail)
+    # Backoff long enough that the second cycle below comes before the head's retry is due.
+    runner = runner_for(sink, pool, make_settings(dsn, "w", backoff_base_seconds=0.6, backoff_max_seconds=1.0),
+                        {bucket})
+
+    runner.run_once()
+    assert sink.delivered_ids() == {other_a, other_b, other_c}, "the other keys of the bucket must flow"
+    assert [(a.event_id, a.ok) for a in sink.attempts if a.key == k] == [(head, False)]
+    assert parked_ids(dsn) == {head, k2, k3}
+
+    # New events while the key is parked: the other key flows, k's new event queues behind its head.
+    k4, other_d = publish(dsn, [(k, "t", {"n": 4}), (o2, "t", {})])
+    runner.run_once()
+    assert other_d in sink.delivered_ids()
+    assert [a.event_id for a in sink.attempts if a.key == k] == [head]
+    assert parked_ids(dsn) == {head, k2, k3, k4}
+
+    run_until(runner, lambda: {head, k2, k3, k4} <= sink.delivered_ids(), timeout=20)
+    assert [(a.event_id, a.ok) for a in sink.attempts if a.key == k] == [
+        (head, False), (head, False), (head, True), (k2, True), (k3, True), (k4, True)]
+    assert dedup_per_key(sink.attempts) == {k: [head, k2, k3, k4], o1: [other_a, other_c], o2: [other_b, other_d]}
+    assert parked_ids(dsn) == set() and dead_letters(dsn) == {}
+
+
+def test_deduplicated_sequence_per_key_equals_the_published_one(dsn: str, pool: ConnectionPool[Any]) -> None:
+    """Many keys, retriable failures everywhere, batches that cut keys: per key order holds."""
+    rng = random.Random(7)
+    keys = [f"acct-{i}" for i in range(60)]
+    published: dict[str, list[Any]] = {k: [] for k in keys}
+    for _ in range(15):  # publish order per key = transaction order
+        batch = [(k, "t", {"r": rng.random()}) for k in rng.sample(keys, len(keys))]
+        for (key, _, _), event_id in zip(batch, publish(dsn, batch), strict=True):
+            published[key].append(event_id)
+    total = sum(map(len, published.values()))
+    sink = RecordingSink("w", fail=lambda e, n: Failure("flaky") if rng.random() < 0.25 else None)
+    runner = runner_for(sink, pool, make_settings(dsn, "w", max_attempts=1000, batch_size=64))
+    run_until(runner, lambda: len(sink.delivered_ids()) == total, timeout=40)
+    assert dedup_per_key(sink.attempts) == published
+    assert sum(not a.ok for a in sink.attempts) > 100, "the test must exercise retries"
+    # Order of attempts, not only of deliveries: nothing is attempted while an earlier event of its key is
+    # still undelivered (the sink skips a key after a failure within one batch, like a real sink would).
+    position = {e: i for ids in published.values() for i, e in enumerate(ids)}
+    done: dict[str, int] = {}
+    for a in sink.attempts:
+        assert position[a.event_id] <= done.get(a.key, 0), f"{a.event_id} attempted before an earlier event of {a.key}"
+        if a.ok and position[a.event_id] == done.get(a.key, 0):
+            done[a.key] = position[a.event_id] + 1
+    assert dead_letters(dsn) == {} and parked_ids(dsn) == set()
+
+
+# -- transactions that commit late -------------------------------------------------------------
+
+
+def test_late_commit_same_key_waits_and_keeps_xid_order(dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket = 33
+    (k,) = keys_in_bucket(dsn, bucket, 1)
+    sink = RecordingSink("w")
+    runner = runner_for(sink, pool, make_settings(dsn, "w"), {bucket})
+    outbox = Outbox(default_topic=TOPIC)
+    with psycopg.connect(dsn) as t1:
+        a = outbox.publish(t1, type="t", key=k, payload={"n": "a"}).id  # T1 writes first, stays open
+        (b,) = publish(dsn, [(k, "t", {"n": "b"})])  # T2 writes second and commits
+        for _ in range(3):
+            runner.run_once()
+        assert sink.attempts == [], "b went out while a, written earlier on the same key, was uncommitted"
+        assert (cursor_row(dsn, bucket)["xid"], cursor_row(dsn, bucket)["seq"]) == (0, 0)
+    # T1 committed.
+    run_until(runner, lambda: sink.delivered_ids() == {a, b})
+    assert [x.event_id for x in sink.attempts] == [a, b]
+
+
+def test_event_of_a_transaction_that_commits_late_is_not_skipped(dsn: str, pool: ConnectionPool[Any]) -> None:
+    """T1 takes its xid first, T2 publishes and commits, the relay runs, then T1 publishes and commits.
+
+    T1's event sits before T2's in position order although it got a later seq and committed later: a
+    relay that read T2's event and moved its cursor past it would never see T1's event (loss).
+    """
+    bucket = 34
+    k, other = keys_in_bucket(dsn, bucket, 2)
+    sink = RecordingSink("w")
+    runner = runner_for(sink, pool, make_settings(dsn, "w"), {bucket})
+    outbox = Outbox(default_topic=TOPIC)
+    with psycopg.connect(dsn) as t1:
+        t1.execute("SELECT pg_current_xact_id()")  # T1's business write: it has its xid now
+        (b,) = publish(dsn, [(other, "t", {"n": "b"})])
+        for _ in range(3):
+            runner.run_once()
+        a = outbox.publish(t1, type="t", key=k, payload={"n": "a"}).id
+        runner.run_once()
+    run_until(runner, lambda: sink.delivered_ids() == {a, b})
+    assert [x.event_id for x in sink.attempts] == [a, b], "position order is xid order"
+    seq = dict(fetch_all(dsn, "SELECT id, seq FROM outbox.events"))
+    assert seq[a] > seq[b], "the scenario needs T1's event to have the later seq"
+
+
+def test_rolled_back_events_are_never_delivered_and_do_not_stall(dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket = 35
+    (k,) = keys_in_bucket(dsn, bucket, 1)
+    sink = RecordingSink("w")
+    runner = runner_for(sink, pool, make_settings(dsn, "w"), {bucket})
+    outbox = Outbox(default_topic=TOPIC)
+    with psycopg.connect(dsn) as t1:
+        outbox.publish(t1, type="t", key=k, payload={"n": "gone"})
+        t1.rollback()
+    (b,) = publish(dsn, [(k, "t", {"n": "b"})])
+    run_until(runner, lambda: sink.delivered_ids() == {b})
+    assert [x.event_id for x in sink.attempts] == [b]

@@ -1,0 +1,242 @@
+"""Migrations: the snapshot sql/schema.sql equals all migrations applied; migrate is idempotent
+and safe to run concurrently; the bucket function is the one the relays rely on."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_relay import Outbox
+from outbox_relay.errors import SchemaError
+from outbox_relay.migrate import Migration, check_schema, migrate, migrations
+from outbox_relay.sqlfiles import sql_dir
+
+# Each section lists the objects of schema `outbox` in a form that does not depend on oids, so
+# two databases built differently compare equal exactly when their schemas are the same.
+CATALOG: dict[str, str] = {
+    "schemas": """
+        SELECT nspname FROM pg_namespace WHERE nspname = 'outbox'
+    """,
+    "relations": """
+        SELECT c.relname, c.relkind, c.relpersistence, coalesce(c.reloptions, '{}')::text,
+               coalesce(c.relacl, '{}')::text
+        FROM pg_class c
+        WHERE c.relnamespace = 'outbox'::regnamespace AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'S')
+        ORDER BY 1
+    """,
+    "columns": """
+        SELECT c.relname,
+               row_number() OVER (PARTITION BY c.oid ORDER BY a.attnum) AS position,
+               a.attname, format_type(a.atttypid, a.atttypmod) AS type, a.attnotnull,
+               pg_get_expr(d.adbin, d.adrelid) AS default_expr, a.attidentity, a.attgenerated,
+               coalesce(co.collname, '') AS collation
+        FROM pg_attribute a
+        JOIN pg_class c ON c.oid = a.attrelid
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        LEFT JOIN pg_collation co ON co.oid = a.attcollation AND a.attcollation <> 0
+        WHERE c.relnamespace = 'outbox'::regnamespace AND c.relkind IN ('r', 'p', 'v', 'm', 'f')
+          AND a.attnum > 0 AND NOT a.attisdropped
+        ORDER BY c.relname, a.attnum
+    """,
+    "sequences": """
+        SELECT sequencename, data_type::text, start_value, min_value, max_value, increment_by, cycle, cache_size
+        FROM pg_sequences WHERE schemaname = 'outbox'
+        ORDER BY 1
+    """,
+    "indexes": """
+        SELECT tablename, indexname, indexdef FROM pg_indexes WHERE schemaname = 'outbox' ORDER BY 1, 2
+    """,
+    "constraints": """
+        SELECT conrelid::regclass::text, conname, contype, pg_get_constraintdef(oid), condeferrable, condeferred
+        FROM pg_constraint
+        WHERE connamespace = 'outbox'::regnamespace
+        ORDER BY 1, 2
+    """,
+    "functions": """
+        SELECT p.oid::regprocedure::text,
+               CASE WHEN p.prokind IN ('f', 'p') THEN pg_get_functiondef(p.oid) ELSE p.prokind::text END
+        FROM pg_proc p
+        WHERE p.pronamespace = 'outbox'::regnamespace
+        ORDER BY 1
+    """,
+    "triggers": """
+        SELECT t.tgrelid::regclass::text, t.tgname, pg_get_triggerdef(t.oid), t.tgenabled
+        FROM pg_trigger t
+        JOIN pg_class c ON c.oid = t.tgrelid
+        WHERE c.relnamespace = 'outbox'::regnamespace AND NOT t.tgisinternal
+        ORDER BY 1, 2
+    """,
+    "views": """
+        SELECT viewname, definition FROM pg_views WHERE schemaname = 'outbox' ORDER BY 1
+    """,
+    "types": """
+        SELECT t.typname, t.typtype,
+               (SELECT string_agg(e.enumlabel, ',' ORDER BY e.enumsortorder) FROM pg_enum e WHERE e.enumtypid = t.oid)
+        FROM pg_type t
+        WHERE t.typnamespace = 'outbox'::regnamespace AND t.typtype IN ('e', 'd', 'c', 'r')
+          AND (t.typrelid = 0 OR (SELECT relkind FROM pg_class WHERE oid = t.typrelid) = 'c')
+        ORDER BY 1
+    """,
+    "comments": """
+        SELECT i.type, i.identity, d.description
+        FROM pg_description d
+        CROSS JOIN LATERAL pg_identify_object(d.classoid, d.objoid, d.objsubid) AS i
+        WHERE i.schema = 'outbox' OR (i.type = 'schema' AND i.identity = 'outbox')
+        ORDER BY 1, 2
+    """,
+}
+
+
+def catalog(dsn: str) -> dict[str, list[tuple[Any, ...]]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {name: [tuple(r) for r in conn.execute(q).fetchall()] for name, q in CATALOG.items()}
+
+
+def applied_versions(dsn: str) -> list[tuple[int, str]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT version, name FROM outbox.schema_migrations ORDER BY version").fetchall()
+    return [(int(v), str(n)) for v, n in rows]
+
+
+def shipped() -> list[tuple[int, str]]:
+    return [(m.version, m.name) for m in migrations()]
+
+
+def load_snapshot(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute((sql_dir() / "schema.sql").read_text())
+
+
+def test_snapshot_equals_all_migrations(database_factory: Callable[..., str]) -> None:
+    migrated, snapshot = database_factory(), database_factory()  # both empty, from template0
+    assert migrate(migrated), "a fresh database must get every migration"
+    load_snapshot(snapshot)
+
+    expected, actual = catalog(migrated), catalog(snapshot)
+    assert expected["relations"], "the catalog query found no outbox tables"
+    for section in CATALOG:
+        assert actual[section] == expected[section], f"sql/schema.sql differs from the migrations in {section}"
+    # The snapshot records the migrations it contains, so migrate leaves it alone.
+    assert applied_versions(snapshot) == applied_versions(migrated) == shipped()
+    assert migrate(snapshot) == []
+
+
+@pytest.mark.parametrize(("change", "section"), [
+    ("ALTER TABLE outbox.events ALTER COLUMN headers SET DEFAULT '[]'::jsonb", "columns"),
+    ("ALTER TABLE outbox.workers ALTER COLUMN metadata DROP NOT NULL", "columns"),
+    ("ALTER TABLE outbox.dead_letters ADD COLUMN note text", "columns"),
+    ("ALTER TABLE outbox.cursors SET (fillfactor = 90)", "relations"),
+    ("DROP INDEX outbox.events_created_at; CREATE INDEX events_created_at ON outbox.events (created_at)", "indexes"),
+    ("ALTER TABLE outbox.cursors DROP CONSTRAINT cursors_bucket_valid, "
+     "ADD CONSTRAINT cursors_bucket_valid CHECK (bucket >= 0 AND bucket < 512)", "constraints"),
+    ("CREATE OR REPLACE FUNCTION outbox.bucket_v1(partition_key text) RETURNS integer "
+     "LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT RETURN (hashtextextended(partition_key, 0) & 127)::integer",
+     "functions"),
+    ("DROP TRIGGER events_notify ON outbox.events; CREATE TRIGGER events_notify AFTER INSERT ON outbox.events "
+     "FOR EACH ROW EXECUTE FUNCTION outbox.notify_events_v1()", "triggers"),
+    ("COMMENT ON TABLE outbox.events IS 'the log'", "comments"),
+])
+def test_catalog_comparison_sees_changes(dsn: str, change: str, section: str) -> None:
+    # The equality above is only worth something if each kind of drift shows up in the catalog.
+    before = catalog(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(change)
+    after = catalog(dsn)
+    assert after[section] != before[section]
+
+
+def test_migrate_is_idempotent(database_factory: Callable[..., str]) -> None:
+    dsn = database_factory()
+    first = migrate(dsn)
+    assert [(m.version, m.name) for m in first] == shipped()
+    schema = catalog(dsn)
+
+    assert migrate(dsn) == []
+    assert applied_versions(dsn) == shipped()
+    assert catalog(dsn) == schema
+
+
+def migrate_concurrently(dsn: str, workers: int) -> list[list[Migration]]:
+    """Run migrate from ``workers`` threads released at once; returns what each applied."""
+    barrier = threading.Barrier(workers)
+    results: list[list[Migration]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            barrier.wait(timeout=30)
+            applied = migrate(dsn)
+            with lock:
+                results.append(applied)
+        except BaseException as exc:
+            with lock:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+def test_concurrent_migrate_applies_each_migration_once(database_factory: Callable[..., str]) -> None:
+    for _ in range(3):  # a few rounds: the interesting interleavings are not guaranteed in one
+        dsn = database_factory()
+        results = migrate_concurrently(dsn, workers=4)
+        # Exactly one run applied everything; the others found nothing to do.
+        assert sorted(len(r) for r in results) == [0, 0, 0, len(shipped())]
+        assert applied_versions(dsn) == shipped()
+
+
+def test_check_schema(database_factory: Callable[..., str]) -> None:
+    dsn = database_factory()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with pytest.raises(SchemaError, match="migrate"):
+            check_schema(conn)
+        migrate(dsn)
+        check_schema(conn)
+        conn.execute("DELETE FROM outbox.schema_migrations WHERE version = %s", (shipped()[-1][0],))
+        with pytest.raises(SchemaError, match="version"):
+            check_schema(conn)
+
+
+def test_migrate_connection_error_names_no_password() -> None:
+    with pytest.raises(SchemaError) as info:
+        migrate("postgresql://outbox:s3cret-pw@127.0.0.1:1/nowhere?connect_timeout=2")
+    assert "s3cret-pw" not in str(info.value)
+    assert "127.0.0.1" in str(info.value)
+
+
+# Pinned: the bucket of a key must never change (stored rows, cursors and every producer in any
+# language depend on it), whatever the server version.
+PINNED_BUCKETS = {"order-1": 203, "customer:42": 21, "ключ": 128, "🙂": 118}
+
+
+def test_bucket_v1_is_stable_and_in_range(dsn: str) -> None:
+    keys = [*PINNED_BUCKETS, *(f"key-{i}" for i in range(5000))]
+    with psycopg.connect(dsn) as conn:
+        # A plain SQL producer (no Python package) gets its bucket from the generated column.
+        conn.execute(
+            "INSERT INTO outbox.events (partition_key, type, topic, payload) "
+            "SELECT k, 'plain', 't', '{}'::jsonb FROM unnest(%s::text[]) AS k",
+            (keys,),
+        )
+        rows = conn.execute(
+            "SELECT partition_key, bucket, outbox.bucket_v1(partition_key) FROM outbox.events"
+        ).fetchall()
+        published = Outbox(default_topic="t").publish(conn, type="py", key="order-1", payload={})
+        via_package = conn.execute("SELECT bucket FROM outbox.events WHERE id = %s", (published.id,)).fetchone()
+        conn.commit()
+    buckets = {key: bucket for key, bucket, _ in rows}
+    assert all(stored == computed for _, stored, computed in rows)
+    assert all(0 <= b < 256 for b in buckets.values())
+    assert set(buckets.values()) == set(range(256)), "5000 keys should reach every bucket"
+    assert {k: buckets[k] for k in PINNED_BUCKETS} == PINNED_BUCKETS
+    assert via_package == (buckets["order-1"],)

@@ -1,0 +1,437 @@
+"""Publishing with the caller's connection: G1 (atomic publish) and G2 (producer idempotency).
+
+Every driver a producer may hold is covered: psycopg sync (connection and cursor), psycopg async,
+SQLAlchemy Connection and Session, sync and async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import pq
+from psycopg.rows import dict_row
+from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
+
+from outbox_relay import InvalidEvent, Outbox, Published
+from outbox_relay.event import make_event
+from tests.servers import sqlalchemy_url, wait_until
+
+TOPIC = "orders"
+
+
+@pytest.fixture
+def outbox() -> Outbox:
+    return Outbox(default_topic=TOPIC)
+
+
+@pytest.fixture
+def shop(dsn: str) -> str:
+    """The test database with a business table next to the outbox."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE orders (id int PRIMARY KEY, total int NOT NULL)")
+    return dsn
+
+
+def stored(dsn: str) -> list[dict[str, Any]]:
+    """The events as another session sees them (committed only), in position order."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute("SELECT id, xid::text, seq, partition_key, topic, type, payload, headers, idempotency_key "
+                    "FROM outbox.events ORDER BY xid, seq")
+        return list(cur.fetchall())
+
+
+def orders(dsn: str) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [r[0] for r in conn.execute("SELECT id FROM orders ORDER BY id")]
+
+
+class CountingCursor(psycopg.Cursor[Any]):
+    """Records every statement sent through it (``statements`` is per connection)."""
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        self.connection.statements.append(query)  # type: ignore[attr-defined]
+        return super().execute(query, params, **kwargs)
+
+
+@contextmanager
+def counting_connection(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(dsn, cursor_factory=CountingCursor) as conn:
+        conn.statements = []  # type: ignore[attr-defined]
+        yield conn
+
+
+@contextmanager
+def sync_engine(dsn: str) -> Iterator[Any]:
+    engine = create_engine(sqlalchemy_url(dsn), poolclass=NullPool)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+# -- G1: an event exists iff the business transaction committed ------------------------------
+
+
+@pytest.mark.parametrize("via", ["connection", "cursor"])
+def test_psycopg_rollback_discards_and_commit_keeps(shop: str, outbox: Outbox, via: str) -> None:
+    with psycopg.connect(shop) as conn:
+        target: Any = conn if via == "connection" else conn.cursor()
+        conn.execute("INSERT INTO orders VALUES (1, 100)")
+        outbox.publish(target, type="order.placed", key="order-1", payload={"total": 100})
+        conn.rollback()
+        assert stored(shop) == [] and orders(shop) == []
+
+        conn.execute("INSERT INTO orders VALUES (2, 200)")
+        p = outbox.publish(target, type="order.placed", key="order-2", payload={"total": 200},
+                           headers={"trace": "abc"})
+        assert stored(shop) == [], "an uncommitted event must not be visible to the relays"
+        conn.commit()
+        if via == "cursor":
+            target.close()
+
+    (event,) = stored(shop)
+    assert orders(shop) == [2]
+    assert p == Published(event["id"], True)
+    assert (event["partition_key"], event["topic"], event["type"], event["payload"], event["headers"]) == (
+        "order-2", TOPIC, "order.placed", {"total": 200}, {"trace": "abc"})
+
+
+def test_exception_in_transaction_block_and_savepoint(shop: str, outbox: Outbox) -> None:
+    with psycopg.connect(shop, autocommit=True) as conn:
+        with pytest.raises(RuntimeError), conn.transaction():
+            conn.execute("INSERT INTO orders VALUES (1, 100)")
+            outbox.publish(conn, type="order.placed", key="order-1", payload={})
+            raise RuntimeError("business rule failed after publishing")
+        assert stored(shop) == []
+
+        # An event belongs to the (sub)transaction it was published in.
+        with conn.transaction():
+            conn.execute("INSERT INTO orders VALUES (2, 200)")
+            kept = outbox.publish(conn, type="order.placed", key="order-2", payload={})
+            with pytest.raises(RuntimeError), conn.transaction():
+                outbox.publish(conn, type="order.discounted", key="order-2", payload={})
+                raise RuntimeError("roll back the savepoint only")
+    assert [e["id"] for e in stored(shop)] == [kept.id]
+    assert orders(shop) == [2]
+
+
+def test_connection_lost_before_commit_leaves_nothing(shop: str, outbox: Outbox, pg_server: Any) -> None:
+    with psycopg.connect(shop) as conn:
+        conn.execute("INSERT INTO orders VALUES (1, 100)")
+        outbox.publish(conn, type="order.placed", key="order-1", payload={})
+        with pg_server.admin() as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+        with pytest.raises(psycopg.OperationalError):
+            conn.commit()
+    assert stored(shop) == [] and orders(shop) == []
+
+
+def test_psycopg_async(shop: str, outbox: Outbox) -> None:
+    async def main() -> list[Published]:
+        async with await psycopg.AsyncConnection.connect(shop) as conn:
+            await conn.execute("INSERT INTO orders VALUES (1, 100)")
+            await outbox.apublish(conn, type="order.placed", key="order-1", payload={})
+            await conn.rollback()
+            assert stored(shop) == []
+
+            await conn.execute("INSERT INTO orders VALUES (2, 200)")
+            one = await outbox.apublish(conn, type="order.placed", key="order-2", payload={}, idempotency_key="o2")
+            async with conn.cursor() as cur:
+                many = await outbox.apublish_many(cur, [
+                    {"type": "order.paid", "key": "order-2", "payload": {}},
+                    {"type": "order.placed", "key": "order-2", "payload": {}, "idempotency_key": "o2"},
+                ])
+            with pytest.raises(InvalidEvent, match="key"):
+                await outbox.apublish(conn, type="order.paid", key="", payload={})
+            await conn.commit()
+            return [one, *many]
+
+    one, paid, again = asyncio.run(main())
+    assert [e["id"] for e in stored(shop)] == [one.id, paid.id]
+    assert orders(shop) == [2]
+    assert again == Published(one.id, False)
+
+
+def test_sqlalchemy_connection(shop: str, outbox: Outbox) -> None:
+    with sync_engine(shop) as engine, engine.connect() as conn:
+        with conn.begin():
+            conn.execute(text("INSERT INTO orders VALUES (1, 100)"))
+            outbox.publish(conn, type="order.placed", key="order-1", payload={})
+            conn.rollback()
+        assert stored(shop) == []
+
+        with pytest.raises(RuntimeError), conn.begin():
+            outbox.publish(conn, type="order.placed", key="order-1", payload={})
+            raise RuntimeError("rolled back by the context manager")
+        assert stored(shop) == []
+
+        with conn.begin():
+            conn.execute(text("INSERT INTO orders VALUES (2, 200)"))
+            p = outbox.publish(conn, type="order.placed", key="order-2", payload={"n": 1}, idempotency_key="k")
+            again = outbox.publish(conn, type="order.placed", key="order-2", payload={"n": 2}, idempotency_key="k")
+    (event,) = stored(shop)
+    assert p == Published(event["id"], True) and again == Published(event["id"], False)
+    assert event["payload"] == {"n": 1}
+    assert orders(shop) == [2]
+
+
+def test_sqlalchemy_session(shop: str, outbox: Outbox) -> None:
+    with sync_engine(shop) as engine, Session(engine) as session:
+        session.execute(text("INSERT INTO orders VALUES (1, 100)"))
+        outbox.publish(session, type="order.placed", key="order-1", payload={})
+        session.rollback()
+        assert stored(shop) == []
+
+        with session.begin():
+            session.execute(text("INSERT INTO orders VALUES (2, 200)"))
+            (p,) = outbox.publish_many(session, [{"type": "order.placed", "key": "order-2", "payload": {}}])
+    assert [e["id"] for e in stored(shop)] == [p.id]
+    assert orders(shop) == [2]
+
+
+def test_sqlalchemy_async(shop: str, outbox: Outbox) -> None:
+    pytest.importorskip("greenlet", reason="SQLAlchemy's asyncio layer needs greenlet (sqlalchemy[asyncio])")
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    async def main() -> tuple[Published, Published]:
+        engine = create_async_engine(sqlalchemy_url(shop), poolclass=NullPool)
+        try:
+            async with engine.connect() as conn:
+                await conn.execute(text("INSERT INTO orders VALUES (1, 100)"))
+                await outbox.apublish(conn, type="order.placed", key="order-1", payload={})
+                await conn.rollback()
+                assert stored(shop) == []
+                async with conn.begin():
+                    await conn.execute(text("INSERT INTO orders VALUES (2, 200)"))
+                    by_conn = await outbox.apublish(conn, type="order.placed", key="order-2", payload={})
+            async with AsyncSession(engine) as session:
+                await outbox.apublish(session, type="order.placed", key="order-3", payload={})
+                await session.rollback()
+                async with session.begin():
+                    await session.execute(text("INSERT INTO orders VALUES (4, 400)"))
+                    by_session = await outbox.apublish(session, type="order.placed", key="order-4", payload={})
+            return by_conn, by_session
+        finally:
+            await engine.dispose()
+
+    by_conn, by_session = asyncio.run(main())
+    assert [e["id"] for e in stored(shop)] == [by_conn.id, by_session.id]
+    assert orders(shop) == [2, 4]
+
+
+# -- G2: one idempotency key, one event, and the caller learns which -------------------------
+
+
+def test_same_key_in_separate_transactions(dsn: str, outbox: Outbox) -> None:
+    with psycopg.connect(dsn) as conn:
+        first = outbox.publish(conn, type="payment.captured", key="pay-1", payload={"try": 1}, idempotency_key="cap-1")
+        conn.commit()
+        retry = outbox.publish(conn, type="payment.captured", key="pay-1", payload={"try": 2}, idempotency_key="cap-1")
+        conn.commit()
+    (event,) = stored(dsn)
+    assert first == Published(event["id"], True)
+    assert retry == Published(event["id"], False)
+    assert event["payload"] == {"try": 1}, "the first event stands; a retry changes nothing"
+
+
+def test_same_key_twice_in_one_batch(dsn: str, outbox: Outbox) -> None:
+    with psycopg.connect(dsn) as conn:
+        before = outbox.publish(conn, type="t", key="a", payload=0, idempotency_key="old")
+        results = outbox.publish_many(conn, [
+            {"type": "t", "key": "a", "payload": 1, "idempotency_key": "dup"},
+            {"type": "t", "key": "b", "payload": 2},
+            {"type": "t", "key": "a", "payload": 3, "idempotency_key": "dup"},
+            {"type": "t", "key": "a", "payload": 4, "idempotency_key": "old"},
+            {"type": "t", "key": "c", "payload": 5, "idempotency_key": "new"},
+        ])
+        conn.commit()
+    events = stored(dsn)
+    by_id = {e["id"]: e for e in events}
+    assert [e["payload"] for e in events] == [0, 1, 2, 5]
+    assert [r.created for r in results] == [True, True, False, False, True]
+    assert results[2].id == results[0].id and by_id[results[0].id]["payload"] == 1
+    assert results[3].id == before.id
+    assert by_id[results[4].id]["idempotency_key"] == "new"
+
+
+@pytest.mark.parametrize("idempotency_key", ["same-object", None])
+def test_same_event_object_twice_in_one_batch(dsn: str, outbox: Outbox, idempotency_key: str | None) -> None:
+    event = make_event(type="t", key="k", topic=TOPIC, payload={}, idempotency_key=idempotency_key)
+    with psycopg.connect(dsn) as conn:
+        results = outbox.publish_many(conn, [event, event])
+        conn.commit()
+    assert [e["id"] for e in stored(dsn)] == [event.id]
+    assert results == [Published(event.id, True), Published(event.id, False)]
+
+
+def test_two_different_events_with_one_id_are_refused(dsn: str, outbox: Outbox) -> None:
+    a = make_event(type="t", key="k", topic=TOPIC, payload=1)
+    b = make_event(type="t", key="k", topic=TOPIC, payload=2, id=a.id)
+    with psycopg.connect(dsn) as conn:
+        with pytest.raises(InvalidEvent, match=str(a.id)):
+            outbox.publish_many(conn, [a, b])
+        assert conn.info.transaction_status != pq.TransactionStatus.INERROR
+        conn.commit()
+    assert stored(dsn) == []
+
+
+def _second_psycopg(dsn: str, outbox: Outbox, pids: queue.Queue[int]) -> Published:
+    with psycopg.connect(dsn) as conn:
+        pids.put(conn.info.backend_pid)
+        p = outbox.publish(conn, type="t", key="k", payload="second", idempotency_key="K")
+        conn.commit()
+        return p
+
+
+def _second_psycopg_async(dsn: str, outbox: Outbox, pids: queue.Queue[int]) -> Published:
+    async def main() -> Published:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            pids.put(conn.info.backend_pid)
+            p = await outbox.apublish(conn, type="t", key="k", payload="second", idempotency_key="K")
+            await conn.commit()
+            return p
+
+    return asyncio.run(main())
+
+
+def _second_sqlalchemy(dsn: str, outbox: Outbox, pids: queue.Queue[int]) -> Published:
+    with sync_engine(dsn) as engine, engine.begin() as conn:
+        pids.put(int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()))
+        return outbox.publish(conn, type="t", key="k", payload="second", idempotency_key="K")
+
+
+SECOND_PRODUCERS: dict[str, Callable[[str, Outbox, queue.Queue[int]], Published]] = {
+    "psycopg": _second_psycopg,
+    "psycopg-async": _second_psycopg_async,
+    "sqlalchemy": _second_sqlalchemy,
+}
+
+
+@pytest.mark.parametrize("second", list(SECOND_PRODUCERS))
+@pytest.mark.parametrize("first_outcome", ["commit", "rollback"])
+def test_concurrent_producers_with_one_key(dsn: str, outbox: Outbox, pg_server: Any, second: str,
+                                           first_outcome: str) -> None:
+    pids: queue.Queue[int] = queue.Queue()
+    result: list[Published] = []
+    errors: list[BaseException] = []
+
+    def run_second() -> None:
+        try:
+            result.append(SECOND_PRODUCERS[second](dsn, outbox, pids))
+        except BaseException as exc:
+            errors.append(exc)
+
+    with psycopg.connect(dsn) as first_conn:
+        first = outbox.publish(first_conn, type="t", key="k", payload="first", idempotency_key="K")
+        thread = threading.Thread(target=run_second)
+        thread.start()
+        try:
+            pid = pids.get(timeout=10)
+
+            def second_waits_for_first() -> bool:
+                with pg_server.admin() as admin:
+                    row = admin.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                                        (pid,)).fetchone()
+                return row is not None and row[0] == "Lock"
+
+            wait_until(second_waits_for_first, 10, message="the second producer to wait on the first")
+            assert thread.is_alive() and not result
+        finally:
+            if first_outcome == "commit":
+                first_conn.commit()
+            else:
+                first_conn.rollback()
+            thread.join(30)
+    assert not errors, errors
+    (p,) = result
+    (event,) = stored(dsn)
+    if first_outcome == "commit":
+        assert p == Published(first.id, False)
+        assert event["payload"] == "first"
+    else:
+        assert p.created and p.id != first.id
+        assert event["id"] == p.id and event["payload"] == "second"
+
+
+# -- batches ------------------------------------------------------------------------------
+
+
+def test_publish_many_is_one_statement_in_input_order(dsn: str, outbox: Outbox) -> None:
+    events = [make_event(type="t", key=f"key-{i % 37}", topic=TOPIC, payload={"i": i},
+                         idempotency_key=f"idem-{i - 7}" if i % 10 == 7 else f"idem-{i}")
+              for i in range(1000)]
+    with counting_connection(dsn) as conn:
+        results = outbox.publish_many(conn, events)
+        assert len(conn.statements) == 1  # type: ignore[attr-defined]
+        conn.commit()
+    rows = stored(dsn)
+    # Every tenth event repeats the key of the event 7 before it: one row, reported as not created.
+    created = [e for e, r in zip(events, results, strict=True) if r.created]
+    assert len(created) == 900 == len(rows)
+    assert [r["id"] for r in rows] == [e.id for e in created], "seq must follow the input order"
+    assert len({r["xid"] for r in rows}) == 1
+    assert [r.id for r in results[7::10]] == [e.id for e in events[0::10]]
+
+
+# -- bad input: a clear error naming the problem, before anything is written ------------------
+
+BAD_INPUT: dict[str, tuple[dict[str, Any], str]] = {
+    "payload with a set": ({"payload": {"tags": {"a", "b"}}}, "payload"),
+    "payload with NaN": ({"payload": {"amount": math.nan}}, "payload"),
+    "payload with a NUL": ({"payload": {"note": "a\x00b"}}, "payload"),
+    "payload with a lone surrogate": ({"payload": "\ud800"}, "payload"),
+    "empty key": ({"key": ""}, "key"),
+    "key over 1024 bytes": ({"key": "é" * 513}, "key"),
+    "key with a NUL": ({"key": "a\x00b"}, "key"),
+    "missing topic": ({"topic": None, "_no_default": True}, "topic"),
+    "invalid topic": ({"topic": "orders and more!"}, "topic"),
+    "empty type": ({"type": ""}, "type"),
+    "type with a NUL": ({"type": "a\x00"}, "type"),
+    "header that is not text": ({"headers": {"n": 1}}, "headers"),
+    "header with a NUL": ({"headers": {"n": "\x00"}}, "headers"),
+    "empty idempotency key": ({"idempotency_key": ""}, "idempotency_key"),
+    "unknown field": ({"colour": "red"}, "colour"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_refused_before_anything_is_written(dsn: str, case: str) -> None:
+    change, field = BAD_INPUT[case]
+    change = dict(change)
+    outbox = Outbox(default_topic=None if change.pop("_no_default", False) else TOPIC)
+    bad = {"type": "t", "key": "k", "payload": {}, **change}
+    with counting_connection(dsn) as conn:
+        accepted = outbox.publish(conn, type="t", key="k", topic=TOPIC, payload="accepted")
+        sent = len(conn.statements)  # type: ignore[attr-defined]
+        with pytest.raises(InvalidEvent) as info:
+            outbox.publish(conn, **bad)
+        assert field in str(info.value)
+        with pytest.raises(InvalidEvent):
+            outbox.publish_many(conn, [{"type": "t", "key": "k", "topic": TOPIC, "payload": "in the batch"}, bad])
+        assert len(conn.statements) == sent, "nothing may reach the database"  # type: ignore[attr-defined]
+        assert conn.info.transaction_status == pq.TransactionStatus.INTRANS
+        after = outbox.publish(conn, type="t", key="k", topic=TOPIC, payload="after")
+        conn.commit()
+    assert [e["id"] for e in stored(dsn)] == [accepted.id, after.id]
+
+
+def test_limits_agree_with_the_database(dsn: str, outbox: Outbox) -> None:
+    # The largest key Python accepts is one the CHECK constraint accepts (bytes, not characters).
+    key = "é" * 512
+    with psycopg.connect(dsn) as conn:
+        outbox.publish(conn, type="t", key=key, payload="\\u0000 is text here, not a NUL")
+        conn.commit()
+    (event,) = stored(dsn)
+    assert event["partition_key"] == key
+    assert event["payload"] == "\\u0000 is text here, not a NUL"
+

@@ -1,0 +1,72 @@
+"""Plan regression: the relay's read (fetch_events) stays an index range scan per leased bucket.
+
+With a couple of hundred thousand stored events, most of them delivered history to the left of the
+cursors, the read must walk ``events_position`` from each cursor (no sequential scan, no sort, no
+bitmap scan of the whole bucket), with the custom plans the relay's connections use.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+
+from outbox_relay import store
+from outbox_relay.sqlfiles import query
+from tests.integration.relay_helpers import SINK
+
+ROWS = 200_000
+LEASED = list(range(0, 256, 4))  # 64 buckets
+LIMIT = 16
+PENDING_PER_BUCKET = 20  # each cursor sits this many events before the end of its bucket
+
+
+def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+def test_fetch_events_walks_events_position_from_each_cursor(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for start in range(0, ROWS, 20_000):  # 10 transactions: 10 distinct xids
+            conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "
+                         "SELECT 'key-' || (g %% 5000), 'bulk', jsonb_build_object('g', g) "
+                         "FROM generate_series(%s::int, %s::int) AS g", (start, start + 19_999))
+        conn.execute("VACUUM ANALYZE outbox.events")
+        store.register_sink(conn, SINK, "projection")
+        assert len(store.acquire_leases(conn, SINK, "w", LEASED, 600.0)) == len(LEASED)
+        conn.execute("""
+            UPDATE outbox.cursors c SET position_xid = s.xid, position_seq = s.seq
+            FROM (SELECT bucket, xid, seq,
+                         count(*) OVER (PARTITION BY bucket) - row_number() OVER (PARTITION BY bucket
+                                                                                   ORDER BY xid, seq) AS after
+                  FROM outbox.events) s
+            WHERE c.sink = %s AND c.bucket = s.bucket AND s.after = %s""", (SINK, PENDING_PER_BUCKET))
+        conn.execute("SET plan_cache_mode = force_custom_plan")  # as the relay's pool does
+        params = {"sink": SINK, "worker": "w", "buckets": LEASED, "limits": [LIMIT] * len(LEASED)}
+        sql = query("relay", "fetch_events")
+        row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchone()
+        assert row is not None
+        doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
+        root = doc[0]["Plan"]
+        # The same statement as the relay runs it returns what the plan promises.
+        events, _ = store.fetch_events(conn, SINK, "w", {b: LIMIT for b in LEASED})
+
+    all_nodes = list(nodes(root))
+    on_events = [n for n in all_nodes if n.get("Relation Name") == "events"]
+    assert on_events, json.dumps(root, indent=1)
+    kinds = {(n["Node Type"], n.get("Index Name")) for n in on_events}
+    assert kinds == {("Index Scan", "events_position")} or kinds == {("Index Only Scan", "events_position")}, kinds
+    assert not [n for n in all_nodes if n["Node Type"] in ("Seq Scan", "Bitmap Heap Scan")
+                and n.get("Relation Name") == "events"], "the read scans the events table"
+    assert not [n for n in all_nodes if n["Node Type"] in ("Sort", "Incremental Sort")
+                and any(c.get("Relation Name") == "events" for c in nodes(n))], "the read sorts events"
+    scan = on_events[0]
+    assert scan["Actual Loops"] == len(LEASED), "one index range per leased bucket"
+    assert scan.get("Rows Removed by Filter", 0) <= len(LEASED), "history before the cursor must not be read"
+    assert root["Actual Rows"] == len(events) == LIMIT * len(LEASED)
+    touched = root.get("Shared Hit Blocks", 0) + root.get("Shared Read Blocks", 0)
+    assert touched < 40 * len(LEASED), f"{touched} buffers for {len(events)} rows: the read is not a range scan"

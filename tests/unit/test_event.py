@@ -1,0 +1,111 @@
+"""The event envelope: uuid7 ids and validation that names the field."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+
+import pytest
+
+from outbox_relay import errors, event
+from outbox_relay.errors import InvalidEvent, OutboxError
+from outbox_relay.event import MAX_KEY_BYTES, Event, make_event, uuid7
+from outbox_relay.publish import Outbox
+
+
+def test_uuid7_version_variant_and_timestamp() -> None:
+    before = time.time_ns() // 1_000_000
+    u = uuid7()
+    after = time.time_ns() // 1_000_000
+    assert u.version == 7
+    assert u.variant == uuid.RFC_4122
+    assert before <= u.int >> 80 <= after  # the top 48 bits are the Unix time in milliseconds
+
+
+def test_uuid7_orders_by_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter(range(1_700_000_000_000_000_000, 1_700_000_000_100_000_000, 1_000_000))  # +1 ms per call
+    monkeypatch.setattr(event.time, "time_ns", lambda: next(clock))
+    ids = [uuid7() for _ in range(100)]
+    assert ids == sorted(ids)
+    assert len({u.int >> 80 for u in ids}) == 100
+
+
+def test_uuid7_random_part_differs_within_a_millisecond(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(event.time, "time_ns", lambda: 1_700_000_000_000_000_000)
+    ids = {uuid7() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(u.version == 7 and u.variant == uuid.RFC_4122 for u in ids)
+
+
+def test_events_get_distinct_ids_by_default() -> None:
+    a, b = (make_event(type="t", key="k", payload=None) for _ in range(2))
+    assert a.id != b.id and a.id.version == 7
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"type": ""}, "type"),
+    ({"type": "x" * 256}, "type"),
+    ({"key": ""}, "key"),
+    ({"key": "é" * (MAX_KEY_BYTES // 2 + 1)}, "key"),
+    ({"key": 42}, "key"),
+    ({"topic": "no spaces"}, "topic"),
+    ({"topic": "x" * 250}, "topic"),
+    ({"headers": {"h": 1}}, "headers.h"),
+    ({"idempotency_key": ""}, "idempotency_key"),
+    ({"idempotency_key": "k" * 513}, "idempotency_key"),
+    ({"id": "not-a-uuid"}, "id"),
+    ({"time": "yesterday"}, "time"),
+    ({"color": "red"}, "color"),
+])
+def test_validation_names_the_field(fields: dict[str, object], named: str) -> None:
+    with pytest.raises(InvalidEvent) as info:
+        make_event(**{"type": "t", "key": "k", "payload": {}, **fields})
+    assert f"{named}:" in str(info.value)
+
+
+def test_missing_required_fields_are_named() -> None:
+    with pytest.raises(InvalidEvent) as info:
+        make_event(payload={})
+    assert "type:" in str(info.value) and "key:" in str(info.value)
+
+
+def test_key_limit_counts_bytes() -> None:
+    assert make_event(type="t", key="é" * (MAX_KEY_BYTES // 2), payload=0).key  # exactly 1024 bytes
+    assert make_event(type="t", key="k" * MAX_KEY_BYTES, payload=0).key
+    with pytest.raises(InvalidEvent, match="1025 bytes"):
+        make_event(type="t", key="k" * (MAX_KEY_BYTES + 1), payload=0)
+
+
+@pytest.mark.parametrize("payload", [{"tags": {1, 2}}, {"x": math.nan}, [math.inf], {"when": object()}])
+def test_payload_must_be_json(payload: object) -> None:
+    e = make_event(type="order.placed", key="order-7", payload=payload)
+    with pytest.raises(InvalidEvent, match="payload") as info:
+        e.payload_json()
+    assert "order-7" in str(info.value)
+
+
+def test_payload_json_is_compact_and_keeps_unicode() -> None:
+    e = make_event(type="t", key="k", payload={"name": "Zoë", "n": [1, 2]})
+    assert e.payload_json() == '{"name":"Zoë","n":[1,2]}'
+
+
+def test_outbox_requires_a_topic() -> None:
+    with pytest.raises(InvalidEvent, match="topic"):
+        Outbox().event(type="t", key="k", payload={})
+    assert Outbox(default_topic="orders").event(type="t", key="k", payload={}).topic == "orders"
+    assert Outbox(default_topic="orders").event(type="t", key="k", payload={}, topic="audit").topic == "audit"
+
+
+def test_events_are_immutable() -> None:
+    e = make_event(type="t", key="k", payload={})
+    with pytest.raises(Exception):  # noqa: B017 - pydantic's frozen error type is an implementation detail
+        e.key = "other"  # type: ignore[misc]
+    assert isinstance(e, Event)
+
+
+def test_invalid_event_is_a_value_error_and_an_outbox_error() -> None:
+    assert issubclass(InvalidEvent, ValueError) and issubclass(InvalidEvent, OutboxError)
+    assert all(issubclass(getattr(errors, name), OutboxError)
+               for name in dir(errors) if name[0].isupper() and isinstance(getattr(errors, name), type)
+               and issubclass(getattr(errors, name), Exception))
