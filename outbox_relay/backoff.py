@@ -13,5 +13,6 @@ class Backoff:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after the given (1-based) failed attempt: uniform in [d/2, d]."""
-        ceiling = min(self.cap, self.base * 2.0 ** max(0, attempt - 1))
+        # Clamp the exponent: 2.0 ** 1024 overflows a float long before the cap would apply.
+        ceiling = min(self.cap, self.base * 2.0 ** min(max(0, attempt - 1), 64))
         return ceiling / 2 + random.random() * ceiling / 2

@@ -7,7 +7,9 @@ import re
 # URL form (postgresql://user:secret@host) and keyword form (password=secret).
 _URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@\s]*@", re.IGNORECASE)
 _KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-_SECRET_OPTION = re.compile(r"(sasl\.password|ssl\.key\.password|sasl\.oauthbearer\.client\.secret)", re.I)
+# librdkafka options that hold a secret: every *password*, *secret*, inline PEM keys and the
+# OAUTHBEARER config string (it may carry credentials). Certificates and paths are not secret.
+_SECRET_OPTION = re.compile(r".*(password|secret).*|ssl\.key\.pem|ssl_key\.pem|sasl\.oauthbearer\.config", re.I)
 
 
 def redact(text: str) -> str:

@@ -4,22 +4,31 @@ No SQL here (store.py has it). Per key, events go out in position order; a faili
 parks its key (only that key waits), retries with backoff and ends in dead letters after
 ``max_attempts``. Every checkpoint is fenced: a worker that lost a bucket writes nothing
 there.
+
+Crash-loop isolation: an event that kills the process (or stalls it past its lease) never
+reports a failure, so it is found another way. A bucket whose lease lapsed ``max_lapses``
+times with work pending is a suspect. Its next owner delivers it one event at a time, each
+attempt counted in ``outbox.parked`` *before* it is made and made alone in the process (the
+``DeliveryGate``), so a crash during it can only be that event's doing and counts as a
+failed attempt; past ``max_attempts`` the event is dead-lettered like any other. After
+each survived probe the bucket's batch size doubles until it is back to normal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from psycopg_pool import ConnectionPool
 
 from . import store
 from .backoff import Backoff
 from .settings import RelaySettings
-from .sink import Aborted, Failure, Outcomes, Sink
+from .sink import Aborted, Outcomes, Sink
 from .store import Checkpoint, Conn, StoredEvent
 
 log = logging.getLogger("outbox_relay.relay")
@@ -27,30 +36,29 @@ log = logging.getLogger("outbox_relay.relay")
 MIN_BUCKET_LIMIT = 8
 PARKED_KEYS_PER_PASS = 256
 PARKED_PER_KEY = 100
+# Steps of one probe that deliver nothing (queueing behind a parked key, dead-lettering an
+# exhausted event) before it gives the loop back.
+PROBE_QUIET_STEPS = 100
+CRASH_ERROR = ("the relay stopped while delivering this event alone (process crash, kill, or stall past the "
+               "lease); counted as a failed attempt")
 
 
 class Leases:
-    """The buckets a runner holds. The runner acquires and releases; the membership thread renews
-    and may mark buckets lost. Guarded by one lock because both threads touch it."""
+    """The buckets a runner holds, bucket -> fence. The runner acquires and releases; the
+    membership thread renews and may drop lost buckets. Guarded by one lock because both
+    threads touch it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._fences: dict[int, int] = {}
-        self._lapses: dict[int, int] = {}
 
     def snapshot(self) -> dict[int, int]:
         with self._lock:
             return dict(self._fences)
 
-    def lapses(self, bucket: int) -> int:
+    def add(self, fences: dict[int, int]) -> None:
         with self._lock:
-            return self._lapses.get(bucket, 0)
-
-    def add(self, acquired: dict[int, tuple[int, int]]) -> None:
-        with self._lock:
-            for bucket, (fence, lapses) in acquired.items():
-                self._fences[bucket] = fence
-                self._lapses[bucket] = lapses
+            self._fences.update(fences)
 
     def drop(self, buckets: Iterable[int], fences: dict[int, int] | None = None) -> None:
         """Forget buckets (only if still under the given fences, when given)."""
@@ -58,40 +66,82 @@ class Leases:
             for b in buckets:
                 if fences is None or self._fences.get(b) == fences.get(b):
                     self._fences.pop(b, None)
-                    self._lapses.pop(b, None)
-
-    def reset_lapses(self, buckets: set[int]) -> None:
-        with self._lock:
-            for b in buckets:
-                if b in self._lapses:
-                    self._lapses[b] = 0
 
 
-def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int, int], *, parked: bool,
+class DeliveryGate:
+    """Admission to delivery, shared by every runner of a process. Batches share it; an
+    isolation probe holds it alone, so that a crash during a probe can only be the probed
+    event's doing, whichever sink's runner made it. Waiting probes hold new batches back."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self, abort: threading.Event) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._waiting:
+                self._wait(abort)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self, abort: threading.Event) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._exclusive or self._shared:
+                    self._wait(abort)
+            finally:
+                self._waiting -= 1
+                self._cond.notify_all()
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+    def _wait(self, abort: threading.Event) -> None:
+        if abort.is_set():
+            raise Aborted()
+        self._cond.wait(0.1)
+
+
+def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int, int], *,
              max_attempts: int, backoff: Backoff) -> Checkpoint:
     """Turn per-event outcomes into a checkpoint that keeps per-key order.
 
     Walks each key in position order: delivered events are done; the first failure parks the
     key (or dead-letters the event if it can never succeed or has no attempts left, which
-    unblocks the key); everything behind a parked head is parked behind it.
+    unblocks the key); everything behind a parked head is parked behind it. Events read from
+    the park stay there unless delivered or dead-lettered.
     """
     cp = Checkpoint(fences=fences)
     stuck: set[str] = set()  # keys whose head is parked in this batch
     for e in events:
-        outcome = outcomes.get(e.id, Failure("not attempted"))
-        if e.blocked or e.key in stuck or (e.id not in outcomes):
+        if e.blocked or e.key in stuck or e.id not in outcomes:
             stuck.add(e.key)
-            if not parked:  # already parked events simply stay where they are
+            if not e.parked:
                 cp.park.append((e, e.attempts, 0.0, None))
             continue
+        outcome = outcomes[e.id]
         if outcome is None:
-            if parked:
+            if e.parked:
                 cp.done.append(e)
             continue
         attempts = e.attempts + 1
         if not outcome.retriable or attempts >= max_attempts:
             cp.dead.append((e, attempts, outcome.error))
-            if parked:
+            if e.parked:
                 cp.done.append(e)
         else:
             cp.park.append((e, attempts, backoff.delay(attempts), outcome.error))
@@ -103,17 +153,20 @@ class SinkRunner:
     """Runs one sink in its own thread. ``desired`` is set by the membership thread."""
 
     def __init__(self, sink: Sink, pool: ConnectionPool[Conn], settings: RelaySettings,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, gate: DeliveryGate | None = None) -> None:
         self.sink = sink
         self.pool = pool
         self.settings = settings
         self.worker = settings.worker_id
         self.wake = threading.Event()  # set by the listener, ring changes and stop requests
         self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
+        self.gate = gate or DeliveryGate()
         self.leases = Leases()
         self.desired: set[int] | None = None  # None until the first ring is known
         self.draining = threading.Event()  # stop claiming, finish the batch, release, exit
         self.abort = threading.Event()  # hard stop: drop the batch in flight
+        # Runner thread only:
+        self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
         self._saturated: set[int] = set()
         self._check_parked_at = 0.0
         self._rotation = 0
@@ -141,15 +194,24 @@ class SinkRunner:
         self._release_all()
 
     def run_once(self) -> int:
-        """One cycle: rebalance leases, retry due parked keys, deliver new events. Returns events handled."""
+        """One cycle: rebalance leases, probe suspects, retry due parked keys, deliver new events.
+
+        Returns the number of events handled."""
         self.rebalance()
         held = self.leases.snapshot()
         if not held:
             return 0
         handled = 0
-        if time.monotonic() >= self._check_parked_at:
-            handled += self._retry_parked(held)
-        handled += self._deliver_new(held)
+        normal = {}
+        for b, fence in held.items():
+            if self._ramp.get(b):
+                handled += self._probe(b, fence, len(held))
+            else:
+                normal[b] = fence
+        if normal:
+            if time.monotonic() >= self._check_parked_at:
+                handled += self._retry_parked(normal)
+            handled += self._deliver_new(normal)
         return handled
 
     # -- leases ----------------------------------------------------------------------------
@@ -170,9 +232,16 @@ class SinkRunner:
                 acquired = store.acquire_leases(conn, self.sink.name, self.worker, wanted,
                                                 self.settings.lease_seconds)
                 if acquired:
-                    self.leases.add(acquired)
+                    self.leases.add({b: fence for b, (fence, _) in acquired.items()})
+                    suspects = sorted(b for b, (_, lapses) in acquired.items()
+                                      if lapses >= self.settings.max_lapses)
+                    self._ramp.update({b: 1 if b in suspects else 0 for b in acquired})
                     self._check_parked_at = 0.0  # new buckets may come with parked keys
                     log.info("sink %s: acquired %d buckets", self.sink.name, len(acquired))
+                    if suspects:
+                        log.warning("sink %s: buckets %s lapsed %d+ times with work pending (a crash loop?): "
+                                    "delivering them one event at a time", self.sink.name, suspects,
+                                    self.settings.max_lapses)
 
     def renew(self) -> None:
         """Called by the membership thread: extend every lease, forget the lost ones."""
@@ -200,22 +269,18 @@ class SinkRunner:
 
     # -- delivery --------------------------------------------------------------------------
 
+    def _bucket_limit(self, buckets: int) -> int:
+        return max(MIN_BUCKET_LIMIT, self.settings.batch_size // max(1, buckets))
+
     def _limits(self, held: dict[int, int]) -> dict[int, int]:
         """Per-bucket read limits, in a rotating order: busy buckets share the batch budget."""
-        batch = self.settings.batch_size
-        base = max(MIN_BUCKET_LIMIT, batch // max(1, len(held)))
+        base = self._bucket_limit(len(held))
         busy = self._saturated & held.keys()
-        hot = max(base, batch // max(1, len(busy)))
+        hot = max(base, self.settings.batch_size // max(1, len(busy)))
         order = sorted(held)
         self._rotation = (self._rotation + 1) % len(order)
         order = order[self._rotation:] + order[: self._rotation]
-        limits = {}
-        for b in order:
-            if self.leases.lapses(b) >= self.settings.max_lapses:
-                limits[b] = 1  # crash-loop suspect: one event at a time
-            else:
-                limits[b] = hot if b in busy else base
-        return limits
+        return {b: hot if b in busy else base for b in order}
 
     def _deliver_new(self, held: dict[int, int]) -> int:
         limits = self._limits(held)
@@ -224,33 +289,16 @@ class SinkRunner:
         if not events:
             self._saturated = set()
             return 0
+        assert horizon is not None
         by_bucket: dict[int, list[StoredEvent]] = defaultdict(list)
         for e in events:
             by_bucket[e.bucket].append(e)
         self._saturated = {b for b, evs in by_bucket.items() if len(evs) >= limits[b]}
-        assert horizon is not None
-        # A full bucket may have more: advance to its last row. Otherwise everything below
-        # the horizon was read, so the cursor may jump to it.
-        advance = {b: (evs[-1].position if b in self._saturated else (horizon, 0)) for b, evs in by_bucket.items()}
-        forced: Outcomes = {}
-        for b, evs in by_bucket.items():
-            lapses = self.leases.lapses(b)
-            if lapses >= 2 * self.settings.max_lapses and not evs[0].blocked:
-                forced[evs[0].id] = Failure(
-                    f"the lease lapsed {lapses} times while this event was being delivered "
-                    "(a worker crashed or stalled on it); isolated as poison", retriable=False)
-        fences = {b: held[b] for b in by_bucket}
+        advance = {b: _next_position(evs, limits[b], horizon) for b, evs in by_bucket.items()}
         if any(e.blocked for e in events):
             self._check_parked_at = 0.0
-        to_send = [e for e in events if not e.blocked and e.id not in forced]
-
-        def commit(outcomes: Outcomes, tx: Conn | None) -> set[int]:
-            cp = classify(events, {**outcomes, **forced}, fences, parked=False,
-                          max_attempts=self.settings.max_attempts, backoff=self.backoff)
-            cp.advance = advance
-            return self._write(cp, tx)
-
-        self.sink.deliver(to_send, fences, commit, self.abort)
+        fences = {b: held[b] for b in by_bucket}
+        self._run_batch(events, fences, advance, resets=set(fences))
         return len(events)
 
     def _retry_parked(self, held: dict[int, int]) -> int:
@@ -260,14 +308,85 @@ class SinkRunner:
             self._check_parked_at = time.monotonic() + self.settings.poll_seconds
             return 0
         fences = {e.bucket: held[e.bucket] for e in events}
+        self._run_batch(events, fences, {}, resets=set(fences))
+        return len(events)
+
+    def _run_batch(self, events: Sequence[StoredEvent], fences: dict[int, int],
+                   advance: dict[int, tuple[int, int]], resets: set[int], alone: bool = False) -> set[int]:
+        """Deliver a batch (``alone``: nothing else in flight in this process) and checkpoint it."""
 
         def commit(outcomes: Outcomes, tx: Conn | None) -> set[int]:
-            cp = classify(events, outcomes, fences, parked=True,
-                          max_attempts=self.settings.max_attempts, backoff=self.backoff)
+            cp = classify(events, outcomes, fences, max_attempts=self.settings.max_attempts, backoff=self.backoff)
+            cp.advance = advance
+            cp.resets = resets
             return self._write(cp, tx)
 
-        self.sink.deliver(events, fences, commit, self.abort)
-        return len(events)
+        to_send = [e for e in events if not e.blocked]
+        with (self.gate.exclusive if alone else self.gate.shared)(self.abort):
+            return self.sink.deliver(to_send, fences, commit, self.abort)
+
+    # -- crash-loop isolation --------------------------------------------------------------
+
+    def _probe(self, bucket: int, fence: int, held: int) -> int:
+        size = self._ramp[bucket]
+        if size == 1:
+            return self._probe_alone(bucket, fence)
+        with self.pool.connection() as conn:
+            parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1)
+            new, horizon = store.fetch_events(conn, self.sink.name, self.worker, {bucket: size})
+        if not parked and not new:
+            return self._probe_idle(bucket, fence)
+        advance = {bucket: _next_position(new, size, horizon)} if new and horizon is not None else {}
+        healthy = size * 2 > self._bucket_limit(held)
+        ok = self._run_batch([*parked, *new], {bucket: fence}, advance, resets={bucket} if healthy else set())
+        if bucket in ok:
+            self._ramp[bucket] = 0 if healthy else size * 2
+            if healthy:
+                log.info("sink %s: bucket %d is healthy again", self.sink.name, bucket)
+        return len(parked) + len(new)
+
+    def _probe_alone(self, bucket: int, fence: int) -> int:
+        """Deliver the bucket's next event alone, its attempt counted first."""
+        fences = {bucket: fence}
+        for _ in range(PROBE_QUIET_STEPS):
+            with self.pool.connection() as conn:
+                events = store.fetch_parked(conn, self.sink.name, [bucket], 1, 1)
+                if not events:
+                    events, _ = store.fetch_events(conn, self.sink.name, self.worker, {bucket: 1})
+            if not events:
+                return self._probe_idle(bucket, fence)
+            e = events[0]
+            cp = Checkpoint(fences=fences, advance={} if e.parked else {bucket: e.position})
+            if e.blocked:  # its key waits for a parked head: queue behind it, deliver nothing
+                cp.park.append((e, e.attempts, 0.0, None))
+                if not self._write(cp, None):
+                    return 0
+                continue
+            if e.attempts >= self.settings.max_attempts:  # crashed the relay on every attempt
+                cp.dead.append((e, e.attempts, e.last_error or CRASH_ERROR))
+                cp.done.append(e)
+                if not self._write(cp, None):
+                    return 0
+                continue
+            attempts = e.attempts + 1
+            cp.park.append((e, attempts, self.backoff.delay(attempts), CRASH_ERROR))
+            if not self._write(cp, None):
+                return 0
+            e.parked = True  # it is now; ``attempts`` stays the count before this attempt
+            if bucket in self._run_batch([e], fences, {}, resets=set(), alone=True):
+                self._ramp[bucket] = 2
+            return 1
+        return 0
+
+    def _probe_idle(self, bucket: int, fence: int) -> int:
+        """Nothing due in a suspect bucket: once nothing is parked there either, it is healthy."""
+        with self.pool.connection() as conn:
+            if store.has_parked(conn, self.sink.name, bucket):
+                return 0  # a parked retry is still to come: probe it when due
+        ok = self._write(Checkpoint(fences={bucket: fence}, resets={bucket}), None)
+        if bucket in ok:
+            self._ramp[bucket] = 0
+        return 0
 
     def _write(self, cp: Checkpoint, tx: Conn | None) -> set[int]:
         if tx is not None:
@@ -285,5 +404,12 @@ class SinkRunner:
         for e, attempts, error in cp.dead:
             log.error("sink %s: event %s (key %r, type %s) dead-lettered after %d attempts: %s",
                       self.sink.name, e.id, e.key, e.type, attempts, error)
-        self.leases.reset_lapses({b for b in ok if b in cp.advance})
         return ok
+
+
+def _next_position(events: Sequence[StoredEvent], limit: int, horizon: int | None) -> tuple[int, int]:
+    """Where a bucket's cursor goes after a read: its last row if the read was full (there may be
+    more), else the horizon (everything below it was read)."""
+    if len(events) >= limit or horizon is None:
+        return events[-1].position
+    return (horizon, 0)

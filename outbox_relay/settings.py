@@ -49,7 +49,8 @@ class RelaySettings(BaseSettings):
     max_attempts: int = Field(10, ge=1, description="attempts before an event is dead-lettered")
     backoff_base_seconds: float = Field(1.0, gt=0, description="first retry delay")
     backoff_max_seconds: float = Field(600.0, gt=0, description="retry delay cap")
-    max_lapses: int = Field(3, ge=1, description="expired leases at one position before its head is isolated")
+    max_lapses: int = Field(
+        3, ge=1, description="leases lost with work pending before a bucket is delivered one event at a time")
     drain_seconds: float = Field(30.0, gt=0, description="SIGTERM: time to finish in-flight work before releasing")
 
     # history

@@ -33,6 +33,8 @@ class StoredEvent:
     created_at: datetime
     attempts: int = 0  # failed attempts so far (parked events)
     blocked: bool = False  # an older event of this key is parked
+    parked: bool = False  # read from outbox.parked (a retry), not from past the cursor
+    last_error: str | None = None  # parked events: why the last attempt failed
 
     @property
     def position(self) -> tuple[int, int]:
@@ -56,6 +58,7 @@ class Checkpoint:
     park: list[tuple[StoredEvent, int, float, str | None]] = field(default_factory=list)  # attempts, delay, error
     done: list[StoredEvent] = field(default_factory=list)  # parked events that left the park
     dead: list[tuple[StoredEvent, int, str]] = field(default_factory=list)  # attempts, error
+    resets: set[int] = field(default_factory=set)  # buckets that proved healthy: lapses back to 0
 
     def params(self, sink: str, worker: str) -> dict[str, Any]:
         buckets = sorted(self.fences)
@@ -66,6 +69,7 @@ class Checkpoint:
             "fences": [self.fences[b] for b in buckets],
             "xids": [self.advance[b][0] if b in self.advance else None for b in buckets],
             "seqs": [self.advance[b][1] if b in self.advance else None for b in buckets],
+            "resets": [b in self.resets for b in buckets],
             "park_buckets": [e.bucket for e, *_ in self.park],
             "park_xids": [e.xid for e, *_ in self.park],
             "park_seqs": [e.seq for e, *_ in self.park],
@@ -119,7 +123,13 @@ def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_k
         query("relay", "fetch_parked"),
         {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key},
     ).fetchall()
-    return [StoredEvent(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _text(r[7]), _text(r[8]), r[9], r[10]) for r in rows]
+    return [StoredEvent(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _text(r[7]), _text(r[8]), r[9], r[10],
+                        parked=True, last_error=r[11]) for r in rows]
+
+
+def has_parked(conn: Conn, sink: str, bucket: int) -> bool:
+    row = conn.execute(query("relay", "has_parked"), {"sink": sink, "bucket": bucket}).fetchone()
+    return bool(row and row[0])
 
 
 def checkpoint(conn: Conn, sink: str, worker: str, cp: Checkpoint) -> set[int]:

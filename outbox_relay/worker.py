@@ -29,7 +29,7 @@ from .dsn import redact
 from .housekeeping import Housekeeping
 from .kafka_sink import KafkaSink
 from .migrate import check_schema
-from .relay import SinkRunner
+from .relay import DeliveryGate, SinkRunner
 from .ring import Ring
 from .settings import RelaySettings
 from .sink import Sink
@@ -69,19 +69,15 @@ class Worker:
             from .errors import ConfigurationError
 
             raise ConfigurationError("no sink to run: enable --kafka")
-        self.pool = ConnectionPool(
-            dsn, min_size=2, max_size=len(sinks) + 4, open=False, configure=_configure,
-            kwargs={"autocommit": True, "application_name": f"outbox-relay {self.id}"[:63]},
-            check=ConnectionPool.check_connection, name="outbox-relay",
-        )
-        if not self._open_pool(dsn):
-            self.pool.close()
+        self.pool = self._open_pool(dsn, max_size=len(sinks) + 4)
+        if self.pool is None:
             return False
         with self.pool.connection() as conn:
             check_schema(conn)
             for sink in sinks:
                 store.register_sink(conn, sink.name, sink.kind)
-        self.runners = [SinkRunner(sink, self.pool, s) for sink in sinks]
+        gate = DeliveryGate()  # one per process: crash-loop probes run alone across all sinks
+        self.runners = [SinkRunner(sink, self.pool, s, gate=gate) for sink in sinks]
         self._heartbeat("alive")
         self._refresh_ring()
         self._spawn("membership", self._membership_loop)
@@ -101,21 +97,27 @@ class Worker:
             sinks.append(KafkaSink(s.kafka_sink, s.kafka_producer_config(), s.default_topic, s.source))
         return sinks
 
-    def _open_pool(self, dsn: str) -> bool:
-        """Wait for the database (a relay started before it is normal in a deploy)."""
-        assert self.pool is not None
+    def _open_pool(self, dsn: str, max_size: int) -> ConnectionPool[Conn] | None:
+        """Wait for the database (a relay started before it is normal in a deploy).
+
+        None if asked to stop first. A pool whose opening timed out is closed by psycopg_pool
+        and can not be reopened, so each attempt makes a new one."""
         delay = 1.0
-        while True:
+        while not self.stopping.is_set():
+            pool: ConnectionPool[Conn] = ConnectionPool(
+                dsn, min_size=2, max_size=max_size, open=False, configure=_configure,
+                kwargs={"autocommit": True, "application_name": f"outbox-relay {self.id}"[:63]},
+                check=ConnectionPool.check_connection, name="outbox-relay",
+            )
             try:
-                self.pool.open(wait=True, timeout=min(10.0, max(delay, 2.0)))
-                return True
+                pool.open(wait=True, timeout=min(10.0, max(delay, 2.0)))
+                return pool
             except PoolTimeout:
-                if self.stopping.is_set():
-                    return False
-                log.warning("database %s is unavailable; retrying in %.0fs", redact(dsn), delay)
-                if self.stopping.wait(delay):
-                    return False
-                delay = min(delay * 2, 30.0)
+                pool.close()
+            log.warning("database %s is unavailable; retrying in %.0fs", redact(dsn), delay)
+            self.stopping.wait(delay)
+            delay = min(delay * 2, 30.0)
+        return None
 
     def run(self, install_signals: bool = True) -> None:
         """Start, then block until drained or stopped."""

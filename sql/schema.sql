@@ -145,6 +145,21 @@ CREATE TABLE outbox.dead_letters (
 CREATE INDEX dead_letters_key ON outbox.dead_letters (sink, partition_key);
 CREATE INDEX dead_letters_position ON outbox.dead_letters (bucket, xid, seq);
 
+-- 0002_crash_isolation: a lease lapse counts only when the bucket had work.
+-- Whether a bucket of a sink has something deliverable now: an event past its cursor that
+-- is below the read horizon, or a parked event whose retry is due.
+CREATE FUNCTION outbox.bucket_has_work_v1(sink text, bucket integer, position_xid xid8, position_seq bigint)
+    RETURNS boolean
+    LANGUAGE sql STABLE PARALLEL SAFE
+    RETURN EXISTS (SELECT 1 FROM outbox.events e
+                   WHERE e.bucket = bucket_has_work_v1.bucket
+                     AND (e.xid, e.seq) > (bucket_has_work_v1.position_xid, bucket_has_work_v1.position_seq)
+                     AND e.xid < pg_snapshot_xmin(pg_current_snapshot()))
+        OR EXISTS (SELECT 1 FROM outbox.parked p
+                   WHERE p.sink = bucket_has_work_v1.sink AND p.bucket = bucket_has_work_v1.bucket
+                     AND p.available_at <= clock_timestamp());
+
 -- The migrations this snapshot contains.
 INSERT INTO outbox.schema_migrations (version, name) VALUES
-    (1, 'initial');
+    (1, 'initial'),
+    (2, 'crash_isolation');

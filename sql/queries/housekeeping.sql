@@ -12,13 +12,23 @@ RETURNING id;
 
 -- name: expire_leases
 -- Free buckets whose lease ran out or whose owner is dead; the position stays, so their events
--- are read again by the next owner. Each such lapse is counted for crash-loop isolation.
+-- are read again by the next owner. A lapse with work pending is counted (crash-loop isolation).
+WITH expired AS (
+    -- Locked here so that RETURNING can name the owner the lease is taken from.
+    SELECT c.sink, c.bucket, c.owner
+    FROM outbox.cursors c
+    WHERE c.owner IS NOT NULL
+      AND (c.lease_expires_at < clock_timestamp()
+           OR c.owner IN (SELECT id FROM outbox.workers WHERE status = 'dead'))
+    FOR UPDATE
+)
 UPDATE outbox.cursors c
-SET owner = NULL, lease_expires_at = NULL, lapses = c.lapses + 1
-WHERE c.owner IS NOT NULL
-  AND (c.lease_expires_at < clock_timestamp()
-       OR c.owner IN (SELECT id FROM outbox.workers WHERE status = 'dead'))
-RETURNING c.sink, c.bucket, c.owner;
+SET owner = NULL, lease_expires_at = NULL,
+    lapses = c.lapses + CASE WHEN outbox.bucket_has_work_v1(c.sink, c.bucket, c.position_xid, c.position_seq)
+                             THEN 1 ELSE 0 END
+FROM expired x
+WHERE c.sink = x.sink AND c.bucket = x.bucket
+RETURNING c.sink, c.bucket, x.owner;
 
 -- name: forget_dead_workers
 -- Drop registry rows of workers dead for longer than the grace period.

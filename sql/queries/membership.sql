@@ -20,11 +20,13 @@ DELETE FROM outbox.workers WHERE id = %(worker)s;
 
 -- name: acquire_leases
 -- Lease free or expired buckets of one sink. Each acquisition bumps the fence; taking over an
--- expired lease counts a lapse at that position.
+-- expired lease of a bucket that had work counts a lapse (crash-loop isolation).
 UPDATE outbox.cursors c
 SET owner            = %(worker)s,
     fence            = c.fence + 1,
-    lapses           = c.lapses + CASE WHEN c.owner IS NULL THEN 0 ELSE 1 END,
+    lapses           = c.lapses + CASE WHEN c.owner IS NOT NULL
+                                        AND outbox.bucket_has_work_v1(c.sink, c.bucket, c.position_xid, c.position_seq)
+                                       THEN 1 ELSE 0 END,
     lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
 WHERE c.sink = %(sink)s
   AND c.bucket = ANY(%(buckets)s::int[])

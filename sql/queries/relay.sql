@@ -62,7 +62,7 @@ due AS (
     LIMIT %(keys)s
 )
 SELECT q.bucket, q.xid::text::bigint AS xid, q.seq, e.id, e.partition_key, e.topic, e.type,
-       e.payload::text, e.headers::text, e.created_at, q.attempts
+       e.payload::text, e.headers::text, e.created_at, q.attempts, q.last_error
 FROM due d
 CROSS JOIN LATERAL (
     SELECT * FROM outbox.parked q
@@ -72,6 +72,10 @@ CROSS JOIN LATERAL (
 ) q
 JOIN outbox.events e ON e.bucket = q.bucket AND e.xid = q.xid AND e.seq = q.seq
 ORDER BY q.bucket, q.partition_key, q.xid, q.seq;
+
+-- name: has_parked
+-- Whether any event of a bucket is parked (due or not).
+SELECT EXISTS (SELECT 1 FROM outbox.parked WHERE sink = %(sink)s AND bucket = %(bucket)s);
 
 -- name: checkpoint
 -- Commit one batch's outcome, fenced: for the buckets still leased under the same token, advance
@@ -84,10 +88,12 @@ WITH fenced AS (
                             THEN v.xid::text::xid8 ELSE c.position_xid END,
         position_seq = CASE WHEN v.xid IS NOT NULL AND (v.xid::text::xid8, v.seq) > (c.position_xid, c.position_seq)
                             THEN v.seq ELSE c.position_seq END,
-        lapses       = CASE WHEN v.xid IS NOT NULL THEN 0 ELSE c.lapses END,
+        -- The runner says when a bucket proved healthy (crash-loop isolation ends).
+        lapses       = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
         advanced_at  = clock_timestamp()
-    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(xids)s::bigint[], %(seqs)s::bigint[])
-         AS v(bucket, fence, xid, seq)
+    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(xids)s::bigint[], %(seqs)s::bigint[],
+                %(resets)s::boolean[])
+         AS v(bucket, fence, xid, seq, reset)
     WHERE c.sink = %(sink)s AND c.bucket = v.bucket
       AND c.owner = %(worker)s AND c.fence = v.fence
       AND c.lease_expires_at > clock_timestamp()

@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg_pool import ConnectionPool
 
 from outbox_relay import store
@@ -155,7 +156,7 @@ def test_expired_lease_is_freed_by_housekeeping_and_taken_over_with_the_next_fen
     assert {a.fence for a in sink_b.attempts} == {2}
     row = cursor_row(dsn, bucket)
     assert (row["owner"], row["fence"], row["lapses"]) == ("worker-b", 2, 0)
-    last = fetch_all(dsn, "SELECT max((xid::text::bigint, seq)) FROM outbox.events")[0][0]
+    last = fetch_all(dsn, "SELECT xid::text::bigint, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1")[0]
     assert (row["xid"], row["seq"]) >= (int(last[0]), int(last[1])), "the cursor passed every event"
 
     # The stuck worker wakes up: it reads and delivers nothing.
@@ -308,36 +309,97 @@ def _set_lapses(dsn: str, bucket: int, lapses: int) -> None:
         conn.execute("UPDATE outbox.cursors SET lapses = %s WHERE sink = %s AND bucket = %s", (lapses, SINK, bucket))
 
 
-def test_head_of_a_crash_looping_bucket_is_dead_lettered_as_poison(dsn: str, pool: ConnectionPool[Any]) -> None:
+def test_suspect_bucket_counts_each_attempt_before_making_it_alone(dsn: str, pool: ConnectionPool[Any]) -> None:
+    """A bucket that lapsed max_lapses times delivers its head alone, with the attempt already
+    recorded in outbox.parked: if the process dies now, the attempt counts against that event."""
     bucket, max_lapses = 5, 3
     k, other = keys_in_bucket(dsn, bucket, 2)
     head, nxt, third = publish(dsn, [(k, "t", {"n": 1}), (k, "t", {"n": 2}), (other, "t", {"n": 3})])
-    sink = RecordingSink("w")
+    seen_while_delivering: list[tuple[Any, ...]] = []
+
+    def look(e: StoredEvent, n: int) -> Failure | None:
+        seen_while_delivering.extend(fetch_all(
+            dsn, "SELECT event_id, attempts, last_error FROM outbox.parked WHERE sink = %s", (SINK,)))
+        return None
+
+    sink = RecordingSink("w", fail=look)
     runner = runner_for(sink, pool, make_settings(dsn, "w", max_lapses=max_lapses), {bucket})
-    _set_lapses(dsn, bucket, 2 * max_lapses)
-
+    _set_lapses(dsn, bucket, max_lapses)
     runner.run_once()
-    assert sink.attempts_of(head) == [], "the suspected poison event must not be handed to the sink again"
-    letters = dead_letters(dsn)
-    assert set(letters) == {head}
-    attempts, error = letters[head]
-    assert attempts == 1 and "lapsed" in error
-    assert cursor_row(dsn, bucket)["lapses"] == 0, "isolating the head moves the position: lapses reset"
+    assert [a.event_id for a in sink.attempts] == [head], "a suspect bucket's head is delivered alone"
+    [(event_id, attempts, error)] = seen_while_delivering
+    assert (event_id, attempts) == (head, 1) and "counted as a failed attempt" in error
+    assert parked_ids(dsn) == set(), "the probe succeeded: its event left the park"
+    assert cursor_row(dsn, bucket)["lapses"] == max_lapses, "one probe does not end the isolation"
 
-    run_until(runner, lambda: sink.delivered_ids() == {nxt, third})
-    assert [a.event_id for a in sink.delivered()] == [nxt, third]
-
-
-def test_a_bucket_that_lapsed_max_lapses_times_is_read_one_event_at_a_time(
-        dsn: str, pool: ConnectionPool[Any]) -> None:
-    bucket = 6
-    ids = publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, bucket, 5)])
-    sink = RecordingSink("w")
-    runner = runner_for(sink, pool, make_settings(dsn, "w", max_lapses=3), {bucket})
-    _set_lapses(dsn, bucket, 3)
-    runner.run_once()
-    assert [a.event_id for a in sink.attempts] == ids[:1], "a crash-loop suspect is read one event at a time"
+    run_until(runner, lambda: sink.delivered_ids() == {head, nxt, third})
+    assert [a.event_id for a in sink.delivered()] == [head, nxt, third]
     assert dead_letters(dsn) == {}
+
+
+def test_an_event_that_crashed_the_relay_max_attempts_times_is_dead_lettered_with_the_reason(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket, max_attempts = 7, 3
+    k, other = keys_in_bucket(dsn, bucket, 2)
+    poison, behind, fine = publish(dsn, [(k, "t", {}), (k, "t", {}), (other, "t", {})])
+    settings = make_settings(dsn, "w", max_lapses=1, max_attempts=max_attempts)
+    for i in range(max_attempts):  # each owner dies while the poison is in flight alone
+        runner = runner_for(RecordingSink(f"w{i}", fail=_crash_on(poison)), pool, settings, {bucket})
+        _set_lapses(dsn, bucket, 1)
+        with pytest.raises(Crash):
+            runner.run_once()
+        attempts = fetch_all(dsn, "SELECT attempts FROM outbox.parked WHERE event_id = %s", (poison,))
+        assert attempts == [(i + 1,)]
+        _expire_all(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:  # its retry is due now
+            conn.execute("UPDATE outbox.parked SET available_at = clock_timestamp()")
+    sink = RecordingSink("survivor")
+    runner = runner_for(sink, pool, settings, {bucket})
+    run_until(runner, lambda: sink.delivered_ids() == {behind, fine})
+    assert poison not in {a.event_id for a in sink.attempts}, "an exhausted event is not delivered again"
+    letters = dead_letters(dsn)
+    assert set(letters) == {poison}
+    assert letters[poison][0] == max_attempts and "counted as a failed attempt" in letters[poison][1]
+    assert [a.event_id for a in sink.delivered()] in ([behind, fine], [fine, behind])
+
+
+def test_a_suspect_bucket_ramps_back_to_full_batches(dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket = 6
+    ids = publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, bucket, 12)])
+    sink = RecordingSink("w")
+    runner = runner_for(sink, pool, make_settings(dsn, "w", max_lapses=3, batch_size=8), {bucket})
+    _set_lapses(dsn, bucket, 3)
     run_until(runner, lambda: sink.delivered_ids() == set(ids))
     assert [a.event_id for a in sink.attempts] == ids
-    assert len(sink.batches) == 2, "once the position moved, the bucket is read in batches again"
+    assert [len(b.events) for b in sink.batches] == [1, 2, 4, 5], "1, 2, 4, then a full batch again"
+    assert cursor_row(dsn, bucket)["lapses"] == 0, "back to normal: lapses reset"
+    assert dead_letters(dsn) == {} and parked_ids(dsn) == set()
+
+
+def test_an_idle_suspect_bucket_is_healthy_at_once(dsn: str, pool: ConnectionPool[Any]) -> None:
+    bucket = 8
+    sink = RecordingSink("w")
+    runner = runner_for(sink, pool, make_settings(dsn, "w", max_lapses=2), {bucket})
+    _set_lapses(dsn, bucket, 5)
+    runner.run_once()
+    assert cursor_row(dsn, bucket)["lapses"] == 0
+    ids = publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, bucket, 3)])
+    run_until(runner, lambda: sink.delivered_ids() == set(ids))
+    assert len(sink.batches) == 1, "no longer a suspect: one batch"
+
+
+class Crash(Exception):
+    """Stands for the process dying mid-delivery: nothing after it runs."""
+
+
+def _crash_on(event_id: Any) -> Any:
+    def fail(e: StoredEvent, n: int) -> Failure | None:
+        if e.id == event_id:
+            raise Crash(str(e.id))
+        return None
+    return fail
+
+
+def _expire_all(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.cursors SET owner = NULL, lease_expires_at = NULL WHERE owner IS NOT NULL")

@@ -314,8 +314,6 @@ def test_only_one_housekeeper_runs_at_a_time(dsn: str, pool: ConnectionPool[Any]
     assert Housekeeping(pool, settings).run_once().ran is True
 
 
-@pytest.mark.xfail(strict=True, reason="bug: housekeeping.sql expire_leases RETURNING c.owner returns the new "
-                                       "value (NULL), so the 'expired leases returned (owners ...)' log names no owner")
 def test_housekeeping_log_names_the_owners_of_expired_leases(
         dsn: str, pool: ConnectionPool[Any], caplog: pytest.LogCaptureFixture) -> None:
     register(dsn)
@@ -405,9 +403,6 @@ def crash_cycles(dsn: str, pool: ConnectionPool[Any], buckets: set[int], crashes
     return sinks
 
 
-@pytest.mark.xfail(strict=True, reason="bug: crash-loop isolation dead-letters the head of every bucket the "
-                                       "crashing worker held, not only the poison event (relay.py _deliver_new "
-                                       "forced failures; lapses are counted per bucket for all held buckets)")
 def test_crash_loop_isolation_dead_letters_only_the_poison_event(dsn: str, pool: ConnectionPool[Any]) -> None:
     poison_bucket, innocent_bucket = 60, 61
     (k,) = keys_in_bucket(dsn, poison_bucket, 1)
@@ -419,9 +414,6 @@ def test_crash_loop_isolation_dead_letters_only_the_poison_event(dsn: str, pool:
     assert innocent not in dead_letters(dsn), f"an innocent event was dead-lettered: {dead_letters(dsn)[innocent]}"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: lapses of an idle bucket accumulate (expire_leases / acquire_leases "
-                                       "count a lapse even when nothing was in flight), so the next event "
-                                       "published there is dead-lettered as poison without a single attempt")
 def test_lapses_of_an_idle_bucket_do_not_poison_its_next_event(dsn: str, pool: ConnectionPool[Any]) -> None:
     bucket = 62
     register(dsn)
@@ -440,9 +432,6 @@ def test_lapses_of_an_idle_bucket_do_not_poison_its_next_event(dsn: str, pool: C
     assert sink.delivered_ids() == set(ids)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a parked event that crashes the worker on retry is never isolated "
-                                       "(relay.py _retry_parked runs before the crash-loop check in _deliver_new, "
-                                       "and crashes never count as attempts), so it blocks its bucket forever")
 def test_a_parked_event_that_crashes_the_worker_is_eventually_isolated(dsn: str, pool: ConnectionPool[Any]) -> None:
     bucket = 63
     k, other = keys_in_bucket(dsn, bucket, 2)
