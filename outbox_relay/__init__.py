@@ -7,6 +7,7 @@ Relays: the ``outbox-relay`` command, or ``Worker(RelaySettings(...)).run()``.
 from .errors import ConfigurationError, InvalidEvent, OutboxError, SchemaError
 from .event import Event
 from .migrate import migrate
+from .progress import wait_for, wait_for_async
 from .publish import Outbox, Published
 from .settings import RelaySettings
 from .worker import Worker
@@ -22,5 +23,7 @@ __all__ = [
     "SchemaError",
     "Worker",
     "migrate",
+    "wait_for",
+    "wait_for_async",
 ]
 __version__ = "0.1.0"

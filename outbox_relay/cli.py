@@ -1,4 +1,4 @@
-"""``outbox-relay``: migrate, run, status, dead-letters.
+"""``outbox-relay``: migrate, run, status, lag, dead-letters, sinks, rebuild, replay.
 
 Every option of ``run`` is a RelaySettings field and can also come from the environment
 variable named in ``--help``.
@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 from collections.abc import Sequence
+from datetime import datetime
+from types import FrameType
 from typing import Any
 
 import psycopg
@@ -73,6 +76,8 @@ def _add_setting(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -
     help_text = f"{field.description or name} [env {_env(name)}]"
     if field.annotation is bool:
         parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    elif name == "projection":
+        parser.add_argument(flag, dest=name, action="append", metavar="NAME", default=None, help=help_text)
     elif name == "kafka_config":
         parser.add_argument("--kafka-option", dest=name, action="append", metavar="KEY=VALUE", default=None,
                             help=f"librdkafka setting, repeatable (TLS/SASL pass through) [env {_env(name)} as JSON]")
@@ -101,6 +106,30 @@ def build_parser() -> argparse.ArgumentParser:
     _dsn_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = sub.add_parser("lag", help="per sink: events not yet delivered, the oldest one's age, retrying, dead")
+    _dsn_arg(p)
+    p.add_argument("--sink", default=None, help="only this sink")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("rebuild", help="rebuild a projection's read model from stored events, then switch it in")
+    p.add_argument("projection_name", metavar="PROJECTION", help="the projection to rebuild")
+    for name in REBUILD_SETTINGS:
+        _add_setting(p, name, RelaySettings.model_fields[name])
+    p.add_argument("--from-time", type=_timestamp, default=None, metavar="ISO-8601",
+                   help="replay only events from this time on (earlier history is skipped)")
+    p.add_argument("--from-position", type=_position, default=None, metavar="XID:SEQ",
+                   help="replay only events from this position on")
+    p.add_argument("--key", default=None, help="rebuild only this partition key, in place (needs a key_reset)")
+    p.add_argument("--restart", action="store_true", help="discard a rebuild in progress and start over")
+    p.add_argument("--cancel", action="store_true", help="discard a rebuild in progress and stop")
+    p.add_argument("--keep-old", action="store_true",
+                   help="keep the replaced tables in schema outbox_retired_<projection> (until the next rebuild)")
+
+    p = sub.add_parser("sinks", help="list sinks, or drop a retired one (its progress, retries, dead letters)")
+    _dsn_arg(p)
+    p.add_argument("action", choices=["list", "drop"])
+    p.add_argument("name", nargs="?", default=None, help="the sink to drop")
+
     p = sub.add_parser("dead-letters", help="list, retry or discard dead letters")
     _dsn_arg(p)
     p.add_argument("action", choices=["list", "retry", "discard"])
@@ -111,6 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
+
+
+# What `rebuild` reads of the relay settings (the rest is about Kafka and the ring).
+REBUILD_SETTINGS = ("dsn", "projections", "worker_id", "batch_size", "lease_seconds", "max_attempts",
+                    "backoff_base_seconds", "backoff_max_seconds")
+
+
+def _timestamp(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO-8601 time: {text!r}") from None
+    return value if value.tzinfo else value.astimezone()
+
+
+def _position(text: str) -> tuple[int, int]:
+    xid, sep, seq = text.partition(":")
+    if not (sep and xid.isdigit() and seq.isdigit()):
+        raise argparse.ArgumentTypeError(f"a position is XID:SEQ (two integers, as in ce_sequence), not {text!r}")
+    return int(xid), int(seq)
 
 
 def _settings_from(args: argparse.Namespace) -> RelaySettings:
@@ -157,6 +206,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "backlog": _query_rows(dsn, "admin", "backlog"),
         "oldest open transaction (holds back delivery)": _query_rows(dsn, "admin", "horizon_holder"),
         "dead letters by key": _query_rows(dsn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20}),
+        "rebuilds in progress": _query_rows(dsn, "admin", "rebuilds"),
     }
     if args.json:
         print(json.dumps({k: [dict(zip(c, r, strict=True)) for r in rows] for k, (c, rows) in sections.items()},
@@ -189,6 +239,67 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lag(args: argparse.Namespace) -> int:
+    cols, rows = _query_rows(_dsn(args), "admin", "backlog")
+    if args.sink:
+        rows = [r for r in rows if r[0] == args.sink]
+        if not rows:
+            raise OutboxError(f"no sink named {args.sink!r}")
+    if args.json:
+        print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=2))
+    else:
+        _print_table(rows, cols) if rows else print("no sinks")
+    return 0
+
+
+def cmd_sinks(args: argparse.Namespace) -> int:
+    dsn = _dsn(args)
+    if args.action == "list":
+        cols, rows = _query_rows(dsn, "admin", "backlog")
+        _print_table([r[:3] for r in rows], cols[:3]) if rows else print("no sinks")
+        return 0
+    if not args.name:
+        raise OutboxError("sinks drop needs the sink's name")
+    _, rows = _query_rows(dsn, "admin", "drop_sink", {"sink": args.name})
+    if not rows:
+        raise OutboxError(f"no sink named {args.name!r}")
+    print(f"dropped sink {args.name!r} ({rows[0][0]}): its cursors, parked events and dead letters are gone")
+    return 0
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    from projections.declare import load_registry
+    from projections.rebuild import Rebuild, rebuild_key
+
+    settings = _settings_from(args)
+    if not settings.projections:
+        raise OutboxError("rebuild needs --projections (the module that declares the projection)")
+    projection = load_registry(settings.projections).get(args.projection_name)
+    if args.key is not None:
+        n = rebuild_key(projection, settings.dsn.get_secret_value(), args.key)
+        print(f"rebuilt key {args.key!r} of {projection.name!r}: {n} events replayed")
+        return 0
+    rebuild = Rebuild(projection, settings, from_time=args.from_time, from_position=args.from_position,
+                      restart=args.restart, keep_old=args.keep_old)
+    if args.cancel:
+        print(f"rebuild of {projection.name!r} " + ("cancelled" if rebuild.cancel() else "was not in progress"))
+        return 0
+
+    def interrupted(signum: int, _frame: FrameType | None) -> None:
+        log.warning("%s: stopping the rebuild; run the same command again to resume", signal.Signals(signum).name)
+        rebuild.stop()
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+    result = rebuild.run()
+    if result is None:
+        print(f"rebuild of {projection.name!r} interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    print(f"rebuilt {projection.name!r}: {result.events} events in {result.seconds:.1f}s"
+          + (" (resumed)" if result.resumed else ""))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -209,6 +320,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_status(args)
         if args.command == "dead-letters":
             return cmd_dead_letters(args)
+        if args.command == "lag":
+            return cmd_lag(args)
+        if args.command == "sinks":
+            return cmd_sinks(args)
+        if args.command == "rebuild":
+            return cmd_rebuild(args)
     except OutboxError as exc:
         print(f"outbox-relay: error: {redact(str(exc))}", file=sys.stderr)
         return 2

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Sequence
+
 
 class OutboxError(Exception):
     """Base class of outbox-relay errors."""
@@ -25,3 +28,50 @@ class LeaseLost(OutboxError):
 
 class NonRetriableDelivery(OutboxError):
     """A sink says this event can never be delivered (e.g. too large): dead-letter at once."""
+
+
+class OpenTransaction(OutboxError, RuntimeError):
+    """``wait_for`` was called on a connection inside a transaction (commit first)."""
+
+
+class UnknownEvent(OutboxError, LookupError):
+    """No stored event has this id: never committed (rolled back, or not yet), or removed by retention."""
+
+    def __init__(self, event_ids: Sequence[uuid.UUID]) -> None:
+        self.event_ids = tuple(event_ids)
+        more = f" (and {len(self.event_ids) - 1} more)" if len(self.event_ids) > 1 else ""
+        super().__init__(f"no stored event with id {self.event_ids[0]}{more}: its transaction did not commit "
+                         "(rolled back, or still open), or retention already removed it")
+
+
+class EventDeadLettered(OutboxError):
+    """An awaited event is in the sink's dead letters: it will not be applied unless retried by hand."""
+
+    def __init__(self, sink: str, event_id: uuid.UUID, last_error: str, attempts: int) -> None:
+        self.sink = sink
+        self.event_id = event_id
+        self.last_error = last_error
+        self.attempts = attempts
+        super().__init__(f"event {event_id} was dead-lettered by sink {sink!r} after {attempts} attempt(s): "
+                         f"{last_error}")
+
+
+class WaitTimeout(OutboxError, TimeoutError):
+    """The awaited events were not all applied in time; ``pending`` were not attempted yet, ``retrying`` failed
+    at least once (or wait behind a failed event of their key) and are parked for another attempt."""
+
+    def __init__(self, sink: str, timeout: float, pending: Sequence[uuid.UUID], retrying: Sequence[uuid.UUID],
+                 last_error: str | None, hints: Sequence[str] = ()) -> None:
+        self.sink = sink
+        self.timeout = timeout
+        self.pending = tuple(pending)
+        self.retrying = tuple(retrying)
+        self.last_error = last_error
+        message = (f"sink {sink!r} did not apply {len(self.pending) + len(self.retrying)} event(s) within "
+                   f"{timeout:g}s: {len(self.pending)} pending, {len(self.retrying)} retrying")
+        if last_error is not None:
+            message += f" (last error: {last_error})"
+        for hint in hints:
+            message += f"; {hint}"
+        # One argument: OSError (TimeoutError's base) reads two as (errno, strerror).
+        super().__init__(message)

@@ -27,8 +27,9 @@ from psycopg_pool import ConnectionPool
 
 from . import store
 from .backoff import Backoff
+from .errors import LeaseLost
 from .settings import RelaySettings
-from .sink import Aborted, Outcomes, Sink
+from .sink import Aborted, AsyncConn, Outcomes, Sink
 from .store import Checkpoint, Conn, StoredEvent
 
 log = logging.getLogger("outbox_relay.relay")
@@ -161,6 +162,8 @@ class SinkRunner:
         self.wake = threading.Event()  # set by the listener, ring changes and stop requests
         self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
         self.gate = gate or DeliveryGate()
+        # A sink may say which events it wants (a projection's types); Kafka takes all.
+        self.wanted: store.EventFilter | None = getattr(sink, "event_filter", None)
         self.leases = Leases()
         self.desired: set[int] | None = None  # None until the first ring is known
         self.draining = threading.Event()  # stop claiming, finish the batch, release, exit
@@ -285,7 +288,7 @@ class SinkRunner:
     def _deliver_new(self, held: dict[int, int]) -> int:
         limits = self._limits(held)
         with self.pool.connection() as conn:
-            events, horizon = store.fetch_events(conn, self.sink.name, self.worker, limits)
+            events, horizon = store.fetch_events(conn, self.sink.name, self.worker, limits, self.wanted)
         if not events:
             self._saturated = set()
             return 0
@@ -313,17 +316,19 @@ class SinkRunner:
 
     def _run_batch(self, events: Sequence[StoredEvent], fences: dict[int, int],
                    advance: dict[int, tuple[int, int]], resets: set[int], alone: bool = False) -> set[int]:
-        """Deliver a batch (``alone``: nothing else in flight in this process) and checkpoint it."""
+        """Deliver a batch (``alone``: nothing else in flight in this process) and checkpoint it.
 
-        def commit(outcomes: Outcomes, tx: Conn | None) -> set[int]:
-            cp = classify(events, outcomes, fences, max_attempts=self.settings.max_attempts, backoff=self.backoff)
-            cp.advance = advance
-            cp.resets = resets
-            return self._write(cp, tx)
-
+        Returns the buckets whose checkpoint landed."""
+        commit = _BatchCommit(self, events, fences, advance, resets)
         to_send = [e for e in events if not e.blocked]
-        with (self.gate.exclusive if alone else self.gate.shared)(self.abort):
-            return self.sink.deliver(to_send, fences, commit, self.abort)
+        try:
+            with (self.gate.exclusive if alone else self.gate.shared)(self.abort):
+                ok = self.sink.deliver(to_send, fences, commit, self.abort)
+        except LeaseLost:
+            return set()  # the sink's transaction rolled back: nothing of this batch landed
+        if commit.checkpoint is not None:
+            self._landed(commit.checkpoint)
+        return ok
 
     # -- crash-loop isolation --------------------------------------------------------------
 
@@ -333,7 +338,7 @@ class SinkRunner:
             return self._probe_alone(bucket, fence)
         with self.pool.connection() as conn:
             parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1)
-            new, horizon = store.fetch_events(conn, self.sink.name, self.worker, {bucket: size})
+            new, horizon = store.fetch_events(conn, self.sink.name, self.worker, {bucket: size}, self.wanted)
         if not parked and not new:
             return self._probe_idle(bucket, fence)
         advance = {bucket: _next_position(new, size, horizon)} if new and horizon is not None else {}
@@ -352,25 +357,25 @@ class SinkRunner:
             with self.pool.connection() as conn:
                 events = store.fetch_parked(conn, self.sink.name, [bucket], 1, 1)
                 if not events:
-                    events, _ = store.fetch_events(conn, self.sink.name, self.worker, {bucket: 1})
+                    events, _ = store.fetch_events(conn, self.sink.name, self.worker, {bucket: 1}, self.wanted)
             if not events:
                 return self._probe_idle(bucket, fence)
             e = events[0]
             cp = Checkpoint(fences=fences, advance={} if e.parked else {bucket: e.position})
             if e.blocked:  # its key waits for a parked head: queue behind it, deliver nothing
                 cp.park.append((e, e.attempts, 0.0, None))
-                if not self._write(cp, None):
+                if not self._write(cp):
                     return 0
                 continue
             if e.attempts >= self.settings.max_attempts:  # crashed the relay on every attempt
                 cp.dead.append((e, e.attempts, e.last_error or CRASH_ERROR))
                 cp.done.append(e)
-                if not self._write(cp, None):
+                if not self._write(cp):
                     return 0
                 continue
             attempts = e.attempts + 1
             cp.park.append((e, attempts, self.backoff.delay(attempts), CRASH_ERROR))
-            if not self._write(cp, None):
+            if not self._write(cp):
                 return 0
             e.parked = True  # it is now; ``attempts`` stays the count before this attempt
             if bucket in self._run_batch([e], fences, {}, resets=set(), alone=True):
@@ -383,27 +388,72 @@ class SinkRunner:
         with self.pool.connection() as conn:
             if store.has_parked(conn, self.sink.name, bucket):
                 return 0  # a parked retry is still to come: probe it when due
-        ok = self._write(Checkpoint(fences={bucket: fence}, resets={bucket}), None)
+        ok = self._write(Checkpoint(fences={bucket: fence}, resets={bucket}))
         if bucket in ok:
             self._ramp[bucket] = 0
         return 0
 
-    def _write(self, cp: Checkpoint, tx: Conn | None) -> set[int]:
-        if tx is not None:
-            ok = store.checkpoint(tx, self.sink.name, self.worker, cp)
-        else:
-            with self.pool.connection() as conn:
-                ok = store.checkpoint(conn, self.sink.name, self.worker, cp)
+    def _write(self, cp: Checkpoint) -> set[int]:
+        """A checkpoint outside any sink transaction (isolation steps)."""
+        with self.pool.connection() as conn:
+            ok = self._fenced(cp, store.checkpoint(conn, self.sink.name, self.worker, cp), in_tx=False)
+        self._landed(cp)
+        return ok
+
+    def _fenced(self, cp: Checkpoint, ok: set[int], in_tx: bool) -> set[int]:
         lost = set(cp.fences) - ok
         if lost:
             log.warning("sink %s: fenced out of %d buckets; their batch is discarded and will be redelivered "
                         "by the new owner", self.sink.name, len(lost))
             self.leases.drop(lost, cp.fences)
+            if in_tx:
+                raise LeaseLost(f"sink {self.sink.name}: lost buckets {sorted(lost)}")
+        return ok
+
+    def _landed(self, cp: Checkpoint) -> None:
         if cp.park:
             self._check_parked_at = 0.0
         for e, attempts, error in cp.dead:
             log.error("sink %s: event %s (key %r, type %s) dead-lettered after %d attempts: %s",
                       self.sink.name, e.id, e.key, e.type, attempts, error)
+
+
+class _BatchCommit:
+    """The ``sink.Commit`` a runner hands its sink for one batch."""
+
+    def __init__(self, runner: SinkRunner, events: Sequence[StoredEvent], fences: dict[int, int],
+                 advance: dict[int, tuple[int, int]], resets: set[int]) -> None:
+        self.runner = runner
+        self.events = events
+        self.fences = fences
+        self.advance = advance
+        self.resets = resets
+        self.checkpoint: Checkpoint | None = None  # what was written, once it was
+
+    def _plan(self, outcomes: Outcomes) -> Checkpoint:
+        r = self.runner
+        cp = classify(self.events, outcomes, self.fences, max_attempts=r.settings.max_attempts, backoff=r.backoff)
+        cp.advance = self.advance
+        cp.resets = self.resets
+        return cp
+
+    def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]:
+        r = self.runner
+        cp = self._plan(outcomes)
+        if tx is not None:
+            ok = store.checkpoint(tx, r.sink.name, r.worker, cp)
+        else:
+            with r.pool.connection() as conn:
+                ok = store.checkpoint(conn, r.sink.name, r.worker, cp)
+        ok = r._fenced(cp, ok, in_tx=tx is not None)
+        self.checkpoint = cp
+        return ok
+
+    async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]:
+        r = self.runner
+        cp = self._plan(outcomes)
+        ok = r._fenced(cp, await store.acheckpoint(tx, r.sink.name, r.worker, cp), in_tx=True)
+        self.checkpoint = cp
         return ok
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .errors import ConfigurationError
 
@@ -33,6 +33,10 @@ class RelaySettings(BaseSettings):
         description="extra librdkafka settings as JSON, e.g. security.protocol, sasl.*, ssl.* (passed through)",
     )
     default_topic: str | None = Field(None, description="topic for events published without one")
+    projections: str | None = Field(
+        None, description="module (or module:attribute) that declares the projections, e.g. myapp.read_models")
+    projection: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="run this projection (repeatable; in the environment: comma-separated)")
     source: str = Field("outbox-relay", description="CloudEvents ce_source header value")
 
     # batching and leases
@@ -57,6 +61,13 @@ class RelaySettings(BaseSettings):
     retention_seconds: float = Field(7 * 86400.0, ge=0, description="keep delivered events this long")
     retention_batch: int = Field(10_000, ge=1, description="events deleted per housekeeping pass")
 
+    @field_validator("projection", mode="before")
+    @classmethod
+    def _projection_names(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
     @field_validator("worker_id")
     @classmethod
     def _worker_id(cls, value: str) -> str:
@@ -68,11 +79,15 @@ class RelaySettings(BaseSettings):
     def _consistent(self) -> RelaySettings:
         if self.heartbeat_seconds * 2 > self.worker_ttl_seconds:
             raise ValueError("worker_ttl_seconds must be at least twice heartbeat_seconds")
+        if self.projection and not self.projections:
+            raise ValueError("--projection needs --projections (the module that declares them)")
+        if len(set(self.projection)) != len(self.projection):
+            raise ValueError(f"a projection is named twice: {self.projection}")
         return self
 
     @property
     def sinks(self) -> list[str]:
-        return [self.kafka_sink] if self.kafka else []
+        return ([self.kafka_sink] if self.kafka else []) + list(self.projection)
 
     def kafka_producer_config(self) -> dict[str, Any]:
         return {"bootstrap.servers": self.kafka_bootstrap_servers, **self.kafka_config}

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+import psycopg
 
 from .store import Checkpoint, Conn, StoredEvent
+
+AsyncConn = psycopg.AsyncConnection[Any]
 
 
 @dataclass(frozen=True)
@@ -20,9 +24,21 @@ class Failure:
 # Per event id: None = delivered, Failure = failed; an id that is absent was not attempted.
 Outcomes = dict[uuid.UUID, Failure | None]
 
-# Writes the checkpoint (with the sink's own transaction when it has one) and returns the
-# buckets whose fence held.
-CommitFn = Callable[[Outcomes, Conn | None], set[int]]
+
+class Commit(Protocol):
+    """Writes a batch's checkpoint and returns the buckets whose fence held.
+
+    A sink with its own transaction (a projection) passes it, so that its writes and the
+    checkpoint commit together; if a bucket's fence did not hold, ``LeaseLost`` is raised
+    inside that transaction so that it rolls back. Others pass None.
+    """
+
+    def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]: ...
+
+    async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]: ...
+
+
+CommitFn = Commit  # TODO(remove): old name, still used by kafka_sink.py
 
 
 class Aborted(Exception):
@@ -33,7 +49,7 @@ class Sink(Protocol):
     name: str
     kind: str
 
-    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: CommitFn,
+    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                 abort: threading.Event) -> set[int]:
         """Deliver ``events`` (in position order per bucket), then call ``commit`` exactly once.
 
@@ -44,4 +60,4 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["Aborted", "Checkpoint", "CommitFn", "Failure", "Outcomes", "Sink"]
+__all__ = ["Aborted", "AsyncConn", "Checkpoint", "Commit", "Failure", "Outcomes", "Sink"]

@@ -101,14 +101,25 @@ def register_sink(conn: Conn, sink: str, kind: str) -> None:
         raise ConfigurationError(f"sink {sink!r} is registered as {row[0]!r}, not {kind!r}: pick another name")
 
 
+@dataclass(frozen=True)
+class EventFilter:
+    """The events a sink wants (None: all). The others are skipped in SQL, never sent to it."""
+
+    types: tuple[str, ...] | None = None
+    topics: tuple[str, ...] | None = None
+
+
 def fetch_events(
-    conn: Conn, sink: str, worker: str, limits: dict[int, int]
+    conn: Conn, sink: str, worker: str, limits: dict[int, int], wanted: EventFilter | None = None,
 ) -> tuple[list[StoredEvent], int | None]:
     """New events past each bucket's cursor, plus the read horizon (snapshot xmin)."""
     buckets = list(limits)
+    wanted = wanted or EventFilter()
     rows = conn.execute(
         query("relay", "fetch_events"),
-        {"sink": sink, "worker": worker, "buckets": buckets, "limits": [limits[b] for b in buckets]},
+        {"sink": sink, "worker": worker, "buckets": buckets, "limits": [limits[b] for b in buckets],
+         "types": list(wanted.types) if wanted.types is not None else None,
+         "topics": list(wanted.topics) if wanted.topics is not None else None},
     ).fetchall()
     horizon = rows[0][11] if rows else None
     events = [
@@ -137,6 +148,14 @@ def checkpoint(conn: Conn, sink: str, worker: str, cp: Checkpoint) -> set[int]:
     if not cp.fences:
         return set()
     return {r[0] for r in conn.execute(query("relay", "checkpoint"), cp.params(sink, worker)).fetchall()}
+
+
+async def acheckpoint(conn: psycopg.AsyncConnection[Any], sink: str, worker: str, cp: Checkpoint) -> set[int]:
+    """``checkpoint`` on an async connection (an async projection's own transaction)."""
+    if not cp.fences:
+        return set()
+    cur = await conn.execute(query("relay", "checkpoint"), cp.params(sink, worker))
+    return {r[0] for r in await cur.fetchall()}
 
 
 # -- membership -------------------------------------------------------------------------

@@ -68,7 +68,7 @@ class Worker:
         if not sinks:
             from .errors import ConfigurationError
 
-            raise ConfigurationError("no sink to run: enable --kafka")
+            raise ConfigurationError("no sink to run: enable --kafka or name a --projection")
         self.pool = self._open_pool(dsn, max_size=len(sinks) + 4)
         if self.pool is None:
             return False
@@ -95,6 +95,16 @@ class Worker:
         sinks: list[Sink] = []
         if s.kafka:
             sinks.append(KafkaSink(s.kafka_sink, s.kafka_producer_config(), s.default_topic, s.source))
+        if s.projection:
+            # Imported here: the projections package builds on this one, not the other way round.
+            from projections.declare import load_registry
+            from projections.sink import ProjectionSink
+
+            assert s.projections is not None  # settings validation
+            registry = load_registry(s.projections)
+            dsn = s.dsn.get_secret_value()
+            sinks.extend(ProjectionSink(registry.get(name), dsn, lease_seconds=s.lease_seconds)
+                         for name in s.projection)
         return sinks
 
     def _open_pool(self, dsn: str, max_size: int) -> ConnectionPool[Conn] | None:

@@ -159,7 +159,21 @@ CREATE FUNCTION outbox.bucket_has_work_v1(sink text, bucket integer, position_xi
                    WHERE p.sink = bucket_has_work_v1.sink AND p.bucket = bucket_has_work_v1.bucket
                      AND p.available_at <= clock_timestamp());
 
+-- 0003_rebuilds: projection rebuilds in progress (see the migration for the design).
+CREATE TABLE outbox.rebuilds (
+    projection    text        NOT NULL,
+    sink          text        NOT NULL,
+    shadow_schema text        NOT NULL,
+    live_tables   text[]      NOT NULL,  -- schema-qualified, in declaration order
+    options       jsonb       NOT NULL DEFAULT '{}'::jsonb,  -- from_time / from_position
+    total_events  bigint,
+    started_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    CONSTRAINT rebuilds_pkey PRIMARY KEY (projection),
+    CONSTRAINT rebuilds_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
+);
+
 -- The migrations this snapshot contains.
 INSERT INTO outbox.schema_migrations (version, name) VALUES
     (1, 'initial'),
-    (2, 'crash_isolation');
+    (2, 'crash_isolation'),
+    (3, 'rebuilds');

@@ -77,3 +77,13 @@ WHERE d.sink = %(sink)s
   AND (%(event_ids)s::uuid[] IS NULL OR d.event_id = ANY(%(event_ids)s::uuid[]))
   AND (%(key)s::text IS NULL OR d.partition_key = %(key)s)
 RETURNING d.event_id;
+
+-- name: rebuilds
+-- Projection rebuilds in progress (they hold retention back while they run).
+SELECT projection, sink, started_at, total_events, options
+FROM outbox.rebuilds
+ORDER BY projection;
+
+-- name: drop_sink
+-- Forget a retired sink: its cursors, parked events and dead letters (else it holds retention back).
+DELETE FROM outbox.sinks WHERE name = %(sink)s RETURNING kind;

@@ -19,18 +19,21 @@ ORDER BY id;
 DELETE FROM outbox.workers WHERE id = %(worker)s;
 
 -- name: acquire_leases
--- Lease free or expired buckets of one sink. Each acquisition bumps the fence; taking over an
--- expired lease of a bucket that had work counts a lapse (crash-loop isolation).
+-- Lease free or expired buckets of one sink, or take up again, under a new fence, one still in
+-- this worker's name (its fence was bumped, or it restarted with the same id). Each acquisition
+-- bumps the fence; taking over an expired lease (or another worker's) of a bucket that had work
+-- counts a lapse (crash-loop isolation).
 UPDATE outbox.cursors c
 SET owner            = %(worker)s,
     fence            = c.fence + 1,
     lapses           = c.lapses + CASE WHEN c.owner IS NOT NULL
+                                        AND (c.owner <> %(worker)s OR c.lease_expires_at < clock_timestamp())
                                         AND outbox.bucket_has_work_v1(c.sink, c.bucket, c.position_xid, c.position_seq)
                                        THEN 1 ELSE 0 END,
     lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
 WHERE c.sink = %(sink)s
   AND c.bucket = ANY(%(buckets)s::int[])
-  AND (c.owner IS NULL OR c.lease_expires_at < clock_timestamp())
+  AND (c.owner IS NULL OR c.owner = %(worker)s OR c.lease_expires_at < clock_timestamp())
 RETURNING c.bucket, c.fence, c.lapses;
 
 -- name: renew_leases

@@ -43,6 +43,10 @@ CROSS JOIN LATERAL (
     WHERE e.bucket = l.bucket
       AND (e.xid, e.seq) > (l.position_xid, l.position_seq)
       AND e.xid < h.xmin
+      -- A sink that wants some event types or topics only (a projection) is not sent the rest;
+      -- its cursor still moves past them.
+      AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
+      AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
     ORDER BY e.xid, e.seq
     LIMIT l.lim
 ) e;

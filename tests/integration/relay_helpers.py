@@ -25,7 +25,7 @@ from outbox_relay import store
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import SinkRunner
 from outbox_relay.settings import RelaySettings
-from outbox_relay.sink import Aborted, CommitFn, Failure, Outcomes
+from outbox_relay.sink import Aborted, Commit, Failure, Outcomes
 from outbox_relay.store import StoredEvent
 
 SINK = "recorder"
@@ -115,7 +115,7 @@ class RecordingSink:
     lock: threading.Lock = field(default_factory=threading.Lock)
     _seen: dict[uuid.UUID, int] = field(default_factory=lambda: defaultdict(int))
 
-    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: CommitFn,
+    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                 abort: threading.Event) -> set[int]:
         batch = Batch(self.worker, frozenset(fences), time.monotonic(), events=tuple(e.id for e in events))
         with self.lock:

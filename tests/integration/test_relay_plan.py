@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+import pytest
 
 from outbox_relay import store
 from outbox_relay.sqlfiles import query
@@ -29,7 +30,8 @@ def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from nodes(child)
 
 
-def test_fetch_events_walks_events_position_from_each_cursor(dsn: str) -> None:
+@pytest.mark.parametrize("wanted", [None, store.EventFilter(types=("bulk", "other"))], ids=["all", "by-type"])
+def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: store.EventFilter | None) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for start in range(0, ROWS, 20_000):  # 10 transactions: 10 distinct xids
             conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "
@@ -46,14 +48,15 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str) -> None:
                   FROM outbox.events) s
             WHERE c.sink = %s AND c.bucket = s.bucket AND s.after = %s""", (SINK, PENDING_PER_BUCKET))
         conn.execute("SET plan_cache_mode = force_custom_plan")  # as the relay's pool does
-        params = {"sink": SINK, "worker": "w", "buckets": LEASED, "limits": [LIMIT] * len(LEASED)}
+        params = {"sink": SINK, "worker": "w", "buckets": LEASED, "limits": [LIMIT] * len(LEASED),
+                  "types": list(wanted.types) if wanted and wanted.types else None, "topics": None}
         sql = query("relay", "fetch_events")
         row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchone()
         assert row is not None
         doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
         root = doc[0]["Plan"]
         # The same statement as the relay runs it returns what the plan promises.
-        events, _ = store.fetch_events(conn, SINK, "w", {b: LIMIT for b in LEASED})
+        events, _ = store.fetch_events(conn, SINK, "w", {b: LIMIT for b in LEASED}, wanted)
 
     all_nodes = list(nodes(root))
     on_events = [n for n in all_nodes if n.get("Relation Name") == "events"]

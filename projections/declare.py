@@ -1,0 +1,183 @@
+"""Declaring projections: ``@projection(...)`` makes a ``Projection``; a ``Registry`` holds them.
+
+No global registry: ``@projection`` only builds the declaration, so two services or two tests
+in one process never collide. A ``Registry`` (explicit, or gathered from a module by
+``load_registry``) refuses two projections with one name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from outbox_relay.errors import ConfigurationError
+
+from .event import ProjectionEvent
+
+# A projection's name becomes its sink name and part of its rebuild schema's name, so it is
+# kept to a safe identifier (63 bytes is PostgreSQL's limit; "outbox_rebuild_" takes 15).
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+
+Handler = Callable[[ProjectionEvent[Any], Any], Any]
+KeyReset = Callable[[str, Any], Any]
+OnUnknown = Literal["ignore", "reject"]
+
+
+@dataclass
+class Projection:
+    """One read model: which events it applies, how, and which tables it owns.
+
+    ``tables`` are the tables the handler writes (unqualified names resolve on the
+    connection's search_path); a rebuild builds fresh copies of them and swaps them in.
+    ``clear_key`` (set with the ``@p.key_reset`` decorator) deletes one partition key's
+    state, for ``rebuild --key``.
+    """
+
+    name: str
+    handler: Handler
+    events: tuple[str, ...] | None  # None: every event type
+    models: Mapping[str, type[BaseModel]] = field(default_factory=dict)
+    topics: tuple[str, ...] | None = None  # None: every topic
+    tables: tuple[str, ...] = ()
+    on_unknown: OnUnknown = "ignore"
+    clear_key: KeyReset | None = None
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.handler)
+
+    def __call__(self, event: ProjectionEvent[Any], tx: Any) -> Any:
+        """Call the handler directly (in tests of the handler itself)."""
+        return self.handler(event, tx)
+
+    def key_reset(self, fn: KeyReset) -> KeyReset:
+        """Decorator: ``fn(key, tx)`` deletes the read-model state of one partition key."""
+        self.clear_key = fn
+        return fn
+
+
+def projection(
+    name: str,
+    events: Iterable[str] | Mapping[str, type[BaseModel]] | None = None,
+    *,
+    topics: Iterable[str] | None = None,
+    tables: Iterable[str] = (),
+    on_unknown: OnUnknown = "ignore",
+) -> Callable[[Handler], Projection]:
+    """Declare a projection. The decorated function becomes a ``Projection``.
+
+    ``events``: the event types it applies; a mapping of type to pydantic model also
+    validates each payload into that model (a payload that does not validate is
+    dead-lettered at once). None: every type. ``on_unknown``: what to do with an event of
+    another type: "ignore" (skipped, never read) or "reject" (dead-lettered with the
+    reason, for models that must know every event on their topics). ``topics`` narrows
+    which events are this projection's business at all.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigurationError(
+            f"projection name {name!r} must be 1-48 characters of a-z, 0-9 and _, starting with a letter")
+    if on_unknown not in ("ignore", "reject"):
+        raise ConfigurationError(f"projection {name!r}: on_unknown must be 'ignore' or 'reject', not {on_unknown!r}")
+    models: dict[str, type[BaseModel]] = {}
+    types: tuple[str, ...] | None = None
+    if isinstance(events, Mapping):
+        for t, model in events.items():
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                raise ConfigurationError(f"projection {name!r}: the model for {t!r} is not a pydantic model")
+        models = dict(events)
+        types = tuple(events)
+    elif events is not None:
+        if isinstance(events, str):
+            raise ConfigurationError(f"projection {name!r}: events must be a list of types, not the string {events!r}")
+        types = tuple(events)
+    if types is not None and (not types or not all(isinstance(t, str) and t for t in types)):
+        raise ConfigurationError(f"projection {name!r}: events must be non-empty type names")
+    if on_unknown == "reject" and types is None:
+        raise ConfigurationError(f"projection {name!r}: on_unknown='reject' needs the list of events it handles")
+
+    def decorate(handler: Handler) -> Projection:
+        if not callable(handler):
+            raise ConfigurationError(f"projection {name!r}: the handler is not callable")
+        return Projection(name=name, handler=handler, events=types, models=models,
+                          topics=tuple(topics) if topics is not None else None, tables=tuple(tables),
+                          on_unknown=on_unknown)
+
+    return decorate
+
+
+class Registry:
+    """Projections by name. Add with ``add`` or declare straight into it with ``registry.projection``."""
+
+    def __init__(self, projections: Iterable[Projection] = ()) -> None:
+        self._by_name: dict[str, Projection] = {}
+        for p in projections:
+            self.add(p)
+
+    def add(self, p: Projection) -> Projection:
+        if not isinstance(p, Projection):
+            raise ConfigurationError(f"not a projection: {p!r} (decorate the handler with @projection)")
+        known = self._by_name.get(p.name)
+        if known is not None and known is not p:
+            raise ConfigurationError(f"two projections are named {p.name!r}")
+        self._by_name[p.name] = p
+        return p
+
+    def projection(self, name: str, events: Iterable[str] | Mapping[str, type[BaseModel]] | None = None,
+                   **options: Any) -> Callable[[Handler], Projection]:
+        """``@registry.projection(...)``: declare and add in one step."""
+        declare = projection(name, events, **options)
+        return lambda handler: self.add(declare(handler))
+
+    def get(self, name: str) -> Projection:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            known = ", ".join(sorted(self._by_name)) or "none"
+            raise ConfigurationError(f"unknown projection {name!r} (known: {known})") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def __iter__(self) -> Iterator[Projection]:
+        return iter(self._by_name.values())
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+
+def load_registry(spec: str) -> Registry:
+    """The projections of ``module`` or ``module:attribute`` (a Registry, or a Projection).
+
+    A bare module contributes every Registry and every Projection at its top level.
+    """
+    module_name, _, attribute = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import projections module {module_name!r}: {exc}") from None
+    if attribute:
+        try:
+            target = getattr(module, attribute)
+        except AttributeError:
+            raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}") from None
+        if isinstance(target, Registry):
+            return target
+        if isinstance(target, Projection):
+            return Registry([target])
+        raise ConfigurationError(f"{spec!r} is neither a Registry nor a Projection")
+    registry = Registry()
+    for value in vars(module).values():
+        if isinstance(value, Registry):
+            for p in value:
+                registry.add(p)
+        elif isinstance(value, Projection):
+            registry.add(value)
+    if not len(registry):
+        raise ConfigurationError(f"module {module_name!r} declares no projections")
+    return registry

@@ -1,0 +1,62 @@
+"""Fenced writes into stores outside the relay's transaction: write only if the stored token is older.
+
+A projection's own tables get exactly-once effects from the relay's transaction (see sink.py).
+A write to another store (a second database, a cache, a search index) can not join it; it is
+at-least-once and can race with a worker that lost its lease. Storing the event's
+``FenceToken`` next to the row and writing only when the stored token is older makes such a
+store converge: a stale worker's write carries a smaller token than its successor's and is
+refused once the successor wrote, and a redelivered event never overwrites a newer one.
+
+``str(token)`` sorts like the token itself, so any store that compares strings can do the same
+check (a Redis script, a conditional put, an Elasticsearch external version...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .event import FenceToken
+
+
+def _statement(table: str, key: Mapping[str, Any], values: Mapping[str, Any], token_column: str) -> sql.Composed:
+    if not key:
+        raise ValueError("fenced_upsert needs at least one key column")
+    target = sql.Identifier(*table.split("."))
+    columns = [*key, *values, token_column]
+    updates = [*values, token_column]
+    return sql.SQL(
+        "INSERT INTO {table} ({columns}) VALUES ({params}) "
+        "ON CONFLICT ({key}) DO UPDATE SET {updates} "
+        "WHERE {table}.{token} < EXCLUDED.{token}"
+    ).format(
+        table=target,
+        columns=sql.SQL(", ").join(map(sql.Identifier, columns)),
+        params=sql.SQL(", ").join(sql.Placeholder(c) for c in columns),
+        key=sql.SQL(", ").join(map(sql.Identifier, key)),
+        updates=sql.SQL(", ").join(sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c)) for c in updates),
+        token=sql.Identifier(token_column),
+    )
+
+
+def fenced_upsert(conn: psycopg.Connection[Any], table: str, key: Mapping[str, Any], values: Mapping[str, Any],
+                  token: FenceToken, token_column: str = "fence_token") -> bool:
+    """Upsert one row unless the row holds a newer token; True if it was written.
+
+    ``table`` (optionally ``schema.table``) needs a unique constraint on the ``key`` columns and
+    a text column ``token_column``.
+    """
+    params = {**key, **values, token_column: str(token)}
+    return conn.execute(_statement(table, key, values, token_column), params).rowcount == 1
+
+
+async def fenced_upsert_async(conn: psycopg.AsyncConnection[Any], table: str, key: Mapping[str, Any],
+                              values: Mapping[str, Any], token: FenceToken,
+                              token_column: str = "fence_token") -> bool:
+    """``fenced_upsert`` on an async connection."""
+    params = {**key, **values, token_column: str(token)}
+    cur = await conn.execute(_statement(table, key, values, token_column), params)
+    return cur.rowcount == 1

@@ -1,0 +1,410 @@
+"""Rebuild a projection from stored history (G12), without readers ever seeing a half-built model.
+
+1. Start (or resume): fresh copies of the projection's tables in a shadow schema
+   ``outbox_rebuild_<name>``, and a sink of its own, ``<name>.rebuild``, whose cursors start at
+   the beginning of retained history (or at a position or time).
+2. Replay: an ordinary relay ``Worker`` runs that sink with ``replay=True`` and the shadow
+   schema first on the search path, so the handler's unqualified table names land in the
+   copies. It has its own leases, retries and dead letters; several ``rebuild`` processes share
+   the work through the ring; an interrupted rebuild resumes from its cursors. A guard refuses
+   any batch that wrote to the live tables.
+3. Switch, once caught up, in one transaction: lock the live tables, move them out and the
+   copies in (grants and owner carried over), give the live projection the rebuild's cursors,
+   parked events and dead letters, bump its fences (relays holding its buckets are fenced out
+   and their open batches roll back), drop the rebuild's sink. Live processing goes on from
+   there; events that arrived during the rebuild are applied once, to the new tables.
+
+``rebuild_key`` is the in-place variant for one partition key: in one transaction, holding the
+key's bucket cursor, it clears the key's state (the projection's ``key_reset``) and replays the
+key's events that live processing applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TextIO
+
+import psycopg
+from psycopg import sql
+
+from outbox_relay import store
+from outbox_relay.errors import ConfigurationError, OutboxError
+from outbox_relay.migrate import check_schema
+from outbox_relay.settings import RelaySettings
+from outbox_relay.sqlfiles import query
+from outbox_relay.store import StoredEvent
+from outbox_relay.worker import Worker
+
+from .declare import Projection
+from .event import ProjectionEvent
+from .sink import ProjectionSink
+
+log = logging.getLogger("outbox_relay.rebuild")
+
+SHADOW_PREFIX = "outbox_rebuild_"
+RETIRED_PREFIX = "outbox_retired_"
+SINK_SUFFIX = ".rebuild"
+PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "MAINTAIN"}
+SWITCH_LOCK_TIMEOUT = "5s"
+SWITCH_TRIES = 12
+PROGRESS_SECONDS = 2.0
+
+
+class RebuildError(OutboxError):
+    """A rebuild can not start, resume or switch over; the message says why and what to do."""
+
+
+def _template(query_name: str, **identifiers: sql.Composable) -> sql.Composed:
+    """A DDL template of rebuild.sql with its {placeholders} filled by identifiers."""
+    return sql.SQL(query("rebuild", query_name)).format(**identifiers)
+
+
+@dataclass(frozen=True)
+class LiveTable:
+    oid: int
+    schema: str
+    name: str
+    owner: str
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+
+@dataclass(frozen=True)
+class RebuildResult:
+    projection: str
+    events: int  # events the rebuild replayed (this run and, when resumed, earlier ones)
+    seconds: float  # this run
+    resumed: bool
+
+
+class Rebuild:
+    """One rebuild of one projection. ``run()`` blocks until switched over (or ``stop()``)."""
+
+    def __init__(self, projection: Projection, settings: RelaySettings, *, from_time: datetime | None = None,
+                 from_position: tuple[int, int] | None = None, restart: bool = False, keep_old: bool = False,
+                 progress: TextIO | None = sys.stderr) -> None:
+        if from_time is not None and from_position is not None:
+            raise ConfigurationError("rebuild from a time or from a position, not both")
+        if not projection.tables:
+            raise ConfigurationError(f"projection {projection.name!r} declares no tables=: a rebuild builds fresh "
+                                     "copies of them and swaps them in, so it must know them")
+        self.projection = projection
+        self.settings = settings
+        self.dsn = settings.dsn.get_secret_value()
+        self.live_sink = projection.name
+        self.sink = projection.name + SINK_SUFFIX
+        self.shadow = SHADOW_PREFIX + projection.name
+        self.retired = RETIRED_PREFIX + projection.name
+        self.options = {"from_time": from_time.isoformat() if from_time else None,
+                        "from_position": list(from_position) if from_position else None}
+        self.from_time = from_time
+        self.from_position = from_position
+        self.restart = restart
+        self.keep_old = keep_old
+        self.progress = progress
+        self.stopping = threading.Event()
+        wanted = ProjectionSink(projection, self.dsn).event_filter
+        self._filter = {"types": list(wanted.types) if wanted.types else None,
+                        "topics": list(wanted.topics) if wanted.topics else None}
+
+    def stop(self) -> None:
+        """Stop replaying (from another thread or a signal handler); ``run`` returns None, resumable."""
+        self.stopping.set()
+
+    # -- run ----------------------------------------------------------------------------------
+
+    def run(self) -> RebuildResult | None:
+        started = time.monotonic()
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            check_schema(conn)
+            tables, resumed = self._start(conn)
+            total = self._total(conn)
+        log.info("rebuild %s: %s, %d events to replay into %s", self.projection.name,
+                 "resumed" if resumed else "started", total, self.shadow)
+        sink = ProjectionSink(self.projection, self.dsn, name=self.sink, lease_seconds=self.settings.lease_seconds,
+                              replay=True, shadow_schema=self.shadow, guarded_tables=[t.oid for t in tables])
+        worker = Worker(self.settings.model_copy(update={
+            "worker_id": f"{self.settings.worker_id}-rebuild"[:200], "kafka": False, "projection": []}),
+            sinks=[sink])
+        if not worker.start():
+            return None
+        try:
+            caught_up = self._replay(worker, sink, total)
+        finally:
+            worker.drain()
+            worker.wait()
+        if not caught_up:
+            log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
+            return None
+        self._switch(tables)
+        self._say(f"rebuild {self.projection.name}: switched over ({total:,} events replayed)\n")
+        return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
+
+    def cancel(self) -> bool:
+        """Abandon a rebuild in progress: drop its shadow tables and its sink. False if none."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn, conn.transaction():
+            conn.execute(query("rebuild", "lock_projection"), {"projection": self.projection.name})
+            row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+            if row is None:
+                return False
+            conn.execute(_template("drop_schema", schema=sql.Identifier(row[2])))
+            conn.execute(query("rebuild", "drop_sink"), {"sink": row[1]})
+        return True
+
+    # -- start --------------------------------------------------------------------------------
+
+    def _start(self, conn: psycopg.Connection[Any]) -> tuple[list[LiveTable], bool]:
+        with conn.transaction():
+            conn.execute(query("rebuild", "lock_projection"), {"projection": self.projection.name})
+            row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+            if row is not None and self.restart:
+                conn.execute(_template("drop_schema", schema=sql.Identifier(row[2])))
+                conn.execute(query("rebuild", "drop_sink"), {"sink": row[1]})
+                row = None
+            if row is not None:
+                if row[4] != self.options:
+                    raise RebuildError(
+                        f"a rebuild of {self.projection.name!r} started {row[6]:%Y-%m-%d %H:%M} with options "
+                        f"{json.dumps(row[4])} is in progress: run it again with the same options to resume it, "
+                        "or pass --restart to start over")
+                return [self._table(conn, name) for name in row[3]], True
+            tables = [self._table(conn, name) for name in self.projection.tables]
+            self._check_swappable(conn, tables)
+            conn.execute(_template("drop_schema", schema=sql.Identifier(self.shadow)))  # a crashed start's
+            conn.execute(_template("create_schema", schema=sql.Identifier(self.shadow)))
+            for t in tables:
+                self._copy(conn, t)
+            conn.execute(query("rebuild", "drop_sink"), {"sink": self.sink})
+            store.register_sink(conn, self.sink, "projection")
+            if self.from_position is not None:
+                conn.execute(query("rebuild", "start_at_position"),
+                             {"sink": self.sink, "xid": self.from_position[0], "seq": self.from_position[1]})
+            elif self.from_time is not None:
+                conn.execute(query("rebuild", "start_at_time"), {"sink": self.sink, "time": self.from_time})
+            conn.execute(query("rebuild", "insert"), {
+                "projection": self.projection.name, "sink": self.sink, "shadow_schema": self.shadow,
+                "live_tables": [t.qualified for t in tables], "options": json.dumps(self.options)})
+        return tables, False
+
+    def _table(self, conn: psycopg.Connection[Any], name: str) -> LiveTable:
+        row = conn.execute(query("rebuild", "table_info"), {"name": name}).fetchone()
+        if row is None:
+            raise RebuildError(f"projection {self.projection.name!r}: table {name!r} does not exist (a rebuild "
+                               "copies the live table's definition, so create it first)")
+        if row[4] != "r":
+            raise RebuildError(f"projection {self.projection.name!r}: {name!r} is not a plain table")
+        return LiveTable(int(row[0]), row[1], row[2], row[3])
+
+    def _check_swappable(self, conn: psycopg.Connection[Any], tables: Sequence[LiveTable]) -> None:
+        blockers = [f"{t.qualified}: {b}" for t in tables
+                    for (b,) in conn.execute(query("rebuild", "table_blockers"), {"oid": t.oid})]
+        if blockers:
+            raise RebuildError("a rebuild swaps fresh tables in and can not carry these over; drop them (and "
+                               "re-create them after the rebuild) or rebuild in place with --key: "
+                               + "; ".join(blockers))
+
+    def _copy(self, conn: psycopg.Connection[Any], t: LiveTable) -> None:
+        copy = sql.Identifier(self.shadow, t.name)
+        conn.execute(_template("create_copy", copy=copy, live=sql.Identifier(t.schema, t.name)))
+        for column, sequence in conn.execute(query("rebuild", "serial_columns"), {"oid": t.oid}).fetchall():
+            # LIKE copies the default, which still draws from the live table's sequence.
+            conn.execute(_template("own_sequence", sequence=sql.Identifier(self.shadow, sequence), table=copy,
+                                   column=sql.Identifier(column)))
+            conn.execute(_template("default_from_sequence", table=copy, column=sql.Identifier(column),
+                                   sequence_name=sql.Literal(f"{self.shadow}.{sequence}")))
+        for name, definition in conn.execute(query("rebuild", "foreign_keys"), {"oid": t.oid}).fetchall():
+            conn.execute(_template("add_constraint", table=copy, name=sql.Identifier(name),
+                                   definition=sql.SQL(definition)))  # catalog text from pg_get_constraintdef
+
+    # -- replay -------------------------------------------------------------------------------
+
+    def _total(self, conn: psycopg.Connection[Any]) -> int:
+        row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+        if row is not None and row[5] is not None:
+            return int(row[5])
+        total = self._remaining(conn, self.sink)
+        conn.execute(query("rebuild", "set_total"), {"projection": self.projection.name, "total": total})
+        return total
+
+    def _remaining(self, conn: psycopg.Connection[Any], sink: str) -> int:
+        row = conn.execute(query("rebuild", "remaining"), {"sink": sink, **self._filter}).fetchone()
+        return int(row[0]) if row else 0
+
+    def _replay(self, worker: Worker, sink: ProjectionSink, total: int) -> bool:
+        """Report progress until the rebuild has caught up (True) or was stopped (False).
+
+        Caught up: nothing left, or, for a long replay under live traffic, at most a batch (and
+        1% of the total) behind: the live projection applies the rest after the switch, from the
+        rebuild's positions, as it would any new event."""
+        first = time.monotonic()
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            start_left = self._remaining(conn, self.sink)
+            while not (self.stopping.is_set() or worker.stopping.is_set()):
+                if sink.fatal is not None:
+                    raise RebuildError(str(sink.fatal))
+                left = self._remaining(conn, self.sink)
+                rate = (start_left - left) / max(1e-3, time.monotonic() - first)
+                self._report(total, left, rate)
+                if left == 0 or left <= min(self.settings.batch_size, total // 100):
+                    return True
+                self.stopping.wait(PROGRESS_SECONDS if left > self.settings.batch_size else 0.1)
+        return False
+
+    def _report(self, total: int, left: int, rate: float) -> None:
+        done = max(0, total - left)
+        share = 100.0 * done / total if total else 100.0
+        eta = f", ETA {_duration(left / rate)}" if rate > 0 and left else ""
+        self._say(f"rebuild {self.projection.name}: {done:,}/{total:,} events ({share:.1f}%), "
+                  f"{rate:,.0f} ev/s{eta}", transient=True)
+
+    def _say(self, text: str, transient: bool = False) -> None:
+        if self.progress is None:
+            return
+        if transient and self.progress.isatty():
+            self.progress.write("\r\x1b[2K" + text)
+        else:
+            self.progress.write(text + ("\n" if not text.endswith("\n") else ""))
+        self.progress.flush()
+
+    # -- switch -------------------------------------------------------------------------------
+
+    def _switch(self, tables: Sequence[LiveTable]) -> None:
+        for attempt in range(1, SWITCH_TRIES + 1):
+            try:
+                with psycopg.connect(self.dsn, autocommit=True) as conn:
+                    self._switch_once(conn, tables)
+                return
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
+                log.warning("rebuild %s: switch-over attempt %d waited too long for locks (%s); retrying",
+                            self.projection.name, attempt, type(exc).__name__)
+                time.sleep(min(5.0, 0.2 * attempt))
+        raise RebuildError(f"rebuild {self.projection.name!r}: could not lock the live tables to switch over "
+                           f"after {SWITCH_TRIES} tries; long transactions on them? Run it again to retry")
+
+    def _switch_once(self, conn: psycopg.Connection[Any], tables: Sequence[LiveTable]) -> None:
+        names = {"live": self.live_sink, "rebuild": self.sink}
+        with conn.transaction():
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (SWITCH_LOCK_TIMEOUT,))
+            conn.execute(query("rebuild", "lock_projection"), {"projection": self.projection.name})
+            for t in sorted(tables, key=lambda t: t.oid):
+                conn.execute(_template("lock_table", table=sql.Identifier(t.schema, t.name)))
+            store.register_sink(conn, self.live_sink, "projection")
+            conn.execute(query("rebuild", "lock_cursors"), names)
+            conn.execute(query("rebuild", "adopt_cursors"), names)
+            conn.execute(query("rebuild", "drop_parked_and_dead"), names)
+            conn.execute(query("rebuild", "adopt_parked"), names)
+            conn.execute(query("rebuild", "adopt_dead_letters"), names)
+            retired = sql.Identifier(self.retired)
+            conn.execute(_template("drop_schema", schema=retired))  # what an earlier --keep-old kept
+            conn.execute(_template("create_schema", schema=retired))
+            for t in tables:
+                conn.execute(_template("move_table", table=sql.Identifier(t.schema, t.name), schema=retired))
+                conn.execute(_template("move_table", table=sql.Identifier(self.shadow, t.name),
+                                       schema=sql.Identifier(t.schema)))
+                self._carry_privileges(conn, t)
+            conn.execute(_template("drop_schema", schema=sql.Identifier(self.shadow)))
+            if not self.keep_old:
+                conn.execute(_template("drop_schema", schema=retired))
+            conn.execute(query("rebuild", "drop_sink"), {"sink": self.sink})
+
+    def _carry_privileges(self, conn: psycopg.Connection[Any], old: LiveTable) -> None:
+        new = sql.Identifier(old.schema, old.name)
+        for grantee, privilege, grantable in conn.execute(query("rebuild", "table_grants"), {"oid": old.oid}):
+            if privilege not in PRIVILEGES:
+                continue
+            conn.execute(_template("grant_with_option" if grantable else "grant", privilege=sql.SQL(privilege),
+                                   table=new, grantee=sql.Identifier(grantee) if grantee else sql.SQL("PUBLIC")))
+        current = conn.execute("SELECT current_user").fetchone()
+        if current is not None and current[0] != old.owner:
+            conn.execute(_template("set_owner", table=new, owner=sql.Identifier(old.owner)))
+
+
+def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3) -> int:
+    """Rebuild one partition key's state in place, atomically; returns the events replayed."""
+    if projection.clear_key is None:
+        raise ConfigurationError(f"projection {projection.name!r} has no key_reset: declare one with "
+                                 f"@{projection.handler.__name__}.key_reset to rebuild a single key")
+    for attempt in range(1, tries + 1):
+        try:
+            if projection.is_async:
+                return asyncio.run(_arebuild_key(projection, dsn, key))
+            with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+                cursor, events = _key_history(conn, projection, key)
+                projection.clear_key(key, conn)
+                for event in _replayed(projection, dsn, cursor, events):
+                    projection.handler(event, conn)
+                return len(events)
+        except psycopg.errors.DeadlockDetected:  # a live batch of the same bucket: it retries, so do we
+            if attempt == tries:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
+    assert projection.clear_key is not None
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn, conn.transaction():
+        cur = await conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key})
+        cursor = await cur.fetchone()
+        if cursor is None:
+            raise RebuildError(f"projection {projection.name!r} has never run against this database")
+        cur = await conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
+        events = [_stored(r) for r in await cur.fetchall()]
+        await projection.clear_key(key, conn)
+        for event in _replayed(projection, dsn, cursor, events):
+            await projection.handler(event, conn)
+        return len(events)
+
+
+def _key_params(projection: Projection, key: str, cursor: Sequence[Any]) -> dict[str, Any]:
+    types = projection.events if projection.on_unknown == "ignore" else None
+    return {"sink": projection.name, "key": key, "xid": str(cursor[0]), "seq": cursor[1],
+            "types": list(types) if types else None, "topics": list(projection.topics) if projection.topics else None}
+
+
+def _key_history(conn: psycopg.Connection[Any], projection: Projection,
+                 key: str) -> tuple[Sequence[Any], list[StoredEvent]]:
+    cursor = conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key}).fetchone()
+    if cursor is None:
+        raise RebuildError(f"projection {projection.name!r} has never run against this database")
+    rows = conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor)).fetchall()
+    return cursor, [_stored(r) for r in rows]
+
+
+def _stored(r: Sequence[Any]) -> StoredEvent:
+    payload = r[7] if isinstance(r[7], str) else json.dumps(r[7])
+    headers = r[8] if isinstance(r[8], str) else json.dumps(r[8])
+    return StoredEvent(r[0], r[1], r[2], r[3], r[4], r[5], r[6], payload, headers, r[9])
+
+
+def _replayed(projection: Projection, dsn: str, cursor: Sequence[Any],
+              events: Sequence[StoredEvent]) -> list[ProjectionEvent[Any]]:
+    """The events as the handler sees them in a replay; one that no longer prepares is an error."""
+    sink = ProjectionSink(projection, dsn, replay=True)
+    out = []
+    for e in events:
+        prepared = sink._prepare(e, {e.bucket: int(cursor[2])})
+        if prepared is None:
+            continue
+        if not isinstance(prepared, ProjectionEvent):
+            raise RebuildError(f"event {e.id} of key {e.key!r} no longer applies: {prepared.error}")
+        out.append(prepared)
+    return out
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -1,0 +1,51 @@
+-- name: event_progress
+-- Where each given event stands for one sink (done, pending, parked, dead or unknown), by index probes only.
+WITH sink AS (
+    -- Exactly one row, so the result always answers for the sink (event columns NULL when no ids are
+    -- given). A registered sink has one cursor row per bucket; none at all means the name is unknown.
+    SELECT EXISTS (SELECT 1 FROM outbox.cursors WHERE sink = %(sink)s AND bucket = 0) AS known,
+           -- Transactions below this id have ended: a pending event at or above it waits for an older
+           -- transaction that is still open (the relays' read horizon).
+           pg_snapshot_xmin(pg_current_snapshot()) AS horizon
+),
+wanted AS (
+    -- The ids asked about, each once (the caller de-duplicates).
+    SELECT w.id FROM unnest(%(event_ids)s::uuid[]) AS w(id)
+)
+SELECT s.known,
+       w.id,
+       -- A parked row means another attempt will come, so it wins over an (older) dead letter; an id with
+       -- no event row was never committed, rolled back, or was already removed by retention.
+       CASE WHEN p.seq IS NOT NULL THEN 'parked'
+            WHEN d.event_id IS NOT NULL THEN 'dead'
+            WHEN e.id IS NULL THEN 'unknown'
+            WHEN (e.xid, e.seq) <= (c.position_xid, c.position_seq) THEN 'done'
+            ELSE 'pending' END AS state,
+       coalesce(p.attempts, d.attempts) AS attempts,
+       coalesce(p.last_error, h.last_error, d.last_error) AS last_error,
+       -- Diagnostics for a timeout: is a relay holding the event's bucket, is an open transaction holding it back.
+       c.owner IS NOT NULL AND c.lease_expires_at > clock_timestamp() AS leased,
+       e.xid >= s.horizon AS behind_horizon
+FROM sink s
+LEFT JOIN wanted w ON true
+-- One primary-key probe per id in each of the tables below.
+LEFT JOIN outbox.events e ON e.id = w.id
+LEFT JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = e.bucket
+LEFT JOIN outbox.parked p ON p.sink = %(sink)s AND p.bucket = e.bucket AND p.xid = e.xid AND p.seq = e.seq
+LEFT JOIN LATERAL (
+    -- LIMIT keeps this a probe per id (a plain join may be planned as a scan of all the sink's dead letters).
+    SELECT d.event_id, d.attempts, d.last_error
+    FROM outbox.dead_letters d
+    WHERE d.sink = %(sink)s AND d.event_id = w.id
+    LIMIT 1
+) d ON true
+LEFT JOIN LATERAL (
+    -- An event parked behind its key's failing head has no error of its own: report the head's
+    -- (the oldest parked event of the key, first entry of index parked_key).
+    SELECT q.last_error
+    FROM outbox.parked q
+    WHERE p.seq IS NOT NULL AND p.last_error IS NULL
+      AND q.sink = p.sink AND q.bucket = p.bucket AND q.partition_key = p.partition_key
+    ORDER BY q.xid, q.seq
+    LIMIT 1
+) h ON true;

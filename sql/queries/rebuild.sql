@@ -1,0 +1,199 @@
+-- Queries of `outbox-relay rebuild` (projections/rebuild.py). Blocks with {braces} are
+-- templates whose identifiers are filled in with psycopg.sql.Identifier, never by string
+-- formatting.
+
+-- name: lock_projection
+-- One rebuild starts, switches or cancels at a time per projection (transaction-scoped).
+SELECT pg_advisory_xact_lock(hashtextextended('outbox-relay rebuild ' || %(projection)s, 0));
+
+-- name: get
+-- The rebuild of a projection in progress, if any.
+SELECT projection, sink, shadow_schema, live_tables, options, total_events, started_at
+FROM outbox.rebuilds
+WHERE projection = %(projection)s;
+
+-- name: insert
+-- Remember a rebuild as it starts.
+INSERT INTO outbox.rebuilds (projection, sink, shadow_schema, live_tables, options)
+VALUES (%(projection)s, %(sink)s, %(shadow_schema)s, %(live_tables)s::text[], %(options)s::jsonb);
+
+-- name: set_total
+-- The number of events the rebuild replays, counted once at its start.
+UPDATE outbox.rebuilds SET total_events = %(total)s WHERE projection = %(projection)s;
+
+-- name: drop_sink
+-- Forget a sink with its cursors, parked events, dead letters and rebuild row (cascades).
+DELETE FROM outbox.sinks WHERE name = %(sink)s;
+
+-- name: table_info
+-- A declared table, resolved on the search path: oid, schema, name, owner, kind.
+SELECT c.oid, n.nspname, c.relname, pg_get_userbyid(c.relowner), c.relkind
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass(%(name)s);
+
+-- name: table_blockers
+-- What a table swap can not carry over: views, incoming foreign keys, triggers, policies.
+SELECT 'view ' || v.oid::regclass::text
+FROM pg_depend d
+JOIN pg_rewrite r ON r.oid = d.objid
+JOIN pg_class v ON v.oid = r.ev_class
+WHERE d.classid = 'pg_rewrite'::regclass AND d.refobjid = %(oid)s AND v.oid <> %(oid)s
+UNION
+SELECT 'foreign key ' || conname || ' of ' || conrelid::regclass::text
+FROM pg_constraint WHERE confrelid = %(oid)s AND contype = 'f'
+UNION
+SELECT 'trigger ' || tgname FROM pg_trigger WHERE tgrelid = %(oid)s AND NOT tgisinternal
+UNION
+SELECT 'row security policy ' || polname FROM pg_policy WHERE polrelid = %(oid)s;
+
+-- name: foreign_keys
+-- Outgoing foreign keys of a table: CREATE TABLE ... LIKE does not copy them.
+SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = %(oid)s AND contype = 'f';
+
+-- name: serial_columns
+-- Columns whose default draws from a sequence the table owns (serial): the copy needs its own.
+SELECT a.attname, s.relname
+FROM pg_attribute a
+JOIN pg_depend d ON d.refobjid = a.attrelid AND d.refobjsubid = a.attnum AND d.deptype = 'a'
+                AND d.classid = 'pg_class'::regclass
+JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S'
+WHERE a.attrelid = %(oid)s AND a.attnum > 0 AND NOT a.attisdropped AND a.attidentity = '';
+
+-- name: table_grants
+-- Privileges granted on a table (grantee 0 is PUBLIC), to grant them again on its copy.
+SELECT CASE WHEN g.grantee = 0 THEN NULL ELSE pg_get_userbyid(g.grantee) END, g.privilege_type, g.is_grantable
+FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) g
+WHERE c.oid = %(oid)s AND g.grantee <> c.relowner;
+
+-- name: create_schema
+CREATE SCHEMA {schema};
+
+-- name: drop_schema
+DROP SCHEMA IF EXISTS {schema} CASCADE;
+
+-- name: create_copy
+-- Same columns, defaults, identity, checks, indexes, storage and comments.
+CREATE TABLE {copy} (LIKE {live} INCLUDING ALL);
+
+-- name: add_constraint
+ALTER TABLE {table} ADD CONSTRAINT {name} {definition};
+
+-- name: own_sequence
+CREATE SEQUENCE {sequence} OWNED BY {table}.{column};
+
+-- name: default_from_sequence
+ALTER TABLE {table} ALTER COLUMN {column} SET DEFAULT nextval({sequence_name});
+
+-- name: grant
+GRANT {privilege} ON {table} TO {grantee};
+
+-- name: grant_with_option
+GRANT {privilege} ON {table} TO {grantee} WITH GRANT OPTION;
+
+-- name: set_owner
+ALTER TABLE {table} OWNER TO {owner};
+
+-- name: lock_table
+-- Readers wait for the swap (short); live projection writers finish or wait.
+LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE;
+
+-- name: move_table
+ALTER TABLE {table} SET SCHEMA {schema};
+
+-- name: start_at_position
+-- A rebuild from a position: every bucket's cursor just before it.
+UPDATE outbox.cursors
+SET position_xid = %(xid)s::text::xid8, position_seq = %(seq)s - 1
+WHERE sink = %(sink)s;
+
+-- name: start_at_time
+-- A rebuild from a time: per bucket, just before its first event at or after that time, or
+-- past its last event when it has none.
+UPDATE outbox.cursors c
+SET position_xid = coalesce(f.xid, l.xid, '0'::xid8),
+    position_seq = coalesce(f.seq - 1, l.seq, 0)
+FROM generate_series(0, 255) AS b(bucket)
+LEFT JOIN LATERAL (
+    -- The bucket's first event at or after the time, in position order.
+    SELECT e.xid, e.seq FROM outbox.events e
+    WHERE e.bucket = b.bucket AND e.created_at >= %(time)s
+    ORDER BY e.xid, e.seq LIMIT 1
+) f ON true
+LEFT JOIN LATERAL (
+    -- Its last event, when none is that recent.
+    SELECT e.xid, e.seq FROM outbox.events e
+    WHERE e.bucket = b.bucket
+    ORDER BY e.xid DESC, e.seq DESC LIMIT 1
+) l ON true
+WHERE c.sink = %(sink)s AND c.bucket = b.bucket;
+
+-- name: remaining
+-- Events a sink still has to read below the horizon, counting only those it wants.
+SELECT coalesce(sum(x.n), 0)::bigint
+FROM outbox.cursors c
+CROSS JOIN LATERAL (
+    SELECT count(*) AS n
+    FROM outbox.events e
+    WHERE e.bucket = c.bucket
+      AND (e.xid, e.seq) > (c.position_xid, c.position_seq)
+      AND e.xid < pg_snapshot_xmin(pg_current_snapshot())
+      AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
+      AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
+) x
+WHERE c.sink = %(sink)s;
+
+-- name: lock_cursors
+-- The switch: no relay may checkpoint either sink until it commits.
+SELECT sink, bucket FROM outbox.cursors
+WHERE sink IN (%(live)s, %(rebuild)s)
+ORDER BY sink, bucket
+FOR UPDATE;
+
+-- name: adopt_cursors
+-- The live projection continues from where the rebuild got to. The fence bump fences out the
+-- batches relays have in flight on its buckets (they roll back); the owners keep their
+-- leases and take the buckets up again under a new fence at once.
+UPDATE outbox.cursors l
+SET position_xid = r.position_xid, position_seq = r.position_seq,
+    fence = l.fence + 1, lapses = 0, advanced_at = clock_timestamp()
+FROM outbox.cursors r
+WHERE l.sink = %(live)s AND r.sink = %(rebuild)s AND r.bucket = l.bucket;
+
+-- name: drop_parked_and_dead
+-- Retries and dead letters of the old model are moot once the new one takes over.
+WITH parked AS (
+    DELETE FROM outbox.parked WHERE sink = %(live)s
+)
+DELETE FROM outbox.dead_letters WHERE sink = %(live)s;
+
+-- name: adopt_parked
+-- The rebuild's retries carry on under the live name (run after drop_parked_and_dead).
+UPDATE outbox.parked SET sink = %(live)s WHERE sink = %(rebuild)s;
+
+-- name: adopt_dead_letters
+-- Likewise its dead letters.
+UPDATE outbox.dead_letters SET sink = %(live)s WHERE sink = %(rebuild)s;
+
+-- name: key_cursor
+-- Rebuild of one key: lock its bucket's live cursor (the live relay's checkpoint for that
+-- bucket waits) and read how far live processing got.
+SELECT c.position_xid, c.position_seq, c.fence
+FROM outbox.cursors c
+WHERE c.sink = %(sink)s AND c.bucket = outbox.bucket_v1(%(key)s)
+FOR UPDATE;
+
+-- name: key_history
+-- The events of one key that live processing applied: up to the cursor, neither parked nor
+-- dead-lettered, in publish order.
+SELECT e.bucket, e.xid::text::bigint, e.seq, e.id, e.partition_key, e.topic, e.type,
+       e.payload::text, e.headers::text, e.created_at
+FROM outbox.events e
+WHERE e.bucket = outbox.bucket_v1(%(key)s) AND e.partition_key = %(key)s
+  AND (e.xid, e.seq) <= (%(xid)s::xid8, %(seq)s::bigint)
+  AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
+  AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
+  AND NOT EXISTS (SELECT 1 FROM outbox.parked p
+                  WHERE p.sink = %(sink)s AND p.bucket = e.bucket AND p.xid = e.xid AND p.seq = e.seq)
+  AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters d WHERE d.sink = %(sink)s AND d.event_id = e.id)
+ORDER BY e.xid, e.seq;

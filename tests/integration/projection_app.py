@@ -1,0 +1,26 @@
+"""Projections as a service would declare them, for tests that load them by module name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from projections import ProjectionEvent, Registry, projection
+
+registry = Registry()
+
+
+@projection("order_totals", events=["OrderPlaced", "OrderPaid"], tables=["order_totals"])
+def order_totals(event: ProjectionEvent[Any], tx: Any) -> None:
+    p = event.payload
+    if event.type == "OrderPlaced":
+        tx.execute("INSERT INTO order_totals (customer, orders, paid_cents) VALUES (%s, 1, 0) "
+                   "ON CONFLICT (customer) DO UPDATE SET orders = order_totals.orders + 1", (p["customer"],))
+    else:
+        tx.execute("UPDATE order_totals SET paid_cents = paid_cents + %s WHERE customer = %s",
+                   (p["cents"], p["customer"]))
+
+
+@registry.projection("customer_orders", events=["OrderPlaced"], tables=["customer_orders"])
+def customer_orders(event: ProjectionEvent[Any], tx: Any) -> None:
+    tx.execute("INSERT INTO customer_orders (customer, event_id) VALUES (%s, %s)",
+               (event.payload["customer"], event.id))

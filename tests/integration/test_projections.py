@@ -1,0 +1,385 @@
+"""Projections against a real PostgreSQL: exactly-once effects (G7), retries and dead letters,
+event-type filtering, payload models, async handlers, per-key order across a hand-over (G6).
+
+The relay loop is the real SinkRunner; the sink is the real ProjectionSink. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import ConnectionPool
+from pydantic import BaseModel
+
+from outbox_relay import store
+from outbox_relay.errors import ConfigurationError, NonRetriableDelivery
+from outbox_relay.relay import SinkRunner
+from projections import ProjectionEvent, Registry, fenced_upsert, load_registry, projection
+from projections.event import FenceToken
+from projections.sink import ProjectionSink
+from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
+    ALL_BUCKETS,
+    dead_letters,
+    fetch_all,
+    keys_in_bucket,
+    make_settings,
+    parked_ids,
+    pool_fixture,
+    publish,
+    run_until,
+)
+
+TOTALS = """
+CREATE TABLE order_totals (customer text PRIMARY KEY, orders int NOT NULL, paid_cents bigint NOT NULL);
+CREATE TABLE applied_log (n bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL,
+                          worker text NOT NULL, replay boolean NOT NULL);
+"""
+
+
+def setup_tables(dsn: str, ddl: str = TOTALS) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(ddl)
+
+
+def totals_projection(name: str = "order_totals", worker: str = "w",
+                      before: Callable[[ProjectionEvent[Any], Any], None] | None = None) -> Any:
+    @projection(name, events=["OrderPlaced", "OrderPaid"], tables=["order_totals", "applied_log"])
+    def apply(event: ProjectionEvent[Any], tx: Any) -> None:
+        if before is not None:
+            before(event, tx)
+        p = event.payload
+        if event.type == "OrderPlaced":
+            tx.execute("INSERT INTO order_totals VALUES (%s, 1, 0) "
+                       "ON CONFLICT (customer) DO UPDATE SET orders = order_totals.orders + 1", (p["customer"],))
+        else:
+            tx.execute("UPDATE order_totals SET paid_cents = paid_cents + %s WHERE customer = %s",
+                       (p["cents"], p["customer"]))
+        tx.execute("INSERT INTO applied_log (event_id, key, worker, replay) VALUES (%s, %s, %s, %s)",
+                   (event.id, event.key, worker, event.replay))
+    return apply
+
+
+_open_sinks: list[ProjectionSink] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_sinks() -> Any:
+    yield
+    while _open_sinks:
+        _open_sinks.pop().close()
+
+
+def runner(projection_: Any, dsn: str, pool: ConnectionPool[Any], worker: str = "w",
+           buckets: Any = ALL_BUCKETS, **settings: Any) -> SinkRunner:
+    sink = ProjectionSink(projection_, dsn, lease_seconds=settings.get("lease_seconds", 30.0))
+    _open_sinks.append(sink)
+    with pool.connection() as conn:
+        store.register_sink(conn, sink.name, sink.kind)
+    r = SinkRunner(sink, pool, make_settings(dsn, worker, **settings))
+    r.desired = set(buckets)
+    return r
+
+
+def orders(customers: int, per_customer: int) -> list[tuple[str, str, Any]]:
+    """OrderPlaced then OrderPaid per order, keyed by customer (the partition key)."""
+    out: list[tuple[str, str, Any]] = []
+    for i in range(per_customer):
+        for c in range(customers):
+            out.append((f"cust-{c}", "OrderPlaced", {"customer": f"cust-{c}"}))
+            out.append((f"cust-{c}", "OrderPaid", {"customer": f"cust-{c}", "cents": 100 * (i + 1)}))
+    return out
+
+
+def expected_totals(customers: int, per_customer: int) -> list[tuple[str, int, int]]:
+    paid = sum(100 * (i + 1) for i in range(per_customer))
+    return sorted((f"cust-{c}", per_customer, paid) for c in range(customers))
+
+
+def totals(dsn: str) -> list[tuple[str, int, int]]:
+    return [(c, o, int(p)) for c, o, p in fetch_all(dsn, "SELECT customer, orders, paid_cents FROM order_totals "
+                                                         "ORDER BY customer")]
+
+
+def applied(dsn: str) -> list[tuple[uuid.UUID, str]]:
+    return [(r[0], r[1]) for r in fetch_all(dsn, "SELECT event_id, key FROM applied_log ORDER BY n")]
+
+
+def per_key(pairs: list[tuple[uuid.UUID, str]]) -> dict[str, list[uuid.UUID]]:
+    out: dict[str, list[uuid.UUID]] = {}
+    for event_id, key in pairs:
+        out.setdefault(key, []).append(event_id)
+    return out
+
+
+# -- declaring ---------------------------------------------------------------------------------
+
+
+def test_registries_are_independent_and_refuse_duplicate_names() -> None:
+    a, b = Registry(), Registry()
+
+    @a.projection("same_name")
+    def one(event: Any, tx: Any) -> None: ...
+
+    @b.projection("same_name")
+    def two(event: Any, tx: Any) -> None: ...
+
+    assert a.get("same_name").handler is not b.get("same_name").handler
+    with pytest.raises(ConfigurationError, match="two projections are named 'same_name'"):
+        a.add(b.get("same_name"))
+    with pytest.raises(ConfigurationError, match="unknown projection 'nope'"):
+        a.get("nope")
+
+
+@pytest.mark.parametrize(("name", "kwargs", "message"), [
+    ("Bad-Name", {}, "must be 1-48 characters"),
+    ("ok", {"events": "OrderPlaced"}, "not the string"),
+    ("ok", {"events": []}, "non-empty"),
+    ("ok", {"on_unknown": "reject"}, "needs the list of events"),
+    ("ok", {"on_unknown": "explode", "events": ["A"]}, "on_unknown must be"),
+    ("ok", {"events": {"A": dict}}, "not a pydantic model"),
+])
+def test_bad_declarations_name_the_problem(name: str, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        projection(name, **kwargs)(lambda e, tx: None)
+
+
+def test_load_registry_gathers_a_module_and_rejects_what_is_not_there() -> None:
+    registry = load_registry("tests.integration.projection_app")
+    assert registry.names() == ["customer_orders", "order_totals"]
+    assert load_registry("tests.integration.projection_app:order_totals").names() == ["order_totals"]
+    with pytest.raises(ConfigurationError, match="cannot import"):
+        load_registry("tests.integration.no_such_module")
+    with pytest.raises(ConfigurationError, match="no attribute 'nope'"):
+        load_registry("tests.integration.projection_app:nope")
+
+
+# -- G7: exactly-once effects ------------------------------------------------------------------
+
+
+def test_events_are_applied_once_in_order_with_the_checkpoint(dsn: str, pool: ConnectionPool[Any]) -> None:
+    setup_tables(dsn)
+    events = orders(customers=20, per_customer=5)
+    ids = publish(dsn, events)
+    r = runner(totals_projection(), dsn, pool, batch_size=50)
+    run_until(r, lambda: len(applied(dsn)) >= len(ids))
+    r.run_once()  # nothing left: nothing applied twice
+    assert totals(dsn) == expected_totals(20, 5)
+    log = applied(dsn)
+    assert len(log) == len(ids) and {e for e, _ in log} == set(ids), "each event applied exactly once"
+    want = per_key(list(zip(ids, [k for k, _, _ in events], strict=True)))
+    assert per_key(log) == want, "per key, applied in publish order"
+    pending = fetch_all(dsn, "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c "
+                             "ON c.sink = 'order_totals' AND c.bucket = e.bucket "
+                             "WHERE (e.xid, e.seq) > (c.position_xid, c.position_seq)")
+    assert pending == [(0,)], "the cursors moved past every applied event"
+
+
+def test_a_fenced_out_batch_rolls_back_the_handlers_writes(dsn: str, pool: ConnectionPool[Any]) -> None:
+    """The lease is taken over while the batch is being applied: its writes must not land (G5/G7)."""
+    setup_tables(dsn)
+    ids = publish(dsn, orders(customers=3, per_customer=2))
+    stolen = threading.Event()
+
+    def steal_once(event: ProjectionEvent[Any], tx: Any) -> None:
+        if not stolen.is_set():
+            stolen.set()
+            with psycopg.connect(dsn, autocommit=True) as thief:  # another worker took every lease over
+                thief.execute("UPDATE outbox.cursors SET owner = 'thief', fence = fence + 1 "
+                              "WHERE sink = 'order_totals' AND owner IS NOT NULL")
+
+    r = runner(totals_projection(before=steal_once), dsn, pool)
+    r.run_once()
+    assert stolen.is_set()
+    assert totals(dsn) == [] and applied(dsn) == [], "a fenced-out batch wrote to the read model"
+    batch_buckets = {b for (b,) in fetch_all(dsn, "SELECT DISTINCT bucket FROM outbox.events")}
+    assert not batch_buckets & r.leases.snapshot().keys(), "the runner forgot the buckets it lost"
+    # The thief's lease ends; the next owner applies everything exactly once.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.cursors SET owner = NULL WHERE owner = 'thief'")
+    again = runner(totals_projection(worker="next"), dsn, pool, worker="next")
+    run_until(again, lambda: len(applied(dsn)) >= len(ids))
+    assert totals(dsn) == expected_totals(3, 2)
+    assert sorted(e for e, _ in applied(dsn)) == sorted(ids)
+
+
+def test_a_connection_lost_before_commit_applies_nothing_and_the_retry_applies_once(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    setup_tables(dsn)
+    ids = publish(dsn, orders(customers=4, per_customer=2))
+    killed = threading.Event()
+
+    def die_once(event: ProjectionEvent[Any], tx: Any) -> None:
+        if not killed.is_set():
+            killed.set()
+            pid = tx.info.backend_pid
+            with psycopg.connect(dsn, autocommit=True) as admin:  # the database drops our session
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+    r = runner(totals_projection(before=die_once), dsn, pool)
+    with pytest.raises(psycopg.OperationalError):
+        r.run_once()
+    assert totals(dsn) == [] and applied(dsn) == []
+    run_until(r, lambda: len(applied(dsn)) >= len(ids))  # the sink reconnects
+    assert totals(dsn) == expected_totals(4, 2)
+    assert len(applied(dsn)) == len(ids)
+
+
+def test_async_handlers_get_the_same_guarantees(dsn: str, pool: ConnectionPool[Any]) -> None:
+    setup_tables(dsn)
+    ids = publish(dsn, orders(customers=5, per_customer=3))
+    calls = 0
+
+    @projection("order_totals", events=["OrderPlaced", "OrderPaid"])
+    async def apply(event: ProjectionEvent[Any], tx: psycopg.AsyncConnection[Any]) -> None:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0)
+        p = event.payload
+        if event.type == "OrderPlaced":
+            await tx.execute("INSERT INTO order_totals VALUES (%s, 1, 0) ON CONFLICT (customer) "
+                             "DO UPDATE SET orders = order_totals.orders + 1", (p["customer"],))
+        else:
+            if event.key == "cust-1" and event.attempt == 1:
+                raise RuntimeError("first attempt fails")
+            await tx.execute("UPDATE order_totals SET paid_cents = paid_cents + %s WHERE customer = %s",
+                             (p["cents"], p["customer"]))
+        await tx.execute("INSERT INTO applied_log (event_id, key, worker, replay) VALUES (%s, %s, 'w', false)",
+                         (event.id, event.key))
+
+    assert apply.is_async
+    r = runner(apply, dsn, pool)
+    run_until(r, lambda: len(applied(dsn)) >= len(ids))
+    assert totals(dsn) == expected_totals(5, 3)
+    assert sorted(e for e, _ in applied(dsn)) == sorted(ids), "each event exactly once despite the retry"
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+def test_a_raising_handler_is_retried_then_dead_lettered_and_its_key_moves_on(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    setup_tables(dsn)
+    events = [("cust-bad", "OrderPlaced", {"customer": "cust-bad"}),
+              ("cust-bad", "OrderPaid", {"customer": "cust-bad", "cents": -1}),  # poison
+              ("cust-bad", "OrderPaid", {"customer": "cust-bad", "cents": 7}),
+              ("cust-ok", "OrderPlaced", {"customer": "cust-ok"})]
+    placed, poison, after, ok = publish(dsn, events)
+    attempts: list[int] = []
+
+    def refuse_negative(event: ProjectionEvent[Any], tx: Any) -> None:
+        if event.payload.get("cents", 0) < 0:
+            attempts.append(event.attempt)
+            raise ValueError("negative amount")
+
+    r = runner(totals_projection(before=refuse_negative), dsn, pool, max_attempts=3)
+    run_until(r, lambda: poison in dead_letters(dsn, "order_totals") and len(applied(dsn)) == 3)
+    assert attempts == [1, 2, 3]
+    count, error = dead_letters(dsn, "order_totals")[poison]
+    assert count == 3 and error == "ValueError: negative amount"
+    assert [e for e, _ in applied(dsn)] in ([placed, ok, after], [ok, placed, after], [placed, after, ok])
+    assert totals(dsn) == [("cust-bad", 1, 7), ("cust-ok", 1, 0)]
+    assert parked_ids(dsn, "order_totals") == set()
+
+
+def test_non_retriable_delivery_and_invalid_payloads_are_dead_lettered_at_once(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    setup_tables(dsn)
+
+    class Paid(BaseModel):
+        customer: str
+        cents: int
+
+    @projection("order_totals", events={"OrderPaid": Paid})
+    def apply(event: ProjectionEvent[Paid], tx: Any) -> None:
+        assert isinstance(event.payload, Paid)
+        if event.payload.cents == 13:
+            raise NonRetriableDelivery("unlucky amount")
+        tx.execute("INSERT INTO order_totals VALUES (%s, 0, %s) ON CONFLICT (customer) "
+                   "DO UPDATE SET paid_cents = order_totals.paid_cents + EXCLUDED.paid_cents",
+                   (event.payload.customer, event.payload.cents))
+
+    bad_shape, unlucky, good = publish(dsn, [
+        ("c", "OrderPaid", {"customer": "c", "cents": "lots"}),
+        ("c", "OrderPaid", {"customer": "c", "cents": 13}),
+        ("c", "OrderPaid", {"customer": "c", "cents": 5}),
+    ])
+    r = runner(apply, dsn, pool)
+    run_until(r, lambda: totals(dsn) == [("c", 0, 5)])
+    letters = dead_letters(dsn, "order_totals")
+    assert set(letters) == {bad_shape, unlucky}
+    attempts, error = letters[bad_shape]
+    assert attempts == 1 and "ValidationError" in error and "cents" in error
+    assert letters[unlucky] == (1, "NonRetriableDelivery: unlucky amount")
+    assert good not in letters
+
+
+def test_unknown_event_types_are_ignored_or_rejected_as_declared(dsn: str, pool: ConnectionPool[Any]) -> None:
+    setup_tables(dsn)
+    seen: dict[str, list[str]] = {"lenient": [], "strict": []}
+
+    def make(name: str, on_unknown: Any) -> Any:
+        @projection(name, events=["OrderPlaced"], on_unknown=on_unknown)
+        def apply(event: ProjectionEvent[Any], tx: Any) -> None:
+            seen[name].append(event.type)
+        return apply
+
+    _, refunded = publish(dsn, [("c", "OrderPlaced", {}), ("c", "OrderRefunded", {})])
+    lenient = runner(make("lenient", "ignore"), dsn, pool)
+    strict = runner(make("strict", "reject"), dsn, pool)
+    run_until(lenient, lambda: seen["lenient"] == ["OrderPlaced"])
+    run_until(strict, lambda: refunded in dead_letters(dsn, "strict"))
+    assert seen == {"lenient": ["OrderPlaced"], "strict": ["OrderPlaced"]}
+    assert dead_letters(dsn, "lenient") == {}
+    assert dead_letters(dsn, "strict")[refunded] == (
+        1, "projection 'strict' does not handle event type 'OrderRefunded'")
+
+
+# -- G6 across a hand-over ---------------------------------------------------------------------
+
+
+def test_per_key_order_and_exactly_once_hold_while_buckets_move_between_workers(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    setup_tables(dsn)
+    events = orders(customers=40, per_customer=6)
+    ids = publish(dsn, events)
+    a = runner(totals_projection(worker="a"), dsn, pool, worker="a", batch_size=16)
+    b = runner(totals_projection(worker="b"), dsn, pool, worker="b", batch_size=16)
+    half = set(range(0, 256, 2))
+    a.desired, b.desired = set(ALL_BUCKETS), set()
+    for step in range(400):
+        if step % 3 == 0:  # the ring changes: buckets move back and forth
+            a.desired, b.desired = (half, ALL_BUCKETS - half) if step % 6 == 0 else (ALL_BUCKETS - half, half)
+        a.run_once()
+        b.run_once()
+        if len(applied(dsn)) >= len(ids):
+            break
+    log = applied(dsn)
+    assert len(log) == len(ids) and len({e for e, _ in log}) == len(ids), "an event was applied twice or lost"
+    assert per_key(log) == per_key(list(zip(ids, [k for k, _, _ in events], strict=True)))
+    assert totals(dsn) == expected_totals(40, 6)
+    workers = {w for (w,) in fetch_all(dsn, "SELECT DISTINCT worker FROM applied_log")}
+    assert workers == {"a", "b"}, "both workers took part"
+
+
+# -- fencing helper ----------------------------------------------------------------------------
+
+
+def test_fenced_upsert_writes_only_over_an_older_token(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE remote_view (id text PRIMARY KEY, status text, fence_token text NOT NULL)")
+        old, new = FenceToken(3, 900, 2), FenceToken(4, 800, 1)  # a new owner: larger fence wins
+        assert fenced_upsert(conn, "public.remote_view", {"id": "o1"}, {"status": "paid"}, new)
+        assert not fenced_upsert(conn, "remote_view", {"id": "o1"}, {"status": "stale"}, old)
+        assert not fenced_upsert(conn, "remote_view", {"id": "o1"}, {"status": "again"}, new), "same token: no-op"
+        assert fenced_upsert(conn, "remote_view", {"id": "o1"}, {"status": "shipped"}, FenceToken(4, 800, 2))
+        rows = conn.execute("SELECT id, status, fence_token FROM remote_view").fetchall()
+    assert rows == [("o1", "shipped", str(FenceToken(4, 800, 2)))]
+    assert FenceToken.parse(str(FenceToken(4, 800, 2))) == FenceToken(4, 800, 2)
+    assert sorted([str(FenceToken(10, 1, 1)), str(FenceToken(9, 99, 99))]) == [str(FenceToken(9, 99, 99)),
+                                                                              str(FenceToken(10, 1, 1))]

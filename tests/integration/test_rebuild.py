@@ -1,0 +1,330 @@
+"""Rebuilds against a real PostgreSQL (G12): the same state as live processing, never a half-built
+model for readers, while live events keep arriving; resumable; one key in place.
+
+Live processing runs through the real SinkRunner + ProjectionSink; the rebuild is the real
+``Rebuild`` (an ordinary Worker on its own sink, then the switch-over transaction).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import ConnectionPool
+
+from outbox_relay import store
+from outbox_relay.errors import ConfigurationError
+from outbox_relay.relay import SinkRunner
+from projections import ProjectionEvent, projection
+from projections.rebuild import Rebuild, RebuildError, rebuild_key
+from projections.sink import ProjectionSink
+from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
+    ALL_BUCKETS,
+    dead_letters,
+    fetch_all,
+    make_settings,
+    pool_fixture,
+    publish,
+    run_until,
+)
+
+TABLES = """
+CREATE TABLE order_totals (customer text PRIMARY KEY, orders int NOT NULL, paid_cents bigint NOT NULL);
+CREATE TABLE applied_log (n bigserial PRIMARY KEY, event_id uuid NOT NULL UNIQUE, key text NOT NULL,
+                          replay boolean NOT NULL);
+"""
+
+
+def totals_projection(factor: int = 1, qualified: bool = False) -> Any:
+    """Order totals; ``factor`` changes the model's arithmetic (a new version of the read model)."""
+    table = "public.order_totals" if qualified else "order_totals"
+
+    @projection("order_totals", events=["OrderPlaced", "OrderPaid"], tables=["order_totals", "applied_log"])
+    def apply(event: ProjectionEvent[Any], tx: Any) -> None:
+        p = event.payload
+        if event.type == "OrderPlaced":
+            tx.execute(f"INSERT INTO {table} VALUES (%s, 1, 0) "
+                       "ON CONFLICT (customer) DO UPDATE SET orders = order_totals.orders + 1", (p["customer"],))
+        else:
+            if p["cents"] < 0:
+                raise ValueError("negative amount")
+            tx.execute(f"UPDATE {table} SET paid_cents = paid_cents + %s WHERE customer = %s",
+                       (p["cents"] * factor, p["customer"]))
+        tx.execute("INSERT INTO applied_log (event_id, key, replay) VALUES (%s, %s, %s)",
+                   (event.id, event.key, event.replay))
+
+    @apply.key_reset
+    def reset(key: str, tx: Any) -> None:
+        tx.execute("DELETE FROM order_totals WHERE customer = %s", (key,))
+        tx.execute("DELETE FROM applied_log WHERE key = %s", (key,))
+
+    return apply
+
+
+def orders(customers: int, per_customer: int, start: int = 0) -> list[tuple[str, str, Any]]:
+    out: list[tuple[str, str, Any]] = []
+    for i in range(start, start + per_customer):
+        for c in range(customers):
+            out.append((f"cust-{c}", "OrderPlaced", {"customer": f"cust-{c}"}))
+            out.append((f"cust-{c}", "OrderPaid", {"customer": f"cust-{c}", "cents": 10 * (i + 1)}))
+    return out
+
+
+def state(dsn: str) -> list[tuple[Any, ...]]:
+    return fetch_all(dsn, "SELECT customer, orders, paid_cents FROM order_totals ORDER BY customer")
+
+
+def applied_ids(dsn: str) -> list[uuid.UUID]:
+    return [r[0] for r in fetch_all(dsn, "SELECT event_id FROM applied_log ORDER BY n")]
+
+
+def table_oid(dsn: str, name: str = "order_totals") -> int:
+    return int(fetch_all(dsn, "SELECT %s::regclass::oid", (name,))[0][0])
+
+
+@pytest.fixture
+def live(dsn: str, pool: ConnectionPool[Any]) -> Iterator[Any]:
+    """``live(projection)``: a live SinkRunner for it (all buckets); sinks closed afterwards."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(TABLES)
+    sinks: list[ProjectionSink] = []
+
+    def make(p: Any, worker: str = "live") -> SinkRunner:
+        sink = ProjectionSink(p, dsn)
+        sinks.append(sink)
+        with pool.connection() as conn:
+            store.register_sink(conn, sink.name, sink.kind)
+        r = SinkRunner(sink, pool, make_settings(dsn, worker, max_attempts=2))
+        r.desired = set(ALL_BUCKETS)
+        return r
+
+    yield make
+    for s in sinks:
+        s.close()
+
+
+def rebuild_settings(dsn: str) -> Any:
+    return make_settings(dsn, "rebuilder", max_attempts=2, batch_size=200)
+
+
+def test_rebuild_ends_in_the_state_live_processing_reached(dsn: str, live: Any) -> None:
+    events = [*orders(30, 4), ("cust-0", "OrderPaid", {"customer": "cust-0", "cents": -5})]  # one dead letter
+    ids = publish(dsn, events)
+    runner = live(totals_projection())
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(ids) - 1 and dead_letters(dsn, "order_totals"))
+    live_state, live_dead = state(dsn), set(dead_letters(dsn, "order_totals"))
+    old_oid = table_oid(dsn)
+    out = io.StringIO()
+
+    result = Rebuild(totals_projection(), rebuild_settings(dsn), progress=out).run()
+
+    assert result is not None and result.events == len(ids) and not result.resumed
+    assert table_oid(dsn) != old_oid, "the rebuilt table was swapped in"
+    assert state(dsn) == live_state
+    assert set(dead_letters(dsn, "order_totals")) == live_dead
+    assert sorted(applied_ids(dsn)) == sorted(set(ids) - live_dead)
+    assert {r[0] for r in fetch_all(dsn, "SELECT replay FROM applied_log")} == {True}, "handlers saw a replay"
+    assert "switched over" in out.getvalue() and "ev/s" in out.getvalue()
+    leftovers = fetch_all(dsn, "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'outbox_re%%'")
+    assert leftovers == [] and fetch_all(dsn, "SELECT count(*) FROM outbox.rebuilds") == [(0,)]
+    assert fetch_all(dsn, "SELECT name FROM outbox.sinks ORDER BY name") == [("order_totals",)]
+    # The live projection carries on from the rebuild's positions: new events, applied once.
+    more = publish(dsn, orders(30, 1, start=4))
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(ids) - 1 + len(more))
+    assert len(set(applied_ids(dsn))) == len(applied_ids(dsn))
+
+
+def test_readers_see_the_old_model_or_the_new_one_never_a_half_built_one(dsn: str, live: Any) -> None:
+    ids = publish(dsn, orders(50, 4))
+    runner = live(totals_projection(factor=1))
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(ids))
+    old_total = fetch_all(dsn, "SELECT sum(paid_cents), count(*) FROM order_totals")[0]
+    new_total = (old_total[0] * 3, old_total[1])  # version 2 of the model triples amounts
+    seen: set[tuple[Any, ...]] = set()
+    done = threading.Event()
+
+    def read() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not done.is_set():
+                seen.add(tuple(conn.execute("SELECT sum(paid_cents), count(*) FROM order_totals").fetchone() or ()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        Rebuild(totals_projection(factor=3), rebuild_settings(dsn), progress=None).run()
+    finally:
+        done.set()
+        reader.join()
+    assert seen <= {old_total, new_total}, f"a reader saw a half-built model: {seen - {old_total, new_total}}"
+    assert new_total in seen or fetch_all(dsn, "SELECT sum(paid_cents), count(*) FROM order_totals")[0] == new_total
+
+
+def test_rebuild_while_live_events_keep_arriving(dsn: str, live: Any, pool: ConnectionPool[Any]) -> None:
+    first = publish(dsn, orders(40, 3))
+    runner = live(totals_projection())
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(first))
+    published = list(first)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def keep_publishing() -> None:
+        i = 3
+        while not stop.is_set():
+            published.extend(publish(dsn, orders(40, 1, start=i)))
+            i += 1
+            time.sleep(0.02)
+
+    def keep_applying() -> None:
+        try:
+            while not stop.is_set():
+                runner.run_once()
+                time.sleep(0.005)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=keep_publishing), threading.Thread(target=keep_applying)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.3)
+        result = Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert result is not None and not errors
+    run_until(runner, lambda: len(applied_ids(dsn)) >= len(published), timeout=30)
+    log = applied_ids(dsn)
+    assert sorted(log) == sorted(published), "after the switch every event is applied exactly once"
+    per_customer = len(published) // 80
+    assert state(dsn) == [(f"cust-{c}", per_customer, sum(10 * (i + 1) for i in range(per_customer)))
+                          for c in sorted(range(40), key=lambda c: f"cust-{c}")]
+
+
+def test_an_interrupted_rebuild_resumes_and_options_must_match(dsn: str, live: Any) -> None:
+    ids = publish(dsn, orders(40, 10))
+    runner = live(totals_projection())
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(ids))
+    live_state = state(dsn)
+    slow = totals_projection()
+    original = slow.handler
+
+    def slow_handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        time.sleep(0.001)
+        original(event, tx)
+
+    slow.handler = slow_handler
+    first = Rebuild(slow, rebuild_settings(dsn), progress=None)
+    timer = threading.Timer(0.6, first.stop)
+    timer.start()
+    assert first.run() is None, "a stopped rebuild does not switch"
+    timer.cancel()
+    partial = fetch_all(dsn, "SELECT count(*) FROM outbox_rebuild_order_totals.applied_log")[0][0]
+    assert 0 < partial < len(ids), f"expected a partial rebuild, got {partial} of {len(ids)}"
+    assert state(dsn) == live_state, "the live model is untouched while rebuilding"
+
+    with pytest.raises(RebuildError, match="with the same options"):
+        Rebuild(totals_projection(), rebuild_settings(dsn), from_position=(1, 1), progress=None).run()
+    result = Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
+    assert result is not None and result.resumed and result.events == len(ids)
+    assert state(dsn) == live_state
+    assert sorted(applied_ids(dsn)) == sorted(ids), "resumed without replaying anything twice"
+
+
+def test_restart_and_cancel(dsn: str, live: Any) -> None:
+    ids = publish(dsn, orders(10, 2))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    r = Rebuild(totals_projection(), rebuild_settings(dsn), progress=None)
+    r.stop()  # stopped before it replays anything: started, resumable
+    assert r.run() is None
+    assert fetch_all(dsn, "SELECT projection, sink FROM outbox.rebuilds") == [("order_totals", "order_totals.rebuild")]
+    assert r.cancel() is True and r.cancel() is False
+    assert fetch_all(dsn, "SELECT count(*) FROM pg_namespace WHERE nspname = 'outbox_rebuild_order_totals'") == [(0,)]
+    assert fetch_all(dsn, "SELECT name FROM outbox.sinks") == [("order_totals",)]
+    result = Rebuild(totals_projection(), rebuild_settings(dsn), restart=True, progress=None).run()
+    assert result is not None and not result.resumed and sorted(applied_ids(dsn)) == sorted(ids)
+
+
+def test_rebuild_from_a_position_or_time_replays_only_what_follows(dsn: str, live: Any) -> None:
+    early = publish(dsn, orders(5, 2))
+    cut = datetime.now().astimezone()
+    late = publish(dsn, orders(5, 1, start=2))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(early) + len(late))
+    result = Rebuild(totals_projection(), rebuild_settings(dsn), from_time=cut, progress=None).run()
+    assert result is not None and result.events == len(late)
+    assert sorted(applied_ids(dsn)) == sorted(late)
+
+    first_late = fetch_all(dsn, "SELECT xid::text::bigint, seq FROM outbox.events WHERE id = %s", (late[0],))[0]
+    result = Rebuild(totals_projection(), rebuild_settings(dsn), from_position=(first_late[0], first_late[1]),
+                     progress=None).run()
+    assert result is not None and sorted(applied_ids(dsn)) == sorted(late)
+
+
+def test_rebuild_carries_grants_owner_sequences_and_foreign_keys(dsn: str, live: Any) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DO $$ BEGIN CREATE ROLE outbox_test_reader; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+        conn.execute("GRANT SELECT ON order_totals, applied_log TO outbox_test_reader")
+        conn.execute("CREATE TABLE customers (name text PRIMARY KEY)")
+        conn.execute("INSERT INTO customers SELECT 'cust-' || i FROM generate_series(0, 9) i")
+        conn.execute("ALTER TABLE order_totals ADD CONSTRAINT known_customer FOREIGN KEY (customer) "
+                     "REFERENCES customers (name)")
+    ids = publish(dsn, orders(10, 2))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
+    grants = fetch_all(dsn, "SELECT table_name, privilege_type FROM information_schema.role_table_grants "
+                            "WHERE grantee = 'outbox_test_reader' ORDER BY 1")
+    assert grants == [("applied_log", "SELECT"), ("order_totals", "SELECT")]
+    fks = fetch_all(dsn, "SELECT conname FROM pg_constraint WHERE conrelid = 'order_totals'::regclass AND contype='f'")
+    assert fks == [("known_customer",)]
+    seq = fetch_all(dsn, "SELECT pg_get_serial_sequence('applied_log', 'n')")[0][0]
+    assert seq == "public.applied_log_n_seq"
+    with psycopg.connect(dsn, autocommit=True) as conn:  # the new table's serial works on its own sequence
+        conn.execute("INSERT INTO applied_log (event_id, key, replay) VALUES (gen_random_uuid(), 'x', false)")
+
+
+def test_a_view_on_the_table_blocks_a_swap_with_a_clear_error(dsn: str, live: Any) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE VIEW big_spenders AS SELECT customer FROM order_totals WHERE paid_cents > 100")
+    with pytest.raises(RebuildError, match=r"public.order_totals: view big_spenders"):
+        Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
+    assert fetch_all(dsn, "SELECT count(*) FROM outbox.rebuilds") == [(0,)], "nothing was started"
+
+
+def test_a_handler_that_names_the_live_table_is_refused_during_a_rebuild(dsn: str, live: Any) -> None:
+    ids = publish(dsn, orders(5, 1))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    before = state(dsn)
+    with pytest.raises(RebuildError, match=r"wrote .* rows to its live tables"):
+        Rebuild(totals_projection(qualified=True), rebuild_settings(dsn), progress=None).run()
+    assert state(dsn) == before
+
+
+def test_rebuild_needs_declared_tables() -> None:
+    @projection("no_tables")
+    def apply(event: Any, tx: Any) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="declares no tables"):
+        Rebuild(apply, make_settings("postgresql:///x", "w"), progress=None)
+
+
+def test_rebuild_key_restores_one_key_in_place(dsn: str, live: Any) -> None:
+    ids = publish(dsn, orders(6, 3))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    good = state(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:  # someone damaged one customer's row
+        conn.execute("UPDATE order_totals SET paid_cents = -1 WHERE customer = 'cust-2'")
+        conn.execute("DELETE FROM applied_log WHERE key = 'cust-2'")
+    assert rebuild_key(totals_projection(), dsn, "cust-2") == 6
+    assert state(dsn) == good
+    assert len(applied_ids(dsn)) == len(ids)
+    assert rebuild_key(totals_projection(), dsn, "cust-unknown") == 0
+    with pytest.raises(ConfigurationError, match="has no key_reset"):
+        rebuild_key(projection("order_totals", tables=["order_totals"])(lambda e, tx: None), dsn, "cust-2")
