@@ -30,8 +30,7 @@ from typing import Any
 
 import psycopg
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # order_service and read_models, next to this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # order_service and read_models, next to this file
 
 from order_service import create_schema, pay_order, place_order
 from read_models import SCHEMA
@@ -39,6 +38,7 @@ from read_models import SCHEMA
 from outbox_relay import migrate, wait_for
 from outbox_relay.embedded import EmbeddedPostgres
 
+HERE = Path(__file__).resolve().parent
 PROJECTION = ["--projections", "read_models"]
 RELAY_OPTIONS = ["--no-kafka", *PROJECTION, "--projection", "order_totals", "--heartbeat-seconds", "0.5",
                  "--worker-ttl-seconds", "2", "--poll-seconds", "0.2", "--drain-seconds", "10"]

@@ -5,20 +5,30 @@ key = partition key, so Kafka keeps per-key order within a partition; the idempo
 producer keeps it across its own retries. ``message.timeout.ms=0`` (no timeout) by
 default: while the broker is down the batch waits (leases keep being renewed) instead of
 burning retry attempts.
+
+A producer can get wedged for good, though: a broker that lost the producer's state (a
+restart without it, or state expired on a real cluster) answers every retry with
+UNKNOWN_PRODUCER_ID, which librdkafka retries forever without a word; or the idempotent
+producer raises a fatal error, after which the instance is unusable. Both cases end in a new
+producer that sends the batch's unacknowledged messages again, in their original order
+(duplicates are possible, reordering is not; see ``_resend``), without counting an attempt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .dsn import redact_kafka_config
-from .sink import Aborted, CommitFn, Failure, Outcomes
+from .sink import Aborted, Commit, Failure, Outcomes
 from .store import StoredEvent
 
 log = logging.getLogger("outbox_relay.kafka")
@@ -46,9 +56,32 @@ NON_RETRIABLE = {
     KafkaError._INVALID_ARG,
 }
 
+# Errors of the producer's idempotence session, not of the message: the broker forgot or
+# refused the producer id or its sequence, or librdkafka purged the message because the
+# instance turned fatal. A new producer fixes them, so they are not a delivery attempt.
+SESSION_ERRORS = {
+    KafkaError.UNKNOWN_PRODUCER_ID,
+    KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+    KafkaError.INVALID_PRODUCER_EPOCH,
+    KafkaError.INVALID_PRODUCER_ID_MAPPING,
+    KafkaError.PRODUCER_FENCED,
+    KafkaError._FATAL,
+    KafkaError._GAPLESS_GUARANTEE,
+    KafkaError._PURGE_QUEUE,
+    KafkaError._PURGE_INFLIGHT,
+}
+
+DEFAULT_STALL_SECONDS = 60.0
+POLL_SECONDS = 0.05
+FIRST_RECREATE_DELAY = 1.0  # spacing of replacements in a row (doubling up to the stall time)
+
+
+def _describe(err: KafkaError) -> str:
+    return f"{err.name()}: {err.str()}"
+
 
 def _failure(err: KafkaError) -> Failure:
-    return Failure(f"kafka: {err.name()}: {err.str()}", retriable=err.code() not in NON_RETRIABLE)
+    return Failure(f"kafka: {_describe(err)}", retriable=err.code() not in NON_RETRIABLE)
 
 
 def sequence(xid: int, seq: int) -> str:
@@ -56,69 +89,206 @@ def sequence(xid: int, seq: int) -> str:
     return f"{xid:020d}-{seq:020d}"
 
 
+@dataclass(frozen=True)
+class _Message:
+    event: StoredEvent
+    topic: str
+    headers: list[tuple[str, str | bytes | None]]
+
+
+class _Flight:
+    """The messages handed to one producer instance, and what their delivery reports said.
+
+    Only the thread in ``deliver`` touches it: librdkafka runs delivery callbacks inside
+    ``poll()`` on the calling thread.
+    """
+
+    def __init__(self, outcomes: Outcomes) -> None:
+        self.outcomes = outcomes  # the batch's, shared by every flight of the batch
+        self.pending = 0
+        self.last_report = time.monotonic()
+        self.session_error: str | None = None
+        self.live = True  # False once its producer was given up: late reports are ignored
+
+    def report(self, event_id: uuid.UUID) -> Callable[[KafkaError | None, Any], None]:
+        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+            if not self.live:
+                return
+            self.pending -= 1
+            self.last_report = time.monotonic()
+            if err is None:
+                self.outcomes[event_id] = None
+            elif err.code() in SESSION_ERRORS or err.fatal():
+                self.session_error = _describe(err)  # not acknowledged: sent again by the next producer
+            else:
+                self.outcomes[event_id] = _failure(err)
+        return on_delivery
+
+
 class KafkaSink:
     kind = "kafka"
 
-    def __init__(self, name: str, config: dict[str, Any], default_topic: str | None, source: str) -> None:
+    def __init__(self, name: str, config: dict[str, Any], default_topic: str | None, source: str,
+                 stall_seconds: float = DEFAULT_STALL_SECONDS) -> None:
         self.name = name
         self.default_topic = default_topic
         self.source = source.encode()
+        self.stall_seconds = stall_seconds
         self._config = {**PRODUCER_DEFAULTS, **config}
         log.info("kafka producer config %s", redact_kafka_config({k: str(v) for k, v in self._config.items()}))
-        self._producer = Producer(self._config)
+        # Owned by the thread that calls deliver() (callbacks run inside its poll() calls).
+        self._fatal: str | None = None  # the producer raised a fatal error: it must be replaced
+        self._client_error = "none"  # the last error_cb report, for the stall warning
+        self._recreate_delay = FIRST_RECREATE_DELAY
+        self._recreate_after = 0.0  # monotonic time before which the producer is not replaced again
+        self._producer = self._new_producer()
+
+    def _new_producer(self) -> Producer:
+        self._fatal = None
+        return Producer({**self._config, "error_cb": self._on_error})
+
+    def _on_error(self, err: KafkaError) -> None:
+        # Mostly informational (broker down, reconnects); librdkafka recovers by itself from
+        # everything but a fatal error. confluent-kafka raises fatal errors from poll() rather
+        # than passing them here (see _poll), but a client version that passes them is covered.
+        self._client_error = _describe(err)
+        if err.fatal():
+            self._fatal = self._client_error
 
     def close(self) -> None:
-        self._producer.purge()
-        self._producer.flush(0)
+        with contextlib.suppress(KafkaException):  # a fatal producer raises from flush()
+            self._producer.purge()
+            self._producer.flush(0)
 
-    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: CommitFn,
+    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                 abort: threading.Event) -> set[int]:
         outcomes: Outcomes = {}
-        pending = 0
-
-        def report(event_id: uuid.UUID) -> Any:
-            def on_delivery(err: KafkaError | None, _msg: Any) -> None:
-                nonlocal pending
-                pending -= 1
-                outcomes[event_id] = None if err is None else _failure(err)
-            return on_delivery
-
+        messages: list[_Message] = []
         for e in events:
             topic = e.topic or self.default_topic
             if topic is None:
                 outcomes[e.id] = Failure("event has no topic and the relay has no --default-topic", retriable=False)
                 continue
-            headers: list[tuple[str, str | bytes | None]] = [
-                ("ce_specversion", b"1.0"),
-                ("ce_id", str(e.id).encode()),
-                ("ce_source", self.source),
-                ("ce_type", e.type.encode()),
-                ("ce_time", e.created_at.isoformat().encode()),
-                ("ce_sequence", sequence(e.xid, e.seq).encode()),
-                ("ce_partitionkey", e.key.encode()),
-                ("content-type", b"application/json"),
-                ("outbox_fence", str(fences[e.bucket]).encode()),
-            ]
-            if e.headers_text != "{}":
-                headers.extend((k, v.encode()) for k, v in e.headers.items())
+            messages.append(_Message(e, topic, self._headers(e, fences[e.bucket])))
+        todo = messages
+        while todo:
+            flight = _Flight(outcomes)
+            # A key whose event failed in this batch is parked at that event: what follows it
+            # waits (not attempted), or it could land before the retried event.
+            held = {m.event.key for m in messages
+                    if (failure := outcomes.get(m.event.id)) is not None and failure.retriable}
+            self._produce(todo, held, flight, abort)
+            # Wait for every delivery report. With no message timeout this waits out a broker
+            # outage; the membership thread keeps renewing our leases meanwhile.
+            reason = self._wait(flight, abort)
+            if reason is None:
+                self._recreate_delay = FIRST_RECREATE_DELAY
+                break
+            todo = self._resend(messages, flight, reason)
+        return commit(outcomes, None)
+
+    def _headers(self, e: StoredEvent, fence: int) -> list[tuple[str, str | bytes | None]]:
+        headers: list[tuple[str, str | bytes | None]] = [
+            ("ce_specversion", b"1.0"),
+            ("ce_id", str(e.id).encode()),
+            ("ce_source", self.source),
+            ("ce_type", e.type.encode()),
+            ("ce_time", e.created_at.isoformat().encode()),
+            ("ce_sequence", sequence(e.xid, e.seq).encode()),
+            ("ce_partitionkey", e.key.encode()),
+            ("content-type", b"application/json"),
+            ("outbox_fence", str(fence).encode()),
+        ]
+        if e.headers_text != "{}":
+            headers.extend((k, v.encode()) for k, v in e.headers.items())
+        return headers
+
+    def _produce(self, todo: list[_Message], held: set[str], flight: _Flight, abort: threading.Event) -> None:
+        """Hand ``todo`` to the producer in order, except keys in ``held`` (grows with failures);
+        stops early if the producer is wedged."""
+        outcomes = flight.outcomes
+        for m in todo:
+            if m.event.key in held:
+                continue
             while True:
                 try:
-                    self._producer.produce(topic, e.payload_text.encode(), e.key.encode(), headers=headers,
-                                           on_delivery=report(e.id))
-                    pending += 1
+                    self._producer.produce(m.topic, m.event.payload_text.encode(), m.event.key.encode(),
+                                           headers=m.headers, on_delivery=flight.report(m.event.id))
+                    flight.pending += 1
                     break
                 except BufferError:  # local queue full: let reports drain
-                    self._producer.poll(0.05)
+                    self._poll(abort)
+                    if self._wedged(flight) is not None:
+                        return
                 except KafkaException as exc:
-                    outcomes[e.id] = _failure(exc.args[0])
+                    err: KafkaError = exc.args[0]
+                    if err.code() == KafkaError._FATAL or err.fatal():
+                        self._fatal = self._fatal or _describe(err)
+                        return
+                    failure = outcomes[m.event.id] = _failure(err)
+                    if failure.retriable:
+                        held.add(m.event.key)
                     break
-        # Wait for every delivery report. With no message timeout this waits out a broker
-        # outage; the membership thread keeps renewing our leases meanwhile.
-        while pending > 0:
-            if abort.is_set():
-                # Drop what is still queued so that nothing of ours lands after the next
-                # owner has started (it redelivers from the same cursor).
+
+    def _wait(self, flight: _Flight, abort: threading.Event) -> str | None:
+        """Poll until every report of ``flight`` arrived. Returns why the producer has to be
+        replaced instead, if it has to."""
+        while True:
+            reason = self._wedged(flight)
+            if reason is None and flight.pending == 0:
+                return None
+            if reason is not None and time.monotonic() >= self._recreate_after:
+                return reason
+            self._poll(abort)
+
+    def _wedged(self, flight: _Flight) -> str | None:
+        if self._fatal is not None:
+            return f"fatal producer error: {self._fatal}"
+        if flight.session_error is not None:
+            return f"delivery failed with a producer error: {flight.session_error}"
+        if flight.pending and time.monotonic() - flight.last_report >= self.stall_seconds:
+            return (f"no delivery report for {self.stall_seconds:g}s with {flight.pending} messages in flight "
+                    f"(last client error: {self._client_error})")
+        return None
+
+    def _poll(self, abort: threading.Event) -> None:
+        if abort.is_set():
+            # Drop what is still queued so that nothing of ours lands after the next
+            # owner has started (it redelivers from the same cursor).
+            with contextlib.suppress(KafkaException):
                 self._producer.purge()
-                raise Aborted()
-            self._producer.poll(0.05)
-        return commit(outcomes, None)
+            raise Aborted()
+        try:
+            self._producer.poll(POLL_SECONDS)
+        except KafkaException as exc:
+            # confluent-kafka raises a fatal error (the idempotent producer can not keep its
+            # guarantees, e.g. UNKNOWN_PRODUCER_ID with requests in flight) from poll().
+            err: KafkaError = exc.args[0]
+            if not err.fatal():
+                raise
+            self._fatal = _describe(err)
+            abort.wait(POLL_SECONDS)
+
+    def _resend(self, messages: list[_Message], flight: _Flight, reason: str) -> list[_Message]:
+        """Replace the producer; returns the messages to send again, in their original order.
+
+        Why per-key order survives (a key maps to one partition): per partition the idempotent
+        producer writes, acknowledges and fails messages in produce order, so the acknowledged
+        ones are a prefix of what was produced there and the rest a suffix, which is sent again
+        in order. The old producer may still have written part of that suffix unacknowledged: a
+        run in order from the suffix's start, possibly landing after the new producer's first
+        writes. Two in-order runs from the same start, however interleaved, keep every message's
+        first occurrence in order, so the de-duplicated sequence per key is the published one.
+        """
+        old = self._producer
+        with contextlib.suppress(KafkaException):
+            old.purge()  # queued and in flight: their reports say _PURGE_*, i.e. not acknowledged
+            old.poll(0)  # acks that made it before the purge still count
+        flight.live = False
+        todo = [m for m in messages if m.event.id not in flight.outcomes]
+        log.warning("kafka sink %s: %s; recreating the producer and producing %d unacknowledged messages again",
+                    self.name, reason, len(todo))
+        self._producer = self._new_producer()  # the old instance is destroyed without waiting for it
+        self._recreate_after = time.monotonic() + self._recreate_delay
+        self._recreate_delay = min(self._recreate_delay * 2, self.stall_seconds)
+        return todo

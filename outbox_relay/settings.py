@@ -32,6 +32,11 @@ class RelaySettings(BaseSettings):
         default_factory=dict,
         description="extra librdkafka settings as JSON, e.g. security.protocol, sasl.*, ssl.* (passed through)",
     )
+    kafka_stall_seconds: float = Field(
+        60.0, gt=0,
+        description="recreate the Kafka producer after this long without a delivery report while messages are in "
+                    "flight (e.g. a broker that forgot the producer id); unacknowledged messages are sent again",
+    )
     default_topic: str | None = Field(None, description="topic for events published without one")
     projections: str | None = Field(
         None, description="module (or module:attribute) that declares the projections, e.g. myapp.read_models")
@@ -59,7 +64,8 @@ class RelaySettings(BaseSettings):
 
     # history
     retention_seconds: float = Field(7 * 86400.0, ge=0, description="keep delivered events this long")
-    retention_batch: int = Field(10_000, ge=1, description="events deleted per housekeeping pass")
+    retention_batch: int = Field(
+        2_000, ge=1, description="events deleted per retention transaction (several per housekeeping pass)")
 
     @field_validator("projection", mode="before")
     @classmethod

@@ -38,9 +38,6 @@ class Commit(Protocol):
     async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]: ...
 
 
-CommitFn = Commit  # TODO(remove): old name, still used by kafka_sink.py
-
-
 class Aborted(Exception):
     """Hard stop while a batch was in flight: nothing is checkpointed, the next owner redelivers."""
 

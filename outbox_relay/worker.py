@@ -94,7 +94,8 @@ class Worker:
         s = self.settings
         sinks: list[Sink] = []
         if s.kafka:
-            sinks.append(KafkaSink(s.kafka_sink, s.kafka_producer_config(), s.default_topic, s.source))
+            sinks.append(KafkaSink(s.kafka_sink, s.kafka_producer_config(), s.default_topic, s.source,
+                                   stall_seconds=s.kafka_stall_seconds))
         if s.projection:
             # Imported here: the projections package builds on this one, not the other way round.
             from projections.declare import load_registry

@@ -296,6 +296,9 @@ class Rebuild:
         with conn.transaction():
             conn.execute("SELECT set_config('lock_timeout', %s, true)", (SWITCH_LOCK_TIMEOUT,))
             conn.execute(query("rebuild", "lock_projection"), {"projection": self.projection.name})
+            if conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone() is None:
+                log.info("rebuild %s: another rebuild process switched over already", self.projection.name)
+                return
             for t in sorted(tables, key=lambda t: t.oid):
                 conn.execute(_template("lock_table", table=sql.Identifier(t.schema, t.name)))
             store.register_sink(conn, self.live_sink, "projection")

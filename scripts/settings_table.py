@@ -22,7 +22,10 @@ BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 
 def _default(name: str, field: Any) -> str:
     if field.default_factory is not None:
-        return "`{}`" if name == "kafka_config" else "host-pid"
+        if name == "worker_id":
+            return "host-pid"
+        empty = field.default_factory()
+        return "(none)" if not empty and isinstance(empty, list) else f"`{empty}`"
     value = field.default
     if value is PydanticUndefined or value is None:
         return "(none)"
@@ -38,6 +41,8 @@ def _default(name: str, field: Any) -> str:
 def _flag(name: str, field: Any) -> str:
     if name == "kafka_config":
         return "`--kafka-option KEY=VALUE` (repeatable)"
+    if name == "projection":
+        return "`--projection NAME` (repeatable)"
     flag = "--" + name.replace("_", "-")
     if field.annotation is bool:
         return f"`{flag}` / `--no-{name.replace('_', '-')}`"
@@ -47,7 +52,8 @@ def _flag(name: str, field: Any) -> str:
 def table() -> str:
     lines = ["| option | environment | default | meaning |", "|---|---|---|---|"]
     for name, field in RelaySettings.model_fields.items():
-        env = f"`{ENV_PREFIX}{name.upper()}`" + (" (JSON object)" if name == "kafka_config" else "")
+        env = f"`{ENV_PREFIX}{name.upper()}`" + {"kafka_config": " (JSON object)",
+                                                 "projection": " (comma-separated)"}.get(name, "")
         lines.append(f"| {_flag(name, field)} | {env} | {_default(name, field)} | {field.description or ''} |")
     return "\n".join(lines)
 

@@ -6,9 +6,13 @@ CloudEvents headers, per-key order; events the broker can never take are dead-le
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+import uuid
 from collections import defaultdict
-from collections.abc import Iterator
-from datetime import datetime
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -17,6 +21,8 @@ from psycopg_pool import ConnectionPool
 
 from outbox_relay.kafka_sink import KafkaSink, sequence
 from outbox_relay.publish import Outbox
+from outbox_relay.sink import Aborted, Outcomes
+from outbox_relay.store import StoredEvent
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,
     dead_letters,
@@ -28,7 +34,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     run_until,
     runner_for,
 )
-from tests.servers import consume_all
+from tests.servers import KafkaServer, consume_all, create_topic
 
 KAFKA = "kafka"
 
@@ -142,3 +148,68 @@ def test_event_with_no_topic_goes_to_the_default_topic(
     messages = consume_all(kafka_bootstrap, kafka_topic, 1, timeout=20, settle=0.3)
     assert [(m.key, m.json(), m.headers["ce_id"]) for m in messages] == [("k", {"a": 1}, str(event_id))]
     assert dead_letters(dsn, KAFKA) == {}
+
+
+def stored_events(keys: list[str], per_key: int, first_seq: int) -> list[StoredEvent]:
+    """Events as the relay reads them (the sink needs no database), keys interleaved."""
+    now = datetime.now(UTC)
+    return [StoredEvent(bucket=i % 4, xid=1, seq=first_seq + n * len(keys) + i, id=uuid.uuid4(), key=key, topic=None,
+                        type="restart.counted", payload_text=f'{{"n": {n}}}', headers_text="{}", created_at=now)
+            for n in range(per_key) for i, key in enumerate(keys)]
+
+
+def deliver_once(sink: KafkaSink, events: Sequence[StoredEvent], timeout: float = 30.0) -> Outcomes:
+    """One ``deliver`` call; returns the outcomes it committed (exactly once)."""
+    commits: list[Outcomes] = []
+
+    def commit(outcomes: Outcomes, tx: Any) -> set[int]:
+        commits.append(dict(outcomes))
+        return {e.bucket for e in events}
+
+    abort = threading.Event()
+    timer = threading.Timer(timeout, abort.set)  # a wedged producer would wait forever
+    timer.start()
+    try:
+        sink.deliver(events, {e.bucket: 1 for e in events}, commit, abort)
+    except Aborted:
+        pytest.fail(f"the batch was not delivered within {timeout:.0f}s")
+    finally:
+        timer.cancel()
+    assert len(commits) == 1
+    return commits[0]
+
+
+def test_a_broker_that_forgot_the_producer_id_gets_a_new_producer_and_nothing_fails(
+        kafka_server: KafkaServer, kafka_topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The broker restarts without the idempotent producer's state (Tansu keeps it in memory; a real
+    cluster can expire it). The producer's id is then unknown, librdkafka retries UNKNOWN_PRODUCER_ID
+    forever and no delivery report ever comes. The sink notices the stall, recreates its producer and
+    produces the batch again: every event is reported delivered (a failure would burn a retry attempt)
+    and each key's de-duplicated sequence on the topic is the published one."""
+    if not kafka_server.restartable:
+        pytest.skip(f"the {kafka_server.kind} broker can not be restarted by the tests")
+    keys = [f"restart-{i}" for i in range(8)]
+    sink = KafkaSink(KAFKA, {"bootstrap.servers": kafka_server.bootstrap}, kafka_topic, "urn:test",
+                     stall_seconds=3.0)  # well above the ~0.5 s a new producer needs for its first ack
+    try:
+        before = stored_events(keys, 5, first_seq=1)
+        assert deliver_once(sink, before) == dict.fromkeys((e.id for e in before), None)  # the producer has an id
+
+        kafka_server.restart()  # memory storage: topics, messages and producer ids are gone
+        with contextlib.suppress(RuntimeError):  # the producer's metadata request may auto-create it first
+            create_topic(kafka_server.bootstrap, kafka_topic, partitions=4)
+        after = stored_events(keys, 25, first_seq=1000)
+        with caplog.at_level(logging.WARNING, logger="outbox_relay.kafka"):
+            outcomes = deliver_once(sink, after)
+        assert outcomes == dict.fromkeys((e.id for e in after), None), "an event failed instead of being resent"
+        assert any("recreating the producer" in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        sink.close()
+
+    messages = consume_all(kafka_server.bootstrap, kafka_topic, len(after), timeout=20, settle=0.5)
+    by_key: dict[str, list[str]] = defaultdict(list)
+    for m in sorted(messages, key=lambda m: (m.partition, m.offset)):
+        event_id = m.headers["ce_id"] or ""
+        if event_id not in by_key[m.key or ""]:  # duplicates are allowed, reordering is not
+            by_key[m.key or ""].append(event_id)
+    assert by_key == {k: [str(e.id) for e in after if e.key == k] for k in keys}
