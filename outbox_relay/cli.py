@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from datetime import datetime
@@ -24,6 +25,7 @@ from .dsn import redact
 from .errors import OutboxError
 from .migrate import migrate
 from .settings import ENV_PREFIX, RelaySettings, load_settings
+from .sink import Aborted
 from .sqlfiles import query
 
 log = logging.getLogger("outbox_relay.cli")
@@ -125,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-old", action="store_true",
                    help="keep the replaced tables in schema outbox_retired_<projection> (until the next rebuild)")
 
+    p = sub.add_parser("replay", help="re-publish stored events of a topic (a time range, or one key) to Kafka")
+    p.add_argument("--topic", required=True, help="replay the events stored for this topic")
+    for name in REPLAY_SETTINGS:
+        _add_setting(p, name, RelaySettings.model_fields[name])
+    p.add_argument("--from-time", type=_timestamp, default=None, metavar="ISO-8601",
+                   help="events created at or after this time")
+    p.add_argument("--to-time", type=_timestamp, default=None, metavar="ISO-8601",
+                   help="events created before this time")
+    p.add_argument("--key", default=None, help="only this partition key")
+    p.add_argument("--to-topic", default=None, help="produce to this topic instead of the events' own")
+
     p = sub.add_parser("sinks", help="list sinks, or drop a retired one (its progress, retries, dead letters)")
     _dsn_arg(p)
     p.add_argument("action", choices=["list", "drop"])
@@ -145,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 # What `rebuild` reads of the relay settings (the rest is about Kafka and the ring).
 REBUILD_SETTINGS = ("dsn", "projections", "worker_id", "batch_size", "lease_seconds", "max_attempts",
                     "backoff_base_seconds", "backoff_max_seconds")
+
+
+# What `replay` reads of the relay settings.
+REPLAY_SETTINGS = ("dsn", "kafka_bootstrap_servers", "kafka_config", "kafka_stall_seconds", "default_topic",
+                   "source", "batch_size")
 
 
 def _timestamp(text: str) -> datetime:
@@ -300,6 +318,31 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .replay import replay
+
+    settings = _settings_from(args)
+    if args.from_time and args.to_time and args.from_time >= args.to_time:
+        raise OutboxError("--from-time must be before --to-time")
+    stop = threading.Event()
+
+    def interrupted(signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        result = replay(settings, args.topic, from_time=args.from_time, to_time=args.to_time, key=args.key,
+                        to_topic=args.to_topic, abort=stop)
+    except Aborted:
+        print("replay interrupted: what was acknowledged so far stays on the topic", file=sys.stderr)
+        return 130
+    for event_id, error in result.failed[:20]:
+        print(f"failed: {event_id}: {error}", file=sys.stderr)
+    print(f"replayed {result.sent} events" + (f"; {len(result.failed)} failed" if result.failed else ""))
+    return 1 if result.failed else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -326,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_sinks(args)
         if args.command == "rebuild":
             return cmd_rebuild(args)
+        if args.command == "replay":
+            return cmd_replay(args)
     except OutboxError as exc:
         print(f"outbox-relay: error: {redact(str(exc))}", file=sys.stderr)
         return 2

@@ -129,9 +129,12 @@ class KafkaSink:
     kind = "kafka"
 
     def __init__(self, name: str, config: dict[str, Any], default_topic: str | None, source: str,
-                 stall_seconds: float = DEFAULT_STALL_SECONDS) -> None:
+                 stall_seconds: float = DEFAULT_STALL_SECONDS, *, topic: str | None = None,
+                 extra_headers: Sequence[tuple[str, bytes]] = ()) -> None:
         self.name = name
         self.default_topic = default_topic
+        self.topic = topic  # every message to this topic (a replay into another topic)
+        self.extra_headers = list(extra_headers)
         self.source = source.encode()
         self.stall_seconds = stall_seconds
         self._config = {**PRODUCER_DEFAULTS, **config}
@@ -165,7 +168,7 @@ class KafkaSink:
         outcomes: Outcomes = {}
         messages: list[_Message] = []
         for e in events:
-            topic = e.topic or self.default_topic
+            topic = self.topic or e.topic or self.default_topic
             if topic is None:
                 outcomes[e.id] = Failure("event has no topic and the relay has no --default-topic", retriable=False)
                 continue
@@ -201,6 +204,7 @@ class KafkaSink:
         ]
         if e.headers_text != "{}":
             headers.extend((k, v.encode()) for k, v in e.headers.items())
+        headers.extend(self.extra_headers)
         return headers
 
     def _produce(self, todo: list[_Message], held: set[str], flight: _Flight, abort: threading.Event) -> None:

@@ -122,11 +122,7 @@ def fetch_events(
          "topics": list(wanted.topics) if wanted.topics is not None else None},
     ).fetchall()
     horizon = rows[0][11] if rows else None
-    events = [
-        StoredEvent(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _text(r[7]), _text(r[8]), r[9], blocked=r[10])
-        for r in rows
-    ]
-    return events, horizon
+    return [stored_event(r, blocked=r[10]) for r in rows], horizon
 
 
 def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:
@@ -134,8 +130,7 @@ def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_k
         query("relay", "fetch_parked"),
         {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key},
     ).fetchall()
-    return [StoredEvent(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _text(r[7]), _text(r[8]), r[9], r[10],
-                        parked=True, last_error=r[11]) for r in rows]
+    return [stored_event(r, attempts=r[10], parked=True, last_error=r[11]) for r in rows]
 
 
 def has_parked(conn: Conn, sink: str, bucket: int) -> bool:
@@ -206,5 +201,9 @@ def release_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int]) -
     return {r[0] for r in rows}
 
 
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
+def stored_event(row: Sequence[Any], **extra: Any) -> StoredEvent:
+    """A StoredEvent from a row that starts with: bucket, xid, seq, id, partition_key, topic, type,
+    payload, headers, created_at (the queries select payload and headers as text)."""
+    payload = row[7] if isinstance(row[7], str) else json.dumps(row[7])
+    headers = row[8] if isinstance(row[8], str) else json.dumps(row[8])
+    return StoredEvent(row[0], row[1], row[2], row[3], row[4], row[5], row[6], payload, headers, row[9], **extra)

@@ -38,9 +38,10 @@ from psycopg import sql
 from outbox_relay import store
 from outbox_relay.errors import ConfigurationError, OutboxError
 from outbox_relay.migrate import check_schema
+from outbox_relay.progressline import ProgressLine
 from outbox_relay.settings import RelaySettings
 from outbox_relay.sqlfiles import query
-from outbox_relay.store import StoredEvent
+from outbox_relay.store import StoredEvent, stored_event
 from outbox_relay.worker import Worker
 
 from .declare import Projection
@@ -147,7 +148,8 @@ class Rebuild:
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
         self._switch(tables)
-        self._say(f"rebuild {self.projection.name}: switched over ({total:,} events replayed)\n")
+        ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
+            f"switched over ({total:,} events replayed)")
         return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
 
     def cancel(self) -> bool:
@@ -247,34 +249,18 @@ class Rebuild:
         1% of the total) behind: the live projection applies the rest after the switch, from the
         rebuild's positions, as it would any new event."""
         first = time.monotonic()
+        line = ProgressLine(self.progress, f"rebuild {self.projection.name}", total)
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             start_left = self._remaining(conn, self.sink)
             while not (self.stopping.is_set() or worker.stopping.is_set()):
                 if sink.fatal is not None:
                     raise RebuildError(str(sink.fatal))
                 left = self._remaining(conn, self.sink)
-                rate = (start_left - left) / max(1e-3, time.monotonic() - first)
-                self._report(total, left, rate)
+                line.update(max(0, total - left), (start_left - left) / max(1e-3, time.monotonic() - first))
                 if left == 0 or left <= min(self.settings.batch_size, total // 100):
                     return True
                 self.stopping.wait(PROGRESS_SECONDS if left > self.settings.batch_size else 0.1)
         return False
-
-    def _report(self, total: int, left: int, rate: float) -> None:
-        done = max(0, total - left)
-        share = 100.0 * done / total if total else 100.0
-        eta = f", ETA {_duration(left / rate)}" if rate > 0 and left else ""
-        self._say(f"rebuild {self.projection.name}: {done:,}/{total:,} events ({share:.1f}%), "
-                  f"{rate:,.0f} ev/s{eta}", transient=True)
-
-    def _say(self, text: str, transient: bool = False) -> None:
-        if self.progress is None:
-            return
-        if transient and self.progress.isatty():
-            self.progress.write("\r\x1b[2K" + text)
-        else:
-            self.progress.write(text + ("\n" if not text.endswith("\n") else ""))
-        self.progress.flush()
 
     # -- switch -------------------------------------------------------------------------------
 
@@ -361,7 +347,7 @@ async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
         if cursor is None:
             raise RebuildError(f"projection {projection.name!r} has never run against this database")
         cur = await conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
-        events = [_stored(r) for r in await cur.fetchall()]
+        events = [stored_event(r) for r in await cur.fetchall()]
         await projection.clear_key(key, conn)
         for event in _replayed(projection, dsn, cursor, events):
             await projection.handler(event, conn)
@@ -380,13 +366,7 @@ def _key_history(conn: psycopg.Connection[Any], projection: Projection,
     if cursor is None:
         raise RebuildError(f"projection {projection.name!r} has never run against this database")
     rows = conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor)).fetchall()
-    return cursor, [_stored(r) for r in rows]
-
-
-def _stored(r: Sequence[Any]) -> StoredEvent:
-    payload = r[7] if isinstance(r[7], str) else json.dumps(r[7])
-    headers = r[8] if isinstance(r[8], str) else json.dumps(r[8])
-    return StoredEvent(r[0], r[1], r[2], r[3], r[4], r[5], r[6], payload, headers, r[9])
+    return cursor, [stored_event(r) for r in rows]
 
 
 def _replayed(projection: Projection, dsn: str, cursor: Sequence[Any],
@@ -402,12 +382,3 @@ def _replayed(projection: Projection, dsn: str, cursor: Sequence[Any],
             raise RebuildError(f"event {e.id} of key {e.key!r} no longer applies: {prepared.error}")
         out.append(prepared)
     return out
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -1,0 +1,113 @@
+"""Re-publish stored events to Kafka: a topic's events in a time range, or one key's.
+
+Not a sink: a replay has no cursors or leases and does not touch the live Kafka sink's
+progress. It reads each bucket's events in position order (so each key's in publish order),
+stops at the read horizon it found when it started, and produces them with the live headers
+plus ``outbox_replay: true`` (consumers that keep state can tell), to their own topic or to
+``to_topic``. Kafka ordering holds per key as for live delivery; a replayed event may of
+course arrive after later live events of its key.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TextIO
+
+import psycopg
+
+from .kafka_sink import KafkaSink
+from .migrate import check_schema
+from .progressline import ProgressLine
+from .ring import BUCKETS
+from .settings import RelaySettings
+from .sink import AsyncConn, Outcomes
+from .sqlfiles import query
+from .store import Conn, StoredEvent, stored_event
+
+REPLAY_HEADER = ("outbox_replay", b"true")
+
+
+@dataclass
+class ReplayResult:
+    sent: int = 0
+    failed: list[tuple[uuid.UUID, str]] = field(default_factory=list)  # event id, why
+
+
+class _Collect:
+    """The ``sink.Commit`` of a replay: nothing to checkpoint, only outcomes to count."""
+
+    def __init__(self) -> None:
+        self.outcomes: Outcomes = {}
+
+    def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]:
+        self.outcomes = outcomes
+        return set()
+
+    async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]:
+        raise NotImplementedError("a replay has no transaction")
+
+
+def replay(settings: RelaySettings, topic: str, *, from_time: datetime | None = None,
+           to_time: datetime | None = None, key: str | None = None, to_topic: str | None = None,
+           progress: TextIO | None = sys.stderr, abort: threading.Event | None = None) -> ReplayResult:
+    """Produce the stored events of ``topic`` (``default_topic`` for events stored without one)
+    created in [from_time, to_time), or only ``key``'s, to ``to_topic`` or their own topic."""
+    abort = abort or threading.Event()
+    sink = KafkaSink("replay", settings.kafka_producer_config(), settings.default_topic, settings.source,
+                     settings.kafka_stall_seconds, topic=to_topic, extra_headers=[REPLAY_HEADER])
+    result = ReplayResult()
+    try:
+        with psycopg.connect(settings.dsn.get_secret_value(), autocommit=True) as conn:
+            check_schema(conn)
+            conn.execute("SET plan_cache_mode = force_custom_plan")  # the relay's reason: see worker.py
+            filters: dict[str, Any] = {
+                "topic": topic, "default_topic": settings.default_topic, "from_time": from_time,
+                "to_time": to_time, "key": key, "until": _one(conn, "horizon", {})}
+            buckets = [_one(conn, "bucket_of", {"key": key})] if key is not None else list(range(BUCKETS))
+            line = ProgressLine(progress, f"replay {topic}" + (f" key {key!r}" if key else ""),
+                                _one(conn, "count", {**filters, "buckets": buckets}))
+            positions = {b: (0, 0) for b in buckets}
+            limit = max(8, settings.batch_size // len(buckets))
+            while positions:
+                events = _page(conn, filters, positions, limit)
+                if not events:
+                    break
+                collect = _Collect()
+                sink.deliver(events, {e.bucket: 0 for e in events}, collect, abort)
+                for e in events:
+                    outcome = collect.outcomes.get(e.id, "not sent: an earlier event of its key failed")
+                    if outcome is None:
+                        result.sent += 1
+                    else:
+                        result.failed.append((e.id, outcome if isinstance(outcome, str) else outcome.error))
+                got: dict[int, int] = {}
+                for e in events:
+                    positions[e.bucket] = e.position
+                    got[e.bucket] = got.get(e.bucket, 0) + 1
+                positions = {b: p for b, p in positions.items() if got.get(b, 0) >= limit}  # the rest are done
+                line.update(result.sent + len(result.failed))
+            line.finish(f"{result.sent:,} events sent" + (f", {len(result.failed):,} failed" if result.failed
+                                                          else ""))
+    finally:
+        sink.close()
+    return result
+
+
+def _one(conn: Conn, name: str, params: dict[str, Any]) -> Any:
+    row = conn.execute(query("replay", name), params).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def _page(conn: Conn, filters: dict[str, Any], positions: dict[int, tuple[int, int]],
+          limit: int) -> Sequence[StoredEvent]:
+    buckets = sorted(positions)
+    rows = conn.execute(query("replay", "page"), {
+        **filters, "limit": limit, "buckets": buckets,
+        "xids": [positions[b][0] for b in buckets], "seqs": [positions[b][1] for b in buckets]}).fetchall()
+    return [stored_event(r) for r in rows]
