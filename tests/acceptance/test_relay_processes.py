@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,15 +119,6 @@ class Relays:
                 r.kill()
         for r in self.started:
             print(r.tail())
-
-
-@pytest.fixture
-def relays(tmp_path: Path) -> Iterator[Relays]:
-    fleet = Relays(tmp_path)
-    try:
-        yield fleet
-    finally:
-        fleet.close()
 
 
 def cli(dsn: str, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
