@@ -1,0 +1,164 @@
+"""The least-privilege roles of docs/operations.md, run as written there (the SQL is read from the page).
+
+Roles are server-wide, so each run renames them with a suffix of its own and drops them afterwards.
+Every step runs as the role the page says: migrate as the migrator, publish as a service in
+``outbox_producer``, deliver and apply retention as ``outbox_relay``, keep and rebuild a projection as
+its read-model role; the producer is refused what it must not do.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+from psycopg_pool import ConnectionPool
+
+from outbox_relay import Outbox, migrate
+from outbox_relay.housekeeping import Housekeeping
+from outbox_relay.relay import SinkRunner
+from projections import ProjectionEvent, projection
+from projections.rebuild import Rebuild
+from projections.sink import ProjectionSink
+from tests.integration.relay_helpers import ALL_BUCKETS, RecordingSink, make_settings, run_until
+from tests.servers import PgServer, dbname_of
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+ROLES = ("outbox_migrator", "outbox_relay", "outbox_producer", "orders_read_models")
+
+
+def doc_blocks() -> list[str]:
+    """The SQL blocks of the "Least-privilege roles" section, in order."""
+    text = DOC.read_text()
+    section = text[text.index("## Least-privilege roles"):text.index("## Configuration reference")]
+    return re.findall(r"```sql\n(.*?)```", section, re.S)
+
+
+@pytest.fixture
+def roles(pg_server: PgServer, database_factory: Callable[..., str]) -> Iterator[dict[str, Any]]:
+    dsn = database_factory(migrated=False)
+    suffix = uuid.uuid4().hex[:8]
+    names = {r: f"{r}_{suffix}" for r in (*ROLES, "orders_service", "reader")}
+    db = dbname_of(dsn)
+
+    def rename(sql: str) -> str:
+        for r in sorted(names, key=len, reverse=True):
+            sql = re.sub(rf"\b{r}\b", names[r], sql)
+        return sql.replace("DATABASE app", f'DATABASE "{db}"')
+
+    def as_role(role: str) -> str:
+        return make_conninfo(dsn, user=names[role], password=None)
+
+    try:
+        yield {"dsn": dsn, "names": names, "rename": rename, "as": as_role}
+    finally:
+        with pg_server.admin() as admin, psycopg.connect(dsn, autocommit=True) as conn:
+            for name in names.values():
+                if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone():
+                    conn.execute(f'REASSIGN OWNED BY "{name}" TO CURRENT_USER')
+                    conn.execute(f'DROP OWNED BY "{name}"')
+            conn.close()
+            for name in names.values():
+                admin.execute(f'REVOKE ALL ON DATABASE "{db}" FROM "{name}"') if admin.execute(
+                    "SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone() else None
+                admin.execute(f'DROP ROLE IF EXISTS "{name}"')
+
+
+def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]) -> None:
+    dsn, rename, as_role = roles["dsn"], roles["rename"], roles["as"]
+    setup, grants, read_models = doc_blocks()
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(rename(setup))
+        su.execute(rename("CREATE ROLE orders_service LOGIN; CREATE ROLE reader LOGIN;"))
+        su.execute("CREATE TABLE orders (id int PRIMARY KEY, status text NOT NULL)")
+        su.execute(rename("GRANT SELECT, INSERT, UPDATE ON orders TO orders_service"))
+    migrate(as_role("outbox_migrator"))
+    with psycopg.connect(as_role("outbox_migrator"), autocommit=True) as migrator:
+        migrator.execute(rename(grants))
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(rename("GRANT outbox_producer TO orders_service"))
+
+    # A service publishes in its own transaction, idempotently.
+    outbox = Outbox(default_topic="orders")
+    with psycopg.connect(as_role("orders_service")) as svc:
+        svc.execute("INSERT INTO orders VALUES (1, 'paid')")
+        first = outbox.publish(svc, type="OrderPaid", key="order:1", payload={"id": 1}, idempotency_key="paid-1")
+        svc.commit()
+        again = outbox.publish(svc, type="OrderPaid", key="order:1", payload={"id": 1}, idempotency_key="paid-1")
+        svc.commit()
+    assert first.created and not again.created and again.id == first.id
+    # ... and is refused what a producer must not do.
+    for forbidden in ("INSERT INTO outbox.events (partition_key, type, payload, xid) VALUES ('k', 't', '{}', '1')",
+                      "SELECT payload FROM outbox.events",
+                      "UPDATE outbox.cursors SET owner = 'me'"):
+        with psycopg.connect(as_role("orders_service"), autocommit=True) as svc, \
+                pytest.raises(psycopg.errors.InsufficientPrivilege):
+            svc.execute(forbidden)
+
+    # The relay role delivers, sees another role's open transaction, and applies retention.
+    relay_dsn = as_role("outbox_relay")
+    with ConnectionPool(relay_dsn, min_size=1, max_size=4, kwargs={"autocommit": True}) as pool:
+        sink = RecordingSink("r", name="kafka", kind="kafka")
+        with pool.connection() as conn:
+            from outbox_relay import store
+
+            store.register_sink(conn, "kafka", "kafka")
+        runner = SinkRunner(sink, pool, make_settings(relay_dsn, "r", retention_seconds=0.0))
+        runner.desired = set(ALL_BUCKETS)
+        run_until(runner, lambda: first.id in sink.delivered_ids())
+        with psycopg.connect(as_role("orders_service")) as open_tx:
+            open_tx.execute("UPDATE orders SET status = 'refunded' WHERE id = 1")
+            with psycopg.connect(relay_dsn, autocommit=True) as relay:
+                from outbox_relay.sqlfiles import query
+
+                holder = relay.execute(query("admin", "horizon_holder")).fetchone()
+            assert holder is not None and holder[0] == open_tx.info.backend_pid and holder[4] is not None
+            open_tx.rollback()
+        runner._release_all()
+        assert Housekeeping(pool, make_settings(relay_dsn, "r", retention_seconds=0.0)).run_once().deleted_events == 1
+
+    # A service's read-model role keeps its projection and rebuilds it; readers keep their grants.
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute("CREATE TABLE order_totals (customer text PRIMARY KEY, paid int NOT NULL)")
+        su.execute("CREATE TABLE order_customers (order_id int PRIMARY KEY, customer text NOT NULL)")
+        su.execute(rename(read_models))
+    with psycopg.connect(as_role("orders_read_models"), autocommit=True) as owner:
+        owner.execute(rename("GRANT SELECT ON order_totals TO reader"))
+
+    @projection("order_totals", events=["OrderPaid"], tables=["order_totals", "order_customers"])
+    def totals(event: ProjectionEvent[Any], tx: Any) -> None:
+        tx.execute("INSERT INTO order_customers VALUES (%s, 'c') ON CONFLICT DO NOTHING", (event.payload["id"],))
+        tx.execute("INSERT INTO order_totals VALUES ('c', 1) ON CONFLICT (customer) "
+                   "DO UPDATE SET paid = order_totals.paid + 1")
+
+    with psycopg.connect(as_role("orders_service")) as svc:
+        outbox.publish(svc, type="OrderPaid", key="order:2", payload={"id": 2})
+        svc.commit()
+    rm_dsn = as_role("orders_read_models")
+    with ConnectionPool(rm_dsn, min_size=1, max_size=4, kwargs={"autocommit": True}) as pool:
+        psink = ProjectionSink(totals, rm_dsn)
+        try:
+            with pool.connection() as conn:
+                store.register_sink(conn, psink.name, psink.kind)
+            runner = SinkRunner(psink, pool, make_settings(rm_dsn, "p"))
+            runner.desired = set(ALL_BUCKETS)
+            run_until(runner, lambda: bool(_rows(rm_dsn, "SELECT paid FROM order_totals")))
+            runner._release_all()
+        finally:
+            psink.close()
+    assert _rows(rm_dsn, "SELECT paid FROM order_totals") == [(1,)]
+    result = Rebuild(totals, make_settings(rm_dsn, "p-rebuild"), progress=None).run()
+    assert result is not None
+    assert _rows(as_role("reader"), "SELECT paid FROM order_totals") == [(1,)], "the reader kept its grant"
+    owners = _rows(dsn, "SELECT tableowner FROM pg_tables WHERE tablename IN ('order_totals', 'order_customers')")
+    assert {o for (o,) in owners} == {roles["names"]["orders_read_models"]}
+
+
+def _rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql).fetchall()
