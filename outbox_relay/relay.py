@@ -288,8 +288,8 @@ class SinkRunner:
     def _deliver_new(self, held: dict[int, int]) -> int:
         limits = self._limits(held)
         with self.pool.connection() as conn:
-            events, horizon = store.fetch_events(conn, self.sink.name, self.worker, limits, self.wanted)
-        if not events:
+            events, horizon, passed = store.fetch_events(conn, self.sink.name, self.worker, limits, self.wanted)
+        if not events and not passed:
             self._saturated = set()
             return 0
         assert horizon is not None
@@ -298,9 +298,10 @@ class SinkRunner:
             by_bucket[e.bucket].append(e)
         self._saturated = {b for b, evs in by_bucket.items() if len(evs) >= limits[b]}
         advance = {b: _next_position(evs, limits[b], horizon) for b, evs in by_bucket.items()}
+        advance.update({b: (horizon, 0) for b in passed})  # only events this sink does not want
         if any(e.blocked for e in events):
             self._check_parked_at = 0.0
-        fences = {b: held[b] for b in by_bucket}
+        fences = {b: held[b] for b in advance}
         self._run_batch(events, fences, advance, resets=set(fences))
         return len(events)
 
@@ -338,9 +339,10 @@ class SinkRunner:
             return self._probe_alone(bucket, fence)
         with self.pool.connection() as conn:
             parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1)
-            new, horizon = store.fetch_events(conn, self.sink.name, self.worker, {bucket: size}, self.wanted)
+            new, horizon, passed = store.fetch_events(conn, self.sink.name, self.worker, {bucket: size},
+                                                      self.wanted)
         if not parked and not new:
-            return self._probe_idle(bucket, fence)
+            return self._probe_idle(bucket, fence, horizon if passed else None)
         advance = {bucket: _next_position(new, size, horizon)} if new and horizon is not None else {}
         healthy = size * 2 > self._bucket_limit(held)
         ok = self._run_batch([*parked, *new], {bucket: fence}, advance, resets={bucket} if healthy else set())
@@ -354,12 +356,15 @@ class SinkRunner:
         """Deliver the bucket's next event alone, its attempt counted first."""
         fences = {bucket: fence}
         for _ in range(PROBE_QUIET_STEPS):
+            horizon: int | None = None
+            passed: set[int] = set()
             with self.pool.connection() as conn:
                 events = store.fetch_parked(conn, self.sink.name, [bucket], 1, 1)
                 if not events:
-                    events, _ = store.fetch_events(conn, self.sink.name, self.worker, {bucket: 1}, self.wanted)
+                    events, horizon, passed = store.fetch_events(conn, self.sink.name, self.worker, {bucket: 1},
+                                                                 self.wanted)
             if not events:
-                return self._probe_idle(bucket, fence)
+                return self._probe_idle(bucket, fence, horizon if passed else None)
             e = events[0]
             cp = Checkpoint(fences=fences, advance={} if e.parked else {bucket: e.position})
             if e.blocked:  # its key waits for a parked head: queue behind it, deliver nothing
@@ -383,12 +388,16 @@ class SinkRunner:
             return 1
         return 0
 
-    def _probe_idle(self, bucket: int, fence: int) -> int:
-        """Nothing due in a suspect bucket: once nothing is parked there either, it is healthy."""
+    def _probe_idle(self, bucket: int, fence: int, horizon: int | None) -> int:
+        """Nothing due in a suspect bucket: once nothing is parked there either, it is healthy.
+        ``horizon``: the bucket holds only events the sink does not want, below it."""
+        advance = {bucket: (horizon, 0)} if horizon is not None else {}
         with self.pool.connection() as conn:
-            if store.has_parked(conn, self.sink.name, bucket):
-                return 0  # a parked retry is still to come: probe it when due
-        ok = self._write(Checkpoint(fences={bucket: fence}, resets={bucket}))
+            if store.has_parked(conn, self.sink.name, bucket):  # a parked retry is still to come
+                if advance:
+                    self._write(Checkpoint(fences={bucket: fence}, advance=advance))
+                return 0
+        ok = self._write(Checkpoint(fences={bucket: fence}, advance=advance, resets={bucket}))
         if bucket in ok:
             self._ramp[bucket] = 0
         return 0

@@ -111,8 +111,9 @@ class EventFilter:
 
 def fetch_events(
     conn: Conn, sink: str, worker: str, limits: dict[int, int], wanted: EventFilter | None = None,
-) -> tuple[list[StoredEvent], int | None]:
-    """New events past each bucket's cursor, plus the read horizon (snapshot xmin)."""
+) -> tuple[list[StoredEvent], int | None, set[int]]:
+    """New events past each bucket's cursor in position order, the read horizon (snapshot xmin),
+    and the buckets whose events below the horizon the sink does not want (their cursor may jump)."""
     buckets = list(limits)
     wanted = wanted or EventFilter()
     rows = conn.execute(
@@ -122,7 +123,9 @@ def fetch_events(
          "topics": list(wanted.topics) if wanted.topics is not None else None},
     ).fetchall()
     horizon = rows[0][11] if rows else None
-    return [stored_event(r, blocked=r[10]) for r in rows], horizon
+    events = sorted((stored_event(r, blocked=r[10]) for r in rows if r[3] is not None),
+                    key=lambda e: (e.bucket, e.xid, e.seq))
+    return events, horizon, {r[0] for r in rows if r[3] is None}
 
 
 def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:

@@ -49,7 +49,22 @@ CROSS JOIN LATERAL (
       AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
     ORDER BY e.xid, e.seq
     LIMIT l.lim
-) e;
+) e
+UNION ALL
+-- A filtering sink's buckets that hold events below the horizon, none of them wanted: no row
+-- above for them, so one marker row (id NULL) per bucket lets the runner move the cursor to the
+-- horizon. Else every read would walk past those events again, and retention would wait for them.
+SELECT l.bucket, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, h.xmin::text::bigint
+FROM horizon h
+CROSS JOIN leased l
+WHERE (%(types)s::text[] IS NOT NULL OR %(topics)s::text[] IS NOT NULL)
+  AND EXISTS (SELECT 1 FROM outbox.events e
+              WHERE e.bucket = l.bucket AND (e.xid, e.seq) > (l.position_xid, l.position_seq) AND e.xid < h.xmin)
+  AND NOT EXISTS (SELECT 1 FROM outbox.events e
+                  WHERE e.bucket = l.bucket AND (e.xid, e.seq) > (l.position_xid, l.position_seq)
+                    AND e.xid < h.xmin
+                    AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
+                    AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[])));
 
 -- name: fetch_parked
 -- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it.

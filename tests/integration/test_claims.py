@@ -118,9 +118,9 @@ def test_fetch_reads_only_buckets_leased_by_the_caller(dsn: str) -> None:
     publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, free, 3)])
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert set(store.acquire_leases(conn, SINK, "a", [mine], 30.0)) == {mine}
-        events, _ = store.fetch_events(conn, SINK, "b", {mine: 100, free: 100})
+        events, _, _ = store.fetch_events(conn, SINK, "b", {mine: 100, free: 100})
         assert events == [], "a worker read a bucket leased by another, or one it never leased"
-        events, horizon = store.fetch_events(conn, SINK, "a", {mine: 100, free: 100})
+        events, horizon, _ = store.fetch_events(conn, SINK, "a", {mine: 100, free: 100})
     assert [e.id for e in events] == ids_mine, "only the caller's bucket, in publish order"
     assert {e.bucket for e in events} == {mine}
     assert horizon is not None and all(e.xid < horizon for e in events)
@@ -183,7 +183,7 @@ def test_stale_owner_cannot_checkpoint_park_dead_letter_renew_or_release(dsn: st
     publish(dsn, [(k1, "t", {"n": 1}), (k1, "t", {"n": 2}), (k2, "t", {"n": 3})])
     with psycopg.connect(dsn, autocommit=True) as a, psycopg.connect(dsn, autocommit=True) as b:
         assert store.acquire_leases(a, SINK, "a", [bucket], 0.3) == {bucket: (1, 0)}
-        events, _ = store.fetch_events(a, SINK, "a", {bucket: 100})
+        events, _, _ = store.fetch_events(a, SINK, "a", {bucket: 100})
         assert len(events) == 3
         wait_until(lambda: _lease_expired(dsn, bucket), 5.0, message="A's lease to expire")
         # Expired but nobody took it over yet: A already can neither complete nor renew.
@@ -224,7 +224,7 @@ def test_an_older_fence_of_the_same_worker_is_rejected(dsn: str) -> None:
     publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, bucket, 2)])
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert store.acquire_leases(conn, SINK, "a", [bucket], 0.2) == {bucket: (1, 0)}
-        events, _ = store.fetch_events(conn, SINK, "a", {bucket: 100})
+        events, _, _ = store.fetch_events(conn, SINK, "a", {bucket: 100})
         wait_until(lambda: _lease_expired(dsn, bucket), 5.0)
         assert store.acquire_leases(conn, SINK, "a", [bucket], 30.0) == {bucket: (2, 1)}
         old = Checkpoint(fences={bucket: 1}, advance={bucket: events[-1].position},

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from outbox_relay import store
 from outbox_relay.errors import ConfigurationError, NonRetriableDelivery
+from outbox_relay.housekeeping import Housekeeping
 from outbox_relay.relay import SinkRunner
 from projections import ProjectionEvent, Registry, fenced_upsert, load_registry, projection
 from projections.event import FenceToken
@@ -338,6 +339,32 @@ def test_unknown_event_types_are_ignored_or_rejected_as_declared(dsn: str, pool:
     assert dead_letters(dsn, "lenient") == {}
     assert dead_letters(dsn, "strict")[refunded] == (
         1, "projection 'strict' does not handle event type 'OrderRefunded'")
+
+
+def test_a_projection_moves_past_events_it_does_not_want_so_retention_can_delete_them(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """Buckets that hold only other types: the cursor still moves (else every read walks past
+    them again and retention waits for them forever)."""
+    seen: list[str] = []
+
+    @projection("rare", events=["Rare"])
+    def apply(event: ProjectionEvent[Any], tx: Any) -> None:
+        seen.append(event.type)
+
+    publish(dsn, [(f"k{i}", "Common", {}) for i in range(600)])
+    r = runner(apply, dsn, pool)
+
+    def behind() -> int:
+        return int(fetch_all(dsn, "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c "
+                                  "ON c.sink = 'rare' AND c.bucket = e.bucket "
+                                  "WHERE (e.xid, e.seq) > (c.position_xid, c.position_seq)")[0][0])
+
+    run_until(r, lambda: behind() == 0)
+    assert seen == []
+    publish(dsn, [("k1", "Rare", {})])
+    run_until(r, lambda: seen == ["Rare"])
+    deleted = Housekeeping(pool, make_settings(dsn, "hk", retention_seconds=0.0)).run_once().deleted_events
+    assert deleted == 601, "every event is behind the only sink: retention deletes all of them"
 
 
 # -- G6 across a hand-over ---------------------------------------------------------------------

@@ -56,13 +56,13 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
         doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
         root = doc[0]["Plan"]
         # The same statement as the relay runs it returns what the plan promises.
-        events, _ = store.fetch_events(conn, SINK, "w", {b: LIMIT for b in LEASED}, wanted)
+        events, _, _ = store.fetch_events(conn, SINK, "w", {b: LIMIT for b in LEASED}, wanted)
 
     all_nodes = list(nodes(root))
     on_events = [n for n in all_nodes if n.get("Relation Name") == "events"]
     assert on_events, json.dumps(root, indent=1)
     kinds = {(n["Node Type"], n.get("Index Name")) for n in on_events}
-    assert kinds == {("Index Scan", "events_position")} or kinds == {("Index Only Scan", "events_position")}, kinds
+    assert kinds <= {("Index Scan", "events_position"), ("Index Only Scan", "events_position")}, kinds
     assert not [n for n in all_nodes if n["Node Type"] in ("Seq Scan", "Bitmap Heap Scan")
                 and n.get("Relation Name") == "events"], "the read scans the events table"
     assert not [n for n in all_nodes if n["Node Type"] in ("Sort", "Incremental Sort")
