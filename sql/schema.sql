@@ -54,8 +54,8 @@ CREATE UNIQUE INDEX events_position ON outbox.events (bucket, xid, seq);
 -- Producer idempotency: one event per key for as long as the event is retained.
 CREATE UNIQUE INDEX events_idempotency_key ON outbox.events (idempotency_key)
     WHERE idempotency_key IS NOT NULL;
--- Retention and time-based replay; BRIN because created_at follows insertion order.
-CREATE INDEX events_created_at ON outbox.events USING brin (created_at);
+-- Retention (oldest first) and time-based replay and rebuild (0004 replaced a BRIN index).
+CREATE INDEX events_created_at ON outbox.events (created_at);
 
 -- Wake idle relays. One notification per statement (not per row); Postgres also folds
 -- identical notifications within a transaction. Polling stays the baseline.
@@ -108,6 +108,10 @@ CREATE TABLE outbox.cursors (
     CONSTRAINT cursors_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
 ) WITH (fillfactor = 50);
 
+-- Retention: the cursors of an event's bucket over all sinks (0004). bucket never changes, so
+-- the cursors' updates stay HOT.
+CREATE INDEX cursors_bucket ON outbox.cursors (bucket);
+
 -- Events of keys whose head failed: the head waits for its retry, the events behind
 -- it wait for the head. Everything else in the bucket flows past.
 CREATE TABLE outbox.parked (
@@ -127,6 +131,8 @@ CREATE TABLE outbox.parked (
 
 -- Heads per key in position order.
 CREATE INDEX parked_key ON outbox.parked (sink, bucket, partition_key, xid, seq);
+-- Retention: is an event parked by any sink (0004).
+CREATE INDEX parked_position ON outbox.parked (bucket, xid, seq);
 
 CREATE TABLE outbox.dead_letters (
     sink          text        NOT NULL,
@@ -176,4 +182,5 @@ CREATE TABLE outbox.rebuilds (
 INSERT INTO outbox.schema_migrations (version, name) VALUES
     (1, 'initial'),
     (2, 'crash_isolation'),
-    (3, 'rebuilds');
+    (3, 'rebuilds'),
+    (4, 'retention_index');

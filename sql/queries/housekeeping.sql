@@ -37,26 +37,29 @@ WHERE status = 'dead'
   AND last_seen_at < clock_timestamp() - make_interval(secs => %(forget_after)s);
 
 -- name: apply_retention
--- Delete a slice of events older than the retention that every sink has passed and that no
--- parked row or dead letter still needs.
-WITH safe AS (
-    -- Per bucket, the lowest position over all sinks (no sink: nothing is safe to delete).
-    SELECT DISTINCT ON (bucket) bucket, position_xid, position_seq
-    FROM outbox.cursors
-    ORDER BY bucket, position_xid, position_seq
+-- Delete a slice of the oldest events past the retention that every sink has passed and that no
+-- parked row or dead letter still needs. Every condition is a probe per row, so the scan walks
+-- events_created_at oldest first and stops at the limit (a join would read all old events first).
+WITH cutoff AS MATERIALIZED (
+    -- Computed once: the scan below is an index range on events_created_at.
+    SELECT clock_timestamp() - make_interval(secs => %(retention)s) AS t
 ),
 old AS (
-    SELECT e.bucket, e.xid, e.seq
+    SELECT e.ctid
     FROM outbox.events e
-    JOIN safe s ON s.bucket = e.bucket
-    WHERE e.created_at < clock_timestamp() - make_interval(secs => %(retention)s)
-      AND (e.xid, e.seq) <= (s.position_xid, s.position_seq)
+    WHERE e.created_at < (SELECT t FROM cutoff)
+      -- Some sink has this bucket (no sink: nothing is safe to delete) ...
+      AND EXISTS (SELECT 1 FROM outbox.cursors c WHERE c.bucket = e.bucket)
+      -- ... and none of them is still before the event.
+      AND NOT EXISTS (SELECT 1 FROM outbox.cursors c
+                      WHERE c.bucket = e.bucket AND (c.position_xid, c.position_seq) < (e.xid, e.seq))
       AND NOT EXISTS (SELECT 1 FROM outbox.parked p
                       WHERE p.bucket = e.bucket AND p.xid = e.xid AND p.seq = e.seq)
       AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters d
                       WHERE d.bucket = e.bucket AND d.xid = e.xid AND d.seq = e.seq)
+    ORDER BY e.created_at
     LIMIT %(limit)s
 )
-DELETE FROM outbox.events e
-USING old
-WHERE e.bucket = old.bucket AND e.xid = old.xid AND e.seq = old.seq;
+-- By row address (a TID scan): events are never updated, so the address found above still holds.
+DELETE FROM outbox.events
+WHERE ctid = ANY(ARRAY(SELECT ctid FROM old));

@@ -130,7 +130,8 @@ def test_snapshot_equals_all_migrations(database_factory: Callable[..., str]) ->
     ("ALTER TABLE outbox.workers ALTER COLUMN metadata DROP NOT NULL", "columns"),
     ("ALTER TABLE outbox.dead_letters ADD COLUMN note text", "columns"),
     ("ALTER TABLE outbox.cursors SET (fillfactor = 90)", "relations"),
-    ("DROP INDEX outbox.events_created_at; CREATE INDEX events_created_at ON outbox.events (created_at)", "indexes"),
+    ("DROP INDEX outbox.events_created_at; CREATE INDEX events_created_at ON outbox.events USING brin (created_at)",
+     "indexes"),
     ("ALTER TABLE outbox.cursors DROP CONSTRAINT cursors_bucket_valid, "
      "ADD CONSTRAINT cursors_bucket_valid CHECK (bucket >= 0 AND bucket < 512)", "constraints"),
     ("CREATE OR REPLACE FUNCTION outbox.bucket_v1(partition_key text) RETURNS integer "
