@@ -1,7 +1,7 @@
 """outbox-relay benchmark: one command, its own servers, medians of several runs.
 
-    python bench/run.py                 # the default bench (about 10 minutes on 2 cores)
-    python bench/run.py --quick         # about 2 minutes: fewer events, runs and history sizes
+    python bench/run.py                 # the default bench (about 18-20 minutes on 2 cores)
+    python bench/run.py --quick         # about 3 minutes: fewer events, runs and history sizes
     python bench/run.py --cases drain,reference --events 50000 --runs 5
 
 Cases (bench/README.md explains each one and its caveats):
@@ -10,7 +10,11 @@ Cases (bench/README.md explains each one and its caveats):
     latency    commit-to-consumer latency at a steady publish rate with 2 relays running
     enqueue    4 concurrent producer processes, 1 and 100 events per transaction
     claim      EXPLAIN (ANALYZE, BUFFERS) of the relay's fetch query as stored history grows
-Peak RSS of each relay process is read at the end of every drain run.
+    projection as drain (released backlog), with relays that run a projection (one upsert per event)
+    rebuild    `outbox-relay rebuild` of that projection over 1M stored events, 1 and 2 processes
+    history    retention of 1M delivered events: sizes before/after and after VACUUM, deletion rate,
+               longest retention transaction, then the claim cost on what is left
+Peak RSS of each relay process is read at the end of every drain and projection run.
 
 Prints a Markdown table and writes every raw figure as JSON to bench/results/.
 """
@@ -35,12 +39,15 @@ from typing import Any
 
 warnings.filterwarnings("ignore", module="platformdirs")
 
+import projection_cases  # noqa: E402
 import psycopg  # noqa: E402
 from servers import Servers, busy_fraction, machine  # noqa: E402
 
 from outbox_relay import Outbox, migrate  # noqa: E402
 from outbox_relay import store as relay_store  # noqa: E402
+from outbox_relay.housekeeping import RETENTION_SECONDS_PER_PASS  # noqa: E402
 from outbox_relay.ring import Ring  # noqa: E402
+from outbox_relay.settings import RelaySettings  # noqa: E402
 from outbox_relay.sqlfiles import query  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -88,10 +95,17 @@ class Bench:
 
     # -- relay processes -----------------------------------------------------------------------
 
-    def start_relays(self, n: int, dsn: str, topic: str, tag: str,
-                     extra: Sequence[str] = ()) -> list[tuple[str, subprocess.Popen[bytes]]]:
+    @staticmethod
+    def relay_env(dsn: str, projections: bool = False) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
         env["OUTBOX_DSN"] = dsn
+        if projections:  # bench_projection.py lives here
+            env["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+        return env
+
+    def start_relays(self, n: int, dsn: str, topic: str, tag: str, extra: Sequence[str] = (),
+                     projections: bool = False) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        env = self.relay_env(dsn, projections)
         relays = []
         for i in range(n):
             wid = f"bench-{tag}-{i}"
@@ -124,15 +138,16 @@ class Bench:
         return None
 
     @staticmethod
-    def wait_ring(conn: psycopg.Connection[Any], ids: list[str], relays: list[Any], timeout: float = 60.0) -> float:
-        """Wait until every bucket is leased by the owner the ring gives it (a settled group)."""
+    def wait_ring(conn: psycopg.Connection[Any], ids: list[str], relays: list[Any], timeout: float = 60.0,
+                  sink: str = SINK) -> float:
+        """Wait until every bucket of the sink is leased by the owner the ring gives it (a settled group)."""
         want = Ring(ids, VNODES).assignment()
         start = time.monotonic()
         while time.monotonic() - start < timeout:
             for wid, p in relays:
                 if p.poll() is not None:
                     raise RuntimeError(f"relay {wid} exited with {p.returncode} while starting")
-            rows = conn.execute("SELECT bucket, owner FROM outbox.cursors WHERE sink = %s", (SINK,)).fetchall()
+            rows = conn.execute("SELECT bucket, owner FROM outbox.cursors WHERE sink = %s", (sink,)).fetchall()
             if len(rows) == len(want) and all(want[b] == o for b, o in rows):
                 return time.monotonic() - start
             time.sleep(0.05)
@@ -148,14 +163,14 @@ class Bench:
 
     @staticmethod
     def wait_delivered(conn: psycopg.Connection[Any], targets: tuple[list[int], list[int], list[int]],
-                       relays: list[Any], timeout: float, interval: float = 0.01) -> float:
+                       relays: list[Any], timeout: float, interval: float = 0.01, sink: str = SINK) -> float:
         buckets, xids, seqs = targets
         sql = ("SELECT count(*) FROM outbox.cursors c "
                "JOIN unnest(%s::int[], %s::bigint[], %s::bigint[]) AS t(bucket, xid, seq) ON t.bucket = c.bucket "
                "WHERE c.sink = %s AND (c.position_xid, c.position_seq) >= (t.xid::text::xid8, t.seq)")
         deadline = time.monotonic() + timeout
         while True:
-            row = conn.execute(sql, (buckets, xids, seqs, SINK)).fetchone()
+            row = conn.execute(sql, (buckets, xids, seqs, sink)).fetchone()
             if row and row[0] == len(buckets):
                 return time.time()
             if time.monotonic() > deadline:
@@ -198,21 +213,23 @@ class Bench:
             ids_out.update(ids)
         return {"messages": messages, "distinct_ids": len(ids)}
 
-    def warm_up(self, dsn: str, topic: str, relays: list[Any]) -> int:
+    def warm_up(self, dsn: str, topic: str, relays: list[Any], sink: str = SINK, type_: str = "bench.warmup",
+                payload: dict[str, Any] | None = None) -> int:
         """Deliver one event per bucket through running relays, so that each relay's producer
         knows the topic (librdkafka's first produce to an unseen topic waits about 0.5 s for
-        metadata): a one-off cost of a fresh topic, not of delivery."""
+        metadata): a one-off cost of a fresh topic, not of delivery. A projection's warm-up must be
+        of a type it handles: its cursor does not move past a bucket's skipped types alone."""
         outbox = Outbox(default_topic=topic)
         with psycopg.connect(dsn) as conn:
             keys = [r[0] for r in conn.execute(
                 "SELECT DISTINCT ON (outbox.bucket_v1(k)) k "
                 "FROM (SELECT 'warmup:' || g AS k FROM generate_series(1, 20000) AS g) s "
                 "ORDER BY outbox.bucket_v1(k), k")]
-            outbox.publish_many(conn, [{"type": "bench.warmup", "key": k, "payload": {}} for k in keys])
+            outbox.publish_many(conn, [{"type": type_, "key": k, "payload": payload or {}} for k in keys])
             conn.commit()
             targets = self.targets(conn)
         with psycopg.connect(dsn, autocommit=True) as poll:
-            self.wait_delivered(poll, targets, relays, timeout=60)
+            self.wait_delivered(poll, targets, relays, timeout=60, sink=sink)
         return len(keys)
 
     def publish_backlog(self, dsn: str, n: int, topic: str, hold: bool
@@ -578,91 +595,123 @@ class Bench:
 
     # -- case 6: claim-query cost as history grows -----------------------------------------------------
 
+    # Payloads built in SQL for generate_series loads (g is the event number; %% as they run with params).
+    HISTORY_PAYLOAD = ("jsonb_build_object('order_id', g, 'amount_cents', 1000 + g %% 9000, 'currency', 'EUR', "
+                       "'note', 'delivered history')")
+    ORDER_PAYLOAD = ("jsonb_build_object('order_id', g, 'amount_cents', 1000 + g %% 9000, 'currency', 'EUR', "
+                     "'customer', 'customer-' || (g %% 5000), 'note', 'outbox-relay bench event')")  # = payload(g)
+
+    def load_events(self, conn: psycopg.Connection[Any], first: int, count: int, *, type_: str, topic: str,
+                    payload_sql: str, age: str, chunk: int = 500_000) -> None:
+        """Events first..first+count-1 straight into outbox.events with generate_series, 500k rows
+        per transaction (one statement per chunk: seconds per million rows, not minutes)."""
+        done = 0
+        while done < count:
+            step = min(chunk, count - done)
+            with conn.transaction():
+                conn.execute(
+                    "INSERT INTO outbox.events (partition_key, topic, type, payload, created_at) "
+                    f"SELECT 'order:' || (g %% %s), %s, %s, {payload_sql}, now() - %s::interval "
+                    "FROM generate_series(%s::bigint, %s::bigint) AS g",
+                    (self.args.keys, topic, type_, age, first + done, first + done + step - 1))
+            done += step
+
+    @staticmethod
+    def deliver_all(conn: psycopg.Connection[Any]) -> None:
+        """Everything stored so far becomes delivered history: every cursor of the sink moves past it."""
+        conn.execute(
+            "UPDATE outbox.cursors c SET position_xid = m.xid, position_seq = m.seq "
+            "FROM (SELECT xid, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1) m "
+            "WHERE c.sink = %s", (SINK,))
+
+    def lease_to(self, conn: psycopg.Connection[Any], owner: str) -> tuple[list[int], int]:
+        """Lease --claim-buckets buckets to one owner (as fetch_events joins on them); returns them
+        and the relay's own per-bucket limit for a full batch spread over them."""
+        buckets = list(range(self.args.claim_buckets))
+        conn.execute(
+            "UPDATE outbox.cursors SET owner = %s, fence = 1, lease_expires_at = now() + interval '1 day' "
+            "WHERE sink = %s AND bucket = ANY(%s::int[])", (owner, SINK, buckets))
+        return buckets, max(8, self.args.batch_size // len(buckets))
+
+    def publish_pending(self, conn: psycopg.Connection[Any], pending: int, topic: str) -> None:
+        """Pending events, committed (so below the read horizon), in transactions of 500."""
+        outbox = Outbox(default_topic=topic)
+        for lo in range(0, pending, 500):
+            with conn.transaction():
+                outbox.publish_many(conn, [
+                    {"type": "bench.pending", "key": f"order:{i % self.args.keys}",
+                     "payload": self.payload(i)} for i in range(lo, min(pending, lo + 500))])
+
+    def claim_cost(self, conn: psycopg.Connection[Any], owner: str, buckets: list[int], limit: int
+                   ) -> dict[str, Any]:
+        """VACUUM ANALYZE, then EXPLAIN (ANALYZE, BUFFERS) of the relay's fetch over the leased buckets."""
+        conn.execute("VACUUM ANALYZE outbox.events")
+        params = {"sink": SINK, "worker": owner, "buckets": buckets, "limits": [limit] * len(buckets),
+                  "types": None, "topics": None}  # the Kafka sink wants every event
+        row = conn.execute(
+            "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s "
+            "AND c.bucket = e.bucket AND (e.xid, e.seq) > (c.position_xid, c.position_seq) "
+            "WHERE c.owner = %s", (SINK, owner)).fetchone()
+        explains = []
+        for _ in range(max(3, self.args.runs)):
+            plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("relay", "fetch_events"),
+                                params).fetchone()
+            assert plan is not None
+            explains.append(plan[0][0])
+        text_plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + query("relay", "fetch_events"), params))
+        size = self.table_sizes(conn)
+        return {
+            "pending_in_leased_buckets": row[0] if row else 0,
+            "buckets": len(buckets),
+            "per_bucket_limit": limit,
+            "rows_returned": int(explains[-1]["Plan"].get("Actual Rows") or 0),
+            "execution_ms": summary([e["Execution Time"] for e in explains]),
+            "planning_ms": summary([e["Planning Time"] for e in explains]),
+            "shared_hit": explains[-1]["Plan"].get("Shared Hit Blocks"),
+            "shared_read": explains[-1]["Plan"].get("Shared Read Blocks"),
+            "first_run_shared_read": explains[0]["Plan"].get("Shared Read Blocks"),
+            "uses_events_position": "events_position" in text_plan,
+            **size,
+            "plan": text_plan,
+        }
+
+    @staticmethod
+    def table_sizes(conn: psycopg.Connection[Any]) -> dict[str, int]:
+        size = conn.execute(
+            "SELECT pg_total_relation_size('outbox.events'), pg_relation_size('outbox.events'), "
+            "pg_relation_size('outbox.events_position'), pg_indexes_size('outbox.events')").fetchone()
+        assert size is not None
+        return {"total_bytes": size[0], "table_bytes": size[1], "position_index_bytes": size[2],
+                "indexes_bytes": size[3]}
+
     def case_claim(self) -> None:
         name, dsn = self.fresh_outbox_db()
         owner = "bench-claim"
-        buckets = list(range(self.args.claim_buckets))
-        # The relay's own per-bucket limit for a full batch spread over the leased buckets.
-        limit = max(8, self.args.batch_size // len(buckets))
         sizes = []
         try:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute("SET plan_cache_mode = force_custom_plan")  # what the relay's pool sets
-                conn.execute(
-                    "UPDATE outbox.cursors SET owner = %s, fence = 1, lease_expires_at = now() + interval '1 day' "
-                    "WHERE sink = %s AND bucket = ANY(%s::int[])", (owner, SINK, buckets))
+                buckets, limit = self.lease_to(conn, owner)
                 stored = 0
                 for target in self.args.claim_sizes:
                     t_load = time.monotonic()
                     pending = self.args.claim_pending
                     history = target - pending - stored  # earlier pending events became history too
-                    chunk = 500_000
-                    while history > 0:
-                        step = min(chunk, history)
-                        with conn.transaction():
-                            conn.execute(
-                                "INSERT INTO outbox.events (partition_key, topic, type, payload, created_at) "
-                                "SELECT 'order:' || (g %% %s), 'bench-history', 'bench.history', "
-                                "jsonb_build_object('order_id', g, 'amount_cents', 1000 + g %% 9000, "
-                                "'currency', 'EUR', 'note', 'delivered history'), "
-                                "now() - interval '1 day' "
-                                "FROM generate_series(%s::bigint, %s::bigint) AS g",
-                                (self.args.keys, stored + 1, stored + step))
-                        stored += step
-                        history -= step
-                    # Everything stored so far is history: every cursor of the sink moves past it.
-                    conn.execute(
-                        "UPDATE outbox.cursors c SET position_xid = m.xid, position_seq = m.seq "
-                        "FROM (SELECT xid, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1) m "
-                        "WHERE c.sink = %s", (SINK,))
-                    # Then the pending events, committed, so below the read horizon.
-                    outbox = Outbox(default_topic="bench-claim")
-                    for lo in range(0, pending, 500):
-                        with conn.transaction():
-                            outbox.publish_many(conn, [
-                                {"type": "bench.pending", "key": f"order:{i % self.args.keys}",
-                                 "payload": self.payload(i)} for i in range(lo, min(pending, lo + 500))])
+                    if history > 0:
+                        self.load_events(conn, stored + 1, history, type_="bench.history", topic="bench-history",
+                                         payload_sql=self.HISTORY_PAYLOAD, age="1 day")
+                        stored += history
+                    self.deliver_all(conn)
+                    self.publish_pending(conn, pending, "bench-claim")
                     stored += pending
-                    conn.execute("VACUUM ANALYZE outbox.events")
-                    load_s = time.monotonic() - t_load
-                    params = {"sink": SINK, "worker": owner, "buckets": buckets, "limits": [limit] * len(buckets)}
-                    row = conn.execute(
-                        "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s "
-                        "AND c.bucket = e.bucket AND (e.xid, e.seq) > (c.position_xid, c.position_seq) "
-                        "WHERE c.owner = %s", (SINK, owner)).fetchone()
-                    pending_leased = row[0] if row else 0
-                    explains = []
-                    for _ in range(max(3, self.args.runs)):
-                        plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("relay", "fetch_events"),
-                                            params).fetchone()
-                        assert plan is not None
-                        explains.append(plan[0][0])
-                    text_plan = "\n".join(r[0] for r in conn.execute(
-                        "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + query("relay", "fetch_events"), params))
-                    size = conn.execute(
-                        "SELECT pg_total_relation_size('outbox.events'), pg_relation_size('outbox.events'), "
-                        "pg_relation_size('outbox.events_position'), pg_indexes_size('outbox.events')").fetchone()
-                    assert size is not None
-                    entry = {
-                        "stored_events": stored,
-                        "pending_total": pending,
-                        "pending_in_leased_buckets": pending_leased,
-                        "buckets": len(buckets),
-                        "per_bucket_limit": limit,
-                        "rows_returned": int(explains[-1]["Plan"].get("Actual Rows") or 0),
-                        "execution_ms": summary([e["Execution Time"] for e in explains]),
-                        "planning_ms": summary([e["Planning Time"] for e in explains]),
-                        "shared_hit": explains[-1]["Plan"].get("Shared Hit Blocks"),
-                        "shared_read": explains[-1]["Plan"].get("Shared Read Blocks"),
-                        "first_run_shared_read": explains[0]["Plan"].get("Shared Read Blocks"),
-                        "uses_events_position": "events_position" in text_plan,
-                        "total_bytes": size[0], "table_bytes": size[1], "position_index_bytes": size[2],
-                        "indexes_bytes": size[3], "load_seconds": load_s,
-                        "plan": text_plan,
-                    }
+                    entry = {"stored_events": stored, "pending_total": pending,
+                             **self.claim_cost(conn, owner, buckets, limit)}
+                    entry["load_seconds"] = load_s = time.monotonic() - t_load  # includes VACUUM ANALYZE
                     log(f"claim cost at {stored:,} events: {entry['execution_ms']['median']:.2f} ms, "
                         f"shared hit {entry['shared_hit']}, read {entry['shared_read']}, "
-                        f"{entry['rows_returned']} rows, size {size[0] / 2**20:.0f} MiB (load {load_s:.0f}s)")
+                        f"{entry['rows_returned']} rows, size {entry['total_bytes'] / 2**20:.0f} MiB "
+                        f"(load {load_s:.0f}s)")
                     sizes.append(entry)
         finally:
             self.pg.drop_database(name)
@@ -753,8 +802,8 @@ def fmt(v: float | None, unit: str) -> str:
         return f"{v:,.0f}"
     if unit == "x":
         return f"{v:.2f}"
-    if unit == "MB":
-        return f"{v:.0f}"
+    if unit in ("MB", "MiB"):
+        return f"{v:,.0f}"
     return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
@@ -797,6 +846,11 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                 row(f"drain {a['events']:,}, {r_n} relay{'s' if r_n > 1 else ''} ({label})", "events/s", "ev/s",
                     [r["events_per_s"] for r in rs])
                 (ours if mode == "warm" else ours_cold)[r_n] = [r["events_per_s"] for r in rs]
+    if "projection" in results:
+        for r_n in a["relays"]:
+            rs = [r for r in results["projection"] if r["relays"] == r_n]
+            row(f"projection {a['events']:,}, {r_n} relay{'s' if r_n > 1 else ''} (backlog released to running "
+                "relays, one upsert per event)", "events/s", "ev/s", [r["events_per_s"] for r in rs])
     ref: dict[int, list[float]] = {}
     if "reference" in results:
         flush = "per-row produce+flush" if a["ref_per_row_flush"] else "produce 25, one flush"
@@ -839,14 +893,47 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                 row(f"enqueue, {a['producers']} producer processes, {per_tx} event{'s' if per_tx > 1 else ''}/"
                     f"transaction{'' if notify else ' (diagnostic: NOTIFY trigger disabled)'}",
                     "events/s", "ev/s", [r["events_per_s"] for r in rs])
-    if "drain" in results:
-        for r_n in a["relays"]:
-            rs = [r for r in results["drain"] if r["relays"] == r_n]
-            row(f"relay peak RSS (VmHWM) after drain, {r_n} relay{'s' if r_n > 1 else ''}", "MB, max over relays",
-                "MB", [max(v for v in r["peak_rss_mb"].values() if v is not None) for r in rs])
-    if "claim" in results:
+    if "rebuild" in results:
+        for procs in a["rebuild_procs"]:
+            rs = [r for r in results["rebuild"] if r["processes"] == procs]
+            case = (f"rebuild of the projection from {a['rebuild_events']:,} stored events, {procs} `outbox-relay "
+                    f"rebuild` process{'es' if procs > 1 else ''} (spawn to exit)")
+            row(case, "events/s", "ev/s", [r["events_per_s"] for r in rs])
+            row(case, "seconds", "s", [r["seconds"] for r in rs])
+            if procs > 1:
+                row(case, "seconds to the first exit (the one that switched over)", "s",
+                    [r["first_exit_seconds"] for r in rs])
+    if "history" in results:
+        hs = results["history"]
+        case = (f"history: retention of {a['history_events']:,} delivered events, {a['retention_batch']:,} per "
+                "transaction")
+        row(case, "events deleted/s (passes back to back)", "ev/s", [h["deleted_per_s"] for h in hs])
+        # A relay spends at most RETENTION_SECONDS_PER_PASS on retention per housekeeping pass, so
+        # this is what it can delete on average: more events/s than that and the table grows.
+        every = RelaySettings.model_fields["housekeeping_seconds"].default
+        row(case, f"events deleted/s at the relay's pacing ({RETENTION_SECONDS_PER_PASS:g} s per {every:g} s pass)",
+            "ev/s", [h["deleted_per_s"] * RETENTION_SECONDS_PER_PASS / every for h in hs])
+        row(case, "longest retention transaction ms", "ms", [h["longest_slice_ms"] for h in hs])
+        row(case, "retention transaction p50 ms", "ms", [h["slice_ms"].get("p50") for h in hs])
+        row(case, "a retention pass with nothing to delete (all retained), ms", "ms",
+            [h["plans"]["caught_up"]["execution_ms"] for h in hs])
+        for key, label in (("before", "before retention"), ("after_retention", "after retention"),
+                           ("after_vacuum", "after plain VACUUM")):
+            row(case, f"table+indexes MiB {label}", "MiB", [h[key]["total_bytes"] / 2**20 for h in hs])
+        row(case, "VACUUM seconds", "s", [h["vacuum_seconds"] for h in hs])
+    for label, key in (("drain", "drain"), ("projection", "projection")):
+        if key in results:
+            for r_n in a["relays"]:
+                rs = [r for r in results[key] if r["relays"] == r_n]
+                row(f"relay peak RSS (VmHWM) after {label}, {r_n} relay{'s' if r_n > 1 else ''}",
+                    "MB, max over relays", "MB",
+                    [max(v for v in r["peak_rss_mb"].values() if v is not None) for r in rs])
+    claims = [(f"{c['stored_events']:,}", c) for c in results.get("claim", [])]
+    claims += [(f"{h['claim']['stored_events']:,} (after retention of {h['events']:,}, VACUUM; run {h['run'] + 1})",
+                h["claim"]) for h in results.get("history", [])]
+    if claims:
         lines.append("")
-        c0 = results["claim"][0]
+        c0 = claims[0][1]
         lines.append(f"Claim query (`relay.fetch_events`, EXPLAIN ANALYZE BUFFERS, {c0['buckets']} leased buckets, "
                      f"limit {c0['per_bucket_limit']} per bucket, {c0['pending_total']:,} pending events; "
                      f"all older events are delivered history behind the cursors):")
@@ -854,9 +941,9 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
         lines.append("| stored events | pending in leased buckets | rows returned | execution ms median (min-max) | "
                      "planning ms | shared hit | shared read | uses events_position | table+indexes |")
         lines.append("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
-        for c in results["claim"]:
+        for stored, c in claims:
             e = c["execution_ms"]
-            lines.append(f"| {c['stored_events']:,} | {c['pending_in_leased_buckets']:,} | {c['rows_returned']} | "
+            lines.append(f"| {stored} | {c['pending_in_leased_buckets']:,} | {c['rows_returned']} | "
                          f"{e['median']:.2f} ({e['min']:.2f}-{e['max']:.2f}) | {c['planning_ms']['median']:.2f} | "
                          f"{c['shared_hit']} | {c['shared_read']} | {'yes' if c['uses_events_position'] else 'NO'} | "
                          f"{c['total_bytes'] / 2**20:,.0f} MiB |")
@@ -867,6 +954,38 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
             lines.append("Topic check (consumed with assign()): " + "; ".join(
                 f"{r['relays']} relay{'s' if r['relays'] > 1 else ''}: {r['topic']['messages']:,} messages, "
                 f"{r['topic']['distinct_ids']:,} distinct ce_id, expected {r['topic']['expected']:,}" for r in checks))
+    if "history" in results:
+        lines.append("")
+        lines.append("Storage of `outbox.events` in the history case (MiB, median over runs; the indexes keep their "
+                     "emptied pages for reuse):")
+        lines.append("")
+        lines.append("| stage | table (heap) | indexes | events_position | total (with TOAST) |")
+        lines.append("|---|---:|---:|---:|---:|")
+        for key, label in (("before", f"{a['history_events']:,} delivered events older than the retention"),
+                           ("after_retention", "after retention deleted them"), ("after_vacuum", "after plain VACUUM"),
+                           ("claim", f"after VACUUM, {a['claim_pending']:,} new pending events, VACUUM ANALYZE")):
+            sizes = [h[key] for h in results["history"]]
+            lines.append(f"| {label} | " + " | ".join(
+                f"{statistics.median(x[k] for x in sizes) / 2**20:,.1f}"
+                for k in ("table_bytes", "indexes_bytes", "position_index_bytes", "total_bytes")) + " |")
+    if "projection" in results:
+        checks = [r for r in results["projection"] if "check" in r]
+        if checks:
+            lines.append("")
+            lines.append("Projection check (bench_totals against the stored events, per customer): " + "; ".join(
+                f"{r['relays']} relay{'s' if r['relays'] > 1 else ''}: {r['check']['mismatched_customers']} "
+                f"mismatched customers, {r['check']['orders'] - r['check']['warmup_orders']:,} orders, "
+                f"{r['check']['cents']:,} cents (published {r['check']['published_cents']:,})" for r in checks))
+    if "rebuild" in results:
+        rs = results["rebuild"]
+        lines.append("")
+        lines.append("Rebuild check (bench_totals after the switch against the events the rebuild passed, per "
+                     "customer): " + "; ".join(
+                         f"{r['processes']} process{'es' if r['processes'] > 1 else ''} run {r['run'] + 1}: "
+                         f"{r['check']['mismatched_customers']} mismatched, {r['check']['cents']:,} cents of "
+                         f"{r['check']['all_events']['expected_cents']:,} stored, {r['left_to_live_relay']} events "
+                         f"left to the live relay, most buckets held per process "
+                         f"{sorted(r['bucket_owners'].values(), reverse=True)}" for r in rs))
     if "profile" in results and results["profile"].get("top"):
         p = results["profile"]
         lines.append("")
@@ -882,14 +1001,15 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="about 2 minutes: fewer events, runs and sizes")
-    p.add_argument("--cases", default="drain,reference,latency,enqueue,claim",
-                   help="comma list of drain, reference, latency, enqueue, claim, profile")
+    p.add_argument("--cases", default="drain,projection,reference,latency,enqueue,claim,rebuild,history",
+                   help="comma list of drain, projection, reference, latency, enqueue, claim, rebuild, history, "
+                        "profile")
     p.add_argument("--events", type=int, default=None, help="N for drain and reference (default 20000)")
     p.add_argument("--runs", type=int, default=None, help="runs per case (default 3)")
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--tx-size", type=int, default=500, help="events per producer transaction for the backlog")
     p.add_argument("--batch-size", type=int, default=1000, help="relay --batch-size")
-    p.add_argument("--relays", default="1,2,4", help="relay process counts for the drain case")
+    p.add_argument("--relays", default="1,2,4", help="relay process counts for the drain and projection cases")
     p.add_argument("--drain-modes", default="warm,cold",
                    help="warm: relays running and settled, then the backlog is released; cold: timed from spawn")
     p.add_argument("--drain-timeout", type=float, default=300.0)
@@ -912,6 +1032,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--claim-buckets", type=int, default=64)
     p.add_argument("--claim-pending", type=int, default=4000,
                    help="pending events over all 256 buckets (about a quarter fall in the leased 64)")
+    p.add_argument("--rebuild-events", type=int, default=None,
+                   help="stored events the rebuild case replays (default 1000000)")
+    p.add_argument("--rebuild-procs", default="1,2", help="`outbox-relay rebuild` processes started together")
+    p.add_argument("--history-events", type=int, default=None,
+                   help="delivered events past the retention for the history case (default 1000000)")
+    p.add_argument("--retention-batch", type=int, default=RelaySettings.model_fields["retention_batch"].default,
+                   help="events per retention transaction (default: the relay's)")
     p.add_argument("--profile", action="store_true", help="also run one drain under py-spy (same as --cases +profile)")
     p.add_argument("--keep", action="store_true", help="keep the server directory under /tmp")
     args = p.parse_args(argv)
@@ -923,6 +1050,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.enqueue_seconds = args.enqueue_seconds or (3.0 if quick else 5.0)
     args.claim_sizes = [int(x) for x in (args.claim_sizes or ("10000,1000000" if quick
                                                              else "10000,1000000,5000000")).split(",")]
+    args.rebuild_events = args.rebuild_events or (100_000 if quick else 1_000_000)
+    args.history_events = args.history_events or (100_000 if quick else 1_000_000)
+    args.rebuild_procs = [int(x) for x in args.rebuild_procs.split(",")]
     args.relays = [int(x) for x in args.relays.split(",")]
     args.relay_args = shlex.split(args.relay_args)
     args.ref_workers = [int(x) for x in args.ref_workers.split(",")]
@@ -950,7 +1080,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{bench.kafka.bootstrap}")
         cases: dict[str, Callable[[], None]] = {"drain": bench.case_drain, "reference": bench.case_reference,
                                                 "latency": bench.case_latency, "enqueue": bench.case_enqueue,
-                                                "claim": bench.case_claim, "profile": bench.case_profile}
+                                                "claim": bench.case_claim, "profile": bench.case_profile,
+                                                "projection": lambda: projection_cases.case_projection(bench),
+                                                "rebuild": lambda: projection_cases.case_rebuild(bench),
+                                                "history": lambda: projection_cases.case_history(bench)}
         for case in args.cases:
             # Other work on the machine skews every figure: record how busy it was just before.
             busy = busy_fraction(1.0)

@@ -1,0 +1,341 @@
+"""Bench cases for read models and stored history, called from run.py with its ``Bench``.
+
+    projection  a released backlog applied by 1/2/4 `outbox-relay run --no-kafka --projection` processes
+    rebuild     `outbox-relay rebuild` of that projection over --rebuild-events stored events, 1 and 2 processes
+    history     retention over --history-events delivered events: sizes, deletion rate, longest
+                transaction, then the claim cost on what is left
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import psycopg
+from bench_projection import SCHEMA
+from psycopg_pool import ConnectionPool
+
+from outbox_relay.housekeeping import Housekeeping
+from outbox_relay.settings import RelaySettings
+from outbox_relay.sqlfiles import query
+from outbox_relay.worker import _configure  # the relay pool's session settings
+
+if TYPE_CHECKING:
+    from run import Bench
+
+PROJECTION = "bench_totals"
+PROJECTION_ARGS = ["--no-kafka", "--projections", "bench_projection", "--projection", PROJECTION]
+REBUILD_SINK = PROJECTION + ".rebuild"
+
+# Per customer, what the stored order events say; a correct read model matches it row for row.
+EXPECTED_TOTALS = """
+SELECT payload->>'customer' AS customer, count(*)::int AS orders, sum((payload->>'amount_cents')::bigint) AS cents
+FROM outbox.events WHERE type = 'bench.order_paid' {where} GROUP BY 1
+"""
+# The same, for events at or below the projection's cursors only (what it has applied).
+APPLIED = ("AND EXISTS (SELECT 1 FROM outbox.cursors c WHERE c.sink = %(sink)s AND c.bucket = events.bucket "
+           "AND (events.xid, events.seq) <= (c.position_xid, c.position_seq))")
+
+
+def log(msg: str) -> None:  # as run.log (run.py is __main__: importing it would load it twice)
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def check_totals(conn: psycopg.Connection[Any], applied_by: str | None = None) -> dict[str, Any]:
+    """Compare bench_totals with the stored events, per customer (both ways). ``applied_by``: only
+    the events that sink's cursors have passed (a rebuild leaves the last few to the live relay)."""
+    expected = EXPECTED_TOTALS.format(where=APPLIED if applied_by else "")
+    params = {"sink": applied_by} if applied_by else None
+    row = conn.execute(
+        f"WITH want AS ({expected}), got AS (SELECT customer, orders, cents FROM bench_totals) "
+        "SELECT (SELECT count(*) FROM ((TABLE want EXCEPT TABLE got) UNION ALL (TABLE got EXCEPT TABLE want)) d), "
+        "(SELECT coalesce(sum(orders), 0) FROM got), (SELECT coalesce(sum(cents), 0) FROM got), "
+        "(SELECT coalesce(sum(orders), 0) FROM want), (SELECT coalesce(sum(cents), 0) FROM want)", params).fetchone()
+    assert row is not None
+    return {"mismatched_customers": row[0], "orders": row[1], "cents": row[2],
+            "expected_orders": row[3], "expected_cents": row[4], "ok": row[0] == 0}
+
+
+# -- projection: a released backlog through 1/2/4 projection relays --------------------------------
+
+
+def projection_once(bench: Bench, relays_n: int, verify: bool, run: int) -> dict[str, Any]:
+    """As drain_once in warm mode, with relays that run the projection instead of Kafka."""
+    n = bench.args.events
+    name, dsn = bench.fresh_outbox_db()
+    topic = "bench-projection"  # stored on the events only; no broker involved
+    relays: list[tuple[str, subprocess.Popen[bytes]]] = []
+    blocker = None
+    out: dict[str, Any] = {"relays": relays_n, "run": run}
+    try:
+        with psycopg.connect(dsn, autocommit=True) as poll:
+            poll.execute(SCHEMA)
+            relays = bench.start_relays(relays_n, dsn, topic, f"proj{relays_n}r{run}", PROJECTION_ARGS,
+                                        projections=True)
+            out["settle_seconds"] = bench.wait_ring(poll, [w for w, _ in relays], relays, sink=PROJECTION)
+            warmups = bench.warm_up(dsn, topic, relays, sink=PROJECTION, type_="bench.order_paid",
+                                    payload={"customer": "warmup", "amount_cents": 0})
+            blocker, out["publish_seconds"] = bench.publish_backlog(dsn, n, topic, hold=True)
+            targets = bench.targets(blocker)
+            t0 = time.time()
+            blocker.commit()
+            t_end = bench.wait_delivered(poll, targets, relays, timeout=bench.args.drain_timeout, sink=PROJECTION)
+            out["seconds"] = t_end - t0
+            out["events_per_s"] = n / (t_end - t0)
+            out["peak_rss_mb"] = {wid: bench.peak_rss_mb(p.pid) for wid, p in relays}
+            if verify:
+                out["check"] = check_totals(poll)
+                out["check"]["published_cents"] = sum(bench.payload(i)["amount_cents"] for i in range(n))
+                out["check"]["warmup_orders"] = warmups  # customer "warmup", 0 cents
+                c = out["check"]
+                if not (c["ok"] and c["orders"] == n + warmups and c["cents"] == c["published_cents"]):
+                    raise RuntimeError(f"projection: bench_totals does not match the published events: {c}")
+    finally:
+        if blocker is not None:
+            blocker.close()
+        bench.stop_relays(relays)
+        bench.pg.drop_database(name)
+    return out
+
+
+def case_projection(bench: Bench) -> None:
+    runs = []
+    for run in range(bench.args.runs):
+        for relays_n in bench.args.relays:
+            r = projection_once(bench, relays_n, run == 0, run)
+            rss = max(v or 0 for v in r["peak_rss_mb"].values())
+            log(f"projection {relays_n} relays run {run + 1}: {r['events_per_s']:,.0f} ev/s ({r['seconds']:.2f}s, "
+                f"rss {rss:.0f} MB)" + (f", check {r['check']}" if "check" in r else ""))
+            runs.append(r)
+    bench.results["projection"] = runs
+
+
+# -- rebuild: `outbox-relay rebuild` over stored history -----------------------------------------
+
+
+def rebuild_once(bench: Bench, dsn: str, procs: int, run: int) -> dict[str, Any]:
+    """Time `outbox-relay rebuild` (procs processes started together) from spawn to the last exit."""
+    n = bench.args.rebuild_events
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # Each run from the same state: no live sink (a switch-over leaves one), an empty live table.
+        conn.execute("DELETE FROM outbox.sinks WHERE name IN (%s, %s)", (PROJECTION, REBUILD_SINK))
+        conn.execute("DROP TABLE IF EXISTS bench_totals")
+        conn.execute(SCHEMA)
+        conn.execute("CHECKPOINT")  # no dirty buffers of the previous run left to write
+    env = bench.relay_env(dsn, projections=True)
+    cmd = [sys.executable, "-m", "outbox_relay.cli", "--log-level", "warning", "rebuild", PROJECTION,
+           "--projections", "bench_projection", "--batch-size", str(bench.args.batch_size)]
+    logs = [bench.base / f"rebuild-{procs}p-r{run}-{i}.log" for i in range(procs)]
+    owners: dict[str, int] = {}  # most buckets each rebuild worker held at once
+    exits: dict[int, float] = {}
+    files = [f.open("wb") for f in logs]
+    t0 = time.monotonic()
+    ps = [subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+          for f in files]
+    try:
+        with psycopg.connect(dsn, autocommit=True) as poll:
+            while len(exits) < len(ps):
+                now = time.monotonic() - t0
+                exits.update({i: now for i, p in enumerate(ps) if i not in exits and p.poll() is not None})
+                if now > bench.args.drain_timeout * 4:
+                    raise RuntimeError(f"rebuild did not finish within {bench.args.drain_timeout * 4:.0f}s")
+                # Who holds the rebuild sink's buckets: do the processes share the work?
+                for owner, held in poll.execute("SELECT owner, count(*) FROM outbox.cursors WHERE sink = %s "
+                                                "AND owner IS NOT NULL GROUP BY owner", (REBUILD_SINK,)):
+                    owners[owner] = max(owners.get(owner, 0), held)
+                time.sleep(0.05)
+        seconds = max(exits.values())
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+    outputs = [f.read_text(errors="replace").strip()[-2000:] for f in logs]
+    codes = [p.returncode for p in ps]
+    if any(codes):
+        raise RuntimeError(f"rebuild with {procs} processes: exit codes {codes}: {outputs}")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # The switch hands the live projection the rebuild's cursors; with no live relay running,
+        # whatever the rebuild left for it (at most a batch) is still unapplied.
+        row = conn.execute(query("rebuild", "remaining"), {"sink": PROJECTION, "types": None, "topics": None}
+                           ).fetchone()
+        left = int(row[0]) if row else 0
+        check = check_totals(conn, applied_by=PROJECTION)
+        check["all_events"] = check_totals(conn)
+    if not check["ok"] or check["expected_orders"] + left != n:  # (no live cursors: not switched over)
+        raise RuntimeError(f"rebuild: bench_totals does not match the events the rebuild passed: {check}, "
+                           f"{left} left")
+    applied = n - left
+    return {"processes": procs, "run": run, "events": n, "applied": applied, "left_to_live_relay": left,
+            "seconds": seconds, "events_per_s": applied / seconds, "bucket_owners": owners, "check": check,
+            # The process that switches over exits first; the others notice at their next progress poll.
+            "first_exit_seconds": min(exits.values()),
+            "output": outputs}
+
+
+def case_rebuild(bench: Bench) -> None:
+    n = bench.args.rebuild_events
+    name, dsn = bench.fresh_outbox_db()
+    runs = []
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            t = time.monotonic()
+            bench.load_events(conn, 1, n, type_="bench.order_paid", topic="bench-orders",
+                              payload_sql=bench.ORDER_PAYLOAD, age="1 day")
+            conn.execute("VACUUM ANALYZE outbox.events")  # hint bits and statistics, as a settled table has
+            log(f"rebuild: {n:,} events loaded in {time.monotonic() - t:.0f}s, "
+                f"{bench.table_sizes(conn)['total_bytes'] / 2**20:.0f} MiB")
+        for run in range(bench.args.runs):
+            for procs in bench.args.rebuild_procs:
+                r = rebuild_once(bench, dsn, procs, run)
+                log(f"rebuild {n:,} events, {procs} process{'es' if procs > 1 else ''} run {run + 1}: "
+                    f"{r['events_per_s']:,.0f} ev/s ({r['seconds']:.1f}s, {r['left_to_live_relay']} left to the "
+                    f"live relay, bucket owners {r['bucket_owners']}, table total {r['check']['cents']:,} cents "
+                    f"= events {r['check']['expected_cents']:,})")
+                runs.append(r)
+    finally:
+        bench.pg.drop_database(name)
+    bench.results["rebuild"] = runs
+
+
+# -- history: retention, VACUUM, and the claim path afterwards -------------------------------------
+
+
+RETENTION_SQL = query("housekeeping", "apply_retention")
+
+
+class TimedConnection(psycopg.Connection[Any]):
+    """Times every transaction that ran the retention DELETE, around the unchanged housekeeping
+    code: a writing transaction holds back every relay's read horizon while it is open."""
+
+    slices: ClassVar[list[tuple[float, int]]] = []  # (seconds from BEGIN to COMMIT, rows deleted), in order
+
+    @contextlib.contextmanager
+    def transaction(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        self._deleted: int | None = None
+        start = time.perf_counter()
+        with super().transaction(*args, **kwargs) as tx:
+            yield tx
+        if self._deleted is not None:  # committed (an exception skips this)
+            self.slices.append((time.perf_counter() - start, self._deleted))
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        cur = super().execute(query, params, **kwargs)
+        if query == RETENTION_SQL:
+            self._deleted = cur.rowcount
+        return cur
+
+
+def explain_retention(conn: psycopg.Connection[Any], settings: RelaySettings, retention: float | None = None
+                      ) -> dict[str, Any]:
+    """EXPLAIN (ANALYZE, BUFFERS) of one retention slice, rolled back."""
+    params = {"retention": settings.retention_seconds if retention is None else retention,
+              "limit": settings.retention_batch}
+    with conn.transaction():
+        plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + RETENTION_SQL, params).fetchone()
+        raise psycopg.Rollback()  # EXPLAIN ANALYZE really deletes
+    with conn.transaction():
+        text = "\n".join(r[0] for r in conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + RETENTION_SQL, params))
+        raise psycopg.Rollback()
+    assert plan is not None
+    p = plan[0][0]
+    return {"execution_ms": p["Execution Time"], "planning_ms": p["Planning Time"],
+            "shared_hit": p["Plan"].get("Shared Hit Blocks"), "shared_read": p["Plan"].get("Shared Read Blocks"),
+            "plan": text}
+
+
+def history_once(bench: Bench, run: int) -> dict[str, Any]:
+    n = bench.args.history_events
+    name, dsn = bench.fresh_outbox_db()
+    owner = "bench-history"
+    settings = RelaySettings(dsn=dsn, kafka=False, retention_seconds=7 * 86400,
+                             retention_batch=bench.args.retention_batch)
+    out: dict[str, Any] = {"run": run, "events": n, "retention_batch": settings.retention_batch}
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SET plan_cache_mode = force_custom_plan")  # what the relay's pool sets
+            t = time.monotonic()
+            bench.load_events(conn, 1, n, type_="bench.history", topic="bench-history",
+                              payload_sql=bench.ORDER_PAYLOAD, age="8 days")  # older than the 7-day retention
+            bench.deliver_all(conn)
+            conn.execute("VACUUM ANALYZE outbox.events")  # as autovacuum would have over those days
+            out["load_seconds"] = time.monotonic() - t
+            out["before"] = bench.table_sizes(conn)
+            # A pass once retention has caught up (nothing old enough: here, a 30-day retention):
+            # what every housekeeping pass costs in a steady state with this many events retained.
+            out["plans"] = {"caught_up": explain_retention(conn, settings, retention=30 * 86400),
+                            "start": explain_retention(conn, settings)}
+            log(f"history: {n:,} delivered events loaded in {out['load_seconds']:.0f}s, "
+                f"{out['before']['total_bytes'] / 2**20:.0f} MiB; one retention slice: "
+                f"{out['plans']['start']['execution_ms']:.0f} ms, a pass with nothing to delete: "
+                f"{out['plans']['caught_up']['execution_ms']:.0f} ms")
+
+            TimedConnection.slices = []
+            passes: list[dict[str, Any]] = []
+            with ConnectionPool(dsn, min_size=1, max_size=1, kwargs={"autocommit": True}, configure=_configure,
+                                connection_class=TimedConnection, open=True) as pool:
+                housekeeping = Housekeeping(pool, settings)
+                deleted = 0
+                while True:
+                    t = time.perf_counter()
+                    result = housekeeping.run_once()
+                    passes.append({"seconds": time.perf_counter() - t, "deleted": result.deleted_events})
+                    deleted += result.deleted_events
+                    if not result.deleted_events:
+                        break
+                    if "halfway" not in out["plans"] and deleted >= n // 2:  # (not timed)
+                        out["plans"]["halfway"] = {**explain_retention(conn, settings), "deleted_before": deleted}
+            slices = TimedConnection.slices
+            work = sum(p["seconds"] for p in passes)
+            out.update({
+                "deleted": deleted, "passes": len(passes), "retention_seconds": work,
+                "deleted_per_s": deleted / work if work else None,
+                "slices": len(slices), "longest_slice_ms": 1000 * max(s for s, _ in slices) if slices else None,
+                "slice_ms": {k: 1000 * v for k, v in _spread([s for s, _ in slices]).items()},
+                "first_slices_ms": [1000 * s for s, _ in slices[:5]],
+                "last_slices_ms": [1000 * s for s, _ in slices[-5:]],
+                "pass_seconds": [p["seconds"] for p in passes],
+            })
+            out["after_retention"] = bench.table_sizes(conn)
+            out["dead_tuples"] = conn.execute(
+                "SELECT n_live_tup, n_dead_tup, last_autovacuum IS NOT NULL FROM pg_stat_user_tables "
+                "WHERE relid = 'outbox.events'::regclass").fetchone()
+            t = time.monotonic()
+            conn.execute("VACUUM outbox.events")  # plain: what autovacuum does; FULL would lock out producers
+            out["vacuum_seconds"] = time.monotonic() - t
+            out["after_vacuum"] = bench.table_sizes(conn)
+            if deleted != n:
+                raise RuntimeError(f"history: retention deleted {deleted:,} of {n:,} delivered events")
+            # The claim path on what retention left behind: fresh pending events, the relay's fetch.
+            buckets, limit = bench.lease_to(conn, owner)
+            bench.publish_pending(conn, bench.args.claim_pending, "bench-history")
+            out["claim"] = {"stored_events": bench.args.claim_pending, "pending_total": bench.args.claim_pending,
+                            **bench.claim_cost(conn, owner, buckets, limit)}
+        log(f"history run {run + 1}: retention deleted {deleted:,} in {work:.1f}s "
+            f"({out['deleted_per_s'] or 0:,.0f} ev/s, {len(passes)} passes, {len(slices)} slices, "
+            f"longest {out['longest_slice_ms'] or 0:.0f} ms, "
+            f"first {[round(x) for x in out['first_slices_ms']]} ms, last {[round(x) for x in out['last_slices_ms']]}"
+            f" ms); sizes MiB before/after/vacuum "
+            f"{out['before']['total_bytes'] / 2**20:.0f}/{out['after_retention']['total_bytes'] / 2**20:.0f}/"
+            f"{out['after_vacuum']['total_bytes'] / 2**20:.0f}; claim after: "
+            f"{out['claim']['execution_ms']['median']:.2f} ms, {out['claim']['rows_returned']} rows")
+    finally:
+        bench.pg.drop_database(name)
+    return out
+
+
+def case_history(bench: Bench) -> None:
+    bench.results["history"] = [history_once(bench, run) for run in range(bench.args.runs)]
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    xs = sorted(values)
+    return {"p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))], "max": xs[-1]}
