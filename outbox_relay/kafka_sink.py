@@ -29,7 +29,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .dsn import redact_kafka_config
 from .sink import Aborted, Commit, Failure, Outcomes
-from .store import StoredEvent
+from .store import EventFilter, StoredEvent
 
 log = logging.getLogger("outbox_relay.kafka")
 
@@ -127,6 +127,7 @@ class _Flight:
 
 class KafkaSink:
     kind = "kafka"
+    event_filter: EventFilter | None = None  # every event goes to Kafka
 
     def __init__(self, name: str, config: dict[str, Any], default_topic: str | None, source: str,
                  stall_seconds: float = DEFAULT_STALL_SECONDS, *, topic: str | None = None,

@@ -162,8 +162,6 @@ class SinkRunner:
         self.wake = threading.Event()  # set by the listener, ring changes and stop requests
         self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
         self.gate = gate or DeliveryGate()
-        # A sink may say which events it wants (a projection's types); Kafka takes all.
-        self.wanted: store.EventFilter | None = getattr(sink, "event_filter", None)
         self.leases = Leases()
         self.desired: set[int] | None = None  # None until the first ring is known
         self.draining = threading.Event()  # stop claiming, finish the batch, release, exit
@@ -288,7 +286,8 @@ class SinkRunner:
     def _deliver_new(self, held: dict[int, int]) -> int:
         limits = self._limits(held)
         with self.pool.connection() as conn:
-            events, horizon, passed = store.fetch_events(conn, self.sink.name, self.worker, limits, self.wanted)
+            events, horizon, passed = store.fetch_events(conn, self.sink.name, self.worker, limits,
+                                                         self.sink.event_filter)
         if not events and not passed:
             self._saturated = set()
             return 0
@@ -340,7 +339,7 @@ class SinkRunner:
         with self.pool.connection() as conn:
             parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1)
             new, horizon, passed = store.fetch_events(conn, self.sink.name, self.worker, {bucket: size},
-                                                      self.wanted)
+                                                      self.sink.event_filter)
         if not parked and not new:
             return self._probe_idle(bucket, fence, horizon if passed else None)
         advance = {bucket: _next_position(new, size, horizon)} if new and horizon is not None else {}
@@ -362,7 +361,7 @@ class SinkRunner:
                 events = store.fetch_parked(conn, self.sink.name, [bucket], 1, 1)
                 if not events:
                     events, horizon, passed = store.fetch_events(conn, self.sink.name, self.worker, {bucket: 1},
-                                                                 self.wanted)
+                                                                 self.sink.event_filter)
             if not events:
                 return self._probe_idle(bucket, fence, horizon if passed else None)
             e = events[0]
@@ -403,11 +402,17 @@ class SinkRunner:
         return 0
 
     def _write(self, cp: Checkpoint) -> set[int]:
-        """A checkpoint outside any sink transaction (isolation steps)."""
-        with self.pool.connection() as conn:
-            ok = self._fenced(cp, store.checkpoint(conn, self.sink.name, self.worker, cp), in_tx=False)
+        """A checkpoint of the runner's own (isolation steps), outside any sink transaction."""
+        ok = self._checkpoint(cp, None)
         self._landed(cp)
         return ok
+
+    def _checkpoint(self, cp: Checkpoint, tx: Conn | None) -> set[int]:
+        """Write ``cp`` in the sink's transaction ``tx``, or on its own; returns the buckets whose fence held."""
+        if tx is not None:
+            return self._fenced(cp, store.checkpoint(tx, self.sink.name, self.worker, cp), in_tx=True)
+        with self.pool.connection() as conn:
+            return self._fenced(cp, store.checkpoint(conn, self.sink.name, self.worker, cp), in_tx=False)
 
     def _fenced(self, cp: Checkpoint, ok: set[int], in_tx: bool) -> set[int]:
         lost = set(cp.fences) - ok
@@ -447,14 +452,8 @@ class _BatchCommit:
         return cp
 
     def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]:
-        r = self.runner
         cp = self._plan(outcomes)
-        if tx is not None:
-            ok = store.checkpoint(tx, r.sink.name, r.worker, cp)
-        else:
-            with r.pool.connection() as conn:
-                ok = store.checkpoint(conn, r.sink.name, r.worker, cp)
-        ok = r._fenced(cp, ok, in_tx=tx is not None)
+        ok = self.runner._checkpoint(cp, tx)
         self.checkpoint = cp
         return ok
 

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import psycopg
 
-from .store import Checkpoint, Conn, StoredEvent
+from .store import Checkpoint, Conn, EventFilter, StoredEvent
 
 AsyncConn = psycopg.AsyncConnection[Any]
 
@@ -45,6 +45,9 @@ class Aborted(Exception):
 class Sink(Protocol):
     name: str
     kind: str
+    # The events it wants (a projection's types and topics); None: all. The others are skipped
+    # by the read query and never handed to ``deliver``.
+    event_filter: EventFilter | None
 
     def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                 abort: threading.Event) -> set[int]:

@@ -108,6 +108,11 @@ class EventFilter:
     types: tuple[str, ...] | None = None
     topics: tuple[str, ...] | None = None
 
+    def params(self) -> dict[str, list[str] | None]:
+        """The ``types`` and ``topics`` parameters of the queries that filter (NULL: no filter)."""
+        return {"types": list(self.types) if self.types is not None else None,
+                "topics": list(self.topics) if self.topics is not None else None}
+
 
 def fetch_events(
     conn: Conn, sink: str, worker: str, limits: dict[int, int], wanted: EventFilter | None = None,
@@ -115,12 +120,10 @@ def fetch_events(
     """New events past each bucket's cursor in position order, the read horizon (snapshot xmin),
     and the buckets whose events below the horizon the sink does not want (their cursor may jump)."""
     buckets = list(limits)
-    wanted = wanted or EventFilter()
     rows = conn.execute(
         query("relay", "fetch_events"),
         {"sink": sink, "worker": worker, "buckets": buckets, "limits": [limits[b] for b in buckets],
-         "types": list(wanted.types) if wanted.types is not None else None,
-         "topics": list(wanted.topics) if wanted.topics is not None else None},
+         **(wanted or EventFilter()).params()},
     ).fetchall()
     horizon = rows[0][11] if rows else None
     events = sorted((stored_event(r, blocked=r[10]) for r in rows if r[3] is not None),

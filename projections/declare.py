@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
+from outbox_relay.dsn import redact
 from outbox_relay.errors import ConfigurationError
+from outbox_relay.sink import Failure
+from outbox_relay.store import EventFilter, StoredEvent
 
-from .event import ProjectionEvent
+from .event import FenceToken, ProjectionEvent
 
 # A projection's name becomes its sink name and part of its rebuild schema's name, so it is
 # kept to a safe identifier (63 bytes is PostgreSQL's limit; "outbox_rebuild_" takes 15).
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+MAX_ERROR_CHARS = 2000
 
 Handler = Callable[[ProjectionEvent[Any], Any], Any]
 KeyReset = Callable[[str, Any], Any]
@@ -51,6 +56,30 @@ class Projection:
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.handler)
+
+    @property
+    def event_filter(self) -> EventFilter:
+        """What the relay reads for it: the declared types (unless others are to be rejected, which
+        needs seeing them) and topics."""
+        return EventFilter(types=self.events if self.on_unknown == "ignore" else None, topics=self.topics)
+
+    def prepare(self, e: StoredEvent, fence: int, replay: bool) -> ProjectionEvent[Any] | Failure | None:
+        """The event as its handler sees it, a failure decided without the handler, or None (an
+        event type this projection ignores)."""
+        if self.events is not None and e.type not in self.events:
+            if self.on_unknown == "ignore":
+                return None
+            return Failure(f"projection {self.name!r} does not handle event type {e.type!r}", retriable=False)
+        payload: Any = json.loads(e.payload_text)
+        model = self.models.get(e.type)
+        if model is not None:
+            try:
+                payload = model.model_validate(payload)
+            except ValidationError as exc:
+                return Failure(describe(exc), retriable=False)
+        return ProjectionEvent(
+            id=e.id, type=e.type, key=e.key, topic=e.topic, payload=payload, headers=e.headers, time=e.created_at,
+            position=e.position, token=FenceToken(fence, e.xid, e.seq), attempt=e.attempts + 1, replay=replay)
 
     def __call__(self, event: ProjectionEvent[Any], tx: Any) -> Any:
         """Call the handler directly (in tests of the handler itself)."""
@@ -181,3 +210,8 @@ def load_registry(spec: str) -> Registry:
     if not len(registry):
         raise ConfigurationError(f"module {module_name!r} declares no projections")
     return registry
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as a dead letter's or parked event's last error (no secrets, bounded)."""
+    return redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_CHARS]

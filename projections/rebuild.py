@@ -114,9 +114,7 @@ class Rebuild:
         self.keep_old = keep_old
         self.progress = progress
         self.stopping = threading.Event()
-        wanted = ProjectionSink(projection, self.dsn).event_filter
-        self._filter = {"types": list(wanted.types) if wanted.types else None,
-                        "topics": list(wanted.topics) if wanted.topics else None}
+        self._filter = projection.event_filter.params()
 
     def stop(self) -> None:
         """Stop replaying (from another thread or a signal handler); ``run`` returns None, resumable."""
@@ -330,7 +328,7 @@ def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3) -> i
             with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
                 cursor, events = _key_history(conn, projection, key)
                 projection.clear_key(key, conn)
-                for event in _replayed(projection, dsn, cursor, events):
+                for event in _replayed(projection, cursor, events):
                     projection.handler(event, conn)
                 return len(events)
         except psycopg.errors.DeadlockDetected:  # a live batch of the same bucket: it retries, so do we
@@ -349,15 +347,14 @@ async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
         cur = await conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
         events = [stored_event(r) for r in await cur.fetchall()]
         await projection.clear_key(key, conn)
-        for event in _replayed(projection, dsn, cursor, events):
+        for event in _replayed(projection, cursor, events):
             await projection.handler(event, conn)
         return len(events)
 
 
 def _key_params(projection: Projection, key: str, cursor: Sequence[Any]) -> dict[str, Any]:
-    types = projection.events if projection.on_unknown == "ignore" else None
     return {"sink": projection.name, "key": key, "xid": str(cursor[0]), "seq": cursor[1],
-            "types": list(types) if types else None, "topics": list(projection.topics) if projection.topics else None}
+            **projection.event_filter.params()}
 
 
 def _key_history(conn: psycopg.Connection[Any], projection: Projection,
@@ -369,13 +366,12 @@ def _key_history(conn: psycopg.Connection[Any], projection: Projection,
     return cursor, [stored_event(r) for r in rows]
 
 
-def _replayed(projection: Projection, dsn: str, cursor: Sequence[Any],
+def _replayed(projection: Projection, cursor: Sequence[Any],
               events: Sequence[StoredEvent]) -> list[ProjectionEvent[Any]]:
     """The events as the handler sees them in a replay; one that no longer prepares is an error."""
-    sink = ProjectionSink(projection, dsn, replay=True)
     out = []
     for e in events:
-        prepared = sink._prepare(e, {e.bucket: int(cursor[2])})
+        prepared = projection.prepare(e, int(cursor[2]), replay=True)
         if prepared is None:
             continue
         if not isinstance(prepared, ProjectionEvent):

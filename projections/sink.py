@@ -15,27 +15,23 @@ only the failing event's key is held back and every other event still lands.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
-from pydantic import ValidationError
 
-from outbox_relay.dsn import redact
 from outbox_relay.errors import NonRetriableDelivery, OutboxError
 from outbox_relay.sink import Aborted, AsyncConn, Commit, Failure, Outcomes
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import Conn, EventFilter, StoredEvent
 
-from .declare import Projection
-from .event import FenceToken, ProjectionEvent
+from .declare import Projection, describe
+from .event import ProjectionEvent
 
 log = logging.getLogger("outbox_relay.projections")
 
-MAX_ERROR_CHARS = 2000
 ABORT_CHECK_EVERY = 64  # events between checks of the hard-stop flag
 
 
@@ -47,6 +43,44 @@ class _Redo(Exception):
     def __init__(self, failed: dict[Any, Failure] | None = None) -> None:
         super().__init__()
         self.failed = failed or {}
+
+
+def _failure(exc: BaseException) -> Failure:
+    return Failure(describe(exc), retriable=not isinstance(exc, NonRetriableDelivery))
+
+
+class _Batch:
+    """One batch's walk, the same for every way of running it: which events go to the handler,
+    in order, and what became of each. A key whose event failed (retriably) waits: its later
+    events are left out (not attempted)."""
+
+    def __init__(self, sink: ProjectionSink, events: Sequence[StoredEvent], fences: dict[int, int],
+                 known: dict[Any, Failure] | None) -> None:
+        self.sink = sink
+        self.events = events
+        self.fences = fences
+        self.known = known or {}  # failures the fast path already saw: not called again
+        self.outcomes: Outcomes = {}
+        self._stuck: set[str] = set()
+
+    def todo(self, abort: threading.Event) -> Iterator[tuple[StoredEvent, ProjectionEvent[Any]]]:
+        """The events for the handler; the caller ``record``s each before asking for the next."""
+        p = self.sink.projection
+        for i, e in enumerate(self.events):
+            if i % ABORT_CHECK_EVERY == 0 and abort.is_set():
+                raise Aborted()
+            if e.key in self._stuck:
+                continue
+            prepared = self.known.get(e.id) or p.prepare(e, self.fences[e.bucket], self.sink.replay)
+            if isinstance(prepared, ProjectionEvent):
+                yield e, prepared
+            else:
+                self.record(e, prepared)
+
+    def record(self, e: StoredEvent, outcome: Failure | None) -> None:
+        self.outcomes[e.id] = outcome
+        if outcome is not None and outcome.retriable:
+            self._stuck.add(e.key)
 
 
 class ProjectionSink:
@@ -64,41 +98,11 @@ class ProjectionSink:
         self._dsn = dsn
         self._begin = {"idle_ms": str(int(lease_seconds * 1000)), "shadow": shadow_schema}
         self._guarded = list(guarded_tables)  # oids of live tables a rebuild must not write
-        types = projection.events if projection.on_unknown == "ignore" else None
-        self.event_filter = EventFilter(types=types, topics=projection.topics)
+        self.event_filter: EventFilter | None = projection.event_filter
         self._conn: Conn | None = None
         self._aconn: AsyncConn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.fatal: OutboxError | None = None  # set when a rebuild must stop (see _refuse_live_writes)
-
-    # -- per event, shared by the sync and async paths ----------------------------------------
-
-    def _prepare(self, e: StoredEvent, fences: dict[int, int]) -> ProjectionEvent[Any] | Failure | None:
-        """The event to hand the handler, a failure decided without it, or None (not its business)."""
-        p = self.projection
-        if p.events is not None and e.type not in p.events:
-            if p.on_unknown == "ignore":
-                return None
-            return Failure(f"projection {p.name!r} does not handle event type {e.type!r}", retriable=False)
-        payload: Any = json.loads(e.payload_text)
-        model = p.models.get(e.type)
-        if model is not None:
-            try:
-                payload = model.model_validate(payload)
-            except ValidationError as exc:
-                return Failure(_describe(exc), retriable=False)
-        return ProjectionEvent(
-            id=e.id, type=e.type, key=e.key, topic=e.topic, payload=payload, headers=e.headers, time=e.created_at,
-            position=e.position, token=FenceToken(fences[e.bucket], e.xid, e.seq), attempt=e.attempts + 1,
-            replay=self.replay)
-
-    @staticmethod
-    def _failure(exc: BaseException) -> Failure:
-        return Failure(_describe(exc), retriable=not isinstance(exc, NonRetriableDelivery))
-
-    def _check_abort(self, i: int, abort: threading.Event) -> None:
-        if i % ABORT_CHECK_EVERY == 0 and abort.is_set():
-            raise Aborted()
 
     def _refuse_live_writes(self, written: int) -> None:
         if written:
@@ -130,55 +134,42 @@ class ProjectionSink:
                abort: threading.Event, known: dict[Any, Failure] | None) -> set[int]:
         """One transaction: fast (``known`` None: pipelined, all or nothing) or careful (a savepoint
         per event; ``known`` holds failures already observed in the fast path)."""
-        outcomes: Outcomes = {}
+        batch = _Batch(self, events, fences, known)
         handler = self.projection.handler
         with conn.transaction():
-            if known is not None:
-                conn.execute(query("projections", "begin_batch"), self._begin)
-                stuck: set[str] = set()  # keys whose head failed: the rest of the key waits
-                for i, e in enumerate(events):
-                    self._check_abort(i, abort)
-                    if e.key in stuck:
-                        continue
-                    prepared = known.get(e.id) or self._prepare(e, fences)
-                    if isinstance(prepared, ProjectionEvent):
-                        try:
-                            with conn.transaction():  # a savepoint: undo only this event's writes
-                                handler(prepared, conn)
-                            prepared = None
-                        except Exception as exc:
-                            if conn.broken:
-                                raise
-                            prepared = self._failure(exc)
-                    outcomes[e.id] = prepared
-                    if prepared is not None and prepared.retriable:
-                        stuck.add(e.key)
-            else:
+            if known is None:
                 try:
                     with conn.pipeline():
                         conn.execute(query("projections", "begin_batch"), self._begin)
-                        for i, e in enumerate(events):
-                            self._check_abort(i, abort)
-                            prepared = self._prepare(e, fences)
-                            if isinstance(prepared, ProjectionEvent):
-                                try:
-                                    handler(prepared, conn)
-                                except psycopg.Error:
-                                    raise
-                                except Exception as exc:  # the handler's own: attributed exactly
-                                    raise _Redo({e.id: self._failure(exc)}) from exc
-                                prepared = None
-                            outcomes[e.id] = prepared  # None, or a failure for good (not retried)
+                        for e, event in batch.todo(abort):
+                            try:
+                                handler(event, conn)
+                            except psycopg.Error:
+                                raise  # pipelined: which statement failed is only known at the next sync
+                            except Exception as exc:  # the handler's own: attributed exactly
+                                raise _Redo({e.id: _failure(exc)}) from exc
+                            batch.record(e, None)
                 except (Aborted, _Redo, psycopg.OperationalError):
                     raise
                 except Exception as exc:
                     if conn.broken:
                         raise
                     raise _Redo() from exc
+            else:
+                conn.execute(query("projections", "begin_batch"), self._begin)
+                for e, event in batch.todo(abort):
+                    try:
+                        with conn.transaction():  # a savepoint: undo only this event's writes
+                            handler(event, conn)
+                        batch.record(e, None)
+                    except Exception as exc:
+                        if conn.broken:
+                            raise
+                        batch.record(e, _failure(exc))
             if self._guarded:
                 row = conn.execute(query("projections", "live_table_writes"), {"tables": self._guarded}).fetchone()
                 self._refuse_live_writes(int(row[0]) if row else 0)
-            return commit(outcomes, conn)
+            return commit(batch.outcomes, conn)
 
     def _connection(self) -> Conn:
         if self._conn is None or self._conn.closed:
@@ -208,38 +199,30 @@ class ProjectionSink:
 
     async def _aapply(self, conn: AsyncConn, events: Sequence[StoredEvent], fences: dict[int, int],
                       commit: Commit, abort: threading.Event, known: dict[Any, Failure] | None) -> set[int]:
-        outcomes: Outcomes = {}
+        """``_apply`` for async handlers (not pipelined: a failing statement is known at once)."""
+        batch = _Batch(self, events, fences, known)
         handler = self.projection.handler
         async with conn.transaction():
             await conn.execute(query("projections", "begin_batch"), self._begin)
-            stuck: set[str] = set()
-            for i, e in enumerate(events):
-                self._check_abort(i, abort)
-                if e.key in stuck:
-                    continue
-                prepared = (known or {}).get(e.id) or self._prepare(e, fences)
-                if isinstance(prepared, ProjectionEvent):
-                    try:
-                        if known is not None:
-                            async with conn.transaction():  # a savepoint
-                                await handler(prepared, conn)
-                        else:
-                            await handler(prepared, conn)
-                        prepared = None
-                    except Exception as exc:
-                        if conn.broken:
-                            raise
-                        if known is None:
-                            raise _Redo({e.id: self._failure(exc)}) from exc  # not pipelined: exact
-                        prepared = self._failure(exc)
-                outcomes[e.id] = prepared
-                if prepared is not None and prepared.retriable:
-                    stuck.add(e.key)
+            for e, event in batch.todo(abort):
+                try:
+                    if known is None:
+                        await handler(event, conn)
+                    else:
+                        async with conn.transaction():  # a savepoint
+                            await handler(event, conn)
+                    batch.record(e, None)
+                except Exception as exc:
+                    if conn.broken:
+                        raise
+                    if known is None:
+                        raise _Redo({e.id: _failure(exc)}) from exc
+                    batch.record(e, _failure(exc))
             if self._guarded:
                 cur = await conn.execute(query("projections", "live_table_writes"), {"tables": self._guarded})
                 row = await cur.fetchone()
                 self._refuse_live_writes(int(row[0]) if row else 0)
-            return await commit.in_async(outcomes, conn)
+            return await commit.in_async(batch.outcomes, conn)
 
     async def _aconnection(self) -> AsyncConn:
         if self._aconn is None or self._aconn.closed:
@@ -256,6 +239,3 @@ class ProjectionSink:
             self._loop.close()
             self._loop = None
 
-
-def _describe(exc: BaseException) -> str:
-    return redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_CHARS]

@@ -107,6 +107,7 @@ class RecordingSink:
     fail: FailFn | None = None
     name: str = SINK
     kind: str = "projection"
+    event_filter: store.EventFilter | None = None
     hold: float = 0.0  # seconds to spend "delivering" each batch (widens the windows G8 checks)
     gate: threading.Event | None = None  # when given, deliver waits for it (in-flight batch)
     entered: threading.Event = field(default_factory=threading.Event)

@@ -18,6 +18,7 @@ from psycopg_pool import ConnectionPool
 from outbox_relay import store
 from outbox_relay.housekeeping import Housekeeping
 from outbox_relay.publish import Outbox
+from outbox_relay.relay import DeliveryGate
 from outbox_relay.sink import Failure
 from outbox_relay.store import Checkpoint, StoredEvent
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
@@ -386,6 +387,34 @@ def test_an_idle_suspect_bucket_is_healthy_at_once(dsn: str, pool: ConnectionPoo
     ids = publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, bucket, 3)])
     run_until(runner, lambda: sink.delivered_ids() == set(ids))
     assert len(sink.batches) == 1, "no longer a suspect: one batch"
+
+
+def test_a_probe_waits_until_no_other_batch_of_the_process_is_in_flight(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """The probe's delivery is alone in the process (DeliveryGate): a crash during it can only be
+    its event's doing. Another sink's batch in flight holds it back; it goes once that ends."""
+    gate = DeliveryGate()
+    busy_bucket, probe_bucket = 20, 21
+    publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, busy_bucket, 2)])
+    (suspect,) = publish(dsn, [(keys_in_bucket(dsn, probe_bucket, 1)[0], "t", {})])
+    release = threading.Event()
+    busy_sink = RecordingSink("w", name="busy", gate=release)  # holds its batch until released
+    busy = runner_for(busy_sink, pool, make_settings(dsn, "w"), {busy_bucket})
+    probe_sink = RecordingSink("w", name="probe")
+    probe = runner_for(probe_sink, pool, make_settings(dsn, "w", max_lapses=1), {probe_bucket})
+    busy.gate = probe.gate = gate  # one process
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.cursors SET lapses = 1 WHERE sink = 'probe' AND bucket = %s", (probe_bucket,))
+    threads = [threading.Thread(target=busy.run_once), threading.Thread(target=probe.run_once)]
+    threads[0].start()
+    assert busy_sink.entered.wait(10)
+    threads[1].start()
+    assert not probe_sink.entered.wait(0.5), "a probe was delivered while another batch was in flight"
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert [a.event_id for a in probe_sink.attempts] == [suspect]
+    assert len(busy_sink.delivered()) == 2
 
 
 class Crash(Exception):

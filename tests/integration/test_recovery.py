@@ -364,6 +364,26 @@ def test_retention_deletes_only_what_every_sink_passed_and_keeps_parked_and_dead
     assert result.deleted_events == 2
 
 
+def test_retention_deletes_in_slices_each_its_own_transaction(dsn: str, pool: ConnectionPool[Any]) -> None:
+    """A writing transaction holds back every relay's read horizon while it is open, so retention
+    must commit slice by slice: each DELETE statement runs in a transaction of its own."""
+    register(dsn)
+    publish(dsn, [(f"k{i}", "t", {}) for i in range(50)])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.cursors c SET position_xid = m.xid, position_seq = m.seq "
+                     "FROM (SELECT xid, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1) m")
+        conn.execute("CREATE TABLE slice_log (xid xid8 NOT NULL)")
+        conn.execute("CREATE FUNCTION log_slice() RETURNS trigger LANGUAGE plpgsql AS "
+                     "$$ BEGIN INSERT INTO slice_log VALUES (pg_current_xact_id()); RETURN NULL; END $$")
+        conn.execute("CREATE TRIGGER log_slice AFTER DELETE ON outbox.events "
+                     "FOR EACH STATEMENT EXECUTE FUNCTION log_slice()")
+    result = Housekeeping(pool, make_settings(dsn, "hk", retention_seconds=0.0, retention_batch=10)).run_once()
+    assert result.deleted_events == 50
+    statements, transactions = fetch_all(dsn, "SELECT count(*), count(DISTINCT xid) FROM slice_log")[0]
+    assert statements >= 5, "50 events in slices of 10"
+    assert transactions == statements, "two retention slices shared a transaction"
+
+
 # -- crash-loop isolation under real crashes ---------------------------------------------------
 
 
@@ -376,8 +396,14 @@ def crash_cycles(dsn: str, pool: ConnectionPool[Any], buckets: set[int], crashes
     """Run fresh workers on ``buckets`` one after another. A worker handed an event ``crashes_on`` dies
     mid-batch: its leases run out and housekeeping frees them. Stops when ``done()`` or after max_cycles."""
     sinks = []
+
+    def retry_due() -> bool:  # a cycle that starts before a parked retry is due does nothing
+        return bool(fetch_all(dsn, "SELECT coalesce(min(available_at) <= clock_timestamp(), true) "
+                                   "FROM outbox.parked")[0][0])
+
     for i in range(max_cycles):
         worker = f"crasher-{i}"
+        wait_until(retry_due, 5, message="the parked retry to be due")
 
         def fail(e: StoredEvent, n: int) -> Failure | None:
             if crashes_on(e.id):
