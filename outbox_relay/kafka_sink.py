@@ -197,7 +197,7 @@ class KafkaSink:
             ("ce_id", str(e.id).encode()),
             ("ce_source", self.source),
             ("ce_type", e.type.encode()),
-            ("ce_time", e.created_at.isoformat().encode()),
+            ("ce_time", e.time.isoformat().encode()),
             ("ce_sequence", sequence(e.xid, e.seq).encode()),
             ("ce_partitionkey", e.key.encode()),
             ("content-type", b"application/json"),

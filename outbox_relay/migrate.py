@@ -19,6 +19,8 @@ log = logging.getLogger("outbox_relay.migrate")
 # Serialises concurrent `outbox-relay migrate` runs (transaction-scoped, never leaks).
 MIGRATION_LOCK = 0x6F7574626F78  # "outbox"
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+# A migration that older code can not run against says so in its header.
+_MIN_CODE = re.compile(r"^-- min-code-version: (\d+)\s*$", re.MULTILINE)
 
 BOOTSTRAP = """
 CREATE SCHEMA IF NOT EXISTS outbox;
@@ -35,6 +37,12 @@ class Migration:
     version: int
     name: str
     path: Path
+
+    @property
+    def min_code_version(self) -> int | None:
+        """The oldest code (by the schema version it was written for) that still runs once this is applied."""
+        m = _MIN_CODE.search(self.path.read_text())
+        return int(m.group(1)) if m else None
 
 
 def migrations() -> list[Migration]:
@@ -67,12 +75,19 @@ def migrate(conninfo: str) -> list[Migration]:
             log.info("applying migration %04d_%s", m.version, m.name)
             conn.execute(m.path.read_text())  # trusted file shipped with the package
             conn.execute("INSERT INTO outbox.schema_migrations (version, name) VALUES (%s, %s)", (m.version, m.name))
+            if m.min_code_version is not None:  # the column exists from 0005 on, which is the first to set it
+                conn.execute("UPDATE outbox.schema_migrations SET min_code_version = %s WHERE version = %s",
+                             (m.min_code_version, m.version))
             applied.append(m)
     return applied
 
 
 def check_schema(conn: psycopg.Connection[Any]) -> None:
-    """Refuse to run against a database that is not migrated, or migrated past this version."""
+    """Refuse to run against a database that is not migrated, or whose migrations need newer code.
+
+    A newer schema is fine as long as every migration past this code's says it still supports
+    it (``-- min-code-version`` in the migration's header), so relays of the previous release keep
+    running while a rollout migrates the database first."""
     row = conn.execute(
         "SELECT to_regclass('outbox.schema_migrations') IS NOT NULL"
     ).fetchone()
@@ -80,6 +95,13 @@ def check_schema(conn: psycopg.Connection[Any]) -> None:
         raise SchemaError("the outbox schema is missing: run `outbox-relay migrate` first")
     current = conn.execute("SELECT coalesce(max(version), 0) FROM outbox.schema_migrations").fetchone()
     version = int(current[0]) if current else 0
-    if version < latest_version():
-        raise SchemaError(f"the outbox schema is at version {version}, this relay needs {latest_version()}: "
+    ours = latest_version()
+    if version < ours:
+        raise SchemaError(f"the outbox schema is at version {version}, this relay needs {ours}: "
                           "run `outbox-relay migrate`")
+    # At version 5 or later: the column exists (0005 added it).
+    needs = conn.execute("SELECT max(min_code_version) FROM outbox.schema_migrations").fetchone()
+    required = needs[0] if needs else None
+    if required is not None and int(required) > ours:
+        raise SchemaError(f"the outbox schema is at version {version}, which needs outbox-relay code written for "
+                          f"schema version {required} or later; this code is for version {ours}: upgrade it")

@@ -109,8 +109,8 @@ class Outbox:
     def _fill(
         results: list[Published | None], events: Sequence[Event], found: Sequence[Sequence[Any]]
     ) -> list[Published]:
-        by_key = {r[0]: _uuid(r[1]) for r in found}
-        return [r if r is not None else Published(by_key[e.idempotency_key], False)
+        by_key = {(r[0], r[1]): _uuid(r[2]) for r in found}
+        return [r if r is not None else Published(by_key[(e.topic or "", e.idempotency_key)], False)
                 for r, e in zip(results, events, strict=True)]
 
     # -- sync -----------------------------------------------------------------------------
@@ -124,8 +124,7 @@ class Outbox:
         params = self._params(batch)
         results = self._interpret(_execute(conn, query("publish", "publish"), params))
         if None in results:
-            missing = [e.idempotency_key for e, r in zip(batch, results, strict=True) if r is None]
-            found = _execute(conn, query("publish", "find_by_idempotency_keys"), {"idempotency_keys": missing})
+            found = _execute(conn, query("publish", "find_by_idempotency_keys"), _missing(batch, results))
             return self._expand(self._fill(results, batch, found), where)
         return self._expand(results, where)  # type: ignore[arg-type]
 
@@ -140,10 +139,15 @@ class Outbox:
         params = self._params(batch)
         results = self._interpret(await _aexecute(conn, query("publish", "publish"), params))
         if None in results:
-            missing = [e.idempotency_key for e, r in zip(batch, results, strict=True) if r is None]
-            found = await _aexecute(conn, query("publish", "find_by_idempotency_keys"), {"idempotency_keys": missing})
+            found = await _aexecute(conn, query("publish", "find_by_idempotency_keys"), _missing(batch, results))
             return self._expand(self._fill(results, batch, found), where)
         return self._expand(results, where)  # type: ignore[arg-type]
+
+
+def _missing(events: Sequence[Event], results: Sequence[Published | None]) -> dict[str, Any]:
+    """The (topic, idempotency key) pairs whose stored event the publish statement did not see."""
+    missing = [e for e, r in zip(events, results, strict=True) if r is None]
+    return {"topics": [e.topic for e in missing], "idempotency_keys": [e.idempotency_key for e in missing]}
 
 
 def _check_storable(event: Event, payload: str) -> None:

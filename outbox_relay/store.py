@@ -30,7 +30,7 @@ class StoredEvent:
     type: str
     payload_text: str  # jsonb as text: Kafka sends it as is; projections parse it
     headers_text: str
-    created_at: datetime
+    time: datetime  # occurred_at if the producer gave one, else when it was stored (created_at)
     attempts: int = 0  # failed attempts so far (parked events)
     blocked: bool = False  # an older event of this key is parked
     parked: bool = False  # read from outbox.parked (a retry), not from past the cursor
@@ -209,7 +209,7 @@ def release_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int]) -
 
 def stored_event(row: Sequence[Any], **extra: Any) -> StoredEvent:
     """A StoredEvent from a row that starts with: bucket, xid, seq, id, partition_key, topic, type,
-    payload, headers, created_at (the queries select payload and headers as text)."""
+    payload, headers, time (the queries select payload and headers as text)."""
     payload = row[7] if isinstance(row[7], str) else json.dumps(row[7])
     headers = row[8] if isinstance(row[8], str) else json.dumps(row[8])
     return StoredEvent(row[0], row[1], row[2], row[3], row[4], row[5], row[6], payload, headers, row[9], **extra)

@@ -78,7 +78,7 @@ class Projection:
             except ValidationError as exc:
                 return Failure(describe(exc), retriable=False)
         return ProjectionEvent(
-            id=e.id, type=e.type, key=e.key, topic=e.topic, payload=payload, headers=e.headers, time=e.created_at,
+            id=e.id, type=e.type, key=e.key, topic=e.topic, payload=payload, headers=e.headers, time=e.time,
             position=e.position, token=FenceToken(fence, e.xid, e.seq), attempt=e.attempts + 1, replay=replay)
 
     def __call__(self, event: ProjectionEvent[Any], tx: Any) -> Any:

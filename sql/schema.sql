@@ -14,7 +14,10 @@ CREATE SCHEMA outbox;
 CREATE TABLE outbox.schema_migrations (
     version    integer     NOT NULL PRIMARY KEY,
     name       text        NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
+    applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- 0005: the oldest code (by the schema version it was written for) that may run against this
+    -- schema once this migration is applied; NULL: no constraint.
+    min_code_version integer
 );
 
 -- 0001_initial: event log, sinks with per-bucket cursors and leases, parked retries,
@@ -45,14 +48,19 @@ CREATE TABLE outbox.events (
     headers         jsonb       NOT NULL DEFAULT '{}'::jsonb,
     idempotency_key text,
     created_at      timestamptz NOT NULL DEFAULT now(),
+    -- 0005: the time the producer says the event happened (ce_time); NULL: created_at.
+    occurred_at     timestamptz,
+    -- 0005: fingerprint_v1(type, partition_key, payload) of an idempotent event (set by events_check).
+    idempotency_fingerprint bytea,
     CONSTRAINT events_pkey PRIMARY KEY (id)
 );
 
 -- The claim path: one index range per owned bucket, starting at the cursor. Delivered
 -- history sits to the left of every cursor and is never scanned.
 CREATE UNIQUE INDEX events_position ON outbox.events (bucket, xid, seq);
--- Producer idempotency: one event per key for as long as the event is retained.
-CREATE UNIQUE INDEX events_idempotency_key ON outbox.events (idempotency_key)
+-- Producer idempotency: one event per key and topic for as long as the event is retained (0005:
+-- per topic; events without a topic share one scope).
+CREATE UNIQUE INDEX events_idempotency_key ON outbox.events ((coalesce(topic, '')), idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 -- Retention (oldest first) and time-based replay and rebuild (0004 replaced a BRIN index).
 CREATE INDEX events_created_at ON outbox.events (created_at);
@@ -86,6 +94,8 @@ CREATE TABLE outbox.sinks (
                CONSTRAINT sinks_name_valid CHECK (name ~ '^[a-z0-9][a-z0-9_.:-]{0,62}$'),
     kind       text        NOT NULL CONSTRAINT sinks_kind_valid CHECK (kind IN ('kafka', 'projection')),
     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- 0005: set by `sinks drop` (a tombstone: relays refuse to register the sink again).
+    dropped_at timestamptz,
     CONSTRAINT sinks_pkey PRIMARY KEY (name)
 );
 
@@ -178,9 +188,78 @@ CREATE TABLE outbox.rebuilds (
     CONSTRAINT rebuilds_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
 );
 
+-- 0005_hardening (see the migration for why each part).
+-- What an idempotency key stands for: the event's type, key and payload (jsonb text is canonical).
+CREATE FUNCTION outbox.fingerprint_v1(type text, partition_key text, payload jsonb) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
+    RETURN sha256(convert_to(type || E'\n' || partition_key || E'\n' || payload::text, 'UTF8'));
+
+-- Refuse an event the relays could not position, keep, or deliver (messages name the column), and
+-- fingerprint idempotent ones.
+CREATE FUNCTION outbox.check_event_v1() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+DECLARE
+    name  text;
+    value jsonb;
+BEGIN
+    IF NEW.xid IS DISTINCT FROM pg_current_xact_id() THEN
+        RAISE EXCEPTION 'outbox.events.xid is set by the database (the inserting transaction''s id), not by producers'
+            USING ERRCODE = 'check_violation', HINT = 'leave xid out of the INSERT';
+    END IF;
+    IF NEW.created_at IS DISTINCT FROM now() THEN
+        RAISE EXCEPTION 'outbox.events.created_at is set by the database (retention counts from it), not by producers'
+            USING ERRCODE = 'check_violation', HINT = 'put the event''s own time in occurred_at';
+    END IF;
+    NEW.idempotency_fingerprint := CASE WHEN NEW.idempotency_key IS NOT NULL
+                                        THEN outbox.fingerprint_v1(NEW.type, NEW.partition_key, NEW.payload) END;
+    -- Kafka's rule for topic names.
+    IF NEW.topic IS NOT NULL
+       AND (NEW.topic !~ '^[A-Za-z0-9._-]+$' OR length(NEW.topic) > 249 OR NEW.topic IN ('.', '..')) THEN
+        RAISE EXCEPTION 'outbox.events.topic % is not a Kafka topic name', quote_literal(left(NEW.topic, 300))
+            USING ERRCODE = 'check_violation', HINT = '1-249 of A-Z a-z 0-9 . _ -, and not "." or ".."';
+    END IF;
+    IF NEW.headers <> '{}'::jsonb THEN
+        IF jsonb_typeof(NEW.headers) <> 'object' THEN
+            RAISE EXCEPTION 'outbox.events.headers must be a JSON object of strings, not a JSON %',
+                jsonb_typeof(NEW.headers) USING ERRCODE = 'check_violation';
+        END IF;
+        FOR name, value IN SELECT e.key, e.value FROM jsonb_each(NEW.headers) AS e LOOP
+            IF jsonb_typeof(value) <> 'string' THEN
+                RAISE EXCEPTION 'outbox.events.headers: the value of % is a JSON %, not a string',
+                    quote_literal(name), jsonb_typeof(value) USING ERRCODE = 'check_violation';
+            END IF;
+            -- The relay's own headers (kafka_sink.RESERVED_HEADERS): consumers must see one value.
+            IF lower(name) IN ('ce_specversion', 'ce_id', 'ce_source', 'ce_type', 'ce_time', 'ce_sequence',
+                               'ce_partitionkey', 'content-type')
+               OR lower(name) LIKE 'outbox\_%' THEN
+                RAISE EXCEPTION 'outbox.events.headers: % is reserved for the relay', quote_literal(name)
+                    USING ERRCODE = 'check_violation';
+            END IF;
+        END LOOP;
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE TRIGGER events_check BEFORE INSERT ON outbox.events
+    FOR EACH ROW EXECUTE FUNCTION outbox.check_event_v1();
+
+-- One row: who runs housekeeping now and when it last finished. A relay claims a pass with one
+-- UPDATE (the interval has passed since the last one finished, or a claimed pass went stale), so
+-- one relay per interval does the work, and any relay can see when housekeeping last ran.
+CREATE TABLE outbox.housekeeping (
+    singleton   boolean     NOT NULL DEFAULT true CONSTRAINT housekeeping_singleton CHECK (singleton),
+    run_by      text,
+    started_at  timestamptz NOT NULL DEFAULT '-infinity',
+    finished_at timestamptz NOT NULL DEFAULT '-infinity',
+    CONSTRAINT housekeeping_pkey PRIMARY KEY (singleton)
+);
+INSERT INTO outbox.housekeeping DEFAULT VALUES;
+
 -- The migrations this snapshot contains.
-INSERT INTO outbox.schema_migrations (version, name) VALUES
-    (1, 'initial'),
-    (2, 'crash_isolation'),
-    (3, 'rebuilds'),
-    (4, 'retention_index');
+INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
+    (1, 'initial', NULL),
+    (2, 'crash_isolation', NULL),
+    (3, 'rebuilds', NULL),
+    (4, 'retention_index', NULL),
+    (5, 'hardening', 5);

@@ -187,7 +187,7 @@ FOR UPDATE;
 -- The events of one key that live processing applied: up to the cursor, neither parked nor
 -- dead-lettered, in publish order.
 SELECT e.bucket, e.xid::text::bigint, e.seq, e.id, e.partition_key, e.topic, e.type,
-       e.payload::text, e.headers::text, e.created_at
+       e.payload::text, e.headers::text, coalesce(e.occurred_at, e.created_at)
 FROM outbox.events e
 WHERE e.bucket = outbox.bucket_v1(%(key)s) AND e.partition_key = %(key)s
   AND (e.xid, e.seq) <= (%(xid)s::xid8, %(seq)s::bigint)

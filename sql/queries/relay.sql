@@ -31,7 +31,7 @@ blocked AS (
     WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
 )
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
-       e.payload::text, e.headers::text, e.created_at,
+       e.payload::text, e.headers::text, coalesce(e.occurred_at, e.created_at),
        e.partition_key IN (SELECT partition_key FROM blocked) AS blocked,
        h.xmin::text::bigint AS horizon
 FROM horizon h
@@ -81,7 +81,7 @@ due AS (
     LIMIT %(keys)s
 )
 SELECT q.bucket, q.xid::text::bigint AS xid, q.seq, e.id, e.partition_key, e.topic, e.type,
-       e.payload::text, e.headers::text, e.created_at, q.attempts, q.last_error
+       e.payload::text, e.headers::text, coalesce(e.occurred_at, e.created_at), q.attempts, q.last_error
 FROM due d
 CROSS JOIN LATERAL (
     SELECT * FROM outbox.parked q

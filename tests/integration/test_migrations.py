@@ -208,6 +208,25 @@ def test_check_schema(database_factory: Callable[..., str]) -> None:
             check_schema(conn)
 
 
+def test_a_newer_schema_is_refused_only_when_its_migrations_need_newer_code(dsn: str) -> None:
+    """Relays of the previous release keep running while a rollout migrates first, unless a migration
+    says they can not (its ``-- min-code-version``)."""
+    ours = shipped()[-1][0]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # migrate recorded each migration's header (0005 is the first that needs code of its own version).
+        recorded = conn.execute("SELECT version, min_code_version FROM outbox.schema_migrations WHERE version >= 5 "
+                                "ORDER BY version").fetchall()
+        assert recorded == [(m.version, m.min_code_version) for m in migrations() if m.version >= 5]
+        assert recorded[0] == (5, 5)
+        conn.execute("INSERT INTO outbox.schema_migrations (version, name, min_code_version) "
+                     "VALUES (%s, 'additive', NULL)", (ours + 1,))
+        check_schema(conn)  # newer, but nothing in it needs newer code
+        conn.execute("INSERT INTO outbox.schema_migrations (version, name, min_code_version) "
+                     "VALUES (%s, 'breaking', %s)", (ours + 2, ours + 1))
+        with pytest.raises(SchemaError, match=f"at version {ours + 2}.*written for schema version {ours + 1}"):
+            check_schema(conn)
+
+
 def test_migrate_connection_error_names_no_password() -> None:
     with pytest.raises(SchemaError) as info:
         migrate("postgresql://outbox:s3cret-pw@127.0.0.1:1/nowhere?connect_timeout=2")

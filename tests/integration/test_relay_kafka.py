@@ -154,7 +154,7 @@ def stored_events(keys: list[str], per_key: int, first_seq: int) -> list[StoredE
     """Events as the relay reads them (the sink needs no database), keys interleaved."""
     now = datetime.now(UTC)
     return [StoredEvent(bucket=i % 4, xid=1, seq=first_seq + n * len(keys) + i, id=uuid.uuid4(), key=key, topic=None,
-                        type="restart.counted", payload_text=f'{{"n": {n}}}', headers_text="{}", created_at=now)
+                        type="restart.counted", payload_text=f'{{"n": {n}}}', headers_text="{}", time=now)
             for n in range(per_key) for i, key in enumerate(keys)]
 
 
