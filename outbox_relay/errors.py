@@ -5,6 +5,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
+from .dsn import redact
+
+MAX_ERROR_CHARS = 2000  # what a parked event or dead letter keeps of an error message
+
 
 class OutboxError(Exception):
     """Base class of outbox-relay errors."""
@@ -24,6 +28,14 @@ class SchemaError(OutboxError):
 
 class LeaseLost(OutboxError):
     """This worker no longer holds the bucket; its work there was discarded (fencing)."""
+
+
+class SinkDropped(ConfigurationError):
+    """The sink was dropped (``outbox-relay sinks drop``) or never existed; a relay will not recreate it."""
+
+
+class CheckpointFailed(OutboxError):
+    """The relay's own bookkeeping statement failed (a database or privilege problem, not an event's)."""
 
 
 class NonRetriableDelivery(OutboxError):
@@ -75,3 +87,8 @@ class WaitTimeout(OutboxError, TimeoutError):
             message += f"; {hint}"
         # One argument: OSError (TimeoutError's base) reads two as (errno, strerror).
         super().__init__(message)
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception as a parked event's or dead letter's last error: type and message, no secrets, bounded."""
+    return redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_CHARS]

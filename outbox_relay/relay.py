@@ -12,6 +12,11 @@ attempt counted in ``outbox.parked`` *before* it is made and made alone in the p
 ``DeliveryGate``), so a crash during it can only be that event's doing and counts as a
 failed attempt; past ``max_attempts`` the event is dead-lettered like any other. After
 each survived probe the bucket's batch size doubles until it is back to normal.
+
+A batch that fails as a whole with an exception (a sink bug, an event the sink can not even
+start on, a handler cut off by a timeout) is treated the same way, without waiting for lapses:
+its buckets become suspects at once, the probe finds the event that causes it and records the
+exception as that event's error. A failing cycle backs off; notifications do not cut it short.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 
-from psycopg_pool import ConnectionPool
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
 from .backoff import Backoff
-from .errors import LeaseLost
+from .errors import CheckpointFailed, LeaseLost, SinkDropped, describe_error
 from .settings import RelaySettings
 from .sink import Aborted, AsyncConn, Outcomes, Sink
 from .store import Checkpoint, Conn, StoredEvent
@@ -35,6 +41,7 @@ from .store import Checkpoint, Conn, StoredEvent
 log = logging.getLogger("outbox_relay.relay")
 
 MIN_BUCKET_LIMIT = 8
+CYCLE_BACKOFF = Backoff(0.5, 30.0)  # between failed cycles of one runner
 PARKED_KEYS_PER_PASS = 256
 PARKED_PER_KEY = 100
 # Steps of one probe that deliver nothing (queueing behind a parked key, dead-lettering an
@@ -42,6 +49,27 @@ PARKED_PER_KEY = 100
 PROBE_QUIET_STEPS = 100
 CRASH_ERROR = ("the relay stopped while delivering this event alone (process crash, kill, or stall past the "
                "lease); counted as a failed attempt")
+# A timeout that cut a batch short can be an event's doing (a handler slower than the lease).
+_EVENT_TIMEOUTS = {"57014", "25P03", "25P04"}  # query_canceled, idle_in_transaction / transaction timeout
+# Classes of server errors that say nothing about the events: connection, resources, operator
+# intervention (shutdown, terminated backend), system errors.
+_INFRASTRUCTURE_CLASSES = {"08", "53", "57", "58"}
+
+
+def points_at_events(exc: BaseException) -> bool:
+    """Whether a batch that raised ``exc`` may have failed because of one of its events (so that
+    retrying its events one at a time can find the culprit), rather than because the database or the
+    relay's own bookkeeping failed."""
+    if isinstance(exc, CheckpointFailed | PoolTimeout | LeaseLost | SinkDropped):
+        return False
+    if isinstance(exc, psycopg.Error):
+        if exc.sqlstate in _EVENT_TIMEOUTS:
+            return True
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            return False
+        if exc.sqlstate and exc.sqlstate[:2] in _INFRASTRUCTURE_CLASSES:
+            return False
+    return True
 
 
 class Leases:
@@ -166,6 +194,7 @@ class SinkRunner:
         self.desired: set[int] | None = None  # None until the first ring is known
         self.draining = threading.Event()  # stop claiming, finish the batch, release, exit
         self.abort = threading.Event()  # hard stop: drop the batch in flight
+        self.fatal: SinkDropped | None = None  # why the runner stopped by itself (the worker stops too)
         # Runner thread only:
         self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
         self._saturated: set[int] = set()
@@ -176,23 +205,38 @@ class SinkRunner:
 
     def run(self) -> None:
         failures = 0
-        while not (self.draining.is_set() or self.abort.is_set()):
+        while not self._stopping():
+            # Cleared before reading, so that a notification arriving during the cycle is not lost.
+            self.wake.clear()
             try:
                 n = self.run_once()
                 failures = 0
             except Aborted:
                 break
+            except SinkDropped as exc:
+                self.fatal = exc
+                log.error("sink %s: %s; this relay stops", self.sink.name, exc)
+                break
             except Exception as exc:  # one failure never kills the worker
                 failures += 1
-                delay = min(30.0, 0.5 * 2 ** min(failures, 6))
-                log.warning("sink %s: cycle failed (%s: %s); retrying in %.1fs", self.sink.name,
-                            type(exc).__name__, exc, delay)
-                self.wake.wait(delay)
+                delay = CYCLE_BACKOFF.delay(failures)
+                log.warning("sink %s: cycle failed (%s); retrying in %.1fs", self.sink.name, describe_error(exc),
+                            delay)
+                self._pause(delay)
                 continue
             if n == 0:
                 self.wake.wait(self.settings.poll_seconds * (0.8 + 0.4 * (time.monotonic() % 1)))
-                self.wake.clear()
         self._release_all()
+
+    def _stopping(self) -> bool:
+        return self.draining.is_set() or self.abort.is_set()
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep after a failed cycle. Unlike the idle wait, wake-ups do not end it (a stream of
+        notifications would turn a failing cycle into a hot loop); draining or a hard stop do."""
+        deadline = time.monotonic() + seconds
+        while not self._stopping() and (left := deadline - time.monotonic()) > 0:
+            self.abort.wait(min(left, 0.1))
 
     def run_once(self) -> int:
         """One cycle: rebalance leases, probe suspects, retry due parked keys, deliver new events.
@@ -326,6 +370,14 @@ class SinkRunner:
                 ok = self.sink.deliver(to_send, fences, commit, self.abort)
         except LeaseLost:
             return set()  # the sink's transaction rolled back: nothing of this batch landed
+        except Exception as exc:
+            if not alone and points_at_events(exc):
+                # Nothing says which event it was: deliver these buckets one event at a time, each
+                # attempt counted first, so that the next failure is charged to its event.
+                self._ramp.update({b: 1 for b in fences})
+                log.warning("sink %s: a batch failed as a whole (%s); delivering buckets %s one event at a time "
+                            "to find the event that causes it", self.sink.name, describe_error(exc), sorted(fences))
+            raise
         if commit.checkpoint is not None:
             self._landed(commit.checkpoint)
         return ok
@@ -382,7 +434,18 @@ class SinkRunner:
             if not self._write(cp):
                 return 0
             e.parked = True  # it is now; ``attempts`` stays the count before this attempt
-            if bucket in self._run_batch([e], fences, {}, resets=set(), alone=True):
+            try:
+                landed = self._run_batch([e], fences, {}, resets=set(), alone=True)
+            except Exception as exc:
+                if not points_at_events(exc):
+                    raise
+                # The attempt was counted before it was made; record why it failed.
+                error = describe_error(exc)
+                log.warning("sink %s: event %s (key %r) failed alone, attempt %d: %s", self.sink.name, e.id, e.key,
+                            attempts, error)
+                self._write(Checkpoint(fences=fences, park=[(e, attempts, self.backoff.delay(attempts), error)]))
+                return 1
+            if bucket in landed:
                 self._ramp[bucket] = 2
             return 1
         return 0
@@ -409,10 +472,15 @@ class SinkRunner:
 
     def _checkpoint(self, cp: Checkpoint, tx: Conn | None) -> set[int]:
         """Write ``cp`` in the sink's transaction ``tx``, or on its own; returns the buckets whose fence held."""
-        if tx is not None:
-            return self._fenced(cp, store.checkpoint(tx, self.sink.name, self.worker, cp), in_tx=True)
-        with self.pool.connection() as conn:
-            return self._fenced(cp, store.checkpoint(conn, self.sink.name, self.worker, cp), in_tx=False)
+        try:
+            if tx is not None:
+                ok = store.checkpoint(tx, self.sink.name, self.worker, cp)
+            else:
+                with self.pool.connection() as conn:
+                    ok = store.checkpoint(conn, self.sink.name, self.worker, cp)
+        except psycopg.Error as exc:
+            raise CheckpointFailed(f"sink {self.sink.name}: checkpoint failed: {describe_error(exc)}") from exc
+        return self._fenced(cp, ok, in_tx=tx is not None)
 
     def _fenced(self, cp: Checkpoint, ok: set[int], in_tx: bool) -> set[int]:
         lost = set(cp.fences) - ok
@@ -460,7 +528,11 @@ class _BatchCommit:
     async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]:
         r = self.runner
         cp = self._plan(outcomes)
-        ok = r._fenced(cp, await store.acheckpoint(tx, r.sink.name, r.worker, cp), in_tx=True)
+        try:
+            written = await store.acheckpoint(tx, r.sink.name, r.worker, cp)
+        except psycopg.Error as exc:
+            raise CheckpointFailed(f"sink {r.sink.name}: checkpoint failed: {describe_error(exc)}") from exc
+        ok = r._fenced(cp, written, in_tx=True)
         self.checkpoint = cp
         return ok
 

@@ -417,8 +417,9 @@ def test_a_probe_waits_until_no_other_batch_of_the_process_is_in_flight(
     assert len(busy_sink.delivered()) == 2
 
 
-class Crash(Exception):
-    """Stands for the process dying mid-delivery: nothing after it runs."""
+class Crash(BaseException):
+    """Stands for the process dying mid-delivery: nothing after it runs (a BaseException, so that no
+    ``except Exception`` of the relay sees it: an ordinary exception is charged to its event)."""
 
 
 def _crash_on(event_id: Any) -> Any:

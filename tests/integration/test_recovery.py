@@ -387,8 +387,9 @@ def test_retention_deletes_in_slices_each_its_own_transaction(dsn: str, pool: Co
 # -- crash-loop isolation under real crashes ---------------------------------------------------
 
 
-class Crash(Exception):
-    """Stands for the relay process dying while a batch is in flight (nothing checkpointed)."""
+class Crash(BaseException):
+    """Stands for the relay process dying while a batch is in flight (nothing checkpointed; a
+    BaseException, so that no ``except Exception`` of the relay sees it)."""
 
 
 def crash_cycles(dsn: str, pool: ConnectionPool[Any], buckets: set[int], crashes_on: Callable[[uuid.UUID], bool],
