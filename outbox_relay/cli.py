@@ -351,7 +351,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             setup_logging(args.log_level, args.log_json, settings.worker_id)
             from .worker import Worker
 
-            Worker(settings).run()
+            worker = Worker(settings)
+            worker.run()
+            if worker.fatal is not None:
+                print(f"outbox-relay: error: {redact(str(worker.fatal))}", file=sys.stderr)
+                return 4
             return 0
         setup_logging(args.log_level, args.log_json, "-")
         if args.command == "migrate":

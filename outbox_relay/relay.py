@@ -276,6 +276,10 @@ class SinkRunner:
             if wanted and not self.draining.is_set():
                 acquired = store.acquire_leases(conn, self.sink.name, self.worker, wanted,
                                                 self.settings.lease_seconds)
+                if not acquired and not held:
+                    # Nothing to hold and nothing to take: normal while buckets change hands, but also what
+                    # a dropped sink looks like (its cursors are gone). Never idle silently on one.
+                    store.check_sink(self.sink.name, store.sink_state(conn, self.sink.name))
                 if acquired:
                     self.leases.add({b: fence for b, (fence, _) in acquired.items()})
                     suspects = sorted(b for b, (_, lapses) in acquired.items()

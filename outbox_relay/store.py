@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 
+from .errors import ConfigurationError, SinkDropped
 from .sqlfiles import query
 
 Conn = psycopg.Connection[Any]
@@ -92,13 +93,31 @@ class Checkpoint:
 
 
 def register_sink(conn: Conn, sink: str, kind: str) -> None:
+    """Create the sink and its cursors if new; refuse a name used for another kind, or dropped."""
     with conn.transaction():
         conn.execute(query("relay", "register_sink"), {"sink": sink, "kind": kind})
         row = conn.execute(query("relay", "sink_kind"), {"sink": sink}).fetchone()
     if row and row[0] != kind:
-        from .errors import ConfigurationError
-
         raise ConfigurationError(f"sink {sink!r} is registered as {row[0]!r}, not {kind!r}: pick another name")
+    check_sink(sink, row)
+
+
+def sink_state(conn: Conn, sink: str) -> tuple[str, datetime | None] | None:
+    """(kind, dropped_at) of a sink, None if there is no such sink."""
+    row = conn.execute(query("relay", "sink_kind"), {"sink": sink}).fetchone()
+    return (row[0], row[1]) if row else None
+
+
+def check_sink(sink: str, state: Sequence[Any] | None) -> None:
+    """Raise SinkDropped unless ``state`` (a sink_kind row) is a live sink."""
+    if state is None:
+        raise SinkDropped(f"sink {sink!r} no longer exists (dropped, or a rebuild's sink that was cancelled or "
+                          "switched over)")
+    if state[1] is not None:
+        raise SinkDropped(
+            f"sink {sink!r} was dropped at {state[1]:%Y-%m-%d %H:%M:%S %Z} (outbox-relay sinks drop); a relay does "
+            "not register it again by itself, because it would start over from the oldest retained event and "
+            f"apply that history a second time. To run it again on purpose: outbox-relay sinks recreate {sink}")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
 from .dsn import redact
+from .errors import ConfigurationError, OutboxError
 from .housekeeping import Housekeeping
 from .kafka_sink import KafkaSink
 from .migrate import check_schema
@@ -57,6 +58,7 @@ class Worker:
         self.runners: list[SinkRunner] = []
         self.pool: ConnectionPool[Conn] | None = None
         self._threads: list[threading.Thread] = []
+        self.fatal: OutboxError | None = None  # why the worker stopped by itself (a sink was dropped)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -66,8 +68,6 @@ class Worker:
         dsn = s.dsn.get_secret_value()
         sinks = self._sinks if self._sinks is not None else self._default_sinks()
         if not sinks:
-            from .errors import ConfigurationError
-
             raise ConfigurationError("no sink to run: enable --kafka or name a --projection")
         self.pool = self._open_pool(dsn, max_size=len(sinks) + 4)
         if self.pool is None:
@@ -131,7 +131,8 @@ class Worker:
         return None
 
     def run(self, install_signals: bool = True) -> None:
-        """Start, then block until drained or stopped."""
+        """Start, then block until drained or stopped. Check ``fatal`` afterwards: set if the worker
+        stopped by itself."""
         if install_signals:
             self.install_signal_handlers()
         if self.start():
@@ -169,6 +170,14 @@ class Worker:
             r.draining.set()
         self._wake_all()
 
+    def _check_fatal(self) -> None:
+        fatal = next((r.fatal for r in self.runners if r.fatal is not None), None)
+        if fatal is not None and self.fatal is None:
+            # One sink can not go on: stop the whole process (loudly, non-zero exit) rather than run
+            # the others with a gap an operator would not notice.
+            self.fatal = fatal
+            self.drain()
+
     def _sinks_done(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         for t in self._threads:
@@ -180,7 +189,8 @@ class Worker:
 
     def wait(self) -> None:
         while not self._sinks_done(0.5):
-            pass
+            self._check_fatal()
+        self._check_fatal()
         self.stopped.set()
         self._wake_all()
         try:

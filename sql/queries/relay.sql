@@ -1,16 +1,20 @@
 -- name: register_sink
 -- Create a sink and its cursor rows (position zero: a new sink starts from the oldest retained event).
+-- A dropped sink (tombstone) gets no cursors back: the caller refuses it.
 WITH sink AS (
     INSERT INTO outbox.sinks (name, kind) VALUES (%(sink)s, %(kind)s)
     ON CONFLICT (name) DO NOTHING
+    RETURNING name
 )
 INSERT INTO outbox.cursors (sink, bucket)
 SELECT %(sink)s, b FROM generate_series(0, 255) AS b
+WHERE EXISTS (SELECT 1 FROM sink)
+   OR EXISTS (SELECT 1 FROM outbox.sinks s WHERE s.name = %(sink)s AND s.kind = %(kind)s AND s.dropped_at IS NULL)
 ON CONFLICT (sink, bucket) DO NOTHING;
 
 -- name: sink_kind
--- The kind a sink was registered with, so that one name is never used for two kinds.
-SELECT kind FROM outbox.sinks WHERE name = %(sink)s;
+-- The kind a sink was registered with (one name is never used for two kinds), and when it was dropped.
+SELECT kind, dropped_at FROM outbox.sinks WHERE name = %(sink)s;
 
 -- name: fetch_events
 -- Read past the cursor of each leased bucket, in position order, up to a per-bucket limit.
