@@ -27,7 +27,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import store
 from .dsn import redact
 from .errors import ConfigurationError, OutboxError
-from .housekeeping import Housekeeping
+from .housekeeping import Housekeeping, application_name
 from .kafka_sink import KafkaSink
 from .migrate import check_schema
 from .relay import DeliveryGate, SinkRunner
@@ -117,7 +117,7 @@ class Worker:
         while not self.stopping.is_set():
             pool: ConnectionPool[Conn] = ConnectionPool(
                 dsn, min_size=2, max_size=max_size, open=False, configure=_configure,
-                kwargs={"autocommit": True, "application_name": f"outbox-relay {self.id}"[:63]},
+                kwargs={"autocommit": True, "application_name": application_name(self.id)},
                 check=ConnectionPool.check_connection, name="outbox-relay",
             )
             try:
@@ -272,7 +272,7 @@ class Worker:
         interval = self.settings.housekeeping_seconds
         while not self.stopping.wait(interval * (0.75 + 0.5 * (time.monotonic() % 1))):
             try:
-                result = hk.run_once()
+                result = hk.run_once(min_gap_seconds=interval)
                 if result.expired_leases or result.dead_workers:
                     self._wake_all()
             except Exception as exc:
@@ -282,7 +282,7 @@ class Worker:
         dsn = self.settings.dsn.get_secret_value()
         while not self.stopped.is_set():
             try:
-                with psycopg.connect(dsn, autocommit=True) as conn:
+                with psycopg.connect(dsn, autocommit=True, application_name=application_name(self.id)) as conn:
                     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     self._wake_all()  # we may have missed notifications while disconnected
                     while not self.stopped.is_set():

@@ -1,6 +1,29 @@
--- name: try_lock
--- One housekeeper at a time across all relays: a transaction-scoped advisory lock.
-SELECT pg_try_advisory_xact_lock(%(lock_key)s::bigint) AS acquired;
+-- name: claim
+-- Take this interval's housekeeping pass, cluster-wide: only if the last pass finished an interval ago,
+-- or the pass in progress went stale or belongs to a worker that stopped heartbeating. Only roles that
+-- may UPDATE outbox.housekeeping can (unlike an advisory lock, which any role can hold).
+UPDATE outbox.housekeeping h
+SET run_by = %(worker)s, started_at = clock_timestamp()
+WHERE (h.finished_at >= h.started_at
+       AND h.finished_at < clock_timestamp() - make_interval(secs => %(interval)s))
+   OR (h.finished_at < h.started_at
+       AND (h.started_at < clock_timestamp() - make_interval(secs => %(stale)s)
+            OR NOT EXISTS (SELECT 1 FROM outbox.workers w
+                           WHERE w.id = h.run_by AND w.status <> 'dead'
+                             AND w.last_seen_at > clock_timestamp() - make_interval(secs => %(ttl)s))))
+RETURNING h.run_by;
+
+-- name: finish
+-- The pass is over (the next one is due an interval from now).
+UPDATE outbox.housekeeping SET finished_at = clock_timestamp() WHERE run_by = %(worker)s;
+
+-- name: last_run
+-- When housekeeping last finished, and who has it now: seconds since it finished, run_by, whether a
+-- pass is in progress.
+SELECT CASE WHEN finished_at = '-infinity' THEN 'Infinity'::float8
+            ELSE extract(epoch FROM clock_timestamp() - finished_at)::float8 END,
+       run_by, finished_at < started_at
+FROM outbox.housekeeping;
 
 -- name: mark_dead_workers
 -- Workers not heard from within the TTL leave the ring.
@@ -29,6 +52,17 @@ SET owner = NULL, lease_expires_at = NULL,
 FROM expired x
 WHERE c.sink = x.sink AND c.bucket = x.bucket
 RETURNING c.sink, c.bucket, x.owner;
+
+-- name: terminate_stalled
+-- Connections of relays whose leases were just taken back, still inside a transaction older than the
+-- lease: a stalled relay (stopped, partitioned) whose row locks would otherwise outlive its lease and
+-- block the bucket's next owner. Relays name their connections 'outbox-relay <worker id>'.
+SELECT a.pid, a.application_name, pg_terminate_backend(a.pid)
+FROM pg_stat_activity a
+WHERE a.datname = current_database()
+  AND a.application_name = ANY(%(application_names)s::text[])
+  AND a.xact_start < clock_timestamp() - make_interval(secs => %(lease_seconds)s)
+  AND a.pid <> pg_backend_pid();
 
 -- name: forget_dead_workers
 -- Drop registry rows of workers dead for longer than the grace period.

@@ -1,15 +1,15 @@
 -- name: register_sink
--- Create a sink and its cursor rows (position zero: a new sink starts from the oldest retained event).
--- A dropped sink (tombstone) gets no cursors back: the caller refuses it.
-WITH sink AS (
-    INSERT INTO outbox.sinks (name, kind) VALUES (%(sink)s, %(kind)s)
-    ON CONFLICT (name) DO NOTHING
-    RETURNING name
-)
+-- Create a sink (its cursors follow in a statement of their own, so that row security policies that
+-- look the sink up see it).
+INSERT INTO outbox.sinks (name, kind) VALUES (%(sink)s, %(kind)s)
+ON CONFLICT (name) DO NOTHING;
+
+-- name: register_cursors
+-- A sink's cursor rows (position zero: a new sink starts from the oldest retained event). A dropped
+-- sink (tombstone) gets none back: the caller refuses it.
 INSERT INTO outbox.cursors (sink, bucket)
 SELECT %(sink)s, b FROM generate_series(0, 255) AS b
-WHERE EXISTS (SELECT 1 FROM sink)
-   OR EXISTS (SELECT 1 FROM outbox.sinks s WHERE s.name = %(sink)s AND s.kind = %(kind)s AND s.dropped_at IS NULL)
+WHERE EXISTS (SELECT 1 FROM outbox.sinks s WHERE s.name = %(sink)s AND s.kind = %(kind)s AND s.dropped_at IS NULL)
 ON CONFLICT (sink, bucket) DO NOTHING;
 
 -- name: sink_kind

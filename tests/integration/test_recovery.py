@@ -20,7 +20,7 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from outbox_relay import store
-from outbox_relay.housekeeping import Housekeeping
+from outbox_relay.housekeeping import Housekeeping, application_name
 from outbox_relay.publish import Outbox
 from outbox_relay.ring import Ring
 from outbox_relay.sink import Failure
@@ -291,27 +291,87 @@ def test_only_one_housekeeper_runs_at_a_time(dsn: str, pool: ConnectionPool[Any]
     settings = make_settings(dsn, "hk", worker_ttl_seconds=2.0)
     with psycopg.connect(dsn, autocommit=True) as conn:
         _ghost(conn, "ghost", "30 seconds")
+        store.heartbeat(conn, "hk", "alive", [SINK], {})  # the first housekeeper is a live worker
     results: dict[str, Any] = {}
     with psycopg.connect(dsn) as blocker:
-        # Hold the ghost's registry row: the first housekeeper blocks inside its run, holding the lock.
+        # Hold the ghost's registry row: the first housekeeper blocks inside its pass.
         blocker.execute("SELECT 1 FROM outbox.workers WHERE id = 'ghost' FOR UPDATE")
         first = threading.Thread(target=lambda: results.__setitem__("first", Housekeeping(pool, settings).run_once()))
         first.start()
-
-        def lock_held() -> bool:
-            return fetch_all(dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                                  "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-                             )[0][0] == 1
-
-        wait_until(lock_held, 5, message="the first housekeeper to take the advisory lock")
-        second = Housekeeping(pool, settings).run_once()  # concurrently, from this thread
+        wait_until(lambda: fetch_all(dsn, "SELECT run_by FROM outbox.housekeeping WHERE finished_at < started_at")
+                   == [("hk",)], 5, message="the first housekeeper to claim the pass")
+        other = make_settings(dsn, "hk2", worker_ttl_seconds=2.0)
+        second = Housekeeping(pool, other).run_once()  # concurrently, from this thread
         assert second.ran is False and second.dead_workers == 0
         blocker.rollback()
     first.join(10)
     assert results["first"].ran is True and results["first"].dead_workers == 1
-    assert fetch_all(dsn, "SELECT status FROM outbox.workers") == [("dead",)]
-    # The lock is transaction-scoped: the next run gets it again.
-    assert Housekeeping(pool, settings).run_once().ran is True
+    assert fetch_all(dsn, "SELECT status FROM outbox.workers WHERE id = 'ghost'") == [("dead",)]
+    # The pass is over: the next one may run at once (tests), or an interval later (the relays' schedule).
+    assert Housekeeping(pool, other).run_once().ran is True
+    assert Housekeeping(pool, settings).run_once(min_gap_seconds=60).ran is False
+
+
+def test_one_pass_per_interval_however_many_relays_try(dsn: str, pool: ConnectionPool[Any]) -> None:
+    """32 relays that all come round in the same interval: one of them does the pass."""
+    passes = [Housekeeping(pool, make_settings(dsn, f"r{i}")).run_once(min_gap_seconds=60) for i in range(32)]
+    assert sum(p.ran for p in passes) == 1
+
+
+def test_a_role_holding_the_old_advisory_lock_does_not_stop_housekeeping(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """Any role can take any advisory lock; the claim row can only be updated by roles granted it."""
+    with psycopg.connect(dsn) as squatter:
+        squatter.execute("SELECT pg_advisory_lock(%s)", (0x6F7574626F7801,))  # the key 0.1 used
+        squatter.execute("SELECT pg_advisory_lock(0)")
+        assert Housekeeping(pool, make_settings(dsn, "hk")).run_once().ran is True
+
+
+def test_a_pass_left_by_a_dead_relay_is_taken_over_without_waiting(dsn: str, pool: ConnectionPool[Any]) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _ghost(conn, "ghost", "30 seconds")  # claimed a pass, then was SIGKILLed mid-pass
+        conn.execute("UPDATE outbox.housekeeping SET run_by = 'ghost', started_at = clock_timestamp()")
+    assert Housekeeping(pool, make_settings(dsn, "hk", worker_ttl_seconds=2.0)).run_once().ran is True
+
+
+def test_a_stalled_owners_open_transaction_is_terminated_with_its_lease(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """A relay stopped inside a projection transaction keeps its row locks until its transaction ends;
+    the housekeeper that takes its expired lease back ends that transaction too."""
+    register(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        store.heartbeat(conn, "stalled", "alive", [SINK], {})
+        store.acquire_leases(conn, SINK, "stalled", [4], 1.0)
+    stalled = psycopg.connect(dsn, application_name=application_name("stalled"))
+    bystander = psycopg.connect(dsn, application_name="someone else")
+    try:
+        for conn in (stalled, bystander):  # both inside a transaction, holding a row lock
+            conn.execute("SELECT 1 FROM outbox.sinks WHERE name = %s FOR SHARE", (SINK,))
+        time.sleep(1.2)  # the lease (1 s) runs out; the transactions are now older than it
+        settings = make_settings(dsn, "hk", lease_seconds=1.0, worker_ttl_seconds=60.0)
+        result = Housekeeping(pool, settings).run_once()
+        assert result.expired_leases == 1 and result.terminated_connections == 1
+        with pytest.raises(psycopg.OperationalError):
+            stalled.execute("SELECT 1")
+        assert bystander.execute("SELECT 1").fetchone() == (1,), "only the stalled relay's connections"
+    finally:
+        stalled.close()
+        bystander.close()
+
+
+def test_housekeeping_that_has_not_run_for_long_is_reported(
+        dsn: str, pool: ConnectionPool[Any], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("outbox_relay.housekeeping.OVERDUE_CHECK_SECONDS", 0.0)
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a pass in progress for ten minutes
+        store.heartbeat(conn, "busy", "alive", [SINK], {})
+        conn.execute("UPDATE outbox.housekeeping SET run_by = 'busy', started_at = clock_timestamp(), "
+                     "finished_at = clock_timestamp() - interval '10 minutes'")
+    hk = Housekeeping(pool, make_settings(dsn, "hk", housekeeping_seconds=1.0))
+    with caplog.at_level("WARNING", logger="outbox_relay.housekeeping"):
+        assert hk.run_once(min_gap_seconds=1.0).ran is False
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "housekeeping last finished 600s ago (in progress on busy)" in message
 
 
 def test_housekeeping_log_names_the_owners_of_expired_leases(

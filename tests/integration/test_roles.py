@@ -29,7 +29,7 @@ from tests.integration.relay_helpers import ALL_BUCKETS, RecordingSink, make_set
 from tests.servers import PgServer, dbname_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
-ROLES = ("outbox_migrator", "outbox_relay", "outbox_producer", "orders_read_models")
+ROLES = ("outbox_migrator", "outbox_relay", "outbox_producer", "outbox_projector", "orders_read_models")
 
 
 def doc_blocks() -> list[str]:
@@ -94,6 +94,8 @@ def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]
     assert first.created and not again.created and again.id == first.id
     # ... and is refused what a producer must not do.
     for forbidden in ("INSERT INTO outbox.events (partition_key, type, payload, xid) VALUES ('k', 't', '{}', '1')",
+                      "INSERT INTO outbox.events (partition_key, type, payload, created_at) "
+                      "VALUES ('k', 't', '{}', '1970-01-01')",
                       "SELECT payload FROM outbox.events",
                       "UPDATE outbox.cursors SET owner = 'me'"):
         with psycopg.connect(as_role("orders_service"), autocommit=True) as svc, \
@@ -124,10 +126,11 @@ def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]
 
     # A service's read-model role keeps its projection and rebuilds it; readers keep their grants.
     with psycopg.connect(dsn, autocommit=True) as su:
-        su.execute("CREATE TABLE order_totals (customer text PRIMARY KEY, paid int NOT NULL)")
-        su.execute("CREATE TABLE order_customers (order_id int PRIMARY KEY, customer text NOT NULL)")
         su.execute(rename(read_models))
-    with psycopg.connect(as_role("orders_read_models"), autocommit=True) as owner:
+    with psycopg.connect(as_role("orders_read_models"), autocommit=True) as owner:  # in its own schema
+        owner.execute("CREATE TABLE order_totals (customer text PRIMARY KEY, paid int NOT NULL)")
+        owner.execute("CREATE TABLE order_customers (order_id int PRIMARY KEY, customer text NOT NULL)")
+        owner.execute(rename("GRANT USAGE ON SCHEMA orders_read TO reader"))
         owner.execute(rename("GRANT SELECT ON order_totals TO reader"))
 
     @projection("order_totals", events=["OrderPaid"], tables=["order_totals", "order_customers"])
@@ -154,9 +157,29 @@ def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]
     assert _rows(rm_dsn, "SELECT paid FROM order_totals") == [(1,)]
     result = Rebuild(totals, make_settings(rm_dsn, "p-rebuild"), progress=None).run()
     assert result is not None
-    assert _rows(as_role("reader"), "SELECT paid FROM order_totals") == [(1,)], "the reader kept its grant"
-    owners = _rows(dsn, "SELECT tableowner FROM pg_tables WHERE tablename IN ('order_totals', 'order_customers')")
-    assert {o for (o,) in owners} == {roles["names"]["orders_read_models"]}
+    assert _rows(as_role("reader"), "SELECT paid FROM orders_read.order_totals") == [(1,)], \
+        "the reader kept its grant"
+
+    # ... and, whatever a handler runs in its transaction, the read-model role can not delete events,
+    # move the Kafka sink's progress, stop or take over housekeeping, or plant objects in public.
+    kafka_cursors = _rows(dsn, "SELECT bucket, position_xid::text, position_seq FROM outbox.cursors "
+                               "WHERE sink = 'kafka' ORDER BY bucket")
+    with psycopg.connect(rm_dsn, autocommit=True) as rm:
+        for forbidden in ("DELETE FROM outbox.events",
+                          "UPDATE outbox.housekeeping SET run_by = 'me'",
+                          "CREATE FUNCTION public.lower(text) RETURNS text LANGUAGE sql RETURN $1"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                rm.execute(forbidden)
+        assert rm.execute("UPDATE outbox.cursors SET position_seq = 0, owner = 'me' WHERE sink = 'kafka'").rowcount == 0
+        assert rm.execute("DELETE FROM outbox.sinks WHERE name = 'kafka'").rowcount == 0
+        assert rm.execute("SELECT count(*) FROM outbox.parked WHERE sink = 'kafka'").fetchone() == (0,)
+    assert _rows(dsn, "SELECT bucket, position_xid::text, position_seq FROM outbox.cursors "
+                      "WHERE sink = 'kafka' ORDER BY bucket") == kafka_cursors
+    with ConnectionPool(rm_dsn, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
+        assert Housekeeping(pool, make_settings(rm_dsn, "p")).run_once().ran is False
+    owners = _rows(dsn, "SELECT schemaname, tableowner FROM pg_tables "
+                        "WHERE tablename IN ('order_totals', 'order_customers')")
+    assert set(owners) == {("orders_read", roles["names"]["orders_read_models"])}
 
 
 def _rows(dsn: str, sql: str) -> list[tuple[Any, ...]]:
