@@ -183,8 +183,9 @@ async def acheckpoint(conn: psycopg.AsyncConnection[Any], sink: str, worker: str
 
 
 def heartbeat(conn: Conn, worker: str, status: str, sinks: Sequence[str], metadata: dict[str, Any]) -> None:
+    """Register or refresh the worker; a draining one is only refreshed (never registered again)."""
     conn.execute(
-        query("membership", "heartbeat"),
+        query("membership", "heartbeat" if status == "alive" else "heartbeat_existing"),
         {"worker": worker, "status": status, "sinks": list(sinks), "metadata": json.dumps(metadata)},
     )
 

@@ -194,10 +194,11 @@ class Worker:
         self.stopped.set()
         self._wake_all()
         try:
-            self._leave()
-        finally:
+            # The membership thread first: a heartbeat of it still in flight would register us again.
             for t in self._threads:
                 t.join(5.0)
+            self._leave()
+        finally:
             for r in self.runners:
                 r.sink.close()
             if self.pool is not None:

@@ -1,10 +1,17 @@
 -- name: heartbeat
--- Register this worker or refresh it; also the way it announces draining.
+-- Register this worker or refresh it.
 INSERT INTO outbox.workers (id, status, sinks, metadata)
 VALUES (%(worker)s, %(status)s, %(sinks)s::text[], %(metadata)s::jsonb)
 ON CONFLICT (id) DO UPDATE
     SET status = EXCLUDED.status, sinks = EXCLUDED.sinks, metadata = EXCLUDED.metadata,
         last_seen_at = clock_timestamp();
+
+-- name: heartbeat_existing
+-- Refresh a registered worker only (draining): a heartbeat that arrives after the worker left must not
+-- bring its row back.
+UPDATE outbox.workers
+SET status = %(status)s, sinks = %(sinks)s::text[], metadata = %(metadata)s::jsonb, last_seen_at = clock_timestamp()
+WHERE id = %(worker)s;
 
 -- name: live_workers
 -- Workers that count for ring ownership: alive (not draining) and heard from within the TTL.

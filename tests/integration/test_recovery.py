@@ -231,6 +231,28 @@ def test_drain_finishes_the_batch_in_flight_then_releases_every_lease(dsn: str) 
     assert pending == [(0,)], "the cursors must have advanced past the finished batch"
 
 
+def test_a_heartbeat_in_flight_at_exit_does_not_bring_the_registry_row_back(
+        dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The membership thread's last heartbeat raced the exit's DELETE and left a 'draining' row behind."""
+    real = store.heartbeat
+    slow = threading.Event()
+
+    def late_heartbeat(conn: psycopg.Connection[Any], worker: str, status: str, *args: Any) -> None:
+        if status == "draining":
+            slow.set()
+            time.sleep(0.6)  # still in flight when the worker leaves the registry
+        real(conn, worker, status, *args)
+
+    monkeypatch.setattr(store, "heartbeat", late_heartbeat)
+    worker = Worker(make_settings(dsn, "relay-x", heartbeat_seconds=0.1), sinks=[RecordingSink("relay-x")])
+    assert worker.start()
+    worker.drain()
+    assert slow.wait(5), "the membership thread never sent a draining heartbeat"
+    worker.wait()
+    time.sleep(0.8)
+    assert fetch_all(dsn, "SELECT id, status FROM outbox.workers") == [], "a stopped worker left its row behind"
+
+
 def test_rolling_deploy_hands_every_bucket_over_without_expired_leases(dsn: str, workers: Workers) -> None:
     old_a, old_b, new_a, new_b = "relay-1", "relay-2", "relay-1b", "relay-2b"
     with Producer(dsn, pause=0.02) as producer:
