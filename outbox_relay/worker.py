@@ -59,6 +59,8 @@ class Worker:
         self.pool: ConnectionPool[Conn] | None = None
         self._threads: list[threading.Thread] = []
         self.fatal: OutboxError | None = None  # why the worker stopped by itself (a sink was dropped)
+        # Written by the listener thread, read by heartbeats: `status` shows relays that only poll.
+        self.listening = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -240,7 +242,8 @@ class Worker:
 
     def _heartbeat(self, status: str) -> None:
         assert self.pool is not None
-        meta = {"version": VERSION, "host": socket.gethostname(), "pid": os.getpid()}
+        meta = {"version": VERSION, "host": socket.gethostname(), "pid": os.getpid(),
+                "listening": self.listening if self.settings.listen else None}
         with self.pool.connection() as conn:
             store.heartbeat(conn, self.id, status, [r.sink.name for r in self.runners], meta)
 
@@ -285,11 +288,13 @@ class Worker:
             try:
                 with psycopg.connect(dsn, autocommit=True, application_name=application_name(self.id)) as conn:
                     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    self.listening = True
                     self._wake_all()  # we may have missed notifications while disconnected
                     while not self.stopped.is_set():
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
                             self._wake_all()
             except Exception as exc:
+                self.listening = False
                 if self.stopped.is_set():
                     return
                 log.warning("listener: %s: %s; polling until it reconnects", type(exc).__name__, redact(str(exc)))
