@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from . import store
 from .errors import describe_error
 from .settings import RelaySettings
 from .sqlfiles import query
@@ -82,6 +83,8 @@ class Housekeeping:
                     conn.execute(query("housekeeping", "forget_dead_workers"),
                                  {"forget_after": FORGET_DEAD_AFTER_SECONDS})
                 owners = sorted({r[2] for r in expired})
+                if expired:
+                    store.announce_buckets(conn, {r[1] for r in expired})
                 terminated = self._terminate_stalled(conn, owners) if owners else 0
                 deleted = self._apply_retention(conn)
             finally:

@@ -7,11 +7,9 @@ that probes primary keys only, so polling is cheap however long the log is.
 
 Every poll runs in its own short transaction, never one transaction across the wait:
 
-- if the caller's transaction wrote anything (the events themselves, typically), it has a
-  transaction id, and the relays read nothing at or after the oldest open transaction id (their
-  read horizon): the wait could only end in a timeout, and it would hold every other event back too.
-  That is why a connection inside a transaction is refused. (A read-only transaction has no id and
-  does not hold the horizon back; the next two reasons still apply to it.)
+- the events of the caller's own open transaction are invisible to the relays until it commits:
+  the wait could only end in a timeout. That is why a connection inside a transaction is refused
+  (a read-only one too, for the next two reasons).
 - a snapshot kept across polls (REPEATABLE READ) would never see the cursors move;
 - an open snapshot, even read-only, keeps vacuum from pruning the cursor rows the relays update
   once per batch, so they bloat for as long as the wait lasts.
@@ -202,7 +200,6 @@ class _Row:
     attempts: int | None
     last_error: str | None
     leased: bool | None  # a live relay holds the event's bucket
-    behind_horizon: bool | None  # an older transaction is still open
 
 
 def _timeout(sink: str, timeout: float, outstanding: Sequence[_Row]) -> WaitTimeout:
@@ -210,8 +207,6 @@ def _timeout(sink: str, timeout: float, outstanding: Sequence[_Row]) -> WaitTime
     retrying = [e for e in outstanding if e.state == "parked"]
     last_error = next((e.last_error for e in retrying if e.last_error), None)
     hints = []
-    if any(e.behind_horizon for e in pending):
-        hints.append("an older transaction is still open and holds delivery back (outbox-relay status names it)")
     if any(not e.leased for e in outstanding):
         hints.append(f"no live relay holds the bucket of some of them (is a relay running sink {sink!r}?)")
     return WaitTimeout(sink, timeout, tuple(e.id for e in pending), tuple(e.id for e in retrying), last_error,

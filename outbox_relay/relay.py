@@ -25,7 +25,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 
 import psycopg
@@ -34,6 +33,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import store
 from .backoff import Backoff
 from .errors import CheckpointFailed, LeaseLost, SinkDropped, describe_error
+from .positions import Cursor
 from .settings import RelaySettings
 from .sink import Aborted, AsyncConn, Outcomes, Sink
 from .store import Checkpoint, Conn, StoredEvent
@@ -41,6 +41,7 @@ from .store import Checkpoint, Conn, StoredEvent
 log = logging.getLogger("outbox_relay.relay")
 
 MIN_BUCKET_LIMIT = 8
+AHEAD_FLUSH_SECONDS = 2.0
 CYCLE_BACKOFF = Backoff(0.5, 30.0)  # between failed cycles of one runner
 PARKED_KEYS_PER_PASS = 256
 PARKED_PER_KEY = 100
@@ -88,6 +89,10 @@ class Leases:
     def add(self, fences: dict[int, int]) -> None:
         with self._lock:
             self._fences.update(fences)
+
+    def holds_any(self, buckets: Iterable[int]) -> bool:
+        with self._lock:
+            return any(b in self._fences for b in buckets)
 
     def drop(self, buckets: Iterable[int], fences: dict[int, int] | None = None) -> None:
         """Forget buckets (only if still under the given fences, when given)."""
@@ -196,6 +201,11 @@ class SinkRunner:
         self.abort = threading.Event()  # hard stop: drop the batch in flight
         self.fatal: SinkDropped | None = None  # why the runner stopped by itself (the worker stops too)
         # Runner thread only:
+        self._cursors: dict[int, Cursor] = {}  # held bucket -> its cursor as written in outbox.cursors
+        # Held buckets whose read cursor passed an empty delta (nothing to deliver there): written
+        # with the next checkpoint of the bucket, or by ``_flush_ahead`` every few seconds.
+        self._ahead: dict[int, Cursor] = {}
+        self._flushed_at = time.monotonic()
         self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
         self._saturated: set[int] = set()
         self._check_parked_at = 0.0
@@ -244,6 +254,7 @@ class SinkRunner:
         Returns the number of events handled."""
         self.rebalance()
         held = self.leases.snapshot()
+        self._forget_lost(held)
         if not held:
             return 0
         handled = 0
@@ -257,7 +268,26 @@ class SinkRunner:
             if time.monotonic() >= self._check_parked_at:
                 handled += self._retry_parked(normal)
             handled += self._deliver_new(normal)
+        if self._ahead and time.monotonic() - self._flushed_at >= AHEAD_FLUSH_SECONDS:
+            self._flush_ahead(held)
         return handled
+
+    def _forget_lost(self, held: dict[int, int]) -> None:
+        for b in set(self._cursors) - held.keys():
+            del self._cursors[b]
+            self._ahead.pop(b, None)
+
+    def _read_cursor(self, bucket: int) -> Cursor:
+        return self._ahead.get(bucket) or self._cursors[bucket]
+
+    def _flush_ahead(self, held: dict[int, int]) -> None:
+        """Write the read cursors that passed empty deltas: for a sink that skips most events (a
+        projection), so that retention can delete what it passed; for all, so that a next owner does
+        not read those deltas again."""
+        self._flushed_at = time.monotonic()
+        ahead = {b: c for b, c in self._ahead.items() if b in held}
+        if ahead:
+            self._write(Checkpoint(fences={b: held[b] for b in ahead}, advance=ahead))
 
     # -- leases ----------------------------------------------------------------------------
 
@@ -269,7 +299,8 @@ class SinkRunner:
         surplus = {b: f for b, f in held.items() if b not in desired}
         with self.pool.connection() as conn:
             if surplus:
-                store.release_leases(conn, self.sink.name, self.worker, surplus)
+                self._flush_ahead(surplus)
+                store.announce_buckets(conn, store.release_leases(conn, self.sink.name, self.worker, surplus))
                 self.leases.drop(surplus.keys(), surplus)
                 log.info("sink %s: released %d buckets", self.sink.name, len(surplus))
             wanted = desired - held.keys()
@@ -281,9 +312,11 @@ class SinkRunner:
                     # a dropped sink looks like (its cursors are gone). Never idle silently on one.
                     store.check_sink(self.sink.name, store.sink_state(conn, self.sink.name))
                 if acquired:
-                    self.leases.add({b: fence for b, (fence, _) in acquired.items()})
-                    suspects = sorted(b for b, (_, lapses) in acquired.items()
-                                      if lapses >= self.settings.max_lapses)
+                    self.leases.add({b: a.fence for b, a in acquired.items()})
+                    self._cursors.update({b: a.cursor for b, a in acquired.items()})
+                    for b in acquired:
+                        self._ahead.pop(b, None)
+                    suspects = sorted(b for b, a in acquired.items() if a.lapses >= self.settings.max_lapses)
                     self._ramp.update({b: 1 if b in suspects else 0 for b in acquired})
                     self._check_parked_at = 0.0  # new buckets may come with parked keys
                     log.info("sink %s: acquired %d buckets", self.sink.name, len(acquired))
@@ -309,8 +342,9 @@ class SinkRunner:
         if not fences:
             return
         try:
+            self._flush_ahead(fences)
             with self.pool.connection() as conn:
-                store.release_leases(conn, self.sink.name, self.worker, fences)
+                store.announce_buckets(conn, store.release_leases(conn, self.sink.name, self.worker, fences))
             log.info("sink %s: released all %d buckets", self.sink.name, len(fences))
         except Exception as exc:
             log.warning("sink %s: could not release leases (%s); they will expire", self.sink.name, exc)
@@ -332,25 +366,25 @@ class SinkRunner:
         return {b: hot if b in busy else base for b in order}
 
     def _deliver_new(self, held: dict[int, int]) -> int:
-        limits = self._limits(held)
+        reads = {b: (limit, self._read_cursor(b)) for b, limit in self._limits(held).items()}
         with self.pool.connection() as conn:
-            events, horizon, passed = store.fetch_events(conn, self.sink.name, self.worker, limits,
-                                                         self.sink.event_filter)
-        if not events and not passed:
-            self._saturated = set()
+            read = store.fetch_events(conn, self.sink.name, self.worker, reads, self.sink.event_filter)
+        by_bucket = read.by_bucket()
+        self._saturated = {b for b, evs in by_bucket.items() if len(evs) >= reads[b][0]}
+        for b, (_, cursor) in reads.items():
+            if b not in by_bucket:  # an empty delta (or only events the sink does not want): move on
+                moved = cursor.after_read(read.now, None, full=False)
+                if moved != cursor:
+                    self._ahead[b] = moved
+        if not read.events:
             return 0
-        assert horizon is not None
-        by_bucket: dict[int, list[StoredEvent]] = defaultdict(list)
-        for e in events:
-            by_bucket[e.bucket].append(e)
-        self._saturated = {b for b, evs in by_bucket.items() if len(evs) >= limits[b]}
-        advance = {b: _next_position(evs, limits[b], horizon) for b, evs in by_bucket.items()}
-        advance.update({b: (horizon, 0) for b in passed})  # only events this sink does not want
-        if any(e.blocked for e in events):
+        advance = {b: reads[b][1].after_read(read.now, evs[-1].position, full=len(evs) >= reads[b][0])
+                   for b, evs in by_bucket.items()}
+        if any(e.blocked for e in read.events):
             self._check_parked_at = 0.0
         fences = {b: held[b] for b in advance}
-        self._run_batch(events, fences, advance, resets=set(fences))
-        return len(events)
+        self._run_batch(read.events, fences, advance, resets=set(fences))
+        return len(read.events)
 
     def _retry_parked(self, held: dict[int, int]) -> int:
         with self.pool.connection() as conn:
@@ -363,7 +397,7 @@ class SinkRunner:
         return len(events)
 
     def _run_batch(self, events: Sequence[StoredEvent], fences: dict[int, int],
-                   advance: dict[int, tuple[int, int]], resets: set[int], alone: bool = False) -> set[int]:
+                   advance: dict[int, Cursor], resets: set[int], alone: bool = False) -> set[int]:
         """Deliver a batch (``alone``: nothing else in flight in this process) and checkpoint it.
 
         Returns the buckets whose checkpoint landed."""
@@ -383,7 +417,7 @@ class SinkRunner:
                             "to find the event that causes it", self.sink.name, describe_error(exc), sorted(fences))
             raise
         if commit.checkpoint is not None:
-            self._landed(commit.checkpoint)
+            self._landed(commit.checkpoint, ok)
         return ok
 
     # -- crash-loop isolation --------------------------------------------------------------
@@ -392,13 +426,15 @@ class SinkRunner:
         size = self._ramp[bucket]
         if size == 1:
             return self._probe_alone(bucket, fence)
+        cursor = self._read_cursor(bucket)
         with self.pool.connection() as conn:
             parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1)
-            new, horizon, passed = store.fetch_events(conn, self.sink.name, self.worker, {bucket: size},
-                                                      self.sink.event_filter)
+            read = store.fetch_events(conn, self.sink.name, self.worker, {bucket: (size, cursor)},
+                                      self.sink.event_filter)
+        new = read.events
         if not parked and not new:
-            return self._probe_idle(bucket, fence, horizon if passed else None)
-        advance = {bucket: _next_position(new, size, horizon)} if new and horizon is not None else {}
+            return self._probe_idle(bucket, fence, cursor.after_read(read.now, None, full=False))
+        advance = {bucket: cursor.after_read(read.now, new[-1].position, full=len(new) >= size)} if new else {}
         healthy = size * 2 > self._bucket_limit(held)
         ok = self._run_batch([*parked, *new], {bucket: fence}, advance, resets={bucket} if healthy else set())
         if bucket in ok:
@@ -411,17 +447,18 @@ class SinkRunner:
         """Deliver the bucket's next event alone, its attempt counted first."""
         fences = {bucket: fence}
         for _ in range(PROBE_QUIET_STEPS):
-            horizon: int | None = None
-            passed: set[int] = set()
+            cursor = self._read_cursor(bucket)
             with self.pool.connection() as conn:
                 events = store.fetch_parked(conn, self.sink.name, [bucket], 1, 1)
+                read = None if events else store.fetch_events(
+                    conn, self.sink.name, self.worker, {bucket: (1, cursor)}, self.sink.event_filter)
+            if read is not None:
+                events = read.events
                 if not events:
-                    events, horizon, passed = store.fetch_events(conn, self.sink.name, self.worker, {bucket: 1},
-                                                                 self.sink.event_filter)
-            if not events:
-                return self._probe_idle(bucket, fence, horizon if passed else None)
+                    return self._probe_idle(bucket, fence, cursor.after_read(read.now, None, full=False))
             e = events[0]
-            cp = Checkpoint(fences=fences, advance={} if e.parked else {bucket: e.position})
+            advance = {} if read is None else {bucket: cursor.after_read(read.now, e.position, full=True)}
+            cp = Checkpoint(fences=fences, advance=advance)
             if e.blocked:  # its key waits for a parked head: queue behind it, deliver nothing
                 cp.park.append((e, e.attempts, 0.0, None))
                 if not self._write(cp):
@@ -454,10 +491,10 @@ class SinkRunner:
             return 1
         return 0
 
-    def _probe_idle(self, bucket: int, fence: int, horizon: int | None) -> int:
+    def _probe_idle(self, bucket: int, fence: int, caught_up: Cursor) -> int:
         """Nothing due in a suspect bucket: once nothing is parked there either, it is healthy.
-        ``horizon``: the bucket holds only events the sink does not want, below it."""
-        advance = {bucket: (horizon, 0)} if horizon is not None else {}
+        ``caught_up``: its cursor past the empty delta just read."""
+        advance = {bucket: caught_up}
         with self.pool.connection() as conn:
             if store.has_parked(conn, self.sink.name, bucket):  # a parked retry is still to come
                 if advance:
@@ -469,9 +506,9 @@ class SinkRunner:
         return 0
 
     def _write(self, cp: Checkpoint) -> set[int]:
-        """A checkpoint of the runner's own (isolation steps), outside any sink transaction."""
+        """A checkpoint of the runner's own (isolation steps, cursors flushed), outside any sink transaction."""
         ok = self._checkpoint(cp, None)
-        self._landed(cp)
+        self._landed(cp, ok)
         return ok
 
     def _checkpoint(self, cp: Checkpoint, tx: Conn | None) -> set[int]:
@@ -496,7 +533,11 @@ class SinkRunner:
                 raise LeaseLost(f"sink {self.sink.name}: lost buckets {sorted(lost)}")
         return ok
 
-    def _landed(self, cp: Checkpoint) -> None:
+    def _landed(self, cp: Checkpoint, ok: set[int]) -> None:
+        for b, cursor in cp.advance.items():
+            if b in ok:
+                self._cursors[b] = cursor
+                self._ahead.pop(b, None)
         if cp.park:
             self._check_parked_at = 0.0
         for e, attempts, error in cp.dead:
@@ -508,7 +549,7 @@ class _BatchCommit:
     """The ``sink.Commit`` a runner hands its sink for one batch."""
 
     def __init__(self, runner: SinkRunner, events: Sequence[StoredEvent], fences: dict[int, int],
-                 advance: dict[int, tuple[int, int]], resets: set[int]) -> None:
+                 advance: dict[int, Cursor], resets: set[int]) -> None:
         self.runner = runner
         self.events = events
         self.fences = fences
@@ -540,10 +581,3 @@ class _BatchCommit:
         self.checkpoint = cp
         return ok
 
-
-def _next_position(events: Sequence[StoredEvent], limit: int, horizon: int | None) -> tuple[int, int]:
-    """Where a bucket's cursor goes after a read: its last row if the read was full (there may be
-    more), else the horizon (everything below it was read)."""
-    if len(events) >= limit or horizon is None:
-        return events[-1].position
-    return (horizon, 0)

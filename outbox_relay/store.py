@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 
 from .errors import ConfigurationError, SinkDropped
+from .positions import Cursor, Snapshot
 from .sqlfiles import query
 
 Conn = psycopg.Connection[Any]
@@ -55,7 +56,7 @@ class Checkpoint:
     """The outcome of one batch, written by one fenced statement."""
 
     fences: dict[int, int]  # bucket -> fence token of every bucket this batch touched
-    advance: dict[int, tuple[int, int]] = field(default_factory=dict)  # bucket -> new position
+    advance: dict[int, Cursor] = field(default_factory=dict)  # bucket -> its cursor once this batch landed
     park: list[tuple[StoredEvent, int, float, str | None]] = field(default_factory=list)  # attempts, delay, error
     done: list[StoredEvent] = field(default_factory=list)  # parked events that left the park
     dead: list[tuple[StoredEvent, int, str]] = field(default_factory=list)  # attempts, error
@@ -63,13 +64,16 @@ class Checkpoint:
 
     def params(self, sink: str, worker: str) -> dict[str, Any]:
         buckets = sorted(self.fences)
+        cursors = [self.advance[b].params() if b in self.advance else (None, None, None, None) for b in buckets]
         return {
             "sink": sink,
             "worker": worker,
             "buckets": buckets,
             "fences": [self.fences[b] for b in buckets],
-            "xids": [self.advance[b][0] if b in self.advance else None for b in buckets],
-            "seqs": [self.advance[b][1] if b in self.advance else None for b in buckets],
+            "seen": [c[0] for c in cursors],
+            "targets": [c[1] for c in cursors],
+            "after_xids": [c[2] for c in cursors],
+            "after_seqs": [c[3] for c in cursors],
             "resets": [b in self.resets for b in buckets],
             "park_buckets": [e.bucket for e, *_ in self.park],
             "park_xids": [e.xid for e, *_ in self.park],
@@ -134,21 +138,40 @@ class EventFilter:
                 "topics": list(self.topics) if self.topics is not None else None}
 
 
-def fetch_events(
-    conn: Conn, sink: str, worker: str, limits: dict[int, int], wanted: EventFilter | None = None,
-) -> tuple[list[StoredEvent], int | None, set[int]]:
-    """New events past each bucket's cursor in position order, the read horizon (snapshot xmin),
-    and the buckets whose events below the horizon the sink does not want (their cursor may jump)."""
-    buckets = list(limits)
-    rows = conn.execute(
+@dataclass(frozen=True)
+class Read:
+    """What ``fetch_events`` returned: events per bucket in delivery order, and the snapshot it read in."""
+
+    events: list[StoredEvent]
+    now: Snapshot
+
+    def by_bucket(self) -> dict[int, list[StoredEvent]]:
+        out: dict[int, list[StoredEvent]] = {}
+        for e in self.events:
+            out.setdefault(e.bucket, []).append(e)
+        return out
+
+
+def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int, Cursor]],
+                 wanted: EventFilter | None = None) -> Read:
+    """Each bucket's delta from its cursor (positions.py), up to its limit: ``reads`` maps a bucket to
+    (limit, read cursor), in the order the buckets are to be read. Buckets ``worker`` does not hold
+    return nothing."""
+    buckets = list(reads)
+    cursors = [reads[b][1].params() for b in buckets]
+    cur = conn.execute(
         query("relay", "fetch_events"),
-        {"sink": sink, "worker": worker, "buckets": buckets, "limits": [limits[b] for b in buckets],
+        {"sink": sink, "worker": worker, "buckets": buckets, "limits": [reads[b][0] for b in buckets],
+         "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
+         "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
          **(wanted or EventFilter()).params()},
-    ).fetchall()
-    horizon = rows[0][11] if rows else None
+    )
+    rows = cur.fetchall()
+    now = Snapshot.parse(rows[-1][11])  # the last row always carries it
+    # Per bucket in (xid, seq) order: the delta's delivery order (positions.py).
     events = sorted((stored_event(r, blocked=r[10]) for r in rows if r[3] is not None),
                     key=lambda e: (e.bucket, e.xid, e.seq))
-    return events, horizon, {r[0] for r in rows if r[3] is None}
+    return Read(events, now)
 
 
 def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:
@@ -198,15 +221,22 @@ def leave(conn: Conn, worker: str) -> None:
     conn.execute(query("membership", "leave"), {"worker": worker})
 
 
+@dataclass(frozen=True)
+class Acquired:
+    fence: int
+    lapses: int
+    cursor: Cursor
+
+
 def acquire_leases(
     conn: Conn, sink: str, worker: str, buckets: Iterable[int], lease_seconds: float
-) -> dict[int, tuple[int, int]]:
-    """bucket -> (fence, lapses) for the buckets this call acquired."""
+) -> dict[int, Acquired]:
+    """The buckets this call acquired, with their fence, lapses and cursor."""
     rows = conn.execute(
         query("membership", "acquire_leases"),
         {"sink": sink, "worker": worker, "buckets": sorted(buckets), "lease_seconds": lease_seconds},
     ).fetchall()
-    return {r[0]: (r[1], r[2]) for r in rows}
+    return {r[0]: Acquired(r[1], r[2], Cursor.from_row(r[3], r[4], r[5], r[6])) for r in rows}
 
 
 def renew_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int], lease_seconds: float) -> set[int]:
@@ -226,6 +256,14 @@ def release_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int]) -
         {"sink": sink, "worker": worker, "buckets": buckets, "fences": [fences[b] for b in buckets]},
     ).fetchall()
     return {r[0] for r in rows}
+
+
+def announce_buckets(conn: Conn, buckets: Iterable[int]) -> None:
+    """NOTIFY the relays that want these buckets (free now) to try at once."""
+    buckets = list(buckets)
+    if not buckets:
+        return
+    conn.execute(query("membership", "announce_buckets"), {"buckets": ",".join(str(b) for b in sorted(buckets))})
 
 
 def stored_event(row: Sequence[Any], **extra: Any) -> StoredEvent:

@@ -38,7 +38,7 @@ from .store import Conn
 
 log = logging.getLogger("outbox_relay.worker")
 
-NOTIFY_CHANNEL = "outbox_events_v1"
+NOTIFY_CHANNEL = "outbox_events_v2"  # payload: the buckets a statement wrote, comma-separated
 VERSION = "0.1.0"
 
 
@@ -213,6 +213,19 @@ class Worker:
         for r in self.runners:
             r.wake.set()
 
+    def _wake_owners(self, payload: str) -> None:
+        """Wake the runners that hold or want one of the buckets a commit wrote or a relay freed (all,
+        if the payload is not a list of buckets)."""
+        try:
+            buckets = [int(b) for b in payload.split(",")]
+        except ValueError:
+            self._wake_all()
+            return
+        for r in self.runners:
+            desired = r.desired  # replaced whole by the membership thread, never mutated
+            if r.leases.holds_any(buckets) or (desired is not None and not desired.isdisjoint(buckets)):
+                r.wake.set()
+
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
@@ -291,8 +304,8 @@ class Worker:
                     self.listening = True
                     self._wake_all()  # we may have missed notifications while disconnected
                     while not self.stopped.is_set():
-                        for _ in conn.notifies(timeout=1.0, stop_after=1):
-                            self._wake_all()
+                        for note in conn.notifies(timeout=1.0, stop_after=1):
+                            self._wake_owners(note.payload)
             except Exception as exc:
                 self.listening = False
                 if self.stopped.is_set():

@@ -38,6 +38,7 @@ from psycopg import sql
 from outbox_relay import store
 from outbox_relay.errors import ConfigurationError, OutboxError
 from outbox_relay.migrate import check_schema
+from outbox_relay.positions import Cursor
 from outbox_relay.progressline import ProgressLine
 from outbox_relay.settings import RelaySettings
 from outbox_relay.sqlfiles import query
@@ -187,8 +188,9 @@ class Rebuild:
             conn.execute(query("rebuild", "drop_sink"), {"sink": self.sink})
             store.register_sink(conn, self.sink, "projection")
             if self.from_position is not None:
-                conn.execute(query("rebuild", "start_at_position"),
-                             {"sink": self.sink, "xid": self.from_position[0], "seq": self.from_position[1]})
+                seen, target, after_xid, after_seq = Cursor.at(self.from_position).params()
+                conn.execute(query("rebuild", "start_at_position"), {
+                    "sink": self.sink, "seen": seen, "target": target, "after_xid": after_xid, "after_seq": after_seq})
             elif self.from_time is not None:
                 conn.execute(query("rebuild", "start_at_time"), {"sink": self.sink, "time": self.from_time})
             conn.execute(query("rebuild", "insert"), {
@@ -353,7 +355,8 @@ async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
 
 
 def _key_params(projection: Projection, key: str, cursor: Sequence[Any]) -> dict[str, Any]:
-    return {"sink": projection.name, "key": key, "xid": str(cursor[0]), "seq": cursor[1],
+    return {"sink": projection.name, "key": key, "seen": cursor[0], "target": cursor[1], "after_xid": cursor[3],
+            "after_seq": cursor[4],
             **projection.event_filter.params()}
 
 

@@ -65,18 +65,20 @@ CREATE UNIQUE INDEX events_idempotency_key ON outbox.events ((coalesce(topic, ''
 -- Retention (oldest first) and time-based replay and rebuild (0004 replaced a BRIN index).
 CREATE INDEX events_created_at ON outbox.events (created_at);
 
--- Wake idle relays. One notification per statement (not per row); Postgres also folds
--- identical notifications within a transaction. Polling stays the baseline.
-CREATE FUNCTION outbox.notify_events_v1() RETURNS trigger
+-- Wake the relays that own a touched bucket (0007): one notification per statement, carrying the
+-- buckets it wrote (Postgres folds identical notifications of one transaction). Polling stays the
+-- baseline.
+CREATE FUNCTION outbox.notify_events_v2() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_notify('outbox_events_v1', '');
+    PERFORM pg_notify('outbox_events_v2', (SELECT string_agg(DISTINCT n.bucket::text, ',') FROM new_events n));
     RETURN NULL;
 END
 $$;
 
 CREATE TRIGGER events_notify AFTER INSERT ON outbox.events
-    FOR EACH STATEMENT EXECUTE FUNCTION outbox.notify_events_v1();
+    REFERENCING NEW TABLE AS new_events
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox.notify_events_v2();
 
 CREATE TABLE outbox.workers (
     id           text        NOT NULL,
@@ -99,13 +101,11 @@ CREATE TABLE outbox.sinks (
     CONSTRAINT sinks_pkey PRIMARY KEY (name)
 );
 
--- One row per (sink, bucket): delivery position plus the lease on the bucket.
+-- One row per (sink, bucket): what it delivered there plus the lease on the bucket.
 -- Updated once per batch, so keep it HOT-friendly: no index on mutable columns.
 CREATE TABLE outbox.cursors (
     sink             text        NOT NULL,
     bucket           integer     NOT NULL CONSTRAINT cursors_bucket_valid CHECK (bucket >= 0 AND bucket < 256),
-    position_xid     xid8        NOT NULL DEFAULT '0'::xid8,
-    position_seq     bigint      NOT NULL DEFAULT 0,
     owner            text,
     -- Fencing token: bumped on every acquisition; every state change names it.
     fence            bigint      NOT NULL DEFAULT 0,
@@ -114,6 +114,12 @@ CREATE TABLE outbox.cursors (
     -- reset when it moves. Drives crash-loop isolation of a poison event.
     lapses           integer     NOT NULL DEFAULT 0,
     advanced_at      timestamptz,
+    -- 0007: what was delivered (positions.Cursor): every event of a transaction visible in snapshot,
+    -- and while a delta is read in pages, those of target's delta up to (after_xid, after_seq).
+    snapshot         pg_snapshot NOT NULL DEFAULT '1:1:',
+    target           pg_snapshot,
+    after_xid        xid8,
+    after_seq        bigint,
     CONSTRAINT cursors_pkey PRIMARY KEY (sink, bucket),
     CONSTRAINT cursors_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
 ) WITH (fillfactor = 50);
@@ -161,18 +167,30 @@ CREATE TABLE outbox.dead_letters (
 CREATE INDEX dead_letters_key ON outbox.dead_letters (sink, partition_key);
 CREATE INDEX dead_letters_position ON outbox.dead_letters (bucket, xid, seq);
 
--- 0002_crash_isolation: a lease lapse counts only when the bucket had work.
--- Whether a bucket of a sink has something deliverable now: an event past its cursor that
--- is below the read horizon, or a parked event whose retry is due.
-CREATE FUNCTION outbox.bucket_has_work_v1(sink text, bucket integer, position_xid xid8, position_seq bigint)
+-- 0002_crash_isolation, 0007_snapshot_cursors: a lease lapse counts only when the bucket had work.
+-- Whether a sink's cursor has delivered an event (positions.Cursor.delivered).
+CREATE FUNCTION outbox.delivered_v1(xid xid8, seq bigint, snapshot pg_snapshot, target pg_snapshot,
+                                    after_xid xid8, after_seq bigint)
+    RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN pg_visible_in_snapshot(xid, snapshot)
+        OR (target IS NOT NULL AND pg_visible_in_snapshot(xid, target) AND (xid, seq) <= (after_xid, after_seq));
+
+-- Whether a bucket of a sink has something deliverable now (a lease lapse counts only then): a
+-- committed event its cursor has not delivered, or a parked event whose retry is due. The two
+-- probes are the two halves of a delta: transactions open at the cursor's snapshot, and later ones.
+CREATE FUNCTION outbox.bucket_has_work_v2(sink text, bucket integer, snapshot pg_snapshot, target pg_snapshot,
+                                          after_xid xid8, after_seq bigint)
     RETURNS boolean
     LANGUAGE sql STABLE PARALLEL SAFE
     RETURN EXISTS (SELECT 1 FROM outbox.events e
-                   WHERE e.bucket = bucket_has_work_v1.bucket
-                     AND (e.xid, e.seq) > (bucket_has_work_v1.position_xid, bucket_has_work_v1.position_seq)
-                     AND e.xid < pg_snapshot_xmin(pg_current_snapshot()))
+                   WHERE e.bucket = bucket_has_work_v2.bucket
+                     AND (e.xid >= pg_snapshot_xmax(bucket_has_work_v2.snapshot)
+                          OR e.xid IN (SELECT pg_snapshot_xip(bucket_has_work_v2.snapshot)))
+                     AND NOT outbox.delivered_v1(e.xid, e.seq, bucket_has_work_v2.snapshot, bucket_has_work_v2.target,
+                                                 bucket_has_work_v2.after_xid, bucket_has_work_v2.after_seq))
         OR EXISTS (SELECT 1 FROM outbox.parked p
-                   WHERE p.sink = bucket_has_work_v1.sink AND p.bucket = bucket_has_work_v1.bucket
+                   WHERE p.sink = bucket_has_work_v2.sink AND p.bucket = bucket_has_work_v2.bucket
                      AND p.available_at <= clock_timestamp());
 
 -- 0003_rebuilds: projection rebuilds in progress (see the migration for the design).
@@ -262,4 +280,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (2, 'crash_isolation', NULL),
     (3, 'rebuilds', NULL),
     (4, 'retention_index', NULL),
-    (5, 'hardening', 5);
+    (5, 'hardening', 5),
+    (7, 'snapshot_cursors', 7);

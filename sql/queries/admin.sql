@@ -19,10 +19,12 @@ SELECT s.name AS sink, s.kind,
 FROM outbox.sinks s
 JOIN outbox.cursors c ON c.sink = s.name
 CROSS JOIN LATERAL (
-    -- Events past this bucket's cursor (an index range count) and the oldest of them.
+    -- Committed events this bucket's cursor has not delivered (an index range from the oldest
+    -- transaction it has not seen) and the oldest of them.
     SELECT count(*) AS pending, min(e.created_at) AS oldest
     FROM outbox.events e
-    WHERE e.bucket = c.bucket AND (e.xid, e.seq) > (c.position_xid, c.position_seq)
+    WHERE e.bucket = c.bucket AND e.xid >= pg_snapshot_xmin(c.snapshot)
+      AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq)
 ) b
 GROUP BY s.name, s.kind
 ORDER BY s.name;

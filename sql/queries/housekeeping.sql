@@ -47,7 +47,8 @@ WITH expired AS (
 )
 UPDATE outbox.cursors c
 SET owner = NULL, lease_expires_at = NULL,
-    lapses = c.lapses + CASE WHEN outbox.bucket_has_work_v1(c.sink, c.bucket, c.position_xid, c.position_seq)
+    lapses = c.lapses + CASE WHEN outbox.bucket_has_work_v2(c.sink, c.bucket, c.snapshot, c.target,
+                                                            c.after_xid, c.after_seq)
                              THEN 1 ELSE 0 END
 FROM expired x
 WHERE c.sink = x.sink AND c.bucket = x.bucket
@@ -84,9 +85,10 @@ old AS (
     WHERE e.created_at < (SELECT t FROM cutoff)
       -- Some sink has this bucket (no sink: nothing is safe to delete) ...
       AND EXISTS (SELECT 1 FROM outbox.cursors c WHERE c.bucket = e.bucket)
-      -- ... and none of them is still before the event.
+      -- ... and all of them delivered the event.
       AND NOT EXISTS (SELECT 1 FROM outbox.cursors c
-                      WHERE c.bucket = e.bucket AND (c.position_xid, c.position_seq) < (e.xid, e.seq))
+                      WHERE c.bucket = e.bucket
+                        AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq))
       AND NOT EXISTS (SELECT 1 FROM outbox.parked p
                       WHERE p.bucket = e.bucket AND p.xid = e.xid AND p.seq = e.seq)
       AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters d

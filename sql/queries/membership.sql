@@ -35,13 +35,14 @@ SET owner            = %(worker)s,
     fence            = c.fence + 1,
     lapses           = c.lapses + CASE WHEN c.owner IS NOT NULL
                                         AND (c.owner <> %(worker)s OR c.lease_expires_at < clock_timestamp())
-                                        AND outbox.bucket_has_work_v1(c.sink, c.bucket, c.position_xid, c.position_seq)
+                                        AND outbox.bucket_has_work_v2(c.sink, c.bucket, c.snapshot, c.target,
+                                                                      c.after_xid, c.after_seq)
                                        THEN 1 ELSE 0 END,
     lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
 WHERE c.sink = %(sink)s
   AND c.bucket = ANY(%(buckets)s::int[])
   AND (c.owner IS NULL OR c.owner = %(worker)s OR c.lease_expires_at < clock_timestamp())
-RETURNING c.bucket, c.fence, c.lapses;
+RETURNING c.bucket, c.fence, c.lapses, c.snapshot::text, c.target::text, c.after_xid::text, c.after_seq;
 
 -- name: renew_leases
 -- Extend the leases this worker still holds under the same fence; missing buckets were lost.
@@ -61,3 +62,8 @@ FROM unnest(%(buckets)s::int[], %(fences)s::bigint[]) AS v(bucket, fence)
 WHERE c.sink = %(sink)s AND c.bucket = v.bucket
   AND c.owner = %(worker)s AND c.fence = v.fence
 RETURNING c.bucket;
+
+-- name: announce_buckets
+-- Tell the relays that want these buckets (their next owners) that they are free now: the same
+-- channel and payload as a commit's notification, so they try at once instead of at their next poll.
+SELECT pg_notify('outbox_events_v2', %(buckets)s);

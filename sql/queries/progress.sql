@@ -3,10 +3,7 @@
 WITH sink AS (
     -- Exactly one row, so the result always answers for the sink (event columns NULL when no ids are
     -- given). A registered sink has one cursor row per bucket; none at all means the name is unknown.
-    SELECT EXISTS (SELECT 1 FROM outbox.cursors WHERE sink = %(sink)s AND bucket = 0) AS known,
-           -- Transactions below this id have ended: a pending event at or above it waits for an older
-           -- transaction that is still open (the relays' read horizon).
-           pg_snapshot_xmin(pg_current_snapshot()) AS horizon
+    SELECT EXISTS (SELECT 1 FROM outbox.cursors WHERE sink = %(sink)s AND bucket = 0) AS known
 ),
 wanted AS (
     -- The ids asked about, each once (the caller de-duplicates).
@@ -19,13 +16,12 @@ SELECT s.known,
        CASE WHEN p.seq IS NOT NULL THEN 'parked'
             WHEN d.event_id IS NOT NULL THEN 'dead'
             WHEN e.id IS NULL THEN 'unknown'
-            WHEN (e.xid, e.seq) <= (c.position_xid, c.position_seq) THEN 'done'
+            WHEN outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) THEN 'done'
             ELSE 'pending' END AS state,
        coalesce(p.attempts, d.attempts) AS attempts,
        coalesce(p.last_error, h.last_error, d.last_error) AS last_error,
-       -- Diagnostics for a timeout: is a relay holding the event's bucket, is an open transaction holding it back.
-       c.owner IS NOT NULL AND c.lease_expires_at > clock_timestamp() AS leased,
-       e.xid >= s.horizon AS behind_horizon
+       -- Diagnostics for a timeout: is a relay holding the event's bucket.
+       c.owner IS NOT NULL AND c.lease_expires_at > clock_timestamp() AS leased
 FROM sink s
 LEFT JOIN wanted w ON true
 -- One primary-key probe per id in each of the tables below.

@@ -102,17 +102,23 @@ LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE;
 ALTER TABLE {table} SET SCHEMA {schema};
 
 -- name: start_at_position
--- A rebuild from a position: every bucket's cursor just before it.
+-- A rebuild from a position: every bucket's cursor just before it (positions.Cursor.at).
 UPDATE outbox.cursors
-SET position_xid = %(xid)s::text::xid8, position_seq = %(seq)s - 1
+SET snapshot = %(seen)s::pg_snapshot, target = %(target)s::pg_snapshot, after_xid = %(after_xid)s::xid8,
+    after_seq = %(after_seq)s
 WHERE sink = %(sink)s;
 
 -- name: start_at_time
 -- A rebuild from a time: per bucket, just before its first event at or after that time, or
 -- past its last event when it has none.
 UPDATE outbox.cursors c
-SET position_xid = coalesce(f.xid, l.xid, '0'::xid8),
-    position_seq = coalesce(f.seq - 1, l.seq, 0)
+SET snapshot  = CASE WHEN p.xid IS NULL THEN '1:1:'
+                     ELSE (p.xid::text || ':' || p.xid::text || ':') END::pg_snapshot,
+    target    = CASE WHEN p.xid IS NULL THEN NULL
+                     ELSE ((p.xid::text::bigint + 1)::text || ':' || (p.xid::text::bigint + 1)::text || ':')::pg_snapshot
+                END,
+    after_xid = p.xid,
+    after_seq = p.seq
 FROM generate_series(0, 255) AS b(bucket)
 LEFT JOIN LATERAL (
     -- The bucket's first event at or after the time, in position order.
@@ -126,18 +132,20 @@ LEFT JOIN LATERAL (
     WHERE e.bucket = b.bucket
     ORDER BY e.xid DESC, e.seq DESC LIMIT 1
 ) l ON true
+-- The cursor is just before f, or just after l (positions.Cursor.at).
+CROSS JOIN LATERAL (SELECT coalesce(f.xid, l.xid) AS xid, coalesce(f.seq - 1, l.seq) AS seq) p
 WHERE c.sink = %(sink)s AND c.bucket = b.bucket;
 
 -- name: remaining
--- Events a sink still has to read below the horizon, counting only those it wants.
+-- Committed events a sink has still to deliver, counting only those it wants.
 SELECT coalesce(sum(x.n), 0)::bigint
 FROM outbox.cursors c
 CROSS JOIN LATERAL (
     SELECT count(*) AS n
     FROM outbox.events e
     WHERE e.bucket = c.bucket
-      AND (e.xid, e.seq) > (c.position_xid, c.position_seq)
-      AND e.xid < pg_snapshot_xmin(pg_current_snapshot())
+      AND e.xid >= pg_snapshot_xmin(c.snapshot)
+      AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq)
       AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
       AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
 ) x
@@ -155,7 +163,7 @@ FOR UPDATE;
 -- batches relays have in flight on its buckets (they roll back); the owners keep their
 -- leases and take the buckets up again under a new fence at once.
 UPDATE outbox.cursors l
-SET position_xid = r.position_xid, position_seq = r.position_seq,
+SET snapshot = r.snapshot, target = r.target, after_xid = r.after_xid, after_seq = r.after_seq,
     fence = l.fence + 1, lapses = 0, advanced_at = clock_timestamp()
 FROM outbox.cursors r
 WHERE l.sink = %(live)s AND r.sink = %(rebuild)s AND r.bucket = l.bucket;
@@ -178,7 +186,7 @@ UPDATE outbox.dead_letters SET sink = %(live)s WHERE sink = %(rebuild)s;
 -- name: key_cursor
 -- Rebuild of one key: lock its bucket's live cursor (the live relay's checkpoint for that
 -- bucket waits) and read how far live processing got.
-SELECT c.position_xid, c.position_seq, c.fence
+SELECT c.snapshot::text, c.target::text, c.fence, c.after_xid::text, c.after_seq
 FROM outbox.cursors c
 WHERE c.sink = %(sink)s AND c.bucket = outbox.bucket_v1(%(key)s)
 FOR UPDATE;
@@ -190,7 +198,8 @@ SELECT e.bucket, e.xid::text::bigint, e.seq, e.id, e.partition_key, e.topic, e.t
        e.payload::text, e.headers::text, coalesce(e.occurred_at, e.created_at)
 FROM outbox.events e
 WHERE e.bucket = outbox.bucket_v1(%(key)s) AND e.partition_key = %(key)s
-  AND (e.xid, e.seq) <= (%(xid)s::xid8, %(seq)s::bigint)
+  AND outbox.delivered_v1(e.xid, e.seq, %(seen)s::pg_snapshot, %(target)s::pg_snapshot, %(after_xid)s::xid8,
+                          %(after_seq)s::bigint)
   AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
   AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
   AND NOT EXISTS (SELECT 1 FROM outbox.parked p

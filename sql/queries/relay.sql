@@ -17,16 +17,28 @@ ON CONFLICT (sink, bucket) DO NOTHING;
 SELECT kind, dropped_at FROM outbox.sinks WHERE name = %(sink)s;
 
 -- name: fetch_events
--- Read past the cursor of each leased bucket, in position order, up to a per-bucket limit.
-WITH horizon AS (
-    -- Every transaction with an xid below xmin has ended: no earlier position can still appear.
-    SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
+-- Read each leased bucket's delta (positions.py): events of transactions visible in the bucket's target
+-- snapshot (the current one unless a delta is being read in pages) and not in the snapshot its cursor
+-- has seen, in (xid, seq) order, after the last one delivered, up to a per-bucket limit.
+WITH now AS (
+    SELECT pg_current_snapshot() AS snapshot
 ),
-leased AS (
-    -- The buckets to read, in the caller's (rotating) order, each with its own limit.
-    SELECT l.bucket, l.lim, l.ord, c.position_xid, c.position_seq
-    FROM unnest(%(buckets)s::int[], %(limits)s::int[]) WITH ORDINALITY AS l(bucket, lim, ord)
-    JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = l.bucket AND c.owner = %(worker)s
+wanted AS (
+    -- The buckets to read, in the caller's (rotating) order, each with its limit and read cursor (the
+    -- caller's: it may be ahead of the stored one), if the caller still holds the bucket's lease.
+    SELECT w.bucket, w.lim, w.seen::pg_snapshot AS seen, coalesce(w.target::pg_snapshot, n.snapshot) AS target,
+           -- Where each half of the delta starts, as a (xid, seq) bound the index scans can start from:
+           -- after the last event delivered, if it lies in that half.
+           coalesce(w.after_xid::xid8, '0'::xid8) AS open_xid, coalesce(w.after_seq, -1) AS open_seq,
+           CASE WHEN w.after_xid::xid8 >= pg_snapshot_xmax(w.seen::pg_snapshot) THEN w.after_xid::xid8
+                ELSE pg_snapshot_xmax(w.seen::pg_snapshot) END AS later_xid,
+           CASE WHEN w.after_xid::xid8 >= pg_snapshot_xmax(w.seen::pg_snapshot) THEN w.after_seq
+                ELSE -1 END AS later_seq
+    FROM unnest(%(buckets)s::int[], %(limits)s::int[], %(seen)s::text[], %(targets)s::text[],
+                %(after_xids)s::text[], %(after_seqs)s::bigint[])
+         AS w(bucket, lim, seen, target, after_xid, after_seq)
+    JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = w.bucket AND c.owner = %(worker)s
+    CROSS JOIN now n
 ),
 blocked AS (
     -- Keys with parked events: newer events of these keys queue behind them.
@@ -35,40 +47,45 @@ blocked AS (
     WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
 )
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
-       e.payload::text, e.headers::text, coalesce(e.occurred_at, e.created_at),
+       e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
        e.partition_key IN (SELECT partition_key FROM blocked) AS blocked,
-       h.xmin::text::bigint AS horizon
-FROM horizon h
-CROSS JOIN leased l
+       (SELECT snapshot::text FROM now) AS now
+FROM wanted w
 CROSS JOIN LATERAL (
-    -- One index range scan on events_position per bucket.
-    SELECT *
-    FROM outbox.events e
-    WHERE e.bucket = l.bucket
-      AND (e.xid, e.seq) > (l.position_xid, l.position_seq)
-      AND e.xid < h.xmin
-      -- A sink that wants some event types or topics only (a projection) is not sent the rest;
-      -- its cursor still moves past them.
-      AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
-      AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
-    ORDER BY e.xid, e.seq
-    LIMIT l.lim
+    SELECT d.*
+    FROM (
+        -- Transactions still open when the cursor's snapshot was taken that have committed since
+        -- (one index probe per such transaction id). Their ids are below the snapshot's xmax, so
+        -- they come first.
+        (SELECT e.*
+         FROM outbox.events e
+         WHERE e.bucket = w.bucket
+           AND e.xid = ANY(ARRAY(SELECT x FROM pg_snapshot_xip(w.seen) AS x WHERE pg_visible_in_snapshot(x, w.target)))
+           AND (e.xid, e.seq) > (w.open_xid, w.open_seq)
+           AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
+           AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
+         ORDER BY e.xid, e.seq
+         LIMIT w.lim)
+        UNION ALL
+        -- Transactions that started after it: one index range scan on events_position.
+        (SELECT e.*
+         FROM outbox.events e
+         WHERE e.bucket = w.bucket
+           AND (e.xid, e.seq) > (w.later_xid, w.later_seq) AND e.xid < pg_snapshot_xmax(w.target)
+           AND pg_visible_in_snapshot(e.xid, w.target)
+           -- A sink that wants some event types or topics only (a projection) is not sent the rest;
+           -- its cursor still moves past them.
+           AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
+           AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
+         ORDER BY e.xid, e.seq
+         LIMIT w.lim)
+    ) d
+    ORDER BY d.xid, d.seq
+    LIMIT w.lim
 ) e
 UNION ALL
--- A filtering sink's buckets that hold events below the horizon, none of them wanted: no row
--- above for them, so one marker row (id NULL) per bucket lets the runner move the cursor to the
--- horizon. Else every read would walk past those events again, and retention would wait for them.
-SELECT l.bucket, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, h.xmin::text::bigint
-FROM horizon h
-CROSS JOIN leased l
-WHERE (%(types)s::text[] IS NOT NULL OR %(topics)s::text[] IS NOT NULL)
-  AND EXISTS (SELECT 1 FROM outbox.events e
-              WHERE e.bucket = l.bucket AND (e.xid, e.seq) > (l.position_xid, l.position_seq) AND e.xid < h.xmin)
-  AND NOT EXISTS (SELECT 1 FROM outbox.events e
-                  WHERE e.bucket = l.bucket AND (e.xid, e.seq) > (l.position_xid, l.position_seq)
-                    AND e.xid < h.xmin
-                    AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
-                    AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[])));
+-- One row carrying the current snapshot even when no bucket has anything to read.
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT snapshot::text FROM now);
 
 -- name: fetch_parked
 -- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it.
@@ -105,18 +122,18 @@ SELECT EXISTS (SELECT 1 FROM outbox.parked WHERE sink = %(sink)s AND bucket = %(
 -- cursors, park or reschedule failures, drop finished parked rows and record dead letters.
 -- Buckets whose lease was lost get nothing; the caller learns which buckets made it.
 WITH fenced AS (
-    -- The fence check and the cursor advance in one step (positions only move forward).
+    -- The fence check and the cursor advance in one step (a NULL seen: the bucket's cursor stays).
     UPDATE outbox.cursors c
-    SET position_xid = CASE WHEN v.xid IS NOT NULL AND (v.xid::text::xid8, v.seq) > (c.position_xid, c.position_seq)
-                            THEN v.xid::text::xid8 ELSE c.position_xid END,
-        position_seq = CASE WHEN v.xid IS NOT NULL AND (v.xid::text::xid8, v.seq) > (c.position_xid, c.position_seq)
-                            THEN v.seq ELSE c.position_seq END,
+    SET snapshot    = coalesce(v.seen::pg_snapshot, c.snapshot),
+        target      = CASE WHEN v.seen IS NULL THEN c.target ELSE v.target::pg_snapshot END,
+        after_xid   = CASE WHEN v.seen IS NULL THEN c.after_xid ELSE v.after_xid::xid8 END,
+        after_seq   = CASE WHEN v.seen IS NULL THEN c.after_seq ELSE v.after_seq END,
         -- The runner says when a bucket proved healthy (crash-loop isolation ends).
-        lapses       = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
-        advanced_at  = clock_timestamp()
-    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(xids)s::bigint[], %(seqs)s::bigint[],
-                %(resets)s::boolean[])
-         AS v(bucket, fence, xid, seq, reset)
+        lapses      = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
+        advanced_at = clock_timestamp()
+    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(seen)s::text[], %(targets)s::text[],
+                %(after_xids)s::text[], %(after_seqs)s::bigint[], %(resets)s::boolean[])
+         AS v(bucket, fence, seen, target, after_xid, after_seq, reset)
     WHERE c.sink = %(sink)s AND c.bucket = v.bucket
       AND c.owner = %(worker)s AND c.fence = v.fence
       AND c.lease_expires_at > clock_timestamp()

@@ -22,6 +22,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from outbox_relay import store
+from outbox_relay.positions import Cursor
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import SinkRunner
 from outbox_relay.settings import RelaySettings
@@ -218,12 +219,47 @@ def fetch_all(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
 
 
 def cursor_row(dsn: str, bucket: int, sink: str = SINK) -> dict[str, Any]:
+    """A cursor row; ``cursor`` is it as a positions.Cursor (``.delivered(xid, seq)``)."""
     with psycopg.connect(dsn, autocommit=True) as conn, conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(
-            "SELECT position_xid::text::bigint AS xid, position_seq AS seq, owner, fence, lease_expires_at, lapses "
+            "SELECT snapshot::text, target::text, after_xid::text, after_seq, owner, fence, lease_expires_at, lapses "
             "FROM outbox.cursors WHERE sink = %s AND bucket = %s", (sink, bucket)).fetchone()
     assert row is not None
+    row["cursor"] = Cursor.from_row(row["snapshot"], row["target"], row["after_xid"], row["after_seq"])
     return row
+
+
+def fetch(conn: psycopg.Connection[Any], sink: str, worker: str, limits: dict[int, int],
+          wanted: store.EventFilter | None = None) -> store.Read:
+    """``store.fetch_events`` from the stored cursors (what a runner that just acquired the buckets reads)."""
+    rows = conn.execute("SELECT bucket, snapshot::text, target::text, after_xid::text, after_seq FROM outbox.cursors "
+                        "WHERE sink = %s AND bucket = ANY(%s)", (sink, list(limits))).fetchall()
+    cursors = {r[0]: Cursor.from_row(r[1], r[2], r[3], r[4]) for r in rows}
+    return store.fetch_events(conn, sink, worker, {b: (n, cursors[b]) for b, n in limits.items()}, wanted)
+
+
+def through(e: StoredEvent) -> Cursor:
+    """A cursor that delivered everything up to and including ``e`` (in (xid, seq) order)."""
+    return Cursor.at((e.xid, e.seq + 1))
+
+
+def leased(acquired: dict[int, store.Acquired]) -> dict[int, tuple[int, int]]:
+    """bucket -> (fence, lapses) of what ``store.acquire_leases`` returned."""
+    return {b: (a.fence, a.lapses) for b, a in acquired.items()}
+
+
+# Committed events a sink's cursors have not delivered (the relay's own definition, in SQL).
+UNDELIVERED_SQL = ("SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s AND c.bucket = e.bucket "
+                   "WHERE NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq)")
+
+
+def undelivered(dsn: str, sink: str = SINK) -> int:
+    return int(fetch_all(dsn, UNDELIVERED_SQL, (sink,))[0][0])
+
+
+# Every sink's cursors (or one's, with a %s parameter) past everything committed so far.
+DELIVER_ALL_SQL = ("UPDATE outbox.cursors SET snapshot = pg_current_snapshot(), target = NULL, after_xid = NULL, "
+                   "after_seq = NULL")
 
 
 def owners(dsn: str, sink: str = SINK) -> dict[int, str | None]:

@@ -17,6 +17,7 @@ from psycopg_pool import ConnectionPool
 
 from outbox_relay import store
 from outbox_relay.housekeeping import Housekeeping
+from outbox_relay.positions import ORIGIN, Cursor
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import DeliveryGate
 from outbox_relay.sink import Failure
@@ -28,8 +29,10 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     RecordingSink,
     cursor_row,
     dead_letters,
+    fetch,
     fetch_all,
     keys_in_bucket,
+    leased,
     make_settings,
     parked_ids,
     pool_fixture,
@@ -37,6 +40,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     register,
     run_until,
     runner_for,
+    through,
+    undelivered,
 )
 from tests.servers import wait_until
 
@@ -75,11 +80,11 @@ def test_concurrent_acquire_gives_each_bucket_to_exactly_one_worker(dsn: str) ->
     try:
         for round_ in range(1, rounds + 1):
             barrier = threading.Barrier(threads_n)
-            results: list[dict[int, tuple[int, int]]] = [{} for _ in range(threads_n)]
+            results: list[dict[int, store.Acquired]] = [{} for _ in range(threads_n)]
             errors: list[BaseException] = []
 
             def claim(i: int, barrier: threading.Barrier = barrier,
-                      results: list[dict[int, tuple[int, int]]] = results,
+                      results: list[dict[int, store.Acquired]] = results,
                       errors: list[BaseException] = errors) -> None:
                 try:
                     barrier.wait(10)
@@ -101,11 +106,11 @@ def test_concurrent_acquire_gives_each_bucket_to_exactly_one_worker(dsn: str) ->
                 dsn, "SELECT bucket, owner, fence FROM outbox.cursors WHERE sink = %s", (SINK,))}
             assert {b: o for b, (o, _) in db.items()} == expected_owner
             assert {f for _, f in db.values()} == {round_}, "each acquisition bumps the fence once"
-            assert all(fence == round_ for r in results for fence, _ in r.values())
+            assert all(a.fence == round_ for r in results for a in r.values())
             # A second claim while the leases are live gets nothing.
             assert store.acquire_leases(conns[0], SINK, "latecomer", ALL_BUCKETS, 30.0) == {}
             for i, r in enumerate(results):
-                released = store.release_leases(conns[i], SINK, f"w{i}", {b: f for b, (f, _) in r.items()})
+                released = store.release_leases(conns[i], SINK, f"w{i}", {b: a.fence for b, a in r.items()})
                 assert released == set(r)
     finally:
         for c in conns:
@@ -119,12 +124,12 @@ def test_fetch_reads_only_buckets_leased_by_the_caller(dsn: str) -> None:
     publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, free, 3)])
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert set(store.acquire_leases(conn, SINK, "a", [mine], 30.0)) == {mine}
-        events, _, _ = store.fetch_events(conn, SINK, "b", {mine: 100, free: 100})
+        events = fetch(conn, SINK, "b", {mine: 100, free: 100}).events
         assert events == [], "a worker read a bucket leased by another, or one it never leased"
-        events, horizon, _ = store.fetch_events(conn, SINK, "a", {mine: 100, free: 100})
-    assert [e.id for e in events] == ids_mine, "only the caller's bucket, in publish order"
-    assert {e.bucket for e in events} == {mine}
-    assert horizon is not None and all(e.xid < horizon for e in events)
+        read = fetch(conn, SINK, "a", {mine: 100, free: 100})
+    assert [e.id for e in read.events] == ids_mine, "only the caller's bucket, in publish order"
+    assert {e.bucket for e in read.events} == {mine}
+    assert all(read.now.visible(e.xid) for e in read.events)
 
 
 # -- part 8 (3) / G11: an expired lease is recovered -------------------------------------------
@@ -146,7 +151,7 @@ def test_expired_lease_is_freed_by_housekeeping_and_taken_over_with_the_next_fen
     assert result.ran and result.expired_leases == 1
     row = cursor_row(dsn, bucket)
     assert (row["owner"], row["lease_expires_at"], row["lapses"], row["fence"]) == (None, None, 1, 1)
-    assert (row["xid"], row["seq"]) == (0, 0), "expiry must not move the position"
+    assert row["cursor"] == Cursor(ORIGIN), "expiry must not move the cursor"
     # Other buckets were never leased: housekeeping left them alone.
     assert fetch_all(dsn, "SELECT count(*) FROM outbox.cursors WHERE lapses <> 0") == [(1,)]
 
@@ -157,8 +162,7 @@ def test_expired_lease_is_freed_by_housekeeping_and_taken_over_with_the_next_fen
     assert {a.fence for a in sink_b.attempts} == {2}
     row = cursor_row(dsn, bucket)
     assert (row["owner"], row["fence"], row["lapses"]) == ("worker-b", 2, 0)
-    last = fetch_all(dsn, "SELECT xid::text::bigint, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1")[0]
-    assert (row["xid"], row["seq"]) >= (int(last[0]), int(last[1])), "the cursor passed every event"
+    assert undelivered(dsn) == 0, "the cursor passed every event"
 
     # The stuck worker wakes up: it reads and delivers nothing.
     runner_a.run_once()
@@ -170,7 +174,8 @@ def test_expired_lease_is_freed_by_housekeeping_and_taken_over_with_the_next_fen
 
 def _snapshot(dsn: str) -> dict[str, Any]:
     return {
-        "cursors": fetch_all(dsn, "SELECT bucket, position_xid::text, position_seq, owner, fence, lease_expires_at, "
+        "cursors": fetch_all(dsn, "SELECT bucket, snapshot::text, target::text, after_xid::text, after_seq, owner, "
+                                  "fence, lease_expires_at, "
                                   "lapses FROM outbox.cursors ORDER BY sink, bucket"),
         "parked": fetch_all(dsn, "SELECT * FROM outbox.parked"),
         "dead": fetch_all(dsn, "SELECT * FROM outbox.dead_letters"),
@@ -183,22 +188,22 @@ def test_stale_owner_cannot_checkpoint_park_dead_letter_renew_or_release(dsn: st
     k1, k2 = keys_in_bucket(dsn, bucket, 2)
     publish(dsn, [(k1, "t", {"n": 1}), (k1, "t", {"n": 2}), (k2, "t", {"n": 3})])
     with psycopg.connect(dsn, autocommit=True) as a, psycopg.connect(dsn, autocommit=True) as b:
-        assert store.acquire_leases(a, SINK, "a", [bucket], 0.3) == {bucket: (1, 0)}
-        events, _, _ = store.fetch_events(a, SINK, "a", {bucket: 100})
+        assert leased(store.acquire_leases(a, SINK, "a", [bucket], 0.3)) == {bucket: (1, 0)}
+        events = fetch(a, SINK, "a", {bucket: 100}).events
         assert len(events) == 3
         wait_until(lambda: _lease_expired(dsn, bucket), 5.0, message="A's lease to expire")
         # Expired but nobody took it over yet: A already can neither complete nor renew.
         expired = _snapshot(dsn)
-        late = Checkpoint(fences={bucket: 1}, advance={bucket: events[-1].position},
+        late = Checkpoint(fences={bucket: 1}, advance={bucket: through(events[-1])},
                           dead=[(events[0], 1, "too late")])
         assert store.checkpoint(a, SINK, "a", late) == set()
         assert store.renew_leases(a, SINK, "a", {bucket: 1}, 30.0) == set()
         assert _snapshot(dsn) == expired
         # B takes the expired lease over directly (no housekeeping in between): fence 2, one lapse.
-        assert store.acquire_leases(b, SINK, "b", [bucket], 30.0) == {bucket: (2, 1)}
+        assert leased(store.acquire_leases(b, SINK, "b", [bucket], 30.0)) == {bucket: (2, 1)}
         before = _snapshot(dsn)
 
-        stale = Checkpoint(fences={bucket: 1}, advance={bucket: events[-1].position},
+        stale = Checkpoint(fences={bucket: 1}, advance={bucket: through(events[-1])},
                            park=[(events[0], 1, 0.0, "stale failure")], done=[events[1]],
                            dead=[(events[2], 9, "stale poison")])
         assert store.checkpoint(a, SINK, "a", stale) == set()
@@ -213,9 +218,8 @@ def test_stale_owner_cannot_checkpoint_park_dead_letter_renew_or_release(dsn: st
 
         # Control: the current owner under its fence does move the cursor.
         assert store.checkpoint(b, SINK, "b", Checkpoint(fences={bucket: 2},
-                                                         advance={bucket: events[-1].position})) == {bucket}
-        row = cursor_row(dsn, bucket)
-        assert (row["xid"], row["seq"]) == events[-1].position
+                                                         advance={bucket: through(events[-1])})) == {bucket}
+        assert cursor_row(dsn, bucket)["cursor"] == through(events[-1])
 
 
 def test_an_older_fence_of_the_same_worker_is_rejected(dsn: str) -> None:
@@ -224,17 +228,17 @@ def test_an_older_fence_of_the_same_worker_is_rejected(dsn: str) -> None:
     bucket = 9
     publish(dsn, [(k, "t", {}) for k in keys_in_bucket(dsn, bucket, 2)])
     with psycopg.connect(dsn, autocommit=True) as conn:
-        assert store.acquire_leases(conn, SINK, "a", [bucket], 0.2) == {bucket: (1, 0)}
-        events, _, _ = store.fetch_events(conn, SINK, "a", {bucket: 100})
+        assert leased(store.acquire_leases(conn, SINK, "a", [bucket], 0.2)) == {bucket: (1, 0)}
+        events = fetch(conn, SINK, "a", {bucket: 100}).events
         wait_until(lambda: _lease_expired(dsn, bucket), 5.0)
-        assert store.acquire_leases(conn, SINK, "a", [bucket], 30.0) == {bucket: (2, 1)}
-        old = Checkpoint(fences={bucket: 1}, advance={bucket: events[-1].position},
+        assert leased(store.acquire_leases(conn, SINK, "a", [bucket], 30.0)) == {bucket: (2, 1)}
+        old = Checkpoint(fences={bucket: 1}, advance={bucket: through(events[-1])},
                          dead=[(events[0], 1, "from the old generation")])
         assert store.checkpoint(conn, SINK, "a", old) == set()
         assert store.renew_leases(conn, SINK, "a", {bucket: 1}, 30.0) == set()
         assert store.release_leases(conn, SINK, "a", {bucket: 1}) == set()
     row = cursor_row(dsn, bucket)
-    assert (row["xid"], row["seq"], row["owner"], row["fence"]) == (0, 0, "a", 2)
+    assert (row["cursor"], row["owner"], row["fence"]) == (Cursor(ORIGIN), "a", 2)
     assert dead_letters(dsn) == {}
 
 
@@ -263,7 +267,7 @@ def test_runner_whose_lease_was_taken_over_mid_batch_discards_its_batch(
     assert a_result == [3]
     assert runner_a.leases.snapshot() == {}, "the fenced-out runner must forget the bucket"
     row = cursor_row(dsn, bucket)
-    assert (row["xid"], row["seq"], row["owner"], row["fence"]) == (after_b["xid"], after_b["seq"], "worker-b", 2)
+    assert (row["cursor"], row["owner"], row["fence"]) == (after_b["cursor"], "worker-b", 2)
     assert parked_ids(dsn) == set() and dead_letters(dsn) == {}
     runner_a.run_once()  # next cycle: A wants the bucket but it is B's
     assert len(sink_a.batches) == 1

@@ -96,7 +96,10 @@ def test_deduplicated_sequence_per_key_equals_the_published_one(dsn: str, pool: 
 # -- transactions that commit late -------------------------------------------------------------
 
 
-def test_late_commit_same_key_waits_and_keeps_xid_order(dsn: str, pool: ConnectionPool[Any]) -> None:
+def test_late_commit_same_key_goes_in_the_order_the_transactions_became_visible(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """T1 writes first and stays open; T2 writes the same key and commits. T2's event goes out at once
+    (T1 holds nothing back), T1's when it commits: per key, the order transactions became visible."""
     bucket = 33
     (k,) = keys_in_bucket(dsn, bucket, 1)
     sink = RecordingSink("w")
@@ -105,21 +108,20 @@ def test_late_commit_same_key_waits_and_keeps_xid_order(dsn: str, pool: Connecti
     with psycopg.connect(dsn) as t1:
         a = outbox.publish(t1, type="t", key=k, payload={"n": "a"}).id  # T1 writes first, stays open
         (b,) = publish(dsn, [(k, "t", {"n": "b"})])  # T2 writes second and commits
+        run_until(runner, lambda: sink.delivered_ids() == {b})
         for _ in range(3):
             runner.run_once()
-        assert sink.attempts == [], "b went out while a, written earlier on the same key, was uncommitted"
-        assert (cursor_row(dsn, bucket)["xid"], cursor_row(dsn, bucket)["seq"]) == (0, 0)
+        assert [x.event_id for x in sink.attempts] == [b], "a went out before its transaction committed"
     # T1 committed.
     run_until(runner, lambda: sink.delivered_ids() == {a, b})
-    assert [x.event_id for x in sink.attempts] == [a, b]
+    assert [x.event_id for x in sink.attempts] == [b, a]
+    assert cursor_row(dsn, bucket)["cursor"].delivered(*_position(dsn, a))
 
 
 def test_event_of_a_transaction_that_commits_late_is_not_skipped(dsn: str, pool: ConnectionPool[Any]) -> None:
-    """T1 takes its xid first, T2 publishes and commits, the relay runs, then T1 publishes and commits.
-
-    T1's event sits before T2's in position order although it got a later seq and committed later: a
-    relay that read T2's event and moved its cursor past it would never see T1's event (loss).
-    """
+    """T1 takes its xid first, T2 publishes and commits, the relay delivers it and checkpoints, then T1
+    publishes and commits. T1's event has the older xid: a relay that moved a position past T2's event
+    would never read it (loss). It is in the next delta, because T1 was in the snapshot's xip."""
     bucket = 34
     k, other = keys_in_bucket(dsn, bucket, 2)
     sink = RecordingSink("w")
@@ -128,14 +130,19 @@ def test_event_of_a_transaction_that_commits_late_is_not_skipped(dsn: str, pool:
     with psycopg.connect(dsn) as t1:
         t1.execute("SELECT pg_current_xact_id()")  # T1's business write: it has its xid now
         (b,) = publish(dsn, [(other, "t", {"n": "b"})])
-        for _ in range(3):
-            runner.run_once()
+        run_until(runner, lambda: sink.delivered_ids() == {b})
+        assert cursor_row(dsn, bucket)["cursor"].delivered(*_position(dsn, b)), "b was checkpointed"
         a = outbox.publish(t1, type="t", key=k, payload={"n": "a"}).id
         runner.run_once()
     run_until(runner, lambda: sink.delivered_ids() == {a, b})
-    assert [x.event_id for x in sink.attempts] == [a, b], "position order is xid order"
-    seq = dict(fetch_all(dsn, "SELECT id, seq FROM outbox.events"))
-    assert seq[a] > seq[b], "the scenario needs T1's event to have the later seq"
+    assert [x.event_id for x in sink.attempts] == [b, a]
+    xid = dict(fetch_all(dsn, "SELECT id, xid::text::bigint FROM outbox.events"))
+    assert xid[a] < xid[b], "the scenario needs T1's event to have the older transaction id"
+
+
+def _position(dsn: str, event_id: Any) -> tuple[int, int]:
+    [(xid, seq)] = fetch_all(dsn, "SELECT xid::text::bigint, seq FROM outbox.events WHERE id = %s", (event_id,))
+    return int(xid), int(seq)
 
 
 def test_rolled_back_events_are_never_delivered_and_do_not_stall(dsn: str, pool: ConnectionPool[Any]) -> None:

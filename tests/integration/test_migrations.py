@@ -138,7 +138,8 @@ def test_snapshot_equals_all_migrations(database_factory: Callable[..., str]) ->
      "LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT RETURN (hashtextextended(partition_key, 0) & 127)::integer",
      "functions"),
     ("DROP TRIGGER events_notify ON outbox.events; CREATE TRIGGER events_notify AFTER INSERT ON outbox.events "
-     "FOR EACH ROW EXECUTE FUNCTION outbox.notify_events_v1()", "triggers"),
+     "REFERENCING NEW TABLE AS new_events FOR EACH STATEMENT EXECUTE FUNCTION outbox.notify_events_v2(); "
+     "ALTER TABLE outbox.events DISABLE TRIGGER events_notify", "triggers"),
     ("COMMENT ON TABLE outbox.events IS 'the log'", "comments"),
 ])
 def test_catalog_comparison_sees_changes(dsn: str, change: str, section: str) -> None:

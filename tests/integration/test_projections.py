@@ -34,6 +34,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     pool_fixture,
     publish,
     run_until,
+    undelivered,
 )
 
 TOTALS = """
@@ -175,10 +176,7 @@ def test_events_are_applied_once_in_order_with_the_checkpoint(dsn: str, pool: Co
     assert len(log) == len(ids) and {e for e, _ in log} == set(ids), "each event applied exactly once"
     want = per_key(list(zip(ids, [k for k, _, _ in events], strict=True)))
     assert per_key(log) == want, "per key, applied in publish order"
-    pending = fetch_all(dsn, "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c "
-                             "ON c.sink = 'order_totals' AND c.bucket = e.bucket "
-                             "WHERE (e.xid, e.seq) > (c.position_xid, c.position_seq)")
-    assert pending == [(0,)], "the cursors moved past every applied event"
+    assert undelivered(dsn, "order_totals") == 0, "the cursors moved past every applied event"
 
 
 def test_a_fenced_out_batch_rolls_back_the_handlers_writes(dsn: str, pool: ConnectionPool[Any]) -> None:
@@ -355,9 +353,7 @@ def test_a_projection_moves_past_events_it_does_not_want_so_retention_can_delete
     r = runner(apply, dsn, pool)
 
     def behind() -> int:
-        return int(fetch_all(dsn, "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c "
-                                  "ON c.sink = 'rare' AND c.bucket = e.bucket "
-                                  "WHERE (e.xid, e.seq) > (c.position_xid, c.position_seq)")[0][0])
+        return undelivered(dsn, "rare")
 
     run_until(r, lambda: behind() == 0)
     assert seen == []

@@ -33,6 +33,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     pool_fixture,
     run_until,
     runner_for,
+    undelivered,
 )
 from tests.servers import KafkaServer, consume_all, create_topic
 
@@ -50,10 +51,7 @@ def kafka_sink(kafka_bootstrap: str) -> Iterator[KafkaSink]:
 
 def all_handled(dsn: str) -> bool:
     """Every event is behind the Kafka sink's cursor and nothing is parked."""
-    behind = fetch_all(dsn, "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s "
-                            "AND c.bucket = e.bucket WHERE (e.xid, e.seq) > (c.position_xid, c.position_seq)",
-                       (KAFKA,))
-    return behind == [(0,)] and not parked_ids(dsn, KAFKA)
+    return undelivered(dsn, KAFKA) == 0 and not parked_ids(dsn, KAFKA)
 
 
 def test_messages_carry_the_partition_key_and_cloudevents_headers_in_key_order(

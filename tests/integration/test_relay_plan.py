@@ -1,4 +1,4 @@
-"""Plan regression: the relay's read (fetch_events) stays an index range scan per leased bucket.
+"""Plan regression: the relay's read (fetch_events) stays index probes and one range scan per leased bucket.
 
 With a couple of hundred thousand stored events, most of them delivered history to the left of the
 cursors, the read must walk ``events_position`` from each cursor (no sequential scan, no sort, no
@@ -15,8 +15,9 @@ import psycopg
 import pytest
 
 from outbox_relay import store
+from outbox_relay.positions import Cursor
 from outbox_relay.sqlfiles import query
-from tests.integration.relay_helpers import SINK
+from tests.integration.relay_helpers import DELIVER_ALL_SQL, SINK
 
 ROWS = 200_000
 LEASED = list(range(0, 256, 4))  # 64 buckets
@@ -40,15 +41,22 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
         conn.execute("VACUUM ANALYZE outbox.events")
         store.register_sink(conn, SINK, "projection")
         assert len(store.acquire_leases(conn, SINK, "w", LEASED, 600.0)) == len(LEASED)
-        conn.execute("""
-            UPDATE outbox.cursors c SET position_xid = s.xid, position_seq = s.seq
+        # Each cursor sits PENDING_PER_BUCKET events before the end of its bucket.
+        starts = conn.execute("""
+            SELECT bucket, xid::text::bigint, seq
             FROM (SELECT bucket, xid, seq,
                          count(*) OVER (PARTITION BY bucket) - row_number() OVER (PARTITION BY bucket
                                                                                    ORDER BY xid, seq) AS after
                   FROM outbox.events) s
-            WHERE c.sink = %s AND c.bucket = s.bucket AND s.after = %s""", (SINK, PENDING_PER_BUCKET))
+            WHERE s.after = %s""", (PENDING_PER_BUCKET,)).fetchall()
+        cursors = {b: Cursor.at((int(x), int(s) + 1)) for b, x, s in starts}
         conn.execute("SET plan_cache_mode = force_custom_plan")  # as the relay's pool does
+        reads = {b: (LIMIT, cursors[b]) for b in LEASED}
         params = {"sink": SINK, "worker": "w", "buckets": LEASED, "limits": [LIMIT] * len(LEASED),
+                  "seen": [cursors[b].params()[0] for b in LEASED],
+                  "targets": [cursors[b].params()[1] for b in LEASED],
+                  "after_xids": [cursors[b].params()[2] for b in LEASED],
+                  "after_seqs": [cursors[b].params()[3] for b in LEASED],
                   "types": list(wanted.types) if wanted and wanted.types else None, "topics": None}
         sql = query("relay", "fetch_events")
         row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchone()
@@ -56,7 +64,7 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
         doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
         root = doc[0]["Plan"]
         # The same statement as the relay runs it returns what the plan promises.
-        events, _, _ = store.fetch_events(conn, SINK, "w", {b: LIMIT for b in LEASED}, wanted)
+        events = store.fetch_events(conn, SINK, "w", reads, wanted).events
 
     all_nodes = list(nodes(root))
     on_events = [n for n in all_nodes if n.get("Relation Name") == "events"]
@@ -67,10 +75,13 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
                 and n.get("Relation Name") == "events"], "the read scans the events table"
     assert not [n for n in all_nodes if n["Node Type"] in ("Sort", "Incremental Sort")
                 and any(c.get("Relation Name") == "events" for c in nodes(n))], "the read sorts events"
-    scan = on_events[0]
-    assert scan["Actual Loops"] == len(LEASED), "one index range per leased bucket"
+    # Two probes per bucket: the transactions open at the cursor's snapshot (none here), and the range
+    # after its xmax, which returns the rows.
+    assert all(n["Actual Loops"] == len(LEASED) for n in on_events), "one index probe or range per leased bucket"
+    scan = max(on_events, key=lambda n: n["Actual Rows"])
     assert scan.get("Rows Removed by Filter", 0) <= len(LEASED), "history before the cursor must not be read"
-    assert root["Actual Rows"] == len(events) == LIMIT * len(LEASED)
+    assert len(events) == LIMIT * len(LEASED)
+    assert root["Actual Rows"] == len(events) + 1, "the rows, and the one that carries the snapshot"
     touched = root.get("Shared Hit Blocks", 0) + root.get("Shared Read Blocks", 0)
     assert touched < 40 * len(LEASED), f"{touched} buffers for {len(events)} rows: the read is not a range scan"
 
@@ -92,8 +103,7 @@ def test_retention_walks_events_created_at_and_stops_at_its_limit(dsn: str) -> N
                          "FROM generate_series(%s::int, %s::int) AS g", (start, start + 49_999))
         conn.execute("RESET session_replication_role")
         # Every sink delivered everything; a few events stay parked and dead-lettered (pinned).
-        conn.execute("UPDATE outbox.cursors c SET position_xid = m.xid, position_seq = m.seq "
-                     "FROM (SELECT xid, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1) m")
+        conn.execute(DELIVER_ALL_SQL)
         conn.execute("INSERT INTO outbox.parked (sink, bucket, xid, seq, partition_key, event_id) "
                      "SELECT 'second', bucket, xid, seq, partition_key, id FROM outbox.events "
                      "ORDER BY created_at LIMIT 50")

@@ -162,19 +162,20 @@ def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]
 
     # ... and, whatever a handler runs in its transaction, the read-model role can not delete events,
     # move the Kafka sink's progress, stop or take over housekeeping, or plant objects in public.
-    kafka_cursors = _rows(dsn, "SELECT bucket, position_xid::text, position_seq FROM outbox.cursors "
-                               "WHERE sink = 'kafka' ORDER BY bucket")
+    cursors_sql = ("SELECT bucket, snapshot::text, target::text, after_xid::text, after_seq FROM outbox.cursors "
+                   "WHERE sink = 'kafka' ORDER BY bucket")
+    kafka_cursors = _rows(dsn, cursors_sql)
     with psycopg.connect(rm_dsn, autocommit=True) as rm:
         for forbidden in ("DELETE FROM outbox.events",
                           "UPDATE outbox.housekeeping SET run_by = 'me'",
                           "CREATE FUNCTION public.lower(text) RETURNS text LANGUAGE sql RETURN $1"):
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 rm.execute(forbidden)
-        assert rm.execute("UPDATE outbox.cursors SET position_seq = 0, owner = 'me' WHERE sink = 'kafka'").rowcount == 0
+        moved = rm.execute("UPDATE outbox.cursors SET snapshot = '1:1:', owner = 'me' WHERE sink = 'kafka'")
+        assert moved.rowcount == 0
         assert rm.execute("DELETE FROM outbox.sinks WHERE name = 'kafka'").rowcount == 0
         assert rm.execute("SELECT count(*) FROM outbox.parked WHERE sink = 'kafka'").fetchone() == (0,)
-    assert _rows(dsn, "SELECT bucket, position_xid::text, position_seq FROM outbox.cursors "
-                      "WHERE sink = 'kafka' ORDER BY bucket") == kafka_cursors
+    assert _rows(dsn, cursors_sql) == kafka_cursors
     with ConnectionPool(rm_dsn, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
         assert Housekeeping(pool, make_settings(rm_dsn, "p")).run_once().ran is False
     owners = _rows(dsn, "SELECT schemaname, tableowner FROM pg_tables "
