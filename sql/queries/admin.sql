@@ -28,13 +28,23 @@ GROUP BY s.name, s.kind
 ORDER BY s.name;
 
 -- name: horizon_holder
--- The oldest open writing transaction: relays read nothing newer until it ends.
-SELECT pid, usename, application_name, state,
-       round(extract(epoch FROM clock_timestamp() - xact_start)::numeric, 1) AS open_seconds,
-       left(query, 120) AS query
-FROM pg_stat_activity
-WHERE backend_xid IS NOT NULL
-ORDER BY age(backend_xid) DESC
+-- The oldest open writing transaction, a session's or a prepared one: relays read nothing newer
+-- until it ends. No query text: it may show other roles' data (and secrets in literals).
+WITH holders AS (
+    -- Sessions whose transaction has written (only those have a transaction id).
+    SELECT pid, usename::text AS role, datname::text AS database, application_name AS application, state,
+           xact_start AS since, backend_xid AS xid, false AS prepared, NULL::text AS gid
+    FROM pg_stat_activity
+    WHERE backend_xid IS NOT NULL
+    UNION ALL
+    -- Prepared (two-phase) transactions: no session left, held until COMMIT/ROLLBACK PREPARED.
+    SELECT NULL, owner::text, database::text, NULL, 'prepared', prepared, transaction, true, gid
+    FROM pg_prepared_xacts
+)
+SELECT pid, role, application, state,
+       round(extract(epoch FROM clock_timestamp() - since)::numeric, 1) AS open_seconds, prepared, gid, database
+FROM holders
+ORDER BY age(xid) DESC
 LIMIT 1;
 
 -- name: dead_letters_by_key

@@ -1,12 +1,14 @@
 """Connecting goes wrong: the reason in one line (``connection_problem``), and never the password.
 
 Real errors only: a private PostgreSQL 18 (from the embedded wheel) with password authentication for
-one role, which the session's server (trust authentication) can not give; the session's server for
-the failures that need no password (connection limit, missing database, nothing listening)."""
+one role and prepared transactions enabled, which the session's server (trust authentication) can
+not give; the session's server for the failures that need no password (connection limit, missing
+database, nothing listening)."""
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import uuid
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from outbox_relay import cli
 from outbox_relay.dsn import connection_problem, probe_connection, remember_dsn
+from outbox_relay.migrate import migrate
 from tests.servers import EmbeddedPg, PgServer, free_port
 
 ROLE = "outbox_pw_user"
@@ -116,6 +119,29 @@ def test_pool_warnings_and_log_lines_are_masked(private: PrivateServer) -> None:
     logged = stream.getvalue()
     assert "invalid percent-encoded token" in logged, logged
     assert "Unparse" not in logged and "Secret" not in logged, logged
+
+
+def test_status_shows_a_prepared_transaction(private: PrivateServer, capsys: pytest.CaptureFixture[str]) -> None:
+    dbname = f"outbox_prepared_{uuid.uuid4().hex[:8]}"
+    with private.server.admin() as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+    dsn = private.keywords(RIGHT, dbname)
+    migrate(dsn)
+    gid = f"forgotten-{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE ledger (v int)")
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO ledger VALUES (1)")
+        conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+    try:
+        assert cli.main(["status", "--dsn", dsn, "--json"]) == cli.EXIT_OK
+        holders = json.loads(capsys.readouterr().out)["oldest open transaction (holds back delivery)"]
+        assert len(holders) == 1 and holders[0]["prepared"] is True, holders
+        assert holders[0]["gid"] == gid and holders[0]["pid"] is None and holders[0]["database"] == dbname
+        assert holders[0]["state"] == "prepared" and holders[0]["role"] == ROLE, holders
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
 
 
 # -- the other causes, on the session's server ----------------------------------------------------

@@ -1,8 +1,10 @@
 """Every command that reads the database, against databases in the states an operator meets: not
-migrated (one line: run `outbox-relay migrate`, exit 2), a role without rights (one line, exit 2)."""
+migrated (one line: run `outbox-relay migrate`, exit 2), a role without rights (one line, exit 2),
+and `status` naming the transaction that holds delivery back without showing its SQL."""
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,7 +15,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from outbox_relay import cli
-from tests.servers import PgServer
+from tests.servers import PgServer, wait_until
 
 APP = ["--projections", "tests.integration.projection_app"]
 
@@ -77,3 +79,30 @@ def test_a_role_without_rights_gets_one_line(dsn: str, pg_server: PgServer, caps
         with pg_server.admin() as admin:
             admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
+
+def test_status_names_the_open_transaction_without_its_sql(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    secret_literal = "T0p-Secret-Literal"
+    with psycopg.connect(dsn) as other:
+        other.execute("SET application_name = 'nightly-batch'")
+        other.execute("CREATE TEMP TABLE scratch (v text)")
+        other.execute(f"INSERT INTO scratch VALUES ('{secret_literal}')")  # a literal in the query text
+        pid = other.info.backend_pid
+
+        def ours() -> str | None:
+            # The oldest writing transaction of the whole server: on a shared server, wait out others' short ones.
+            assert cli.main(["status", "--dsn", dsn, "--json"]) == cli.EXIT_OK
+            text = capsys.readouterr().out
+            holders = json.loads(text)["oldest open transaction (holds back delivery)"]
+            return text if holders and holders[0]["pid"] == pid else None
+
+        out = wait_until(ours, 10, 0.2, "status to name this test's transaction")
+        assert cli.main(["status", "--dsn", dsn]) == cli.EXIT_OK
+        table = capsys.readouterr().out
+    assert secret_literal not in out and secret_literal not in table
+    holders = json.loads(out)["oldest open transaction (holds back delivery)"]
+    assert len(holders) == 1, holders
+    holder = holders[0]
+    assert holder["pid"] == pid and holder["application"] == "nightly-batch" and holder["prepared"] is False, holder
+    assert holder["state"] == "idle in transaction" and holder["database"] is not None, holder
+    assert float(holder["open_seconds"]) >= 0 and "query" not in holder, holder
+    assert "nightly-batch" in table
