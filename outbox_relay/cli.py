@@ -131,6 +131,16 @@ def _int_between(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:100]!r}") from None
+    if not 0.02 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be 0.02-3600 seconds, not {text[:100]}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outbox-relay", description=__doc__)
     parser.add_argument("--log-level", type=_log_level, default="info",
@@ -179,10 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", default=None, help="only this partition key")
     p.add_argument("--to-topic", default=None, help="produce to this topic instead of the events' own")
 
-    p = sub.add_parser("sinks", help="list sinks, or drop a retired one (its progress, retries, dead letters)")
+    p = sub.add_parser("sinks", help="list sinks; drop a retired one (its progress, retries, dead letters), or "
+                                     "recreate a dropped one")
     _dsn_arg(p)
-    p.add_argument("action", choices=["list", "drop"])
-    p.add_argument("name", nargs="?", default=None, help="the sink to drop")
+    p.add_argument("action", choices=["list", "drop", "recreate"])
+    p.add_argument("name", nargs="?", default=None, help="the sink to drop or recreate")
+    p.add_argument("--force", action="store_true",
+                   help="drop a sink that relays still run or hold leases on: its pending events, parked events and "
+                        "dead letters are lost, and a relay still running it stops")
+    p.add_argument("--worker-ttl-seconds", type=_seconds, default=None, metavar="SECONDS",
+                   help="a relay heard from within this long still runs the sink (0.02-3600; default: the relays' "
+                        f"setting from {env_var('worker_ttl_seconds')}, else 10)")
 
     p = sub.add_parser("dead-letters", help="list, retry or discard dead letters")
     _dsn_arg(p)
@@ -339,7 +356,7 @@ def cmd_lag(args: argparse.Namespace) -> int:
         if args.sink:
             rows = [r for r in rows if r[0] == args.sink]
             if not rows:
-                raise OutboxError(f"no sink named {args.sink!r}")
+                _no_such_sink(conn, args.sink)
     if args.json:
         print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=2))
     else:
@@ -347,18 +364,87 @@ def cmd_lag(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _no_such_sink(conn: psycopg.Connection[Any], name: str) -> None:
+    _, found = _rows(conn, "admin", "sink", {"sink": name})
+    if found and found[0][1] is not None:
+        raise OutboxError(f"sink {name!r} was dropped at {found[0][1]:%Y-%m-%d %H:%M:%S%z}")
+    raise OutboxError(f"no sink named {name!r}")
+
+
 def cmd_sinks(args: argparse.Namespace) -> int:
-    with _database(_dsn(args)) as conn:
-        if args.action == "list":
-            cols, rows = _rows(conn, "admin", "backlog")
-            _print_table([r[:3] for r in rows], cols[:3]) if rows else print("no sinks")
-            return EXIT_OK
-        if not args.name:
-            raise ConfigurationError("sinks drop needs the sink's name")
-        _, rows = _rows(conn, "admin", "drop_sink", {"sink": args.name})
-    if not rows:
-        raise OutboxError(f"no sink named {args.name!r}")
-    print(f"dropped sink {args.name!r} ({rows[0][0]}): its cursors, parked events and dead letters are gone")
+    dsn = _dsn(args)
+    if args.action == "list":
+        with _database(dsn) as conn:
+            cols, rows = _rows(conn, "admin", "sinks")
+        _print_table(rows, cols) if rows else print("no sinks")
+        return EXIT_OK
+    if not args.name:
+        raise ConfigurationError(f"sinks {args.action} needs the sink's name")
+    with _database(dsn) as conn, conn.transaction():
+        if args.action == "recreate":
+            return _recreate_sink(conn, args.name)
+        return _drop_sink(conn, args.name, args.force, _worker_ttl(args))
+
+
+def _worker_ttl(args: argparse.Namespace) -> float:
+    if args.worker_ttl_seconds is not None:
+        return float(args.worker_ttl_seconds)
+    text = os.environ.get(env_var("worker_ttl_seconds"))
+    try:
+        return _seconds(text) if text else float(RelaySettings.model_fields["worker_ttl_seconds"].default)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigurationError(f"{env_var('worker_ttl_seconds')}: {exc}") from None
+
+
+def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float) -> int:
+    """Tombstone a sink, unless relays still use it (then only with ``force``). One transaction: the
+    sink's row and cursors are locked before anything is checked."""
+    params = {"sink": name, "ttl": ttl}
+    _, found = _rows(conn, "admin", "lock_sink", params)
+    if not found:
+        raise OutboxError(f"no sink named {name!r}")
+    kind, dropped_at = found[0]
+    if dropped_at is not None:
+        print(f"sink {name!r} was already dropped at {dropped_at:%Y-%m-%d %H:%M:%S%z}")
+        return EXIT_OK
+    _rows(conn, "admin", "lock_sink_cursors", params)
+    _, workers = _rows(conn, "admin", "sink_workers", params)
+    _, leases = _rows(conn, "admin", "sink_leases", params)
+    _, rebuilds = _rows(conn, "admin", "sink_rebuild", params)
+    _, losses = _rows(conn, "admin", "sink_losses", params)
+    pending, parked, dead = losses[0]
+    users = [f"relay {w} ({status}, heard from {seen}s ago) runs it" for w, status, seen in workers]
+    users += [f"{n} bucket(s) leased by {owner}" for owner, n in leases]
+    users += [f"a rebuild of it (sink {sink!r}, started {started:%Y-%m-%d %H:%M}) is in progress and would switch "
+              f"over into it: `outbox-relay rebuild {name} --cancel` first" for sink, started in rebuilds]
+    cost = (f"{pending} pending event(s) never reach it, {parked} parked event(s) and {dead} dead letter(s) "
+            "are deleted")
+    if users and not force:
+        raise OutboxError(f"sink {name!r} is in use: " + "; ".join(users) + ". Stop those relays (or take the sink "
+                          f"out of their configuration) and run this again, or pass --force: {cost}, and a relay "
+                          "still running it stops")
+    _, dropped = _rows(conn, "admin", "drop_sink", params)
+    _, parked, dead, rebuild_of, shadow = dropped[0]
+    cost = (f"{pending} pending event(s) never reach it, {parked} parked event(s) and {dead} dead letter(s) "
+            "deleted")
+    print(f"dropped sink {name!r} ({kind}): {cost}" + (f"; it was in use ({'; '.join(users)}): a relay still "
+                                                        "running it stops" if users else ""))
+    if rebuild_of is not None:
+        print(f"the rebuild of {rebuild_of!r} it belonged to is abandoned; its copies stay in schema {shadow!r} "
+              "until the next rebuild of it")
+    print(f"`outbox-relay sinks recreate {name}` lets a relay register it again, from the oldest retained event")
+    return EXIT_OK
+
+
+def _recreate_sink(conn: psycopg.Connection[Any], name: str) -> int:
+    _, found = _rows(conn, "admin", "lock_sink", {"sink": name})
+    if not found:
+        raise OutboxError(f"no sink named {name!r}")
+    if found[0][1] is None:
+        raise OutboxError(f"sink {name!r} is not dropped: nothing to recreate")
+    _rows(conn, "admin", "recreate_sink", {"sink": name})
+    print(f"sink {name!r} ({found[0][0]}) recreated: the next relay that runs it registers it anew and delivers to "
+          "it from the oldest retained event")
     return EXIT_OK
 
 

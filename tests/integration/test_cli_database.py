@@ -29,6 +29,7 @@ READ_COMMANDS = [
     ["dead-letters", "discard", "--sink", "kafka", "--all"],
     ["sinks", "list"],
     ["sinks", "drop", "kafka"],
+    ["sinks", "recreate", "kafka"],
     ["rebuild", "order_totals", *APP],
     ["rebuild", "order_totals", *APP, "--key", "k"],
     ["rebuild", "order_totals", *APP, "--cancel"],

@@ -41,6 +41,7 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
     (["dead-letters", "list", "--limit", "-1"], "argument --limit: must be 1-10000, not -1"),
     (["dead-letters", "list", "--limit", "lots"], "argument --limit: not an integer"),
     (["dead-letters", "retry", "--sink", "kafka", "--event", "not-a-uuid"], "an event id is a UUID, not 'not-a-uuid'"),
+    (["sinks", "drop", "x", "--worker-ttl-seconds", "inf"], "must be 0.02-3600 seconds"),
     (["run", "--lease-seconds", "inf"], "lease_seconds (--lease-seconds, OUTBOX_LEASE_SECONDS): Input should be a "
                                         "finite number"),
     (["run", "--poll-seconds", "1e12"], "--poll-seconds, OUTBOX_POLL_SECONDS): Input should be less than or equal "
