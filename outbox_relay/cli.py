@@ -18,7 +18,8 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
+from datetime import date, datetime
+from decimal import Decimal
 from types import FrameType
 from typing import Any
 
@@ -141,12 +142,32 @@ def _seconds(text: str) -> float:
     return value
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("outbox-relay")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
+def _global_options(parser: argparse.ArgumentParser, default: Callable[[Any], Any]) -> None:
+    parser.add_argument("--log-level", type=_log_level, default=default("info"),
+                        help="debug, info, warning, error (debug also prints the traceback of an unexpected error)")
+    parser.add_argument("--log-json", action="store_true", default=default(False),
+                        help="one JSON object per log line")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outbox-relay", description=__doc__)
-    parser.add_argument("--log-level", type=_log_level, default="info",
-                        help="debug, info, warning, error (debug also prints the traceback of an unexpected error)")
-    parser.add_argument("--log-json", action="store_true", help="one JSON object per log line")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    _global_options(parser, lambda value: value)
+    # The same options after the command (`outbox-relay status --log-level debug`); SUPPRESS keeps a
+    # subcommand that was not given them from resetting what came before the command.
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, lambda _value: argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_parser_with(common))
 
     p = sub.add_parser("migrate", help="create or update the outbox schema (safe to run concurrently)")
     _dsn_arg(p)
@@ -192,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sinks", help="list sinks; drop a retired one (its progress, retries, dead letters), or "
                                      "recreate a dropped one")
     _dsn_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output (list)")
     p.add_argument("action", choices=["list", "drop", "recreate"])
     p.add_argument("name", nargs="?", default=None, help="the sink to drop or recreate")
     p.add_argument("--force", action="store_true",
@@ -301,8 +323,54 @@ def _rows(conn: psycopg.Connection[Any], group: str, name: str, params: dict[str
         return cols, list(cur.fetchall())
 
 
+def _parser_with(common: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
+    class Subcommand(argparse.ArgumentParser):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(parents=[common], **kwargs)
+
+    return Subcommand
+
+
+def _json_value(value: Any) -> Any:
+    """Numbers as numbers, times in ISO 8601, ids as strings."""
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(_json_value(value), indent=2))
+
+
+def _records(cols: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+    return [dict(zip(cols, r, strict=True)) for r in rows]
+
+
+def _cell(value: Any) -> str:
+    """A table cell: no Python reprs (lists and mappings as plain text)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, datetime):
+        return value.isoformat(sep=" ", timespec="seconds")
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_cell(v)}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(_cell(v) for v in value)
+    return " ".join(str(value).split())  # one line per row
+
+
 def _print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
-    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r] for r in rows]
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for i, r in enumerate(cells):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
@@ -313,17 +381,19 @@ def _print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     with _database(_dsn(args)) as conn:
         sections = {
-            "workers": _rows(conn, "admin", "workers"),
-            "backlog": _rows(conn, "admin", "backlog"),
-            "oldest open transaction (holds back delivery)": _rows(conn, "admin", "horizon_holder"),
-            "dead letters by key": _rows(conn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20}),
-            "rebuilds in progress": _rows(conn, "admin", "rebuilds"),
+            # JSON key, title, rows
+            "workers": ("workers", _rows(conn, "admin", "workers")),
+            "backlog": ("backlog", _rows(conn, "admin", "backlog")),
+            "oldest_open_transaction": ("oldest open transaction (holds back delivery)",
+                                        _rows(conn, "admin", "horizon_holder")),
+            "dead_letters_by_key": ("dead letters by key",
+                                    _rows(conn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20})),
+            "rebuilds": ("rebuilds in progress", _rows(conn, "admin", "rebuilds")),
         }
     if args.json:
-        print(json.dumps({k: [dict(zip(c, r, strict=True)) for r in rows] for k, (c, rows) in sections.items()},
-                         default=str, indent=2))
+        _print_json({key: _records(cols, rows) for key, (_, (cols, rows)) in sections.items()})
         return EXIT_OK
-    for title, (cols, rows) in sections.items():
+    for title, (cols, rows) in sections.values():
         print(f"\n{title}:")
         _print_table(rows, cols) if rows else print("  (none)")
     return EXIT_OK
@@ -335,7 +405,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
             params = {"sink": args.sink, "key": args.key, "limit": args.limit}
             cols, rows = _rows(conn, "admin", "dead_letters", params)
             if args.json:
-                print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=2))
+                _print_json(_records(cols, rows))
             else:
                 _print_table(rows, cols) if rows else print("no dead letters")
             return EXIT_OK
@@ -358,7 +428,7 @@ def cmd_lag(args: argparse.Namespace) -> int:
             if not rows:
                 _no_such_sink(conn, args.sink)
     if args.json:
-        print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=2))
+        _print_json(_records(cols, rows))
     else:
         _print_table(rows, cols) if rows else print("no sinks")
     return EXIT_OK
@@ -376,7 +446,10 @@ def cmd_sinks(args: argparse.Namespace) -> int:
     if args.action == "list":
         with _database(dsn) as conn:
             cols, rows = _rows(conn, "admin", "sinks")
-        _print_table(rows, cols) if rows else print("no sinks")
+        if args.json:
+            _print_json(_records(cols, rows))
+        else:
+            _print_table(rows, cols) if rows else print("no sinks")
         return EXIT_OK
     if not args.name:
         raise ConfigurationError(f"sinks {args.action} needs the sink's name")

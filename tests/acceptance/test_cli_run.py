@@ -4,6 +4,7 @@ its output, whatever shape the secret has or wherever it comes from."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -98,3 +99,9 @@ def test_kafka_secrets_from_options_files_and_the_environment_are_never_printed(
         assert secret not in output, (secret, output)
     assert "F1le-Secret" not in " ".join(relay.proc.args), "the file's content stays out of the command line"
 
+
+
+def test_python_dash_m_outbox_relay_is_the_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "outbox_relay", "--version"], capture_output=True, text=True,
+                            timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0 and result.stdout.strip() == "outbox-relay 0.1.0", result

@@ -135,7 +135,7 @@ def test_status_shows_a_prepared_transaction(private: PrivateServer, capsys: pyt
         conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
     try:
         assert cli.main(["status", "--dsn", dsn, "--json"]) == cli.EXIT_OK
-        holders = json.loads(capsys.readouterr().out)["oldest open transaction (holds back delivery)"]
+        holders = json.loads(capsys.readouterr().out)["oldest_open_transaction"]
         assert len(holders) == 1 and holders[0]["prepared"] is True, holders
         assert holders[0]["gid"] == gid and holders[0]["pid"] is None and holders[0]["database"] == dbname
         assert holders[0]["state"] == "prepared" and holders[0]["role"] == ROLE, holders

@@ -8,6 +8,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime
 
 import psycopg
 import pytest
@@ -93,17 +94,57 @@ def test_status_names_the_open_transaction_without_its_sql(dsn: str, capsys: pyt
             # The oldest writing transaction of the whole server: on a shared server, wait out others' short ones.
             assert cli.main(["status", "--dsn", dsn, "--json"]) == cli.EXIT_OK
             text = capsys.readouterr().out
-            holders = json.loads(text)["oldest open transaction (holds back delivery)"]
+            holders = json.loads(text)["oldest_open_transaction"]
             return text if holders and holders[0]["pid"] == pid else None
 
         out = wait_until(ours, 10, 0.2, "status to name this test's transaction")
         assert cli.main(["status", "--dsn", dsn]) == cli.EXIT_OK
         table = capsys.readouterr().out
     assert secret_literal not in out and secret_literal not in table
-    holders = json.loads(out)["oldest open transaction (holds back delivery)"]
+    holders = json.loads(out)["oldest_open_transaction"]
     assert len(holders) == 1, holders
     holder = holders[0]
     assert holder["pid"] == pid and holder["application"] == "nightly-batch" and holder["prepared"] is False, holder
     assert holder["state"] == "idle in transaction" and holder["database"] is not None, holder
     assert float(holder["open_seconds"]) >= 0 and "query" not in holder, holder
     assert "nightly-batch" in table
+
+
+def test_json_has_numbers_times_and_snake_case_keys_and_tables_no_reprs(dsn: str,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from outbox_relay import store
+    from tests.integration.relay_helpers import publish
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        store.register_sink(conn, "kafka", "kafka")
+        store.heartbeat(conn, "relay-a", "alive", ["kafka"], {})
+        store.acquire_leases(conn, "kafka", "relay-a", range(0, 7), 30.0)
+    publish(dsn, [("k", "t", {})])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT bucket, xid, seq, partition_key, id FROM outbox.events").fetchone()
+        assert row is not None
+        b, x, s, k, i = row
+        conn.execute("INSERT INTO outbox.dead_letters (sink, event_id, bucket, xid, seq, partition_key, attempts, "
+                     "last_error) VALUES ('kafka', %s, %s, %s, %s, %s, 3, 'boom')", (i, b, x, s, k))
+
+    assert cli.main(["status", "--dsn", dsn, "--json"]) == cli.EXIT_OK
+    status = json.loads(capsys.readouterr().out)
+    assert list(status) == ["workers", "backlog", "oldest_open_transaction", "dead_letters_by_key", "rebuilds"]
+    worker = status["workers"][0]
+    assert worker["sinks"] == ["kafka"] and worker["buckets"] == {"kafka": 7}, worker
+    assert isinstance(worker["seen_seconds_ago"], int | float), worker
+    backlog = status["backlog"][0]
+    assert backlog["pending"] == 1 and backlog["leased_buckets"] == 7 and backlog["dead_letters"] == 1, backlog
+    assert isinstance(backlog["oldest_pending_seconds"], int | float), backlog
+    assert datetime.fromisoformat(status["dead_letters_by_key"][0]["last_dead_at"]).tzinfo is not None
+
+    assert cli.main(["dead-letters", "list", "--dsn", dsn, "--json"]) == cli.EXIT_OK
+    (dead,) = json.loads(capsys.readouterr().out)
+    assert dead["event_id"] == str(i) and dead["attempts"] == 3 and datetime.fromisoformat(dead["dead_at"])
+    assert cli.main(["sinks", "list", "--dsn", dsn, "--json"]) == cli.EXIT_OK
+    (sink,) = json.loads(capsys.readouterr().out)
+    assert sink["sink"] == "kafka" and sink["dropped_at"] is None and datetime.fromisoformat(sink["created_at"])
+
+    assert cli.main(["status", "--dsn", dsn]) == cli.EXIT_OK
+    table = capsys.readouterr().out
+    assert "relay-a" in table and "kafka: 7" in table and not any(c in table for c in "[]{}"), table
