@@ -655,6 +655,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(f"database error: {type(exc).__name__}: {exc}")
     except KafkaException as exc:
         _error(f"Kafka error: {exc}")
+    except KeyboardInterrupt:  # Ctrl-C on a short command: nothing half done to report
+        _error("interrupted")
+        return EXIT_INTERRUPTED
     except Exception as exc:
         if args.log_level == "debug":
             print(redact(traceback.format_exc()), file=sys.stderr, end="")

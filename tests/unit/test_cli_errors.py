@@ -106,6 +106,20 @@ def test_an_unexpected_exception_is_one_line_with_exit_code_3(capsys: pytest.Cap
     assert "Traceback" in err and "RuntimeError" in err and "Unre4chable" not in err, err
 
 
+def test_ctrl_c_is_one_line_with_exit_code_130(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(_args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "status", interrupted)
+    try:
+        code = cli.main(["status"])
+    except KeyboardInterrupt:  # escaping main would also stop this test run
+        pytest.fail("Ctrl-C escaped main() as a traceback")
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_INTERRUPTED and err == "outbox-relay: interrupted\n", err
+
+
 def test_log_level_is_case_insensitive(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(cli.COMMANDS, "status", lambda _args: 0)
     assert run_main(capsys, "--log-level", "WARNING", "status")[0] == 0
