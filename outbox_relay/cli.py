@@ -471,8 +471,12 @@ def _worker_ttl(args: argparse.Namespace) -> float:
 
 def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float) -> int:
     """Tombstone a sink, unless relays still use it (then only with ``force``). One transaction: the
-    sink's row and cursors are locked before anything is checked."""
+    sink's row and cursors are locked before its users are looked for, so none can appear unseen."""
     params = {"sink": name, "ttl": ttl}
+    # Counted before the locks: with a large backlog the count takes a while, and relays renewing
+    # leases on this sink would wait for it.
+    _, losses = _rows(conn, "admin", "sink_losses", params)
+    pending, parked, dead = losses[0]
     _, found = _rows(conn, "admin", "lock_sink", params)
     if not found:
         raise OutboxError(f"no sink named {name!r}")
@@ -484,8 +488,6 @@ def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float
     _, workers = _rows(conn, "admin", "sink_workers", params)
     _, leases = _rows(conn, "admin", "sink_leases", params)
     _, rebuilds = _rows(conn, "admin", "sink_rebuild", params)
-    _, losses = _rows(conn, "admin", "sink_losses", params)
-    pending, parked, dead = losses[0]
     users = [f"relay {w} ({status}, heard from {seen}s ago) runs it" for w, status, seen in workers]
     users += [f"{n} bucket(s) leased by {owner}" for owner, n in leases]
     users += [f"a rebuild of it (sink {sink!r}, started {started:%Y-%m-%d %H:%M}) is in progress and would switch "
