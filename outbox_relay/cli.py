@@ -7,28 +7,46 @@ variable named in ``--help``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from datetime import datetime
+import traceback
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from datetime import date, datetime
+from decimal import Decimal
 from types import FrameType
 from typing import Any
 
 import psycopg
+from confluent_kafka import KafkaException
 from pydantic.fields import FieldInfo
 
-from .dsn import redact
-from .errors import OutboxError
-from .migrate import migrate
-from .settings import ENV_PREFIX, RelaySettings, load_settings
+from .dsn import check_dsn, connection_problem, one_line, redact, remember_dsn
+from .errors import ConfigurationError, OutboxError
+from .migrate import check_schema, migrate
+from .settings import RelaySettings, bounds, env_var, load_settings
 from .sink import Aborted
 from .sqlfiles import query
 
 log = logging.getLogger("outbox_relay.cli")
+
+# Exit codes (README / operations.md list them).
+EXIT_OK = 0
+EXIT_FAILED = 1  # the command ran and some of its work failed (replay: events it could not send)
+EXIT_ERROR = 2  # nothing (more) done: bad arguments or settings, database unreachable or not migrated, refused
+EXIT_INTERNAL = 3  # an unexpected exception (a bug): one line, the traceback with --log-level debug
+EXIT_STOPPED = 4  # run: the relay stopped by itself, because one of its sinks can not go on (dropped)
+EXIT_INTERRUPTED = 130  # rebuild/replay stopped by a signal; run the same command again to resume
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_DSN = RelaySettings.model_fields["dsn"].default.get_secret_value()
+DEAD_LETTERS_LIMIT = (1, 10_000)
 
 
 class _WorkerIdFilter(logging.Filter):
@@ -69,33 +87,88 @@ def setup_logging(level: str, as_json: bool, worker_id: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-def _env(name: str) -> str:
-    return f"{ENV_PREFIX}{name.upper()}"
-
-
 def _add_setting(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
     flag = "--" + name.replace("_", "-")
-    help_text = f"{field.description or name} [env {_env(name)}]"
+    allowed = bounds(field)
+    help_text = f"{field.description or name}" + (f" ({allowed})" if allowed else "") + f" [env {env_var(name)}]"
     if field.annotation is bool:
         parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     elif name == "projection":
         parser.add_argument(flag, dest=name, action="append", metavar="NAME", default=None, help=help_text)
     elif name == "kafka_config":
         parser.add_argument("--kafka-option", dest=name, action="append", metavar="KEY=VALUE", default=None,
-                            help=f"librdkafka setting, repeatable (TLS/SASL pass through) [env {_env(name)} as JSON]")
+                            help="librdkafka setting, repeatable (TLS/SASL pass through); KEY=@PATH reads the value "
+                                 f"from a file, so secrets stay out of `ps` [env {env_var(name)} as JSON]")
     else:
         parser.add_argument(flag, dest=name, default=None, help=help_text)
 
 
 def _dsn_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dsn", default=None, help=f"PostgreSQL connection string [env {_env('dsn')}]")
+    parser.add_argument("--dsn", default=None, help=f"PostgreSQL connection string [env {env_var('dsn')}]")
+
+
+def _log_level(text: str) -> str:
+    level = text.lower()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a log level ({', '.join(LOG_LEVELS)})")
+    return level
+
+
+def _event_id(text: str) -> str:
+    try:
+        return str(uuid.UUID(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an event id is a UUID, not {text[:100]!r}") from None
+
+
+def _int_between(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text[:100]!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low}-{high}, not {value}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:100]!r}") from None
+    if not 0.02 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be 0.02-3600 seconds, not {text[:100]}")
+    return value
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("outbox-relay")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
+def _global_options(parser: argparse.ArgumentParser, default: Callable[[Any], Any]) -> None:
+    parser.add_argument("--log-level", type=_log_level, default=default("info"),
+                        help="debug, info, warning, error (debug also prints the traceback of an unexpected error)")
+    parser.add_argument("--log-json", action="store_true", default=default(False),
+                        help="one JSON object per log line")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outbox-relay", description=__doc__)
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
-    parser.add_argument("--log-json", action="store_true", help="one JSON object per log line")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    _global_options(parser, lambda value: value)
+    # The same options after the command (`outbox-relay status --log-level debug`); SUPPRESS keeps a
+    # subcommand that was not given them from resetting what came before the command.
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, lambda _value: argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_parser_with(common))
 
     p = sub.add_parser("migrate", help="create or update the outbox schema (safe to run concurrently)")
     _dsn_arg(p)
@@ -138,19 +211,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", default=None, help="only this partition key")
     p.add_argument("--to-topic", default=None, help="produce to this topic instead of the events' own")
 
-    p = sub.add_parser("sinks", help="list sinks, or drop a retired one (its progress, retries, dead letters)")
+    p = sub.add_parser("sinks", help="list sinks; drop a retired one (its progress, retries, dead letters), or "
+                                     "recreate a dropped one")
     _dsn_arg(p)
-    p.add_argument("action", choices=["list", "drop"])
-    p.add_argument("name", nargs="?", default=None, help="the sink to drop")
+    p.add_argument("--json", action="store_true", help="machine-readable output (list)")
+    p.add_argument("action", choices=["list", "drop", "recreate"])
+    p.add_argument("name", nargs="?", default=None, help="the sink to drop or recreate")
+    p.add_argument("--force", action="store_true",
+                   help="drop a sink that relays still run or hold leases on: its pending events, parked events and "
+                        "dead letters are lost, and a relay still running it stops")
+    p.add_argument("--worker-ttl-seconds", type=_seconds, default=None, metavar="SECONDS",
+                   help="a relay heard from within this long still runs the sink (0.02-3600; default: the relays' "
+                        f"setting from {env_var('worker_ttl_seconds')}, else 10)")
 
     p = sub.add_parser("dead-letters", help="list, retry or discard dead letters")
     _dsn_arg(p)
     p.add_argument("action", choices=["list", "retry", "discard"])
     p.add_argument("--sink", default=None, help="sink name (required for retry and discard)")
     p.add_argument("--key", default=None, help="only this partition key")
-    p.add_argument("--event", dest="events", action="append", default=None, help="only this event id (repeatable)")
+    p.add_argument("--event", dest="events", action="append", type=_event_id, default=None,
+                   help="only this event id (repeatable)")
     p.add_argument("--all", action="store_true", help="retry/discard every dead letter of the sink")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=_int_between(*DEAD_LETTERS_LIMIT), default=50,
+                   help=f"list at most this many ({DEAD_LETTERS_LIMIT[0]}-{DEAD_LETTERS_LIMIT[1]}, default 50)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
@@ -187,21 +270,108 @@ def _settings_from(args: argparse.Namespace) -> RelaySettings:
         if value is None:
             continue
         if name == "kafka_config":
-            pairs = [v.split("=", 1) for v in value]
-            bad = [v for v, p in zip(value, pairs, strict=True) if len(p) != 2]
-            if bad:
-                raise OutboxError(f"--kafka-option needs KEY=VALUE, got {bad[0]!r}")
-            value = dict(pairs)
+            value = {**_kafka_config_env(), **_kafka_options(value)}
         overrides[name] = value
     return load_settings(**overrides)
 
 
+def _kafka_options(options: Sequence[str]) -> dict[str, str]:
+    config: dict[str, str] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key.strip():
+            # Not the option itself: it may be a secret that lost its key.
+            raise ConfigurationError("--kafka-option needs KEY=VALUE (the option given has no KEY=)")
+        config[key.strip()] = value
+    return config
+
+
+def _kafka_config_env() -> dict[str, str]:
+    """OUTBOX_KAFKA_CONFIG, so that --kafka-option is merged over it rather than replacing it."""
+    text = os.environ.get(env_var("kafka_config"))
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ConfigurationError(f"{env_var('kafka_config')} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"{env_var('kafka_config')} must be a JSON object of strings")
+    return value
+
+
 def _dsn(args: argparse.Namespace) -> str:
-    return args.dsn or load_settings().dsn.get_secret_value()
+    # Only the DSN: a bad value of some other OUTBOX_* variable must not stop `status`.
+    dsn = args.dsn or os.environ.get(env_var("dsn")) or DEFAULT_DSN
+    remember_dsn(dsn)
+    check_dsn(dsn)
+    return dsn
+
+
+@contextlib.contextmanager
+def _database(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """A connection to a migrated database (else SchemaError: run `outbox-relay migrate`)."""
+    with psycopg.connect(dsn, autocommit=True, application_name="outbox-relay cli") as conn:
+        check_schema(conn)
+        yield conn
+
+
+def _rows(conn: psycopg.Connection[Any], group: str, name: str, params: dict[str, Any] | None = None
+          ) -> tuple[list[str], list[tuple[Any, ...]]]:
+    with conn.cursor() as cur:
+        cur.execute(query(group, name), params or {})
+        cols = [d.name for d in cur.description or []]
+        return cols, list(cur.fetchall())
+
+
+def _parser_with(common: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
+    class Subcommand(argparse.ArgumentParser):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(parents=[common], **kwargs)
+
+    return Subcommand
+
+
+def _json_value(value: Any) -> Any:
+    """Numbers as numbers, times in ISO 8601, ids as strings."""
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(_json_value(value), indent=2))
+
+
+def _records(cols: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+    return [dict(zip(cols, r, strict=True)) for r in rows]
+
+
+def _cell(value: Any) -> str:
+    """A table cell: no Python reprs (lists and mappings as plain text)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, datetime):
+        return value.isoformat(sep=" ", timespec="seconds")
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_cell(v)}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(_cell(v) for v in value)
+    return " ".join(str(value).split())  # one line per row
 
 
 def _print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
-    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r] for r in rows]
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for i, r in enumerate(cells):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
@@ -209,99 +379,212 @@ def _print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def _query_rows(dsn: str, group: str, name: str, params: dict[str, Any] | None = None
-                ) -> tuple[list[str], list[tuple[Any, ...]]]:
-    with psycopg.connect(dsn, autocommit=True) as conn, conn.cursor() as cur:
-        cur.execute(query(group, name), params or {})
-        cols = [d.name for d in cur.description or []]
-        return cols, list(cur.fetchall())
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    dsn = _dsn(args)
-    sections = {
-        "workers": _query_rows(dsn, "admin", "workers"),
-        "backlog": _query_rows(dsn, "admin", "backlog"),
-        "oldest open transaction (holds back delivery)": _query_rows(dsn, "admin", "horizon_holder"),
-        "dead letters by key": _query_rows(dsn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20}),
-        "rebuilds in progress": _query_rows(dsn, "admin", "rebuilds"),
-    }
+    with _database(_dsn(args)) as conn:
+        sections = {
+            # JSON key, title, rows
+            "workers": ("workers", _rows(conn, "admin", "workers")),
+            "backlog": ("backlog", _rows(conn, "admin", "backlog")),
+            "oldest_open_transaction": ("oldest open transaction (holds back delivery)",
+                                        _rows(conn, "admin", "horizon_holder")),
+            "dead_letters_by_key": ("dead letters by key",
+                                    _rows(conn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20})),
+            "rebuilds": ("rebuilds in progress", _rows(conn, "admin", "rebuilds")),
+        }
     if args.json:
-        print(json.dumps({k: [dict(zip(c, r, strict=True)) for r in rows] for k, (c, rows) in sections.items()},
-                         default=str, indent=2))
-        return 0
-    for title, (cols, rows) in sections.items():
+        _print_json({key: _records(cols, rows) for key, (_, (cols, rows)) in sections.items()})
+        return EXIT_OK
+    for title, (cols, rows) in sections.values():
         print(f"\n{title}:")
         _print_table(rows, cols) if rows else print("  (none)")
-    return 0
+    return EXIT_OK
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
-    dsn = _dsn(args)
-    if args.action == "list":
-        params = {"sink": args.sink, "key": args.key, "limit": args.limit}
-        cols, rows = _query_rows(dsn, "admin", "dead_letters", params)
-        if args.json:
-            print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=2))
-        else:
-            _print_table(rows, cols) if rows else print("no dead letters")
-        return 0
-    if not args.sink:
-        raise OutboxError(f"dead-letters {args.action} needs --sink")
-    if not (args.events or args.key or args.all):
-        raise OutboxError(f"dead-letters {args.action} needs --event, --key or --all")
-    name = "retry_dead_letters" if args.action == "retry" else "discard_dead_letters"
-    _, rows = _query_rows(dsn, "admin", name, {"sink": args.sink, "event_ids": args.events, "key": args.key})
+    with _database(_dsn(args)) as conn:
+        if args.action == "list":
+            params = {"sink": args.sink, "key": args.key, "limit": args.limit}
+            cols, rows = _rows(conn, "admin", "dead_letters", params)
+            if args.json:
+                _print_json(_records(cols, rows))
+            else:
+                _print_table(rows, cols) if rows else print("no dead letters")
+            return EXIT_OK
+        if not args.sink:
+            raise ConfigurationError(f"dead-letters {args.action} needs --sink")
+        if not (args.events or args.key or args.all):
+            raise ConfigurationError(f"dead-letters {args.action} needs --event, --key or --all")
+        name = "retry_dead_letters" if args.action == "retry" else "discard_dead_letters"
+        _, rows = _rows(conn, "admin", name, {"sink": args.sink, "event_ids": args.events, "key": args.key})
     verb = "queued for retry" if args.action == "retry" else "discarded"
     print(f"{len(rows)} dead letters {verb}")
-    return 0
+    return EXIT_OK
 
 
 def cmd_lag(args: argparse.Namespace) -> int:
-    cols, rows = _query_rows(_dsn(args), "admin", "backlog")
-    if args.sink:
-        rows = [r for r in rows if r[0] == args.sink]
-        if not rows:
-            raise OutboxError(f"no sink named {args.sink!r}")
+    with _database(_dsn(args)) as conn:
+        cols, rows = _rows(conn, "admin", "backlog")
+        if args.sink:
+            rows = [r for r in rows if r[0] == args.sink]
+            if not rows:
+                _no_such_sink(conn, args.sink)
     if args.json:
-        print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=2))
+        _print_json(_records(cols, rows))
     else:
         _print_table(rows, cols) if rows else print("no sinks")
-    return 0
+    return EXIT_OK
+
+
+def _no_such_sink(conn: psycopg.Connection[Any], name: str) -> None:
+    _, found = _rows(conn, "admin", "sink", {"sink": name})
+    if found and found[0][1] is not None:
+        raise OutboxError(f"sink {name!r} was dropped at {found[0][1]:%Y-%m-%d %H:%M:%S%z}")
+    raise OutboxError(f"no sink named {name!r}")
 
 
 def cmd_sinks(args: argparse.Namespace) -> int:
     dsn = _dsn(args)
     if args.action == "list":
-        cols, rows = _query_rows(dsn, "admin", "backlog")
-        _print_table([r[:3] for r in rows], cols[:3]) if rows else print("no sinks")
-        return 0
+        with _database(dsn) as conn:
+            cols, rows = _rows(conn, "admin", "sinks")
+        if args.json:
+            _print_json(_records(cols, rows))
+        else:
+            _print_table(rows, cols) if rows else print("no sinks")
+        return EXIT_OK
     if not args.name:
-        raise OutboxError("sinks drop needs the sink's name")
-    _, rows = _query_rows(dsn, "admin", "drop_sink", {"sink": args.name})
-    if not rows:
-        raise OutboxError(f"no sink named {args.name!r}")
-    print(f"dropped sink {args.name!r} ({rows[0][0]}): its cursors, parked events and dead letters are gone")
-    return 0
+        raise ConfigurationError(f"sinks {args.action} needs the sink's name")
+    with _database(dsn) as conn, conn.transaction():
+        if args.action == "recreate":
+            return _recreate_sink(conn, args.name)
+        return _drop_sink(conn, args.name, args.force, _worker_ttl(args))
+
+
+def _worker_ttl(args: argparse.Namespace) -> float:
+    if args.worker_ttl_seconds is not None:
+        return float(args.worker_ttl_seconds)
+    text = os.environ.get(env_var("worker_ttl_seconds"))
+    try:
+        return _seconds(text) if text else float(RelaySettings.model_fields["worker_ttl_seconds"].default)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigurationError(f"{env_var('worker_ttl_seconds')}: {exc}") from None
+
+
+def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float) -> int:
+    """Tombstone a sink, unless relays still use it (then only with ``force``). One transaction: the
+    sink's row and cursors are locked before its users are looked for, so none can appear unseen."""
+    params = {"sink": name, "ttl": ttl}
+    # Counted before the locks: with a large backlog the count takes a while, and relays renewing
+    # leases on this sink would wait for it.
+    _, losses = _rows(conn, "admin", "sink_losses", params)
+    pending, parked, dead = losses[0]
+    _, found = _rows(conn, "admin", "lock_sink", params)
+    if not found:
+        raise OutboxError(f"no sink named {name!r}")
+    kind, dropped_at = found[0]
+    if dropped_at is not None:
+        print(f"sink {name!r} was already dropped at {dropped_at:%Y-%m-%d %H:%M:%S%z}")
+        return EXIT_OK
+    _rows(conn, "admin", "lock_sink_cursors", params)
+    _, workers = _rows(conn, "admin", "sink_workers", params)
+    _, leases = _rows(conn, "admin", "sink_leases", params)
+    _, rebuilds = _rows(conn, "admin", "sink_rebuild", params)
+    users = [f"relay {w} ({status}, heard from {seen}s ago) runs it" for w, status, seen in workers]
+    users += [f"{n} bucket(s) leased by {owner}" for owner, n in leases]
+    users += [f"a rebuild of it (sink {sink!r}, started {started:%Y-%m-%d %H:%M}) is in progress and would switch "
+              f"over into it: `outbox-relay rebuild {name} --cancel` first" for sink, started in rebuilds]
+    cost = (f"{pending} pending event(s) never reach it, {parked} parked event(s) and {dead} dead letter(s) "
+            "are deleted")
+    if users and not force:
+        raise OutboxError(f"sink {name!r} is in use: " + "; ".join(users) + ". Stop those relays (or take the sink "
+                          f"out of their configuration) and run this again, or pass --force: {cost}, and a relay "
+                          "still running it stops")
+    _, dropped = _rows(conn, "admin", "drop_sink", params)
+    _, parked, dead, rebuild_of, shadow = dropped[0]
+    cost = (f"{pending} pending event(s) never reach it, {parked} parked event(s) and {dead} dead letter(s) "
+            "deleted")
+    print(f"dropped sink {name!r} ({kind}): {cost}" + (f"; it was in use ({'; '.join(users)}): a relay still "
+                                                        "running it stops" if users else ""))
+    if rebuild_of is not None:
+        print(f"the rebuild of {rebuild_of!r} it belonged to is abandoned; its copies stay in schema {shadow!r} "
+              "until the next rebuild of it")
+    print(f"`outbox-relay sinks recreate {name}` lets a relay register it again, from the oldest retained event")
+    return EXIT_OK
+
+
+def _recreate_sink(conn: psycopg.Connection[Any], name: str) -> int:
+    _, found = _rows(conn, "admin", "lock_sink", {"sink": name})
+    if not found:
+        raise OutboxError(f"no sink named {name!r}")
+    if found[0][1] is None:
+        raise OutboxError(f"sink {name!r} is not dropped: nothing to recreate")
+    _rows(conn, "admin", "recreate_sink", {"sink": name})
+    print(f"sink {name!r} ({found[0][0]}) recreated: the next relay that runs it registers it anew and delivers to "
+          "it from the oldest retained event")
+    return EXIT_OK
+
+
+def _registry(spec: str) -> Any:
+    """The projections of a module; an import that raises anything is a configuration error."""
+    from projections.declare import load_registry
+
+    try:
+        return load_registry(spec)
+    except OutboxError:
+        raise
+    except Exception as exc:
+        raise ConfigurationError(f"cannot import projections module {spec.partition(':')[0]!r}: "
+                                 f"{type(exc).__name__}: {exc}") from None
+
+
+def _check_projections(settings: RelaySettings) -> None:
+    """Import the projections before anything starts, so that a broken module is one clear line."""
+    if settings.projection and settings.projections:
+        registry = _registry(settings.projections)
+        for name in settings.projection:
+            registry.get(name)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    settings = _settings_from(args)
+    setup_logging(args.log_level, args.log_json, settings.worker_id)
+    _check_projections(settings)
+    from .worker import Worker
+
+    worker = Worker(settings)
+    worker.run()
+    if worker.fatal is not None:  # it stopped by itself (a sink was dropped): loudly, for the supervisor
+        _error(f"error: {worker.fatal}")
+        return EXIT_STOPPED
+    return EXIT_OK
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    applied = migrate(_dsn(args))
+    print(f"applied {len(applied)} migrations" + (": " + ", ".join(f"{m.version:04d}_{m.name}" for m in applied)
+                                                 if applied else " (schema up to date)"))
+    return EXIT_OK
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
-    from projections.declare import load_registry
     from projections.rebuild import Rebuild, rebuild_key
 
     settings = _settings_from(args)
     if not settings.projections:
-        raise OutboxError("rebuild needs --projections (the module that declares the projection)")
-    projection = load_registry(settings.projections).get(args.projection_name)
+        raise ConfigurationError("rebuild needs --projections (the module that declares the projection)")
+    projection = _registry(settings.projections).get(args.projection_name)
+    dsn = settings.dsn.get_secret_value()
+    with _database(dsn):
+        pass
     if args.key is not None:
-        n = rebuild_key(projection, settings.dsn.get_secret_value(), args.key)
+        n = rebuild_key(projection, dsn, args.key)
         print(f"rebuilt key {args.key!r} of {projection.name!r}: {n} events replayed")
-        return 0
+        return EXIT_OK
     rebuild = Rebuild(projection, settings, from_time=args.from_time, from_position=args.from_position,
                       restart=args.restart, keep_old=args.keep_old)
     if args.cancel:
         print(f"rebuild of {projection.name!r} " + ("cancelled" if rebuild.cancel() else "was not in progress"))
-        return 0
+        return EXIT_OK
 
     def interrupted(signum: int, _frame: FrameType | None) -> None:
         log.warning("%s: stopping the rebuild; run the same command again to resume", signal.Signals(signum).name)
@@ -312,10 +595,10 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     result = rebuild.run()
     if result is None:
         print(f"rebuild of {projection.name!r} interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     print(f"rebuilt {projection.name!r}: {result.events} events in {result.seconds:.1f}s"
           + (" (resumed)" if result.resumed else ""))
-    return 0
+    return EXIT_OK
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -323,7 +606,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     settings = _settings_from(args)
     if args.from_time and args.to_time and args.from_time >= args.to_time:
-        raise OutboxError("--from-time must be before --to-time")
+        raise ConfigurationError("--from-time must be before --to-time")
+    with _database(settings.dsn.get_secret_value()):
+        pass
     stop = threading.Event()
 
     def interrupted(signum: int, _frame: FrameType | None) -> None:
@@ -336,52 +621,57 @@ def cmd_replay(args: argparse.Namespace) -> int:
                         to_topic=args.to_topic, abort=stop)
     except Aborted:
         print("replay interrupted: what was acknowledged so far stays on the topic", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     for event_id, error in result.failed[:20]:
-        print(f"failed: {event_id}: {error}", file=sys.stderr)
+        print(f"failed: {event_id}: {redact(error)}", file=sys.stderr)
     print(f"replayed {result.sent} events" + (f"; {len(result.failed)} failed" if result.failed else ""))
-    return 1 if result.failed else 0
+    return EXIT_FAILED if result.failed else EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": cmd_run,
+    "migrate": cmd_migrate,
+    "status": cmd_status,
+    "lag": cmd_lag,
+    "dead-letters": cmd_dead_letters,
+    "sinks": cmd_sinks,
+    "rebuild": cmd_rebuild,
+    "replay": cmd_replay,
+}
+
+
+def _error(message: str) -> None:
+    print(f"outbox-relay: {one_line(message)}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The ``outbox-relay`` command; returns its exit status (EXIT_*)."""
     try:
-        if args.command == "run":
-            settings = _settings_from(args)
-            setup_logging(args.log_level, args.log_json, settings.worker_id)
-            from .worker import Worker
-
-            worker = Worker(settings)
-            worker.run()
-            if worker.fatal is not None:
-                print(f"outbox-relay: error: {redact(str(worker.fatal))}", file=sys.stderr)
-                return 4
-            return 0
-        setup_logging(args.log_level, args.log_json, "-")
-        if args.command == "migrate":
-            applied = migrate(_dsn(args))
-            print(f"applied {len(applied)} migrations" + (": " + ", ".join(f"{m.version:04d}_{m.name}" for m in applied)
-                                                         if applied else " (schema up to date)"))
-            return 0
-        if args.command == "status":
-            return cmd_status(args)
-        if args.command == "dead-letters":
-            return cmd_dead_letters(args)
-        if args.command == "lag":
-            return cmd_lag(args)
-        if args.command == "sinks":
-            return cmd_sinks(args)
-        if args.command == "rebuild":
-            return cmd_rebuild(args)
-        if args.command == "replay":
-            return cmd_replay(args)
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    try:
+        if args.command != "run":
+            setup_logging(args.log_level, args.log_json, "-")
+        return COMMANDS[args.command](args)
     except OutboxError as exc:
-        print(f"outbox-relay: error: {redact(str(exc))}", file=sys.stderr)
-        return 2
+        _error(f"error: {exc}")
     except psycopg.OperationalError as exc:
-        print(f"outbox-relay: database error: {redact(str(exc))}", file=sys.stderr)
-        return 2
-    return 1
+        _error(f"database error: {connection_problem(exc)}")
+    except psycopg.Error as exc:
+        _error(f"database error: {type(exc).__name__}: {exc}")
+    except KafkaException as exc:
+        _error(f"Kafka error: {exc}")
+    except KeyboardInterrupt:  # Ctrl-C on a short command: nothing half done to report
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if args.log_level == "debug":
+            print(redact(traceback.format_exc()), file=sys.stderr, end="")
+        _error(f"unexpected error: {type(exc).__name__}: {exc}"
+               + ("" if args.log_level == "debug" else " (--log-level debug prints the traceback)"))
+        return EXIT_INTERNAL
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -1,17 +1,37 @@
-"""All relay settings in one model. Every field is also read from ``OUTBOX_<FIELD>``."""
+"""All relay settings in one model. Every field is also read from ``OUTBOX_<FIELD>``.
+
+Every number has finite bounds (``bounds`` names them for ``--help`` and the docs): an infinite
+or huge interval overflows ``threading.Event.wait`` and kills the thread that waits on it, and a
+zero one spins. Errors name the option and its environment variable, never the value given (it
+may be a secret).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
+from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from annotated_types import Ge, Gt, Le, MaxLen, MinLen
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .dsn import check_dsn, remember_dsn, remember_kafka_secrets
 from .errors import ConfigurationError
 
 ENV_PREFIX = "OUTBOX_"
+
+# outbox.sinks.name's CHECK constraint.
+SINK_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,62}$")
+# Kafka's rule for topic names (also checked by the events table's trigger).
+TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+# module or module:attribute
+MODULE_SPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?$")
+
+DAY = 86400.0
 
 
 def default_worker_id() -> str:
@@ -19,53 +39,96 @@ def default_worker_id() -> str:
 
 
 class RelaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
+                                      allow_inf_nan=False)
 
     dsn: SecretStr = Field(SecretStr("postgresql:///postgres"), description="PostgreSQL connection string")
-    worker_id: str = Field(default_factory=default_worker_id, description="unique per process (default host-pid)")
+    worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200,
+                           description="unique per process (default host-pid)")
 
     # sinks
     kafka: bool = Field(True, description="deliver to Kafka")
-    kafka_sink: str = Field("kafka", description="sink name of the Kafka delivery (its own cursors)")
-    kafka_bootstrap_servers: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers")
+    kafka_sink: str = Field("kafka", min_length=1, max_length=63,
+                            description="sink name of the Kafka delivery (its own cursors)")
+    kafka_bootstrap_servers: str = Field("127.0.0.1:9092", min_length=1, max_length=4096,
+                                         description="Kafka bootstrap servers")
     kafka_config: dict[str, str] = Field(
         default_factory=dict,
-        description="extra librdkafka settings as JSON, e.g. security.protocol, sasl.*, ssl.* (passed through)",
+        description="extra librdkafka settings, e.g. security.protocol, sasl.*, ssl.* (passed through); a value "
+                    "@PATH is read from that file (secrets stay out of `ps`), @@ stands for a literal @",
     )
+    kafka_config_file: Path | None = Field(
+        None, description="librdkafka settings from a file of KEY=VALUE lines (# comments); --kafka-option and "
+                          "OUTBOX_KAFKA_CONFIG win for their keys")
     kafka_stall_seconds: float = Field(
-        60.0, gt=0,
+        60.0, ge=0.1, le=DAY,
         description="recreate the Kafka producer after this long without a delivery report while messages are in "
                     "flight (e.g. a broker that forgot the producer id); unacknowledged messages are sent again",
     )
     default_topic: str | None = Field(None, description="topic for events published without one")
     projections: str | None = Field(
-        None, description="module (or module:attribute) that declares the projections, e.g. myapp.read_models")
+        None, max_length=500,
+        description="module (or module:attribute) that declares the projections, e.g. myapp.read_models")
     projection: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="run this projection (repeatable; in the environment: comma-separated)")
-    source: str = Field("outbox-relay", description="CloudEvents ce_source header value")
+    source: str = Field("outbox-relay", min_length=1, max_length=1000, description="CloudEvents ce_source header value")
 
     # batching and leases
     batch_size: int = Field(1000, ge=1, le=100_000, description="events read per fetch")
-    lease_seconds: float = Field(30.0, gt=0, description="bucket lease; renewed every third of it")
-    heartbeat_seconds: float = Field(2.0, gt=0, description="registry heartbeat and ring refresh interval")
-    worker_ttl_seconds: float = Field(10.0, gt=0, description="a worker silent this long leaves the ring")
-    poll_seconds: float = Field(1.0, gt=0, description="idle poll interval (LISTEN/NOTIFY wakes sooner)")
+    lease_seconds: float = Field(30.0, ge=0.1, le=3600, description="bucket lease; renewed every third of it")
+    heartbeat_seconds: float = Field(2.0, ge=0.01, le=600,
+                                     description="registry heartbeat and ring refresh interval")
+    worker_ttl_seconds: float = Field(10.0, ge=0.02, le=3600, description="a worker silent this long leaves the ring")
+    poll_seconds: float = Field(1.0, ge=0.01, le=3600, description="idle poll interval (LISTEN/NOTIFY wakes sooner)")
     listen: bool = Field(True, description="use LISTEN/NOTIFY to wake idle workers")
-    housekeeping_seconds: float = Field(5.0, gt=0, description="housekeeping interval (one worker at a time)")
+    housekeeping_seconds: float = Field(5.0, ge=0.01, le=3600,
+                                        description="housekeeping interval (one worker at a time)")
     vnodes: int = Field(64, ge=1, le=1024, description="virtual nodes per worker on the hash ring")
 
     # failures
-    max_attempts: int = Field(10, ge=1, description="attempts before an event is dead-lettered")
-    backoff_base_seconds: float = Field(1.0, gt=0, description="first retry delay")
-    backoff_max_seconds: float = Field(600.0, gt=0, description="retry delay cap")
+    max_attempts: int = Field(10, ge=1, le=1000, description="attempts before an event is dead-lettered")
+    backoff_base_seconds: float = Field(1.0, ge=0.001, le=DAY, description="first retry delay")
+    backoff_max_seconds: float = Field(600.0, ge=0.001, le=DAY, description="retry delay cap")
     max_lapses: int = Field(
-        3, ge=1, description="leases lost with work pending before a bucket is delivered one event at a time")
-    drain_seconds: float = Field(30.0, gt=0, description="SIGTERM: time to finish in-flight work before releasing")
+        3, ge=1, le=1000,
+        description="leases lost with work pending before a bucket is delivered one event at a time")
+    drain_seconds: float = Field(30.0, ge=0.1, le=3600,
+                                 description="SIGTERM: time to finish in-flight work before releasing")
 
     # history
-    retention_seconds: float = Field(7 * 86400.0, ge=0, description="keep delivered events this long")
+    retention_seconds: float = Field(7 * DAY, ge=0, le=3650 * DAY, description="keep delivered events this long")
     retention_batch: int = Field(
-        2_000, ge=1, description="events deleted per retention transaction (several per housekeeping pass)")
+        2_000, ge=1, le=1_000_000,
+        description="events deleted per retention transaction (several per housekeeping pass)")
+
+    @field_validator("dsn")
+    @classmethod
+    def _dsn(cls, value: SecretStr) -> SecretStr:
+        dsn = value.get_secret_value()
+        remember_dsn(dsn)  # before anything can fail and print it
+        check_dsn(dsn)
+        return value
+
+    @field_validator("kafka_sink")
+    @classmethod
+    def _kafka_sink(cls, value: str) -> str:
+        if not SINK_NAME.match(value):
+            raise ValueError("a sink name is 1-63 characters of a-z 0-9 _ . : - and starts with a letter or digit")
+        return value
+
+    @field_validator("default_topic")
+    @classmethod
+    def _topic(cls, value: str | None) -> str | None:
+        if value is not None and (not TOPIC_NAME.match(value) or value in (".", "..")):
+            raise ValueError('a Kafka topic name is 1-249 characters of A-Z a-z 0-9 . _ - and not "." or ".."')
+        return value
+
+    @field_validator("projections")
+    @classmethod
+    def _module(cls, value: str | None) -> str | None:
+        if value is not None and not MODULE_SPEC.match(value):
+            raise ValueError("expected a module path (a.b.c) or module:attribute")
+        return value
 
     @field_validator("projection", mode="before")
     @classmethod
@@ -74,17 +137,28 @@ class RelaySettings(BaseSettings):
             return [name.strip() for name in value.split(",") if name.strip()]
         return value
 
-    @field_validator("worker_id")
+    @field_validator("projection")
     @classmethod
-    def _worker_id(cls, value: str) -> str:
-        if not value or len(value) > 200:
-            raise ValueError("worker_id must be 1-200 characters")
+    def _projection_sinks(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not SINK_NAME.match(name):
+                raise ValueError(f"{name[:64]!r} is not a projection name (a-z 0-9 _, starting with a letter)")
         return value
+
+    @field_validator("kafka_config")
+    @classmethod
+    def _kafka_values(cls, value: dict[str, str]) -> dict[str, str]:
+        return {k: _option_value(k, v) for k, v in value.items()}
 
     @model_validator(mode="after")
     def _consistent(self) -> RelaySettings:
+        if self.kafka_config_file is not None:
+            self.kafka_config = {**read_kafka_config_file(self.kafka_config_file), **self.kafka_config}
+        remember_kafka_secrets(self.kafka_config)
         if self.heartbeat_seconds * 2 > self.worker_ttl_seconds:
             raise ValueError("worker_ttl_seconds must be at least twice heartbeat_seconds")
+        if self.backoff_base_seconds > self.backoff_max_seconds:
+            raise ValueError("backoff_base_seconds must not exceed backoff_max_seconds")
         if self.projection and not self.projections:
             raise ValueError("--projection needs --projections (the module that declares them)")
         if len(set(self.projection)) != len(self.projection):
@@ -99,8 +173,98 @@ class RelaySettings(BaseSettings):
         return {"bootstrap.servers": self.kafka_bootstrap_servers, **self.kafka_config}
 
 
+def _option_value(key: str, value: str) -> str:
+    """A Kafka option's value: ``@PATH`` is the content of that file (one trailing newline dropped)."""
+    if value.startswith("@@"):
+        return value[1:]
+    if not value.startswith("@"):
+        return value
+    path = Path(value[1:])
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the value of Kafka option {key} from {str(path)!r}: "
+                         f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+
+
+def read_kafka_config_file(path: Path) -> dict[str, str]:
+    """librdkafka settings from ``KEY=VALUE`` lines (blank lines and ``#`` comments skipped)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the Kafka config file {str(path)!r}: "
+                         f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+    config: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            # The line is not quoted: it may be a secret with a missing key.
+            raise ValueError(f"{str(path)!r} line {number} is not KEY=VALUE")
+        config[key.strip()] = _option_value(key.strip(), value.strip())
+    return config
+
+
+def flag(name: str) -> str:
+    """The command-line option of a setting."""
+    return {"kafka_config": "--kafka-option"}.get(name, "--" + name.replace("_", "-"))
+
+
+def env_var(name: str) -> str:
+    return f"{ENV_PREFIX}{name.upper()}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def bounds(field: FieldInfo) -> str | None:
+    """A setting's allowed range or length, e.g. ``0.01-3600`` or ``1-200 characters``; None if unbounded."""
+    low: Any = None
+    high: Any = None
+    chars = False
+    for m in field.metadata:
+        if isinstance(m, Ge | Gt):
+            low = m.ge if isinstance(m, Ge) else m.gt
+        elif isinstance(m, Le):
+            high = m.le
+        elif isinstance(m, MinLen | MaxLen):
+            chars = True
+            if isinstance(m, MinLen):
+                low = m.min_length
+            else:
+                high = m.max_length
+    if high is None:
+        return None
+    if chars:
+        return f"{low}-{high} characters" if low else f"at most {high} characters"
+    return f"{_number(float(low or 0))}-{_number(float(high))}"
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """Each problem with the option and variable it came from; never the value given."""
+    problems = []
+    for error in exc.errors(include_input=False, include_url=False):
+        message = str(error["msg"]).removeprefix("Value error, ")
+        loc = [str(part) for part in error["loc"]]
+        if not loc:
+            problems.append(message)
+        elif loc[0] == "kafka_config" and len(loc) > 1:
+            problems.append(f"Kafka option {loc[1]} ({flag(loc[0])}, {env_var(loc[0])}): {message}")
+        else:
+            name = loc[0]
+            where = f" ({flag(name)}, {env_var(name)})" if name in RelaySettings.model_fields else ""
+            problems.append(f"{name}{where}: {message}")
+    return "; ".join(problems)
+
+
 def load_settings(**overrides: Any) -> RelaySettings:
     try:
         return RelaySettings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValueError as exc:
+    except ValidationError as exc:
+        raise ConfigurationError(f"invalid settings: {describe_validation_error(exc)}") from None
+    except ValueError as exc:  # pydantic-settings: a variable it could not decode (it names the field only)
         raise ConfigurationError(str(exc)) from None

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic_core import PydanticUndefined
 
-from outbox_relay.settings import ENV_PREFIX, RelaySettings
+from outbox_relay.settings import ENV_PREFIX, RelaySettings, bounds
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
@@ -40,7 +40,7 @@ def _default(name: str, field: Any) -> str:
 
 def _flag(name: str, field: Any) -> str:
     if name == "kafka_config":
-        return "`--kafka-option KEY=VALUE` (repeatable)"
+        return "`--kafka-option KEY=VALUE` (repeatable; `KEY=@PATH` reads the value from a file)"
     if name == "projection":
         return "`--projection NAME` (repeatable)"
     flag = "--" + name.replace("_", "-")
@@ -50,11 +50,13 @@ def _flag(name: str, field: Any) -> str:
 
 
 def table() -> str:
-    lines = ["| option | environment | default | meaning |", "|---|---|---|---|"]
+    lines = ["| option | environment | default | allowed | meaning |", "|---|---|---|---|---|"]
     for name, field in RelaySettings.model_fields.items():
         env = f"`{ENV_PREFIX}{name.upper()}`" + {"kafka_config": " (JSON object)",
                                                  "projection": " (comma-separated)"}.get(name, "")
-        lines.append(f"| {_flag(name, field)} | {env} | {_default(name, field)} | {field.description or ''} |")
+        allowed = bounds(field) or ""
+        lines.append(f"| {_flag(name, field)} | {env} | {_default(name, field)} | {allowed} | "
+                     f"{field.description or ''} |")
     return "\n".join(lines)
 
 

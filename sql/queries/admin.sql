@@ -30,13 +30,23 @@ GROUP BY s.name, s.kind
 ORDER BY s.name;
 
 -- name: horizon_holder
--- The oldest open writing transaction: relays read nothing newer until it ends.
-SELECT pid, usename, application_name, state,
-       round(extract(epoch FROM clock_timestamp() - xact_start)::numeric, 1) AS open_seconds,
-       left(query, 120) AS query
-FROM pg_stat_activity
-WHERE backend_xid IS NOT NULL
-ORDER BY age(backend_xid) DESC
+-- The oldest open writing transaction, a session's or a prepared one: relays read nothing newer
+-- until it ends. No query text: it may show other roles' data (and secrets in literals).
+WITH holders AS (
+    -- Sessions whose transaction has written (only those have a transaction id).
+    SELECT pid, usename::text AS role, datname::text AS database, application_name AS application, state,
+           xact_start AS since, backend_xid AS xid, false AS prepared, NULL::text AS gid
+    FROM pg_stat_activity
+    WHERE backend_xid IS NOT NULL
+    UNION ALL
+    -- Prepared (two-phase) transactions: no session left, held until COMMIT/ROLLBACK PREPARED.
+    SELECT NULL, owner::text, database::text, NULL, 'prepared', prepared, transaction, true, gid
+    FROM pg_prepared_xacts
+)
+SELECT pid, role, application, state,
+       round(extract(epoch FROM clock_timestamp() - since)::numeric, 1) AS open_seconds, prepared, gid, database
+FROM holders
+ORDER BY age(xid) DESC
 LIMIT 1;
 
 -- name: dead_letters_by_key
@@ -86,6 +96,102 @@ SELECT projection, sink, started_at, total_events, options
 FROM outbox.rebuilds
 ORDER BY projection;
 
+-- name: sinks
+-- Every sink, dropped ones (tombstones) too, with its backlog.
+SELECT s.name AS sink, s.kind, s.created_at, s.dropped_at,
+       (SELECT coalesce(sum(b.pending), 0)::bigint
+        FROM outbox.cursors c
+        CROSS JOIN LATERAL (
+            -- Committed events this bucket's cursor has not delivered (an index range count).
+            SELECT count(*) AS pending
+            FROM outbox.events e
+            WHERE e.bucket = c.bucket AND e.xid >= pg_snapshot_xmin(c.snapshot)
+              AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq)
+        ) b
+        WHERE c.sink = s.name) AS pending,
+       (SELECT count(*) FROM outbox.cursors c WHERE c.sink = s.name AND c.owner IS NOT NULL) AS leased_buckets
+FROM outbox.sinks s
+ORDER BY s.dropped_at IS NOT NULL, s.name;
+
+-- name: sink
+-- One sink's kind and tombstone.
+SELECT kind, dropped_at FROM outbox.sinks WHERE name = %(sink)s;
+
+-- name: lock_sink
+-- A sink's row, locked for a drop or recreate: a relay registering it (whose cursor inserts check
+-- this row as their foreign key) waits until we commit.
+SELECT kind, dropped_at FROM outbox.sinks WHERE name = %(sink)s FOR UPDATE;
+
+-- name: lock_sink_cursors
+-- A sink's cursors, locked: no lease on them can be taken or renewed until the drop commits, so
+-- the lease check that follows is final.
+SELECT bucket FROM outbox.cursors WHERE sink = %(sink)s ORDER BY bucket FOR UPDATE;
+
+-- name: sink_workers
+-- Relays that run a sink: alive or draining, and heard from within the TTL.
+SELECT w.id, w.status, round(extract(epoch FROM clock_timestamp() - w.last_seen_at)::numeric, 1) AS seen_seconds_ago
+FROM outbox.workers w
+WHERE %(sink)s = ANY(w.sinks)
+  AND w.status <> 'dead'
+  AND w.last_seen_at > clock_timestamp() - make_interval(secs => %(ttl)s)
+ORDER BY w.id;
+
+-- name: sink_leases
+-- Unexpired leases on a sink's buckets, per owner.
+SELECT c.owner, count(*) AS buckets
+FROM outbox.cursors c
+WHERE c.sink = %(sink)s AND c.owner IS NOT NULL AND c.lease_expires_at > clock_timestamp()
+GROUP BY c.owner
+ORDER BY c.owner;
+
+-- name: sink_rebuild
+-- A rebuild of this projection in progress (it would switch over into the sink).
+SELECT r.sink, r.started_at FROM outbox.rebuilds r WHERE r.projection = %(sink)s AND r.sink <> %(sink)s;
+
+-- name: sink_losses
+-- What dropping a sink forgets: events past its cursors (never delivered to it), its parked events
+-- (retrying) and its dead letters.
+SELECT (SELECT coalesce(sum(b.pending), 0)::bigint
+        FROM outbox.cursors c
+        CROSS JOIN LATERAL (
+            -- Committed events this bucket's cursor has not delivered (an index range count).
+            SELECT count(*) AS pending
+            FROM outbox.events e
+            WHERE e.bucket = c.bucket AND e.xid >= pg_snapshot_xmin(c.snapshot)
+              AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq)
+        ) b
+        WHERE c.sink = %(sink)s) AS pending,
+       (SELECT count(*) FROM outbox.parked p WHERE p.sink = %(sink)s) AS parked,
+       (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = %(sink)s) AS dead_letters;
+
 -- name: drop_sink
--- Forget a retired sink: its cursors, parked events and dead letters (else it holds retention back).
-DELETE FROM outbox.sinks WHERE name = %(sink)s RETURNING kind;
+-- Tombstone a sink: its cursors, parked events, dead letters and a rebuild row naming it go; the
+-- row stays with dropped_at set, so a relay still running the sink stops instead of registering
+-- it again from the oldest retained event (which would apply that history a second time).
+WITH cursors AS (
+    -- Without cursors, retention no longer waits for this sink.
+    DELETE FROM outbox.cursors WHERE sink = %(sink)s RETURNING bucket
+),
+parked AS (
+    DELETE FROM outbox.parked WHERE sink = %(sink)s RETURNING event_id
+),
+dead AS (
+    DELETE FROM outbox.dead_letters WHERE sink = %(sink)s RETURNING event_id
+),
+rebuild AS (
+    -- A rebuild whose own sink this is can not go on.
+    DELETE FROM outbox.rebuilds WHERE sink = %(sink)s RETURNING projection, shadow_schema
+)
+UPDATE outbox.sinks s
+SET dropped_at = clock_timestamp()
+WHERE s.name = %(sink)s AND s.dropped_at IS NULL
+RETURNING s.dropped_at,
+          (SELECT count(*) FROM parked) AS parked,
+          (SELECT count(*) FROM dead) AS dead_letters,
+          (SELECT projection FROM rebuild) AS rebuild_of,
+          (SELECT shadow_schema FROM rebuild) AS shadow_schema;
+
+-- name: recreate_sink
+-- Clear a sink's tombstone: the next relay that runs it registers it anew (new cursors at position
+-- zero: from the oldest retained event).
+UPDATE outbox.sinks SET dropped_at = NULL WHERE name = %(sink)s AND dropped_at IS NOT NULL RETURNING kind;

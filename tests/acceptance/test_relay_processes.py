@@ -582,7 +582,7 @@ def test_cli_migrate_status_and_dead_letters(database_factory: Callable[..., str
 
     status = cli(dsn, "status", "--json")
     assert status.returncode == 0, status.stderr
-    assert set(json.loads(status.stdout)) >= {"workers", "backlog", "dead letters by key"}, status.stdout
+    assert set(json.loads(status.stdout)) >= {"workers", "backlog", "dead_letters_by_key"}, status.stdout
 
     # An event bigger than the broker accepts is a dead letter at once; the next one of its key flows.
     outbox = Outbox(default_topic=kafka_topic)
@@ -603,7 +603,7 @@ def test_cli_migrate_status_and_dead_letters(database_factory: Callable[..., str
     table = cli(dsn, "dead-letters", "list")
     assert table.returncode == 0 and "cli-key" in table.stdout, table.stdout
     assert int((backlog(dsn) or {})["dead_letters"]) == 1
-    by_key = json.loads(cli(dsn, "status", "--json").stdout)["dead letters by key"]
+    by_key = json.loads(cli(dsn, "status", "--json").stdout)["dead_letters_by_key"]
     assert [(r["partition_key"], r["dead_letters"]) for r in by_key] == [("cli-key", 1)], by_key
 
     dead_at = db_rows(dsn, "SELECT dead_at FROM outbox.dead_letters")[0][0]

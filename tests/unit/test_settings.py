@@ -1,0 +1,127 @@
+"""RelaySettings: every number bounded and finite, names checked, errors that name the option and
+never echo the value given, Kafka option values from files."""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import pytest
+
+from outbox_relay.errors import ConfigurationError
+from outbox_relay.settings import RelaySettings, bounds, load_settings
+
+SECRET = "s3cr3t-V4lue"
+
+
+@pytest.fixture(autouse=True)
+def _no_outbox_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("lease_seconds", "inf"),
+    ("lease_seconds", "nan"),
+    ("poll_seconds", "1e12"),  # threading.Event.wait(1e12) raises OverflowError in the sink thread
+    ("poll_seconds", "0"),
+    ("heartbeat_seconds", "-1"),
+    ("backoff_max_seconds", "1e300"),
+    ("retention_seconds", "-inf"),
+    ("drain_seconds", "0"),
+    ("batch_size", "0"),
+    ("max_attempts", "1000000000"),
+    ("retention_batch", "-5"),
+])
+def test_numbers_out_of_bounds_are_refused_by_name(field: str, value: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        load_settings(**{field: value})
+    message = str(caught.value)
+    assert f"--{field.replace('_', '-')}" in message and f"OUTBOX_{field.upper()}" in message, message
+
+
+def test_every_number_has_finite_bounds_that_threads_can_wait_on() -> None:
+    for name, field in RelaySettings.model_fields.items():
+        if field.annotation in (int, float):
+            text = bounds(field)
+            assert text is not None, f"{name} has no upper bound"
+            high = float(text.split("-")[-1])
+            assert math.isfinite(high) and high * 1.2 < threading.TIMEOUT_MAX, name
+
+
+def test_bounds_are_named_in_the_help_text() -> None:
+    from outbox_relay.cli import build_parser
+
+    run = build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    assert "(0.01-3600)" in run.format_help().replace("\n", " ").replace("  ", " ")
+
+
+@pytest.mark.parametrize("name", ["Bad Name", "UPPER", "", "-starts-with-dash", "x" * 64])
+def test_kafka_sink_name_follows_the_sinks_table_rule(name: str) -> None:
+    with pytest.raises(ConfigurationError, match="--kafka-sink"):
+        load_settings(kafka_sink=name)
+
+
+def test_default_topic_must_be_a_kafka_topic_name() -> None:
+    with pytest.raises(ConfigurationError, match="--default-topic"):
+        load_settings(default_topic="orders and more")
+    assert load_settings(default_topic="orders.v2_x-y").default_topic == "orders.v2_x-y"
+
+
+def test_backoff_base_above_its_cap_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="backoff_base_seconds must not exceed backoff_max_seconds"):
+        load_settings(backoff_base_seconds=10, backoff_max_seconds=1)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"kafka_config": {"sasl.password": 12345678}},  # not a string: pydantic would echo input_value
+    {"dsn": f"postgresql://u:{SECRET}%zz@db/app"},  # libpq would quote the token
+    {"dsn": f"postgresql://u:{SECRET} x@db/app"},
+    {"dsn": f"host=db password={SECRET} x"},
+    {"worker_id": SECRET * 30},
+])
+def test_errors_never_echo_the_value(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        load_settings(**kwargs)
+    message = str(caught.value)
+    assert SECRET not in message and "12345678" not in message and "input_value" not in message, message
+
+
+def test_secret_in_the_kafka_config_environment_is_not_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_KAFKA_CONFIG", f'{{"sasl.password": 1234567890, "x": "{SECRET}"}}')
+    with pytest.raises(ConfigurationError) as caught:
+        load_settings()
+    assert "1234567890" not in str(caught.value) and "OUTBOX_KAFKA_CONFIG" in str(caught.value)
+
+
+def test_kafka_option_value_from_a_file(tmp_path: Path) -> None:
+    secret = tmp_path / "kafka-password"
+    secret.write_text(SECRET + "\n")
+    settings = load_settings(kafka_config={"sasl.password": f"@{secret}", "client.id": "@@literal"})
+    assert settings.kafka_config == {"sasl.password": SECRET, "client.id": "@literal"}
+
+
+def test_kafka_option_file_that_can_not_be_read_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match=r"cannot read the value of Kafka option sasl.password from .*missing"):
+        load_settings(kafka_config={"sasl.password": f"@{tmp_path / 'missing'}"})
+
+
+def test_kafka_config_file(tmp_path: Path) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text(SECRET)
+    config = tmp_path / "client.properties"
+    config.write_text(f"# producer\nsecurity.protocol = SASL_SSL\n\nsasl.password=@{secret}\nlinger.ms=5\n")
+    settings = load_settings(kafka_config_file=str(config), kafka_config={"linger.ms": "9"})
+    assert settings.kafka_config == {"security.protocol": "SASL_SSL", "sasl.password": SECRET, "linger.ms": "9"}
+
+
+def test_kafka_config_file_with_a_bad_line_names_the_line_not_its_content(tmp_path: Path) -> None:
+    config = tmp_path / "client.properties"
+    config.write_text(f"security.protocol=SSL\n{SECRET}\n")
+    with pytest.raises(ConfigurationError) as caught:
+        load_settings(kafka_config_file=str(config))
+    assert "line 2 is not KEY=VALUE" in str(caught.value) and SECRET not in str(caught.value)
