@@ -5,8 +5,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from .dsn import redact
-
 MAX_ERROR_CHARS = 2000  # what a parked event or dead letter keeps of an error message
 
 
@@ -91,4 +89,6 @@ class WaitTimeout(OutboxError, TimeoutError):
 
 def describe_error(exc: BaseException) -> str:
     """An exception as a parked event's or dead letter's last error: type and message, no secrets, bounded."""
+    from .dsn import redact  # dsn.py raises errors of this module
+
     return redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_CHARS]

@@ -78,7 +78,7 @@ class Housekeeping:
             try:
                 with conn.transaction():
                     dead = conn.execute(query("housekeeping", "mark_dead_workers"),
-                                        {"ttl": s.worker_ttl_seconds}).fetchall()
+                                        {"ttl": s.worker_ttl_seconds, "worker": s.worker_id}).fetchall()
                     expired = conn.execute(query("housekeeping", "expire_leases")).fetchall()
                     conn.execute(query("housekeeping", "forget_dead_workers"),
                                  {"forget_after": FORGET_DEAD_AFTER_SECONDS})

@@ -100,11 +100,11 @@ def register_sink(conn: Conn, sink: str, kind: str) -> None:
     """Create the sink and its cursors if new; refuse a name used for another kind, or dropped."""
     with conn.transaction():
         conn.execute(query("relay", "register_sink"), {"sink": sink, "kind": kind})
+        row = conn.execute(query("relay", "lock_sink_state"), {"sink": sink}).fetchone()
+        if row and row[0] != kind:
+            raise ConfigurationError(f"sink {sink!r} is registered as {row[0]!r}, not {kind!r}: pick another name")
+        check_sink(sink, row)
         conn.execute(query("relay", "register_cursors"), {"sink": sink, "kind": kind})
-        row = conn.execute(query("relay", "sink_kind"), {"sink": sink}).fetchone()
-    if row and row[0] != kind:
-        raise ConfigurationError(f"sink {sink!r} is registered as {row[0]!r}, not {kind!r}: pick another name")
-    check_sink(sink, row)
 
 
 def sink_state(conn: Conn, sink: str) -> tuple[str, datetime | None] | None:

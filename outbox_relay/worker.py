@@ -25,7 +25,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
-from .dsn import redact
+from .dsn import probe_connection, redact
 from .errors import ConfigurationError, OutboxError
 from .housekeeping import Housekeeping, application_name
 from .kafka_sink import KafkaSink
@@ -127,7 +127,9 @@ class Worker:
                 return pool
             except PoolTimeout:
                 pool.close()
-            log.warning("database %s is unavailable; retrying in %.0fs", redact(dsn), delay)
+            # The pool does not say why (too many connections, a wrong password, a missing database...).
+            reason = probe_connection(dsn) or "the connection pool could not open a connection in time"
+            log.warning("database %s is unavailable (%s); retrying in %.0fs", redact(dsn), reason, delay)
             self.stopping.wait(delay)
             delay = min(delay * 2, 30.0)
         return None

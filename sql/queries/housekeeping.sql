@@ -26,11 +26,16 @@ SELECT CASE WHEN finished_at = '-infinity' THEN 'Infinity'::float8
 FROM outbox.housekeeping;
 
 -- name: mark_dead_workers
--- Workers not heard from within the TTL leave the ring.
+-- Workers not heard from within the TTL leave the ring. Only while the housekeeper's own heartbeats
+-- got through: when they did not either, the database (or the way to it) was down, every worker looks
+-- silent, and declaring them all dead would only move every bucket; wait until heartbeats resume.
 UPDATE outbox.workers
 SET status = 'dead'
 WHERE status <> 'dead'
+  AND id <> %(worker)s
   AND last_seen_at < clock_timestamp() - make_interval(secs => %(ttl)s)
+  AND EXISTS (SELECT 1 FROM outbox.workers me
+              WHERE me.id = %(worker)s AND me.last_seen_at >= clock_timestamp() - make_interval(secs => %(ttl)s))
 RETURNING id;
 
 -- name: expire_leases

@@ -12,6 +12,11 @@ SELECT %(sink)s, b FROM generate_series(0, 255) AS b
 WHERE EXISTS (SELECT 1 FROM outbox.sinks s WHERE s.name = %(sink)s AND s.kind = %(kind)s AND s.dropped_at IS NULL)
 ON CONFLICT (sink, bucket) DO NOTHING;
 
+-- name: lock_sink_state
+-- The kind and tombstone of a sink being registered, waiting for a `sinks drop` in progress (it locks
+-- the row) so that its tombstone is seen, not missed.
+SELECT kind, dropped_at FROM outbox.sinks WHERE name = %(sink)s FOR KEY SHARE;
+
 -- name: sink_kind
 -- The kind a sink was registered with (one name is never used for two kinds), and when it was dropped.
 SELECT kind, dropped_at FROM outbox.sinks WHERE name = %(sink)s;

@@ -308,6 +308,23 @@ def test_silent_worker_is_marked_dead_and_its_unexpired_leases_are_freed(
     run_until(runner, lambda: sink.delivered_ids() == set(ids))
 
 
+def test_after_a_database_outage_nobody_is_declared_dead_until_heartbeats_resume(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """Every heartbeat, the housekeeper's own included, was held up by the outage: declaring everyone
+    dead would free every lease and redeliver every batch in flight (found by the fault suite)."""
+    settings = make_settings(dsn, "hk", worker_ttl_seconds=2.0)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for worker in ("hk", "a", "b"):
+            _ghost(conn, worker, "30 seconds")
+    result = Housekeeping(pool, settings).run_once()
+    assert result.ran and result.dead_workers == 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        store.heartbeat(conn, "hk", "alive", [SINK], {})  # the housekeeper's heartbeats get through again
+    assert Housekeeping(pool, settings).run_once().dead_workers == 2
+    assert fetch_all(dsn, "SELECT id, status FROM outbox.workers ORDER BY id") == [
+        ("a", "dead"), ("b", "dead"), ("hk", "alive")], "never itself"
+
+
 def test_only_one_housekeeper_runs_at_a_time(dsn: str, pool: ConnectionPool[Any]) -> None:
     settings = make_settings(dsn, "hk", worker_ttl_seconds=2.0)
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -401,6 +418,7 @@ def test_housekeeping_log_names_the_owners_of_expired_leases(
     with psycopg.connect(dsn, autocommit=True) as conn:
         _ghost(conn, "ghost", "30 seconds")
         store.acquire_leases(conn, SINK, "ghost", [1], 3600.0)
+        store.heartbeat(conn, "hk", "alive", [SINK], {})  # the housekeeper is a live worker itself
     with caplog.at_level("WARNING", logger="outbox_relay.housekeeping"):
         assert Housekeeping(pool, make_settings(dsn, "hk")).run_once().expired_leases == 1
     [message] = [r.getMessage() for r in caplog.records if "expired leases" in r.getMessage()]
