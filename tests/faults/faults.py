@@ -10,7 +10,7 @@ seeded ``random.Random``, so a seed replays the same sequence of faults.
 | relay_stop | SIGSTOP one relay for lease + 1..3 s (its leases expire, others take over), then SIGCONT |
 | relay_term | SIGTERM one relay (graceful drain), wait for its exit, start a new one: a deploy |
 | broker_restart | hold the relays' broker traffic at the proxy, record the whole topic, SIGKILL Tansu, |
-|  | start it (empty), create the topic again, let the traffic flow |
+|  | keep it down 0-3 s, start it (empty), create the topic again; half the time twice in a row |
 | db_restart | stop PostgreSQL (fast or immediate, i.e. a crash) for 1-4 s, start it (embedded only) |
 | db_cut | abort every connection between one relay (or all) and PostgreSQL at its proxy |
 | db_stall | stop forwarding between one relay (or all) and PostgreSQL for 1 s .. lease + 2 s |
@@ -115,6 +115,19 @@ def relay_term(lab: Lab) -> tuple[str, str]:
 
 
 def broker_restart(lab: Lab) -> tuple[str, str]:
+    """Once, or (half the time) twice in a row 0.5-2 s apart, as a crash-looping broker does."""
+    times = lab.rnd.choice([1, 2])
+    details = []
+    for i in range(times):
+        if i:
+            gap = lab.rnd.uniform(0.5, 2.0)
+            time.sleep(gap)
+            details.append(f"again {gap:.1f}s later:")
+        details.append(_restart_broker(lab, down=lab.rnd.uniform(0.0, 3.0)))
+    return "tansu", " ".join(details)
+
+
+def _restart_broker(lab: Lab, down: float) -> str:
     # Tansu keeps messages in memory only: record all it acknowledged before it forgets them.
     # Holding the relays' traffic at the proxy freezes what is on the topic without pausing the
     # relays (their leases live in PostgreSQL and stay renewed).
@@ -125,14 +138,17 @@ def broker_restart(lab: Lab) -> tuple[str, str]:
     held = time.monotonic() - started
     lab.broker.kill()
     lab.recorder.end_incarnation()
-    down_started = time.monotonic()
+    lab.kafka_proxy.resume()  # the relays meet a broker that is down: refused connections
+    time.sleep(down)
+    # Held again while it comes back, until the topic exists: a relay's first produce would
+    # otherwise auto-create it with the broker's default partition count.
+    lab.kafka_proxy.stall()
     lab.broker.start()
     create_topic(lab.kafka_proxy.address, lab.topic, lab.partitions)
     lab.recorder.begin_incarnation()
     lab.kafka_proxy.resume()
-    down = time.monotonic() - down_started
-    return "tansu", (f"relays' traffic held {held:.1f}s while the topic was read (re-read found {found}); "
-                     f"killed, back empty after {down:.1f}s")
+    return (f"traffic held {held:.1f}s while the topic was read (re-read found {found}), SIGKILL, "
+            f"down {down:.1f}s, back empty")
 
 
 def db_restart(lab: Lab) -> tuple[str, str]:

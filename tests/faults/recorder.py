@@ -118,22 +118,24 @@ class Recorder:
 
     def begin_incarnation(self) -> None:
         """Start reading the (new) topic from offset 0 in a thread."""
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, args=(self.incarnation,),
+        # Each incarnation's thread has its own stop event: one that is slow to close can never
+        # go on reading the next topic under the old incarnation number.
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self.incarnation, self._stop),
                                         name=f"recorder-{self.incarnation}", daemon=True)
         self._thread.start()
 
     def end_incarnation(self) -> None:
-        """Stop reading this topic (the broker is about to lose it); the next one is a new incarnation."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(15)
+        """Stop reading this topic (the broker lost it); the next one is a new incarnation."""
+        self.stop()
         self.incarnation += 1
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(15)
+            if self._thread.is_alive():
+                log.warning("recorder: the consumer of incarnation %d did not stop within 15s", self.incarnation)
 
     # -- queries (any thread) -------------------------------------------------------------
 
@@ -190,13 +192,13 @@ class Recorder:
                 self._last_new = time.monotonic()
         return new
 
-    def _run(self, incarnation: int) -> None:
+    def _run(self, incarnation: int, stop: threading.Event) -> None:
         consumer = _consumer(self.bootstrap, CLIENT_ID)
         filler: Consumer | None = None
         try:
             consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in range(self.partitions)])
             next_fill = time.monotonic() + FILL_AFTER
-            while not self._stop.is_set():
+            while not stop.is_set():
                 self._add(consumer.consume(num_messages=1000, timeout=0.05), incarnation, reread=False)
                 if time.monotonic() >= next_fill:
                     next_fill = time.monotonic() + FILL_AFTER

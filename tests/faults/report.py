@@ -195,13 +195,15 @@ def render(*, config: Any, kinds: list[str], result: Result, faults: Sequence[Fa
     rows = []
     for fr, waited in zip(result.faults, waits, strict=False):
         f = fr.fault
-        rows.append([f.index, _s(f.started - t0), f.kind, f.target, f.detail, _s(fr.recovery), fr.late,
-                     fr.duplicates, fr.lost, "-" if waited is None else _s(waited)])
-    lines += _table(["#", "at (s)", "fault", "target", "what was done", "recovery (s)", "late", "dups", "lost",
-                     "health wait (s)"], rows, right=(0, 1, 5, 6, 7, 8, 9))
+        rows.append([f.index, _s(f.started - t0), f.kind, f.target, f.detail, _s(f.ended - f.started),
+                     _s(fr.recovery), fr.late, fr.duplicates, fr.lost, "-" if waited is None else _s(waited)])
+    lines += _table(["#", "at (s)", "fault", "target", "what was done", "lasted (s)", "recovery (s)", "late", "dups",
+                     "lost", "health wait (s)"], rows, right=(0, 1, 5, 6, 7, 8, 9, 10))
     add("")
-    add(f"*at*: seconds since the load started. *health wait*: how long the fault waited after its planned time "
-        f"until the events committed since the previous fault ended arrived within {config.threshold:g} s "
+    add(f"*at*: seconds since the load started. *lasted*: the injection itself (a SIGSTOP until its SIGCONT, a "
+        "restart until the server was back); recovery counts from its start. *health wait*: how long the fault "
+        "waited after its planned time until the events committed since the previous fault ended arrived within "
+        f"{config.threshold:g} s "
         f"('-': they did not within {config.max_wait:g} s, so the fault was injected anyway and overlaps the "
         "previous one).")
     add("")

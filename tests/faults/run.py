@@ -275,7 +275,7 @@ def _inject(config: Config, kinds: list[str], lab: Lab, health: Health, producer
             ) -> tuple[list[checker.Fault], list[float | None], list[tuple[str, int | None]]]:
     """Inject the planned faults, spread over ``config.seconds``; each waits until delivery
     recovered from the previous one (at most ``max_wait``), so it can be attributed."""
-    order = plan(kinds, config.faults, lab.rnd)
+    order = plan(kinds, config.faults, random.Random(config.seed))
     gap = config.seconds / (config.faults + 1)
     say(f"load running; {config.faults} faults over {config.seconds:.0f}s (one every {gap:.1f}s at most): "
         + ", ".join(f"{k} x{order.count(k)}" for k in kinds if order.count(k)))
@@ -297,6 +297,8 @@ def _inject(config: Config, kinds: list[str], lab: Lab, health: Health, producer
             lab.fleet.start(relay.slot)
         if not producers.alive():
             raise RuntimeError("a producer process died; see producer-*.log in the work directory")
+        # One stream per fault: its target and durations do not depend on what earlier faults drew.
+        lab.rnd = random.Random(config.seed * 1000 + i)
         started = time.time()
         target, detail = INJECTORS[kind](lab)
         ended = time.time()
