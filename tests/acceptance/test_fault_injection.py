@@ -44,11 +44,11 @@ def test_twenty_faults_lose_nothing_and_keep_order(tmp_path: Path) -> None:
     code, summary, _ = run_suite(tmp_path, "--seconds", "60", "--faults", "20", "--relays", "3", "--seed", "20261123",
                                  timeout=600)
     assert summary, "the suite wrote no summary (it could not run)"
-    # Every kind was injected (twice); only an external database is not restarted.
+    # Every kind was injected at least twice; only an external database is not restarted.
     expected = set(INJECTORS) - (NEEDS_RESTARTABLE_DB if summary["database"] == "external" else set())
     assert set(summary["kinds_planned"]) == expected, summary["kinds_planned"]
     injected = [f["kind"] for f in summary["faults"]]
-    assert {k: injected.count(k) for k in expected} == dict.fromkeys(expected, 2), injected
+    assert len(injected) == 20 and all(injected.count(k) >= 2 for k in expected), injected
     assert int(summary["committed"]) >= 5_000, summary
     assert code == 0 and summary["passed"], f"the fault suite failed: {summary['problems']}"
 
