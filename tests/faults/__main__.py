@@ -1,0 +1,88 @@
+"""``python -m tests.faults --seconds 120 --faults 50 [--relays 4] [--seed N] [--report docs/faults.md]``
+
+Exit code 0 only if the checker passed (no loss, no phantoms, per-key order, relays drained and
+exited cleanly); 1 if it did not; 2 if the run itself could not be done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import shlex
+import sys
+from pathlib import Path
+
+from tests.faults.faults import INJECTORS
+from tests.faults.run import Config, run
+
+
+def parse(argv: list[str] | None = None) -> Config:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.faults",
+        description="Fault injection against real outbox-relay processes, PostgreSQL and a Kafka-protocol broker: "
+                    "checks no loss, no phantoms and per-key order, and measures duplicates and recovery per fault.")
+    parser.add_argument("--seconds", type=float, default=120.0,
+                        help="planned length of the fault phase; faults are spread over it (default 120)")
+    parser.add_argument("--faults", type=int, default=50, help="number of faults (default 50)")
+    parser.add_argument("--relays", type=int, default=4, help="relay processes (default 4)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: a random one, printed)")
+    parser.add_argument("--report", type=Path, default=None, help="write the markdown report here (also printed)")
+    parser.add_argument("--json", type=Path, default=None, dest="json_path",
+                        help="also write a machine-readable summary here")
+    parser.add_argument("--sabotage-lose", type=int, default=0, metavar="N", help=argparse.SUPPRESS)
+    parser.add_argument("--rate", type=float, default=300.0, help="events/s over all producers (default 300)")
+    parser.add_argument("--keys", type=int, default=600, help="partition keys (default 600)")
+    parser.add_argument("--producers", type=int, default=2, help="producer processes (default 2)")
+    parser.add_argument("--producer-threads", type=int, default=4, help="threads per producer process (default 4)")
+    parser.add_argument("--threshold", type=float, default=1.0,
+                        help="an event consumed more than this many seconds after its commit is late (default 1)")
+    parser.add_argument("--max-wait", type=float, default=30.0,
+                        help="longest wait for delivery to recover before the next fault (default 30)")
+    parser.add_argument("--kinds", default=",".join(INJECTORS),
+                        help=f"comma-separated fault kinds (default all: {','.join(INJECTORS)})")
+    parser.add_argument("--dsn", default=os.environ.get("OUTBOX_TEST_DSN"),
+                        help="use this PostgreSQL (a superuser or CREATEDB role) instead of an embedded one; "
+                             "no database restarts then [env OUTBOX_TEST_DSN]")
+    parser.add_argument("--relay-option", action="append", default=[], metavar="ARG",
+                        help="extra argument for every `outbox-relay run`, e.g. --relay-option=--kafka-stall-seconds=5")
+    parser.add_argument("--workdir", type=Path, default=None, help="logs go here (default: a new temporary directory)")
+    parser.add_argument("--keep", action="store_true", help="keep the test database at the end")
+    args = parser.parse_args(argv)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in INJECTORS]
+    if unknown:
+        parser.error(f"unknown fault kinds {unknown}; known: {', '.join(INJECTORS)}")
+    if args.faults < 1 or args.seconds <= 0 or args.relays < 1 or args.rate <= 0:
+        parser.error("--faults, --seconds, --relays and --rate must be positive")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 1_000_000)
+    command = ["python", "-m", "tests.faults", *(argv if argv is not None else sys.argv[1:])]
+    if args.seed is None:
+        command += ["--seed", str(seed)]
+    return Config(seconds=args.seconds, faults=args.faults, relays=args.relays, seed=seed, report=args.report,
+                  json_path=args.json_path, sabotage_lose=args.sabotage_lose,
+                  rate=args.rate, keys=args.keys, producers=args.producers, producer_threads=args.producer_threads,
+                  threshold=args.threshold, max_wait=args.max_wait, kinds=kinds, dsn=args.dsn,
+                  workdir=args.workdir, keep=args.keep, relay_options=args.relay_option,
+                  command=shlex.join(command))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level="WARNING", stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    config = parse(argv)
+    print(f"[faults] {config.command}", file=sys.stderr, flush=True)
+    try:
+        outcome = run(config)
+    except Exception as exc:
+        logging.getLogger("tests.faults").exception("the run could not be done: %s", exc)
+        return 2
+    print(outcome.report)
+    if config.report is not None:
+        print(f"[faults] report written to {config.report}", file=sys.stderr)
+    print(f"[faults] {'PASSED' if outcome.passed else 'FAILED'}; logs in {outcome.workdir}", file=sys.stderr)
+    return 0 if outcome.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
