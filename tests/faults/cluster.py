@@ -294,7 +294,8 @@ def backlog(conn: psycopg.Connection[Any], sink: str = "kafka") -> tuple[int, in
     """(events past the sink's cursors, parked events): the relays' own view of what is left."""
     row = conn.execute(
         "SELECT (SELECT count(*) FROM outbox.cursors c JOIN outbox.events e ON e.bucket = c.bucket "
-        "        AND (e.xid, e.seq) > (c.position_xid, c.position_seq) WHERE c.sink = %(sink)s), "
+        "        AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) "
+        "        WHERE c.sink = %(sink)s), "
         "       (SELECT count(*) FROM outbox.parked WHERE sink = %(sink)s)", {"sink": sink}).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
