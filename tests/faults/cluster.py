@@ -183,7 +183,7 @@ RELAY_KNOBS = [
     "--lease-seconds", "3", "--heartbeat-seconds", "0.5", "--worker-ttl-seconds", "2",
     "--housekeeping-seconds", "0.5", "--poll-seconds", "0.2",
     "--backoff-base-seconds", "0.1", "--backoff-max-seconds", "0.5",
-    "--retention-seconds", "1000000000", "--drain-seconds", "10",
+    "--retention-seconds", "315360000", "--drain-seconds", "10",
 ]
 LEASE_SECONDS = 3.0
 DRAIN_SECONDS = 10.0
