@@ -12,18 +12,20 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import pq
+from psycopg import Rollback, pq
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from outbox_relay import InvalidEvent, Outbox, Published
-from outbox_relay.event import make_event
+from outbox_relay.event import MAX_PAYLOAD_DEPTH, RESERVED_HEADERS, make_event
 from tests.servers import sqlalchemy_url, wait_until
 
 TOPIC = "orders"
@@ -385,28 +387,56 @@ def test_publish_many_is_one_statement_in_input_order(dsn: str, outbox: Outbox) 
 
 # -- bad input: a clear error naming the problem, before anything is written ------------------
 
+def nested(depth: int) -> Any:
+    """A payload of ``depth`` nested arrays (and objects every other level)."""
+    payload: Any = "leaf"
+    for level in range(depth):
+        payload = [payload] if level % 2 else {"n": payload}
+    return payload
+
+
+def contains_itself() -> Any:
+    payload: dict[str, Any] = {"a": []}
+    payload["a"].append(payload)
+    return payload
+
+
 BAD_INPUT: dict[str, tuple[dict[str, Any], str]] = {
     "payload with a set": ({"payload": {"tags": {"a", "b"}}}, "payload"),
     "payload with NaN": ({"payload": {"amount": math.nan}}, "payload"),
     "payload with a NUL": ({"payload": {"note": "a\x00b"}}, "payload"),
     "payload with a lone surrogate": ({"payload": "\ud800"}, "payload"),
+    "payload nested one level too deep": ({"payload": nested(MAX_PAYLOAD_DEPTH + 1)}, "payload"),
+    "payload nested 10,000 deep": ({"payload": nested(10_000)}, "payload"),
+    "payload that contains itself": ({"payload": contains_itself()}, "payload"),
     "empty key": ({"key": ""}, "key"),
     "key over 1024 bytes": ({"key": "é" * 513}, "key"),
     "key with a NUL": ({"key": "a\x00b"}, "key"),
     "missing topic": ({"topic": None, "_no_default": True}, "topic"),
     "invalid topic": ({"topic": "orders and more!"}, "topic"),
+    "topic .": ({"topic": "."}, "topic"),
+    "topic ..": ({"topic": ".."}, "topic"),
+    "topic with a trailing newline": ({"topic": "orders\n"}, "topic"),
     "empty type": ({"type": ""}, "type"),
     "type with a NUL": ({"type": "a\x00"}, "type"),
     "header that is not text": ({"headers": {"n": 1}}, "headers"),
+    "header that is bytes": ({"headers": {"n": b"1"}}, "headers"),
+    "header name that is not text": ({"headers": {1: "n"}}, "headers"),
     "header with a NUL": ({"headers": {"n": "\x00"}}, "headers"),
+    "header ce_id": ({"headers": {"ce_id": "mine"}}, "'ce_id' is reserved"),
+    "header CE_Type": ({"headers": {"CE_Type": "mine"}}, "'CE_Type' is reserved"),
+    "header Content-Type": ({"headers": {"Content-Type": "text/plain"}}, "'Content-Type' is reserved"),
+    "header outbox_fence": ({"headers": {"outbox_fence": "99"}}, "'outbox_fence' is reserved"),
+    "header Outbox_Replay": ({"headers": {"Outbox_Replay": "1"}}, "'Outbox_Replay' is reserved"),
     "empty idempotency key": ({"idempotency_key": ""}, "idempotency_key"),
+    "time without a time zone": ({"time": datetime(2026, 1, 1)}, "time"),
     "unknown field": ({"colour": "red"}, "colour"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_refused_before_anything_is_written(dsn: str, case: str) -> None:
-    change, field = BAD_INPUT[case]
+    change, named = BAD_INPUT[case]
     change = dict(change)
     outbox = Outbox(default_topic=None if change.pop("_no_default", False) else TOPIC)
     bad = {"type": "t", "key": "k", "payload": {}, **change}
@@ -415,9 +445,10 @@ def test_bad_input_is_refused_before_anything_is_written(dsn: str, case: str) ->
         sent = len(conn.statements)  # type: ignore[attr-defined]
         with pytest.raises(InvalidEvent) as info:
             outbox.publish(conn, **bad)
-        assert field in str(info.value)
-        with pytest.raises(InvalidEvent):
+        assert named in str(info.value)
+        with pytest.raises(InvalidEvent) as info:
             outbox.publish_many(conn, [{"type": "t", "key": "k", "topic": TOPIC, "payload": "in the batch"}, bad])
+        assert named in str(info.value)
         assert len(conn.statements) == sent, "nothing may reach the database"  # type: ignore[attr-defined]
         assert conn.info.transaction_status == pq.TransactionStatus.INTRANS
         after = outbox.publish(conn, type="t", key="k", topic=TOPIC, payload="after")
@@ -426,12 +457,45 @@ def test_bad_input_is_refused_before_anything_is_written(dsn: str, case: str) ->
 
 
 def test_limits_agree_with_the_database(dsn: str, outbox: Outbox) -> None:
-    # The largest key Python accepts is one the CHECK constraint accepts (bytes, not characters).
+    # The largest key Python accepts is one the CHECK constraint accepts (bytes, not characters),
+    # and the deepest payload is stored and read back.
     key = "é" * 512
     with psycopg.connect(dsn) as conn:
         outbox.publish(conn, type="t", key=key, payload="\\u0000 is text here, not a NUL")
+        deep = outbox.publish(conn, type="t", key="k", payload=nested(MAX_PAYLOAD_DEPTH))
         conn.commit()
-    (event,) = stored(dsn)
-    assert event["partition_key"] == key
-    assert event["payload"] == "\\u0000 is text here, not a NUL"
+    first, second = stored(dsn)
+    assert first["partition_key"] == key
+    assert first["payload"] == "\\u0000 is text here, not a NUL"
+    assert second["id"] == deep.id and second["payload"] == nested(MAX_PAYLOAD_DEPTH)
 
+
+HEADER_NAMES = [*sorted(RESERVED_HEADERS), "CE_ID", "Ce_SpecVersion", "Content-Type", "outbox_fence", "OUTBOX_REPLAY",
+                "outbox_", "Outbox_x", "ce_\u0130d", "ce_other", "ce-id", "content_type", "outbox-fence", "x_outbox_y",
+                "trace"]
+
+
+def test_reserved_header_names_agree_with_the_database(dsn: str) -> None:
+    # Every name the trigger refuses, Python refuses first (a refusal mid-statement would abort the
+    # caller's transaction); for ASCII names the two lists are the same.
+    insert = ("INSERT INTO outbox.events (topic, partition_key, type, payload, headers) "
+              "VALUES ('orders', 'k', 't', '{}', %s)")
+    with psycopg.connect(dsn) as conn:
+        for name in HEADER_NAMES:
+            try:
+                make_event(type="t", key="k", payload={}, headers={name: "v"})
+                python_refuses = False
+            except InvalidEvent:
+                python_refuses = True
+            try:
+                with conn.transaction():
+                    conn.execute(insert, (Jsonb({name: "v"}),))
+                    raise Rollback()
+            except psycopg.errors.CheckViolation as exc:
+                assert "is reserved for the relay" in str(exc)
+                database_refuses = True
+            else:
+                database_refuses = False
+            assert python_refuses >= database_refuses, name
+            if name.isascii():
+                assert python_refuses == database_refuses, name
