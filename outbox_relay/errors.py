@@ -14,6 +14,11 @@ class InvalidEvent(OutboxError, ValueError):
     """An event was refused before anything was written; the message names the field."""
 
 
+class NoTransaction(OutboxError, RuntimeError):
+    """``publish`` was given a connection in autocommit mode outside a transaction: the event would
+    commit on its own, whatever happens to the business change. Nothing was written."""
+
+
 class ConfigurationError(OutboxError, ValueError):
     """A setting, sink name or projection reference is not usable."""
 

@@ -1,7 +1,8 @@
 """Publish events inside the caller's transaction (psycopg 3 sync/async, SQLAlchemy).
 
 The insert is one statement for any number of events, so it costs one round trip. If the
-caller's transaction rolls back, the events never existed (G1). A repeated idempotency
+caller's transaction rolls back, the events never existed (G1); a connection that would commit
+the events on their own (autocommit, no transaction open) is refused. A repeated idempotency
 key yields the stored event and ``created=False`` (G2).
 """
 
@@ -10,13 +11,16 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidEvent
+from .errors import InvalidEvent, NoTransaction
 from .event import Event, make_event
 from .sqlfiles import query
+
+# libpq's PQTransactionStatus (psycopg 3 and psycopg2 both report it): no transaction open.
+_IDLE = 0
 
 # A NUL written by json.dumps: "\\u0000" after an even number of backslashes (an odd number
 # means the backslash itself was escaped). jsonb refuses it, as text columns refuse a NUL.
@@ -122,9 +126,10 @@ class Outbox:
     def publish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
         batch, where = self._distinct(self._events(events))
         params = self._params(batch)
-        results = self._interpret(_execute(conn, query("publish", "publish"), params))
+        execute = _executor(conn)
+        results = self._interpret(execute(query("publish", "publish"), params))
         if None in results:
-            found = _execute(conn, query("publish", "find_by_idempotency_keys"), _missing(batch, results))
+            found = execute(query("publish", "find_by_idempotency_keys"), _missing(batch, results))
             return self._expand(self._fill(results, batch, found), where)
         return self._expand(results, where)  # type: ignore[arg-type]
 
@@ -137,9 +142,10 @@ class Outbox:
     async def apublish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
         batch, where = self._distinct(self._events(events))
         params = self._params(batch)
-        results = self._interpret(await _aexecute(conn, query("publish", "publish"), params))
+        execute = await _aexecutor(conn)
+        results = self._interpret(await execute(query("publish", "publish"), params))
         if None in results:
-            found = await _aexecute(conn, query("publish", "find_by_idempotency_keys"), _missing(batch, results))
+            found = await execute(query("publish", "find_by_idempotency_keys"), _missing(batch, results))
             return self._expand(self._fill(results, batch, found), where)
         return self._expand(results, where)  # type: ignore[arg-type]
 
@@ -180,33 +186,78 @@ def _uuid(value: Any) -> uuid.UUID:
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
-def _execute(conn: Any, sql: str, params: dict[str, Any]) -> list[Any]:
-    if hasattr(conn, "exec_driver_sql"):  # SQLAlchemy Connection
-        return list(conn.exec_driver_sql(sql, params).fetchall())
-    if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # SQLAlchemy Session
-        return list(conn.connection().exec_driver_sql(sql, params).fetchall())
+def _executor(conn: Any) -> Callable[[str, dict[str, Any]], list[Any]]:
+    """Run statements on ``conn``, once it is known that they join a transaction the caller controls."""
+    if hasattr(conn, "exec_driver_sql") or (hasattr(conn, "get_bind") and hasattr(conn, "connection")):
+        sa = conn if hasattr(conn, "exec_driver_sql") else conn.connection()  # Connection, or a Session's
+        _require_transaction(sa.connection.driver_connection, conn)
+        return lambda sql, params: list(sa.exec_driver_sql(sql, params).fetchall())
     if hasattr(conn, "cursor"):  # psycopg Connection
-        with conn.cursor() as cur:
-            cur.execute(sql, params)
-            return list(cur.fetchall())
+        _require_transaction(conn, conn)
+
+        def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
+            with conn.cursor() as cur:
+                cur.execute(sql, params)
+                return list(cur.fetchall())
+
+        return on_connection
     if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg Cursor
-        conn.execute(sql, params)
-        return list(conn.fetchall())
+        _require_transaction(conn.connection, conn)
+
+        def on_cursor(sql: str, params: dict[str, Any]) -> list[Any]:
+            conn.execute(sql, params)
+            return list(conn.fetchall())
+
+        return on_cursor
     raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg connection or cursor, "
                     "or a SQLAlchemy Connection or Session")
 
 
-async def _aexecute(conn: Any, sql: str, params: dict[str, Any]) -> list[Any]:
-    if hasattr(conn, "exec_driver_sql"):  # SQLAlchemy AsyncConnection
-        return list((await conn.exec_driver_sql(sql, params)).fetchall())
-    if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # SQLAlchemy AsyncSession
-        return list((await (await conn.connection()).exec_driver_sql(sql, params)).fetchall())
+async def _aexecutor(conn: Any) -> Callable[[str, dict[str, Any]], Awaitable[list[Any]]]:
+    """``_executor`` for async connections."""
+    if hasattr(conn, "exec_driver_sql") or (hasattr(conn, "get_bind") and hasattr(conn, "connection")):
+        sa = conn if hasattr(conn, "exec_driver_sql") else await conn.connection()  # AsyncConnection/Session
+        _require_transaction((await sa.get_raw_connection()).driver_connection, conn)
+
+        async def on_sqlalchemy(sql: str, params: dict[str, Any]) -> list[Any]:
+            return list((await sa.exec_driver_sql(sql, params)).fetchall())
+
+        return on_sqlalchemy
     if hasattr(conn, "cursor"):  # psycopg AsyncConnection
-        async with conn.cursor() as cur:
-            await cur.execute(sql, params)
-            return list(await cur.fetchall())
+        _require_transaction(conn, conn)
+
+        async def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
+            async with conn.cursor() as cur:
+                await cur.execute(sql, params)
+                return list(await cur.fetchall())
+
+        return on_connection
     if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg AsyncCursor
-        await conn.execute(sql, params)
-        return list(await conn.fetchall())
+        _require_transaction(conn.connection, conn)
+
+        async def on_cursor(sql: str, params: dict[str, Any]) -> list[Any]:
+            await conn.execute(sql, params)
+            return list(await conn.fetchall())
+
+        return on_cursor
     raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg AsyncConnection or cursor, "
                     "or a SQLAlchemy AsyncConnection or AsyncSession")
+
+
+def _require_transaction(driver: Any, given: Any) -> None:
+    """Refuse a driver connection that would commit the events on their own: autocommit mode with no
+    transaction open. The status is the server's own (libpq's, from its last reply), so a transaction
+    opened by ``conn.transaction()`` or a plain BEGIN counts, and a connection without autocommit is
+    fine (the driver opens one). A driver that reports neither is trusted."""
+    status = getattr(getattr(driver, "info", None), "transaction_status", None)
+    if getattr(driver, "autocommit", False) is not True or status is None or int(status) != _IDLE:
+        return
+    if hasattr(given, "exec_driver_sql") or hasattr(given, "get_bind"):
+        how = ("it runs with isolation_level='AUTOCOMMIT'; publish with a Connection or Session of an engine "
+               "without it (or .execution_options(isolation_level='READ COMMITTED') before the transaction)")
+    else:
+        how = "it is in autocommit mode; publish inside `with conn.transaction():`, or on a connection without " \
+              "autocommit"
+    raise NoTransaction(f"publish refused: no transaction is open on this {type(given).__name__} and {how}. "
+                        "Otherwise the event would commit at once, on its own, and stay published even if the "
+                        "business change is rolled back. Nothing was written.")

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from outbox_relay import InvalidEvent, Outbox, Published
+from outbox_relay.errors import NoTransaction
 from outbox_relay.event import MAX_PAYLOAD_DEPTH, RESERVED_HEADERS, make_event
 from tests.servers import sqlalchemy_url, wait_until
 
@@ -229,6 +230,117 @@ def test_sqlalchemy_async(shop: str, outbox: Outbox) -> None:
     by_conn, by_session = asyncio.run(main())
     assert [e["id"] for e in stored(shop)] == [by_conn.id, by_session.id]
     assert orders(shop) == [2, 4]
+
+
+# -- G1: a connection that would commit the event on its own is refused ---------------------
+
+
+def test_psycopg_autocommit_outside_a_transaction_is_refused(shop: str, outbox: Outbox) -> None:
+    with psycopg.connect(shop, autocommit=True, cursor_factory=CountingCursor) as conn:
+        conn.statements = []  # type: ignore[attr-defined]
+        for target in (conn, conn.cursor()):
+            with pytest.raises(NoTransaction, match="autocommit") as info:
+                outbox.publish(target, type="order.placed", key="order-1", payload={})
+            assert "Nothing was written" in str(info.value)
+            with pytest.raises(NoTransaction):
+                outbox.publish_many(target, [{"type": "order.placed", "key": "order-1", "payload": {}}])
+        assert conn.statements == [], "nothing may reach the database"  # type: ignore[attr-defined]
+
+        # Inside a transaction block the event joins it, and shares its fate.
+        with pytest.raises(RuntimeError), conn.transaction():
+            conn.execute("INSERT INTO orders VALUES (1, 100)")
+            outbox.publish(conn, type="order.placed", key="order-1", payload={})
+            outbox.publish(conn.cursor(), type="order.placed", key="order-1", payload={})
+            raise RuntimeError("the business change fails")
+        assert stored(shop) == []
+        # What counts is the server's transaction status, not the flag: a BEGIN sent by hand opens one.
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO orders VALUES (2, 200)")
+        kept = outbox.publish(conn, type="order.placed", key="order-2", payload={})
+        conn.execute("COMMIT")
+    assert [e["id"] for e in stored(shop)] == [kept.id]
+    assert orders(shop) == [2]
+
+
+def test_psycopg_async_autocommit_outside_a_transaction_is_refused(shop: str, outbox: Outbox) -> None:
+    async def main() -> Published:
+        async with await psycopg.AsyncConnection.connect(shop, autocommit=True) as conn:
+            for target in (conn, conn.cursor()):
+                with pytest.raises(NoTransaction, match="autocommit"):
+                    await outbox.apublish(target, type="order.placed", key="order-1", payload={})
+                with pytest.raises(NoTransaction):
+                    await outbox.apublish_many(target, [{"type": "order.placed", "key": "order-1", "payload": {}}])
+            assert stored(shop) == []
+            with pytest.raises(RuntimeError):
+                async with conn.transaction():
+                    await outbox.apublish(conn, type="order.placed", key="order-1", payload={})
+                    raise RuntimeError("the business change fails")
+            async with conn.transaction():
+                await conn.execute("INSERT INTO orders VALUES (2, 200)")
+                async with conn.cursor() as cur:
+                    return await outbox.apublish(cur, type="order.placed", key="order-2", payload={})
+
+    kept = asyncio.run(main())
+    assert [e["id"] for e in stored(shop)] == [kept.id]
+    assert orders(shop) == [2]
+
+
+@pytest.mark.parametrize("how", ["engine", "connection"])
+def test_sqlalchemy_autocommit_is_refused(shop: str, outbox: Outbox, how: str) -> None:
+    options = {"isolation_level": "AUTOCOMMIT"} if how == "engine" else {}
+    engine = create_engine(sqlalchemy_url(shop), poolclass=NullPool, **options)
+    try:
+        with engine.connect() as conn:
+            if how == "connection":
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+            with pytest.raises(NoTransaction, match="AUTOCOMMIT") as info:
+                outbox.publish(conn, type="order.placed", key="order-1", payload={})
+            assert "Nothing was written" in str(info.value)
+            with conn.begin():  # AUTOCOMMIT: begin() sends no BEGIN, every statement commits at once
+                conn.execute(text("INSERT INTO orders VALUES (1, 100)"))
+                with pytest.raises(NoTransaction):
+                    outbox.publish_many(conn, [{"type": "order.placed", "key": "order-1", "payload": {}}])
+            # A transaction the server knows of (BEGIN sent by hand) is one to join.
+            conn.exec_driver_sql("BEGIN")
+            kept = outbox.publish(conn, type="order.placed", key="order-2", payload={})
+            conn.exec_driver_sql("COMMIT")
+        if how == "engine":
+            with Session(engine) as session:
+                with pytest.raises(NoTransaction, match="AUTOCOMMIT"):
+                    outbox.publish(session, type="order.placed", key="order-3", payload={})
+                with pytest.raises(NoTransaction):
+                    outbox.publish_many(session, [{"type": "order.placed", "key": "order-3", "payload": {}}])
+                session.rollback()
+    finally:
+        engine.dispose()
+    assert [e["id"] for e in stored(shop)] == [kept.id]
+
+
+def test_sqlalchemy_async_autocommit_is_refused(shop: str, outbox: Outbox) -> None:
+    pytest.importorskip("greenlet", reason="SQLAlchemy's asyncio layer needs greenlet (sqlalchemy[asyncio])")
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    async def main() -> None:
+        engine = create_async_engine(sqlalchemy_url(shop), poolclass=NullPool, isolation_level="AUTOCOMMIT")
+        try:
+            async with engine.connect() as conn:
+                with pytest.raises(NoTransaction, match="AUTOCOMMIT"):
+                    await outbox.apublish(conn, type="order.placed", key="order-1", payload={})
+                async with conn.begin():
+                    with pytest.raises(NoTransaction):
+                        await outbox.apublish_many(conn, [{"type": "order.placed", "key": "order-1", "payload": {}}])
+            async with AsyncSession(engine) as session:
+                with pytest.raises(NoTransaction, match="AUTOCOMMIT"):
+                    await outbox.apublish(session, type="order.placed", key="order-2", payload={})
+                await session.rollback()  # the refused call began the session (autobegin)
+                async with session.begin():
+                    with pytest.raises(NoTransaction):
+                        await outbox.apublish(session, type="order.placed", key="order-2", payload={})
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    assert stored(shop) == []
 
 
 # -- G2: one idempotency key, one event, and the caller learns which -------------------------
