@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from .errors import InvalidEvent, NoTransaction
@@ -41,7 +42,21 @@ class Outbox:
 
     # -- building -------------------------------------------------------------------------
 
-    def event(self, **fields: Any) -> Event:
+    def event(
+        self, *, type: str, key: str, payload: Any, topic: str | None = None,
+        headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
+        time: datetime | None = None, id: uuid.UUID | None = None,
+    ) -> Event:
+        """A validated Event (``InvalidEvent`` names what is wrong); see ``publish`` for the fields."""
+        fields: dict[str, Any] = {"type": type, "key": key, "payload": payload, "topic": topic,
+                                  "idempotency_key": idempotency_key, "time": time}
+        if headers is not None:
+            fields["headers"] = headers
+        if id is not None:
+            fields["id"] = id
+        return self._event(fields)
+
+    def _event(self, fields: dict[str, Any]) -> Event:
         if fields.get("topic") is None:
             fields["topic"] = self.default_topic
         event = make_event(**fields)
@@ -54,9 +69,9 @@ class Outbox:
         out = []
         for e in events:
             if isinstance(e, dict):
-                out.append(self.event(**e))
+                out.append(self._event(dict(e)))
             elif e.topic is None:
-                out.append(self.event(**e.model_dump()))
+                out.append(self._event(e.model_dump()))
             else:
                 out.append(e)
         if not out:
@@ -119,9 +134,25 @@ class Outbox:
 
     # -- sync -----------------------------------------------------------------------------
 
-    def publish(self, conn: Any, **fields: Any) -> Published:
-        """Publish one event with ``conn`` (psycopg Connection/Cursor, SQLAlchemy Connection/Session)."""
-        return self.publish_many(conn, [self.event(**fields)])[0]
+    def publish(
+        self, conn: Any, *, type: str, key: str, payload: Any, topic: str | None = None,
+        headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
+        time: datetime | None = None, id: uuid.UUID | None = None,
+    ) -> Published:
+        """Publish one event in the transaction of ``conn`` (psycopg Connection/Cursor, SQLAlchemy
+        Connection/Session); it exists iff that transaction commits.
+
+        ``key`` orders it (one key, one order, in every sink); ``topic`` defaults to ``default_topic``;
+        ``headers`` go with the Kafka message (names the relay sets are refused); ``idempotency_key``:
+        publishing with it again returns the stored event with ``created=False``; ``time``
+        (timezone-aware) is when the event happened, sent as ``ce_time``, never what retention counts
+        from (created_at, the database's clock when the event is stored); ``id`` defaults to a new
+        UUIDv7. Raises ``InvalidEvent`` naming the problem before anything is written, and
+        ``NoTransaction`` for an autocommit connection outside a transaction.
+        """
+        event = self.event(type=type, key=key, payload=payload, topic=topic, headers=headers,
+                           idempotency_key=idempotency_key, time=time, id=id)
+        return self.publish_many(conn, [event])[0]
 
     def publish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
         batch, where = self._distinct(self._events(events))
@@ -135,9 +166,15 @@ class Outbox:
 
     # -- async ----------------------------------------------------------------------------
 
-    async def apublish(self, conn: Any, **fields: Any) -> Published:
-        """Publish one event with an async connection (psycopg AsyncConnection, SQLAlchemy async)."""
-        return (await self.apublish_many(conn, [self.event(**fields)]))[0]
+    async def apublish(
+        self, conn: Any, *, type: str, key: str, payload: Any, topic: str | None = None,
+        headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
+        time: datetime | None = None, id: uuid.UUID | None = None,
+    ) -> Published:
+        """``publish`` with an async connection (psycopg AsyncConnection/AsyncCursor, SQLAlchemy async)."""
+        event = self.event(type=type, key=key, payload=payload, topic=topic, headers=headers,
+                           idempotency_key=idempotency_key, time=time, id=id)
+        return (await self.apublish_many(conn, [event]))[0]
 
     async def apublish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
         batch, where = self._distinct(self._events(events))

@@ -542,7 +542,6 @@ BAD_INPUT: dict[str, tuple[dict[str, Any], str]] = {
     "header Outbox_Replay": ({"headers": {"Outbox_Replay": "1"}}, "'Outbox_Replay' is reserved"),
     "empty idempotency key": ({"idempotency_key": ""}, "idempotency_key"),
     "time without a time zone": ({"time": datetime(2026, 1, 1)}, "time"),
-    "unknown field": ({"colour": "red"}, "colour"),
 }
 
 
@@ -566,6 +565,18 @@ def test_bad_input_is_refused_before_anything_is_written(dsn: str, case: str) ->
         after = outbox.publish(conn, type="t", key="k", topic=TOPIC, payload="after")
         conn.commit()
     assert [e["id"] for e in stored(dsn)] == [accepted.id, after.id]
+
+
+def test_unknown_fields(dsn: str, outbox: Outbox) -> None:
+    # publish has typed keyword parameters (editors and mypy see them): Python itself names an unknown
+    # one; a dict in publish_many is validated like the rest of the event.
+    with psycopg.connect(dsn) as conn:
+        with pytest.raises(TypeError, match="colour"):
+            outbox.publish(conn, type="t", key="k", payload={}, colour="red")  # type: ignore[call-arg]
+        with pytest.raises(InvalidEvent, match="colour"):
+            outbox.publish_many(conn, [{"type": "t", "key": "k", "payload": {}, "colour": "red"}])
+        conn.commit()
+    assert stored(dsn) == []
 
 
 def test_limits_agree_with_the_database(dsn: str, outbox: Outbox) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import uuid
@@ -188,3 +189,19 @@ def test_time_is_aware() -> None:
     assert make_event(type="t", key="k", payload=0, time=when).time == when
     assert make_event(type="t", key="k", payload=0, time="2026-01-01T00:00:00Z").time == datetime(2026, 1, 1,
                                                                                                   tzinfo=UTC)
+
+
+PUBLISH_PARAMETERS = ["conn", "type", "key", "payload", "topic", "headers", "idempotency_key", "time", "id"]
+
+
+@pytest.mark.parametrize("method", [Outbox.publish, Outbox.apublish])
+def test_publish_has_typed_keyword_parameters(method: Any) -> None:
+    signature = inspect.signature(method)
+    assert list(signature.parameters)[1:] == PUBLISH_PARAMETERS
+    for name in PUBLISH_PARAMETERS[1:]:
+        parameter = signature.parameters[name]
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        assert parameter.annotation != "Any" or name == "payload"
+    assert [p for p in signature.parameters.values() if p.default is inspect.Parameter.empty][1:] == [
+        signature.parameters[name] for name in ("conn", "type", "key", "payload")]
+    assert signature.return_annotation == "Published"
