@@ -3,7 +3,8 @@
 The insert is one statement for any number of events, so it costs one round trip. If the
 caller's transaction rolls back, the events never existed (G1); a connection that would commit
 the events on their own (autocommit, no transaction open) is refused. A repeated idempotency
-key yields the stored event and ``created=False`` (G2).
+key yields the stored event and ``created=False`` (G2); the same key for another event raises
+``IdempotencyConflict`` and writes nothing.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .errors import InvalidEvent, NoTransaction
+from .errors import IdempotencyConflict, InvalidEvent, NoTransaction, OutboxError
 from .event import Event, make_event
 from .sqlfiles import query
 
@@ -32,6 +33,11 @@ _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 class Published:
     id: uuid.UUID
     created: bool  # False: the idempotency key was known; id is the event stored earlier
+
+
+# One statement to run and its parameters; the rows it returned are sent back.
+_Step = tuple[str, dict[str, Any]]
+_Plan = Generator[_Step, list[Any], list[Published]]
 
 
 class Outbox:
@@ -120,17 +126,56 @@ class Outbox:
             "times": [e.time.isoformat() if e.time else None for e in events],
         }
 
-    @staticmethod
-    def _interpret(rows: Sequence[Sequence[Any]]) -> list[Published | None]:
-        return [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in rows]
+    def _plan(self, events: Iterable[Event | dict[str, Any]]) -> _Plan:
+        """The statements of one publish call, for either driver loop (``_run`` / ``_arun``).
 
-    @staticmethod
-    def _fill(
-        results: list[Published | None], events: Sequence[Event], found: Sequence[Sequence[Any]]
-    ) -> list[Published]:
-        by_key = {(r[0], r[1]): _uuid(r[2]) for r in found}
-        return [r if r is not None else Published(by_key[(e.topic or "", e.idempotency_key)], False)
-                for r, e in zip(results, events, strict=True)]
+        Normally one: the publish statement, which also finds idempotency conflicts with what it can
+        see and then inserts nothing. A key whose event a concurrent transaction committed after
+        that statement's snapshot comes back without an id; one more statement looks it up.
+        """
+        batch, where = self._distinct(self._events(events))
+        params = self._params(batch)
+        rows = yield query("publish", "publish"), params
+        for e, row in zip(batch, rows, strict=True):
+            if row[2]:
+                raise IdempotencyConflict(
+                    e.idempotency_key or "", e.topic,
+                    "already stands for another event, stored or in this batch (type, key or payload differ): "
+                    "a retry must publish the same event, a new event needs a new key; nothing of this call was "
+                    "written")
+        results = [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in rows]
+        late = [i for i, r in enumerate(results) if r is None]
+        if late:
+            found = yield query("publish", "find_by_idempotency_keys"), {
+                "topics": [batch[i].topic for i in late],
+                "idempotency_keys": [batch[i].idempotency_key for i in late],
+                "types": [batch[i].type for i in late],
+                "keys": [batch[i].key for i in late],
+                "payloads": [params["payloads"][i] for i in late],
+            }
+            bad = [i for i, (event_id, same) in zip(late, found, strict=True) if event_id is None or not same]
+            if bad:
+                e = batch[bad[0]]
+                if not any(r is not None and r.created for r in results):
+                    # Retention may remove the other event in between (id NULL): publishing again works.
+                    raise IdempotencyConflict(
+                        e.idempotency_key or "", e.topic,
+                        "was just taken by a concurrent transaction for another event (its type, key or payload "
+                        "differ); nothing of this call was written")
+                # The rest of the batch is written and can not be taken back (producers may not
+                # delete): fail the transaction so that it can never commit.
+                try:
+                    yield query("publish", "abort_transaction"), {}
+                except Exception as exc:
+                    raise IdempotencyConflict(
+                        e.idempotency_key or "", e.topic,
+                        "was just taken by a concurrent transaction for another event (its type, key or payload "
+                        "differ); the other events of this call were already written, so the transaction was "
+                        "failed on purpose and must be rolled back") from exc
+                raise OutboxError("abort_transaction did not fail the transaction")  # not reached
+            for i, (event_id, _same) in zip(late, found, strict=True):
+                results[i] = Published(_uuid(event_id), False)
+        return self._expand([r for r in results if r is not None], where)
 
     # -- sync -----------------------------------------------------------------------------
 
@@ -144,25 +189,22 @@ class Outbox:
 
         ``key`` orders it (one key, one order, in every sink); ``topic`` defaults to ``default_topic``;
         ``headers`` go with the Kafka message (names the relay sets are refused); ``idempotency_key``:
-        publishing with it again returns the stored event with ``created=False``; ``time``
-        (timezone-aware) is when the event happened, sent as ``ce_time``, never what retention counts
-        from (created_at, the database's clock when the event is stored); ``id`` defaults to a new
-        UUIDv7. Raises ``InvalidEvent`` naming the problem before anything is written, and
-        ``NoTransaction`` for an autocommit connection outside a transaction.
+        publishing the same event with it again returns the stored one with ``created=False``, another
+        event with it raises ``IdempotencyConflict``; ``time`` (timezone-aware) is when the event
+        happened, sent as ``ce_time``, never what retention counts from (created_at, the database's
+        clock when the event is stored);
+        ``id`` defaults to a new UUIDv7. Raises ``InvalidEvent`` naming the problem before anything is
+        written, and ``NoTransaction`` for an autocommit connection outside a transaction.
         """
         event = self.event(type=type, key=key, payload=payload, topic=topic, headers=headers,
                            idempotency_key=idempotency_key, time=time, id=id)
         return self.publish_many(conn, [event])[0]
 
     def publish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
-        batch, where = self._distinct(self._events(events))
-        params = self._params(batch)
-        execute = _executor(conn)
-        results = self._interpret(execute(query("publish", "publish"), params))
-        if None in results:
-            found = execute(query("publish", "find_by_idempotency_keys"), _missing(batch, results))
-            return self._expand(self._fill(results, batch, found), where)
-        return self._expand(results, where)  # type: ignore[arg-type]
+        """Publish events (``Event`` objects or dicts of ``publish``'s fields) in one statement, in order."""
+        plan = self._plan(events)
+        step = next(plan)  # validates everything before the connection is looked at
+        return _run(plan, step, _executor(conn))
 
     # -- async ----------------------------------------------------------------------------
 
@@ -177,20 +219,37 @@ class Outbox:
         return (await self.apublish_many(conn, [event]))[0]
 
     async def apublish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
-        batch, where = self._distinct(self._events(events))
-        params = self._params(batch)
-        execute = await _aexecutor(conn)
-        results = self._interpret(await execute(query("publish", "publish"), params))
-        if None in results:
-            found = await execute(query("publish", "find_by_idempotency_keys"), _missing(batch, results))
-            return self._expand(self._fill(results, batch, found), where)
-        return self._expand(results, where)  # type: ignore[arg-type]
+        """``publish_many`` with an async connection."""
+        plan = self._plan(events)
+        step = next(plan)
+        return await _arun(plan, step, await _aexecutor(conn))
 
 
-def _missing(events: Sequence[Event], results: Sequence[Published | None]) -> dict[str, Any]:
-    """The (topic, idempotency key) pairs whose stored event the publish statement did not see."""
-    missing = [e for e, r in zip(events, results, strict=True) if r is None]
-    return {"topics": [e.topic for e in missing], "idempotency_keys": [e.idempotency_key for e in missing]}
+def _run(plan: _Plan, step: _Step, execute: Callable[[str, dict[str, Any]], list[Any]]) -> list[Published]:
+    while True:
+        try:
+            try:
+                rows = execute(*step)
+            except Exception as exc:
+                step = plan.throw(exc)
+            else:
+                step = plan.send(rows)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+async def _arun(plan: _Plan, step: _Step,
+                execute: Callable[[str, dict[str, Any]], Awaitable[list[Any]]]) -> list[Published]:
+    while True:
+        try:
+            try:
+                rows = await execute(*step)
+            except Exception as exc:
+                step = plan.throw(exc)
+            else:
+                step = plan.send(rows)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 def _check_storable(event: Event, payload: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from outbox_relay import errors, event
+from outbox_relay import IdempotencyConflict, errors, event
 from outbox_relay.errors import InvalidEvent, OutboxError
 from outbox_relay.event import (
     MAX_KEY_BYTES,
@@ -205,3 +205,9 @@ def test_publish_has_typed_keyword_parameters(method: Any) -> None:
     assert [p for p in signature.parameters.values() if p.default is inspect.Parameter.empty][1:] == [
         signature.parameters[name] for name in ("conn", "type", "key", "payload")]
     assert signature.return_annotation == "Published"
+
+
+def test_idempotency_conflict_is_an_invalid_event() -> None:
+    exc = IdempotencyConflict("k-1", None, "stands for another event")
+    assert isinstance(exc, InvalidEvent) and (exc.idempotency_key, exc.topic) == ("k-1", None)
+    assert str(exc) == "idempotency key 'k-1' of events without a topic stands for another event"
