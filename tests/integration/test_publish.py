@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import math
 import queue
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -344,6 +346,35 @@ def test_sqlalchemy_async_autocommit_is_refused(shop: str, outbox: Outbox) -> No
 
     asyncio.run(main())
     assert stored(shop) == []
+
+
+# -- the database owns the time retention counts from ------------------------------------------
+
+
+def test_time_is_when_the_event_happened_not_the_retention_clock(dsn: str, outbox: Outbox) -> None:
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    with psycopg.connect(dsn) as conn:
+        stamped = outbox.publish(conn, type="t", key="k", payload={}, time=epoch)
+        plain = outbox.publish(conn, type="t", key="k", payload={})
+        row = conn.execute("SELECT now()").fetchone()
+        assert row is not None
+        conn.commit()
+    with psycopg.connect(dsn) as conn:
+        rows = dict((r[0], (r[1], r[2])) for r in conn.execute(
+            "SELECT id, created_at, occurred_at FROM outbox.events"))
+    # created_at (retention) is the database's clock at insert; time= is stored as occurred_at (ce_time).
+    assert rows == {stamped.id: (row[0], epoch), plain.id: (row[0], None)}
+
+
+@pytest.mark.parametrize(("column", "value"), [("created_at", "1970-01-01T00:00:00Z"), ("xid", "1")])
+def test_sql_producers_can_not_set_what_the_database_owns(dsn: str, column: str, value: str) -> None:
+    insert = sql.SQL("INSERT INTO outbox.events (topic, partition_key, type, payload, {}) "
+                     "VALUES ('orders', 'k', 't', '{{}}', %s)").format(sql.Identifier(column))
+    with psycopg.connect(dsn) as conn:
+        with pytest.raises(psycopg.errors.CheckViolation, match=rf"outbox\.events\.{column} is set by the database"):
+            conn.execute(insert, (value,))
+        conn.rollback()
+    assert stored(dsn) == []
 
 
 # -- G2: one idempotency key, one event, and the caller learns which -------------------------
@@ -810,3 +841,31 @@ def test_reserved_header_names_agree_with_the_database(dsn: str) -> None:
             assert python_refuses >= database_refuses, name
             if name.isascii():
                 assert python_refuses == database_refuses, name
+
+
+
+# -- producers in other languages (docs/operations.md, run as written there) -----------------------
+
+
+def test_the_documented_sql_producer(dsn: str, outbox: Outbox) -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    section = text[text.index("### Events from other languages"):text.index("## Least-privilege roles")]
+    insert, check = re.findall(r"```sql\n(.*?)```", section, re.S)
+    with psycopg.connect(dsn) as conn:
+        conn.execute(insert)
+        conn.execute(insert)  # a retry
+        conn.commit()
+        assert conn.execute(check).fetchall() == [(stored(dsn)[0]["id"], True)]
+        conn.execute(insert.replace("9182}", "9183}"))  # the key reused for another event: DO NOTHING ...
+        conn.commit()
+        (event,) = stored(dsn)
+        assert conn.execute(check.replace("9182}", "9183}")).fetchall() == [(event["id"], False)]  # ... told apart
+        # The Python API sees it as the same event.
+        retry = outbox.publish(conn, type="OrderPaid", key="order:9182", payload={"order_id": 9182},
+                               idempotency_key="paid-9182")
+        with pytest.raises(IdempotencyConflict):
+            outbox.publish(conn, type="OrderPaid", key="order:9182", payload={"order_id": 9183},
+                           idempotency_key="paid-9182")
+        when = conn.execute("SELECT occurred_at FROM outbox.events").fetchone()
+    assert retry == Published(event["id"], False)
+    assert when == (datetime(2026, 11, 2, 10, 15, tzinfo=UTC),)
