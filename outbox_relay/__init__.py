@@ -4,7 +4,7 @@ Producers: ``Outbox().publish(conn, ...)`` inside the business transaction.
 Relays: the ``outbox-relay`` command, or ``Worker(RelaySettings(...)).run()``.
 """
 
-from .errors import ConfigurationError, InvalidEvent, OutboxError, SchemaError
+from .errors import ConfigurationError, IdempotencyConflict, InvalidEvent, OutboxError, SchemaError
 from .event import Event
 from .migrate import migrate
 from .progress import wait_for, wait_for_async
@@ -15,6 +15,7 @@ from .worker import Worker
 __all__ = [
     "ConfigurationError",
     "Event",
+    "IdempotencyConflict",
     "InvalidEvent",
     "Outbox",
     "OutboxError",

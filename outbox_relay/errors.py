@@ -16,6 +16,26 @@ class InvalidEvent(OutboxError, ValueError):
     """An event was refused before anything was written; the message names the field."""
 
 
+class IdempotencyConflict(InvalidEvent):
+    """An idempotency key already stands for another event (other type, key or payload) in its topic.
+
+    A retry must publish the same event again; a new event needs a new key. Nothing of the call was
+    written, except where the message says otherwise (a concurrent transaction took the key while
+    a batch was being written: the transaction was then aborted and must be rolled back).
+    """
+
+    def __init__(self, idempotency_key: str, topic: str | None, detail: str) -> None:
+        self.idempotency_key = idempotency_key
+        self.topic = topic
+        scope = f"topic {topic!r}" if topic is not None else "events without a topic"
+        super().__init__(f"idempotency key {idempotency_key!r} of {scope} {detail}")
+
+
+class NoTransaction(OutboxError, RuntimeError):
+    """``publish`` was given a connection in autocommit mode outside a transaction: the event would
+    commit on its own, whatever happens to the business change. Nothing was written."""
+
+
 class ConfigurationError(OutboxError, ValueError):
     """A setting, sink name or projection reference is not usable."""
 

@@ -7,15 +7,26 @@ import os
 import re
 import time
 import uuid
-from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator
 
 from .errors import InvalidEvent
 
 MAX_KEY_BYTES = 1024  # also a CHECK on outbox.events.partition_key
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
+# How deeply a payload may nest (objects and arrays). JSON parsers recurse once per level: Python's
+# json (the relay, projections) stops near 1,000 levels minus the caller's own stack, so a payload
+# close to that is stored and then fails in every sink that reads it. 256 leaves room for them all.
+MAX_PAYLOAD_DEPTH = 256
+# Kafka's own rule for topic names; fullmatch, since "$" would also match before a trailing newline.
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+# Headers the relay sets on every Kafka message (kafka_sink); the trigger outbox.check_event_v1
+# refuses the same names, so that consumers never see two values for one of them.
+RESERVED_HEADERS = frozenset({
+    "ce_specversion", "ce_id", "ce_source", "ce_type", "ce_time", "ce_sequence", "ce_partitionkey",
+    "content-type",
+})
+RESERVED_HEADER_PREFIX = "outbox_"
 
 
 def uuid7() -> uuid.UUID:
@@ -35,10 +46,14 @@ class Event(BaseModel):
     key: str
     payload: Any
     topic: str | None = None
-    headers: dict[str, str] = Field(default_factory=dict)
+    # Strict: bytes would otherwise be decoded silently; names and values are sent as they are.
+    headers: dict[StrictStr, StrictStr] = Field(default_factory=dict)
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=512)
     id: uuid.UUID = Field(default_factory=uuid7)
-    time: datetime | None = None  # None: the database clock at insert
+    # When the event happened, in the producer's view: stored as occurred_at, sent as ce_time. It is
+    # never the retention clock (created_at, set by the database). None: ce_time is when it was stored.
+    # Aware only: a naive time would be read in the database session's time zone.
+    time: AwareDatetime | None = None
 
     @field_validator("key")
     @classmethod
@@ -52,15 +67,59 @@ class Event(BaseModel):
     @field_validator("topic")
     @classmethod
     def _topic(cls, topic: str | None) -> str | None:
-        if topic is not None and not _TOPIC.match(topic):
-            raise ValueError(f"{topic!r} is not a Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)")
+        if topic is not None and (not _TOPIC.fullmatch(topic) or topic in (".", "..")):
+            raise ValueError(f"{topic!r} is not a Kafka topic name (1-249 of A-Z a-z 0-9 . _ -, not . or ..)")
         return topic
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, headers: dict[str, str]) -> dict[str, str]:
+        for name in headers:
+            if _is_reserved_header(name):
+                raise ValueError(f"{name!r} is reserved for the relay (the ce_* headers it sets, content-type, "
+                                 f"and every name starting with {RESERVED_HEADER_PREFIX!r}, in any case)")
+        return headers
+
+    @field_validator("payload")
+    @classmethod
+    def _payload(cls, payload: Any) -> Any:
+        if _nested_deeper_than(payload, MAX_PAYLOAD_DEPTH):
+            raise ValueError(f"is nested more than {MAX_PAYLOAD_DEPTH} levels deep (or contains itself); "
+                             f"the limit is MAX_PAYLOAD_DEPTH = {MAX_PAYLOAD_DEPTH}")
+        return payload
 
     def payload_json(self) -> str:
         try:
             return json.dumps(self.payload, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise InvalidEvent(f"payload of {self.type!r} event (key {self.key!r}) is not JSON: {exc}") from None
+        except RecursionError:  # only an Event built without validation (model_construct) gets here
+            raise InvalidEvent(f"payload of {self.type!r} event (key {self.key!r}) is nested more than "
+                               f"{MAX_PAYLOAD_DEPTH} levels deep") from None
+
+
+def _is_reserved_header(name: str) -> bool:
+    # PostgreSQL's lower() maps one character to one (U+0130 to "i"), Python's may give two: check
+    # both forms, so that nothing Python lets through is refused by the trigger mid-statement.
+    for lowered in {name.lower(), "".join(c.lower()[:1] for c in name)}:
+        if lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_HEADER_PREFIX):
+            return True
+    return False
+
+
+def _nested_deeper_than(payload: Any, limit: int) -> bool:
+    """Whether ``payload`` nests more than ``limit`` containers deep. Iterative, so that no depth
+    (and no payload that contains itself) can raise RecursionError here."""
+    containers = (dict, list, tuple)  # what json.dumps walks into
+    stack = [(payload, 1)] if isinstance(payload, containers) else []
+    while stack:
+        value, depth = stack.pop()
+        for child in value.values() if isinstance(value, dict) else value:
+            if isinstance(child, containers):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def make_event(**fields: Any) -> Event:

@@ -1,8 +1,10 @@
 """Publish events inside the caller's transaction (psycopg 3 sync/async, SQLAlchemy).
 
 The insert is one statement for any number of events, so it costs one round trip. If the
-caller's transaction rolls back, the events never existed (G1). A repeated idempotency
-key yields the stored event and ``created=False`` (G2).
+caller's transaction rolls back, the events never existed (G1); a connection that would commit
+the events on their own (autocommit, no transaction open) is refused. A repeated idempotency
+key yields the stored event and ``created=False`` (G2); the same key for another event raises
+``IdempotencyConflict`` and writes nothing.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from .errors import InvalidEvent
+from .errors import IdempotencyConflict, InvalidEvent, NoTransaction, OutboxError
 from .event import Event, make_event
 from .sqlfiles import query
+
+# libpq's PQTransactionStatus (psycopg 3 and psycopg2 both report it): no transaction open.
+_IDLE = 0
 
 # A NUL written by json.dumps: "\\u0000" after an even number of backslashes (an odd number
 # means the backslash itself was escaped). jsonb refuses it, as text columns refuse a NUL.
@@ -29,6 +35,11 @@ class Published:
     created: bool  # False: the idempotency key was known; id is the event stored earlier
 
 
+# One statement to run and its parameters; the rows it returned are sent back.
+_Step = tuple[str, dict[str, Any]]
+_Plan = Generator[_Step, list[Any], list[Published]]
+
+
 class Outbox:
     """Producer side. ``default_topic`` applies to events published without one."""
 
@@ -37,7 +48,21 @@ class Outbox:
 
     # -- building -------------------------------------------------------------------------
 
-    def event(self, **fields: Any) -> Event:
+    def event(
+        self, *, type: str, key: str, payload: Any, topic: str | None = None,
+        headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
+        time: datetime | None = None, id: uuid.UUID | None = None,
+    ) -> Event:
+        """A validated Event (``InvalidEvent`` names what is wrong); see ``publish`` for the fields."""
+        fields: dict[str, Any] = {"type": type, "key": key, "payload": payload, "topic": topic,
+                                  "idempotency_key": idempotency_key, "time": time}
+        if headers is not None:
+            fields["headers"] = headers
+        if id is not None:
+            fields["id"] = id
+        return self._event(fields)
+
+    def _event(self, fields: dict[str, Any]) -> Event:
         if fields.get("topic") is None:
             fields["topic"] = self.default_topic
         event = make_event(**fields)
@@ -50,9 +75,9 @@ class Outbox:
         out = []
         for e in events:
             if isinstance(e, dict):
-                out.append(self.event(**e))
+                out.append(self._event(dict(e)))
             elif e.topic is None:
-                out.append(self.event(**e.model_dump()))
+                out.append(self._event(e.model_dump()))
             else:
                 out.append(e)
         if not out:
@@ -101,53 +126,130 @@ class Outbox:
             "times": [e.time.isoformat() if e.time else None for e in events],
         }
 
-    @staticmethod
-    def _interpret(rows: Sequence[Sequence[Any]]) -> list[Published | None]:
-        return [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in rows]
+    def _plan(self, events: Iterable[Event | dict[str, Any]]) -> _Plan:
+        """The statements of one publish call, for either driver loop (``_run`` / ``_arun``).
 
-    @staticmethod
-    def _fill(
-        results: list[Published | None], events: Sequence[Event], found: Sequence[Sequence[Any]]
-    ) -> list[Published]:
-        by_key = {(r[0], r[1]): _uuid(r[2]) for r in found}
-        return [r if r is not None else Published(by_key[(e.topic or "", e.idempotency_key)], False)
-                for r, e in zip(results, events, strict=True)]
+        Normally one: the publish statement, which also finds idempotency conflicts with what it can
+        see and then inserts nothing. A key whose event a concurrent transaction committed after
+        that statement's snapshot comes back without an id; one more statement looks it up.
+        """
+        batch, where = self._distinct(self._events(events))
+        params = self._params(batch)
+        rows = yield query("publish", "publish"), params
+        for e, row in zip(batch, rows, strict=True):
+            if row[2]:
+                raise IdempotencyConflict(
+                    e.idempotency_key or "", e.topic,
+                    "already stands for another event, stored or in this batch (type, key or payload differ): "
+                    "a retry must publish the same event, a new event needs a new key; nothing of this call was "
+                    "written")
+        results = [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in rows]
+        late = [i for i, r in enumerate(results) if r is None]
+        if late:
+            found = yield query("publish", "find_by_idempotency_keys"), {
+                "topics": [batch[i].topic for i in late],
+                "idempotency_keys": [batch[i].idempotency_key for i in late],
+                "types": [batch[i].type for i in late],
+                "keys": [batch[i].key for i in late],
+                "payloads": [params["payloads"][i] for i in late],
+            }
+            bad = [i for i, (event_id, same) in zip(late, found, strict=True) if event_id is None or not same]
+            if bad:
+                e = batch[bad[0]]
+                if not any(r is not None and r.created for r in results):
+                    # Retention may remove the other event in between (id NULL): publishing again works.
+                    raise IdempotencyConflict(
+                        e.idempotency_key or "", e.topic,
+                        "was just taken by a concurrent transaction for another event (its type, key or payload "
+                        "differ); nothing of this call was written")
+                # The rest of the batch is written and can not be taken back (producers may not
+                # delete): fail the transaction so that it can never commit.
+                try:
+                    yield query("publish", "abort_transaction"), {}
+                except Exception as exc:
+                    raise IdempotencyConflict(
+                        e.idempotency_key or "", e.topic,
+                        "was just taken by a concurrent transaction for another event (its type, key or payload "
+                        "differ); the other events of this call were already written, so the transaction was "
+                        "failed on purpose and must be rolled back") from exc
+                raise OutboxError("abort_transaction did not fail the transaction")  # not reached
+            for i, (event_id, _same) in zip(late, found, strict=True):
+                results[i] = Published(_uuid(event_id), False)
+        return self._expand([r for r in results if r is not None], where)
 
     # -- sync -----------------------------------------------------------------------------
 
-    def publish(self, conn: Any, **fields: Any) -> Published:
-        """Publish one event with ``conn`` (psycopg Connection/Cursor, SQLAlchemy Connection/Session)."""
-        return self.publish_many(conn, [self.event(**fields)])[0]
+    def publish(
+        self, conn: Any, *, type: str, key: str, payload: Any, topic: str | None = None,
+        headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
+        time: datetime | None = None, id: uuid.UUID | None = None,
+    ) -> Published:
+        """Publish one event in the transaction of ``conn`` (psycopg Connection/Cursor, SQLAlchemy
+        Connection/Session); it exists iff that transaction commits.
+
+        ``key`` orders it (one key, one order, in every sink); ``topic`` defaults to ``default_topic``;
+        ``headers`` go with the Kafka message (names the relay sets are refused); ``idempotency_key``:
+        publishing the same event with it again returns the stored one with ``created=False``, another
+        event with it raises ``IdempotencyConflict``; ``time`` (timezone-aware) is when the event
+        happened, sent as ``ce_time``, never what retention counts from (created_at, the database's
+        clock when the event is stored);
+        ``id`` defaults to a new UUIDv7. Raises ``InvalidEvent`` naming the problem before anything is
+        written, and ``NoTransaction`` for an autocommit connection outside a transaction.
+        """
+        event = self.event(type=type, key=key, payload=payload, topic=topic, headers=headers,
+                           idempotency_key=idempotency_key, time=time, id=id)
+        return self.publish_many(conn, [event])[0]
 
     def publish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
-        batch, where = self._distinct(self._events(events))
-        params = self._params(batch)
-        results = self._interpret(_execute(conn, query("publish", "publish"), params))
-        if None in results:
-            found = _execute(conn, query("publish", "find_by_idempotency_keys"), _missing(batch, results))
-            return self._expand(self._fill(results, batch, found), where)
-        return self._expand(results, where)  # type: ignore[arg-type]
+        """Publish events (``Event`` objects or dicts of ``publish``'s fields) in one statement, in order."""
+        plan = self._plan(events)
+        step = next(plan)  # validates everything before the connection is looked at
+        return _run(plan, step, _executor(conn))
 
     # -- async ----------------------------------------------------------------------------
 
-    async def apublish(self, conn: Any, **fields: Any) -> Published:
-        """Publish one event with an async connection (psycopg AsyncConnection, SQLAlchemy async)."""
-        return (await self.apublish_many(conn, [self.event(**fields)]))[0]
+    async def apublish(
+        self, conn: Any, *, type: str, key: str, payload: Any, topic: str | None = None,
+        headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
+        time: datetime | None = None, id: uuid.UUID | None = None,
+    ) -> Published:
+        """``publish`` with an async connection (psycopg AsyncConnection/AsyncCursor, SQLAlchemy async)."""
+        event = self.event(type=type, key=key, payload=payload, topic=topic, headers=headers,
+                           idempotency_key=idempotency_key, time=time, id=id)
+        return (await self.apublish_many(conn, [event]))[0]
 
     async def apublish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
-        batch, where = self._distinct(self._events(events))
-        params = self._params(batch)
-        results = self._interpret(await _aexecute(conn, query("publish", "publish"), params))
-        if None in results:
-            found = await _aexecute(conn, query("publish", "find_by_idempotency_keys"), _missing(batch, results))
-            return self._expand(self._fill(results, batch, found), where)
-        return self._expand(results, where)  # type: ignore[arg-type]
+        """``publish_many`` with an async connection."""
+        plan = self._plan(events)
+        step = next(plan)
+        return await _arun(plan, step, await _aexecutor(conn))
 
 
-def _missing(events: Sequence[Event], results: Sequence[Published | None]) -> dict[str, Any]:
-    """The (topic, idempotency key) pairs whose stored event the publish statement did not see."""
-    missing = [e for e, r in zip(events, results, strict=True) if r is None]
-    return {"topics": [e.topic for e in missing], "idempotency_keys": [e.idempotency_key for e in missing]}
+def _run(plan: _Plan, step: _Step, execute: Callable[[str, dict[str, Any]], list[Any]]) -> list[Published]:
+    while True:
+        try:
+            try:
+                rows = execute(*step)
+            except Exception as exc:
+                step = plan.throw(exc)
+            else:
+                step = plan.send(rows)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+async def _arun(plan: _Plan, step: _Step,
+                execute: Callable[[str, dict[str, Any]], Awaitable[list[Any]]]) -> list[Published]:
+    while True:
+        try:
+            try:
+                rows = await execute(*step)
+            except Exception as exc:
+                step = plan.throw(exc)
+            else:
+                step = plan.send(rows)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 def _check_storable(event: Event, payload: str) -> None:
@@ -180,33 +282,78 @@ def _uuid(value: Any) -> uuid.UUID:
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
-def _execute(conn: Any, sql: str, params: dict[str, Any]) -> list[Any]:
-    if hasattr(conn, "exec_driver_sql"):  # SQLAlchemy Connection
-        return list(conn.exec_driver_sql(sql, params).fetchall())
-    if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # SQLAlchemy Session
-        return list(conn.connection().exec_driver_sql(sql, params).fetchall())
+def _executor(conn: Any) -> Callable[[str, dict[str, Any]], list[Any]]:
+    """Run statements on ``conn``, once it is known that they join a transaction the caller controls."""
+    if hasattr(conn, "exec_driver_sql") or (hasattr(conn, "get_bind") and hasattr(conn, "connection")):
+        sa = conn if hasattr(conn, "exec_driver_sql") else conn.connection()  # Connection, or a Session's
+        _require_transaction(sa.connection.driver_connection, conn)
+        return lambda sql, params: list(sa.exec_driver_sql(sql, params).fetchall())
     if hasattr(conn, "cursor"):  # psycopg Connection
-        with conn.cursor() as cur:
-            cur.execute(sql, params)
-            return list(cur.fetchall())
+        _require_transaction(conn, conn)
+
+        def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
+            with conn.cursor() as cur:
+                cur.execute(sql, params)
+                return list(cur.fetchall())
+
+        return on_connection
     if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg Cursor
-        conn.execute(sql, params)
-        return list(conn.fetchall())
+        _require_transaction(conn.connection, conn)
+
+        def on_cursor(sql: str, params: dict[str, Any]) -> list[Any]:
+            conn.execute(sql, params)
+            return list(conn.fetchall())
+
+        return on_cursor
     raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg connection or cursor, "
                     "or a SQLAlchemy Connection or Session")
 
 
-async def _aexecute(conn: Any, sql: str, params: dict[str, Any]) -> list[Any]:
-    if hasattr(conn, "exec_driver_sql"):  # SQLAlchemy AsyncConnection
-        return list((await conn.exec_driver_sql(sql, params)).fetchall())
-    if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # SQLAlchemy AsyncSession
-        return list((await (await conn.connection()).exec_driver_sql(sql, params)).fetchall())
+async def _aexecutor(conn: Any) -> Callable[[str, dict[str, Any]], Awaitable[list[Any]]]:
+    """``_executor`` for async connections."""
+    if hasattr(conn, "exec_driver_sql") or (hasattr(conn, "get_bind") and hasattr(conn, "connection")):
+        sa = conn if hasattr(conn, "exec_driver_sql") else await conn.connection()  # AsyncConnection/Session
+        _require_transaction((await sa.get_raw_connection()).driver_connection, conn)
+
+        async def on_sqlalchemy(sql: str, params: dict[str, Any]) -> list[Any]:
+            return list((await sa.exec_driver_sql(sql, params)).fetchall())
+
+        return on_sqlalchemy
     if hasattr(conn, "cursor"):  # psycopg AsyncConnection
-        async with conn.cursor() as cur:
-            await cur.execute(sql, params)
-            return list(await cur.fetchall())
+        _require_transaction(conn, conn)
+
+        async def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
+            async with conn.cursor() as cur:
+                await cur.execute(sql, params)
+                return list(await cur.fetchall())
+
+        return on_connection
     if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg AsyncCursor
-        await conn.execute(sql, params)
-        return list(await conn.fetchall())
+        _require_transaction(conn.connection, conn)
+
+        async def on_cursor(sql: str, params: dict[str, Any]) -> list[Any]:
+            await conn.execute(sql, params)
+            return list(await conn.fetchall())
+
+        return on_cursor
     raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg AsyncConnection or cursor, "
                     "or a SQLAlchemy AsyncConnection or AsyncSession")
+
+
+def _require_transaction(driver: Any, given: Any) -> None:
+    """Refuse a driver connection that would commit the events on their own: autocommit mode with no
+    transaction open. The status is the server's own (libpq's, from its last reply), so a transaction
+    opened by ``conn.transaction()`` or a plain BEGIN counts, and a connection without autocommit is
+    fine (the driver opens one). A driver that reports neither is trusted."""
+    status = getattr(getattr(driver, "info", None), "transaction_status", None)
+    if getattr(driver, "autocommit", False) is not True or status is None or int(status) != _IDLE:
+        return
+    if hasattr(given, "exec_driver_sql") or hasattr(given, "get_bind"):
+        how = ("it runs with isolation_level='AUTOCOMMIT'; publish with a Connection or Session of an engine "
+               "without it (or .execution_options(isolation_level='READ COMMITTED') before the transaction)")
+    else:
+        how = "it is in autocommit mode; publish inside `with conn.transaction():`, or on a connection without " \
+              "autocommit"
+    raise NoTransaction(f"publish refused: no transaction is open on this {type(given).__name__} and {how}. "
+                        "Otherwise the event would commit at once, on its own, and stay published even if the "
+                        "business change is rolled back. Nothing was written.")

@@ -61,7 +61,7 @@ def test_same_idempotency_key_twice_stores_one_event(dsn: str) -> None:
         first = outbox.publish(conn, type="order.created", key="order-1", payload={"n": 1},
                                idempotency_key="request-1")
     with psycopg.connect(dsn) as conn:  # the producer retries in a new transaction
-        again = outbox.publish(conn, type="order.created", key="order-1", payload={"n": 2},
+        again = outbox.publish(conn, type="order.created", key="order-1", payload={"n": 1},
                                idempotency_key="request-1")
     assert first.created is True
     assert again.created is False and again.id == first.id

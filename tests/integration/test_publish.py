@@ -9,21 +9,29 @@ from __future__ import annotations
 import asyncio
 import math
 import queue
+import re
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import pq
+from psycopg import Rollback, pq, sql
+from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from outbox_relay import InvalidEvent, Outbox, Published
-from outbox_relay.event import make_event
+from outbox_relay import IdempotencyConflict, InvalidEvent, Outbox, Published
+from outbox_relay.errors import NoTransaction
+from outbox_relay.event import MAX_PAYLOAD_DEPTH, RESERVED_HEADERS, make_event
+from outbox_relay.sqlfiles import query
 from tests.servers import sqlalchemy_url, wait_until
 
 TOPIC = "orders"
@@ -178,7 +186,7 @@ def test_sqlalchemy_connection(shop: str, outbox: Outbox) -> None:
         with conn.begin():
             conn.execute(text("INSERT INTO orders VALUES (2, 200)"))
             p = outbox.publish(conn, type="order.placed", key="order-2", payload={"n": 1}, idempotency_key="k")
-            again = outbox.publish(conn, type="order.placed", key="order-2", payload={"n": 2}, idempotency_key="k")
+            again = outbox.publish(conn, type="order.placed", key="order-2", payload={"n": 1}, idempotency_key="k")
     (event,) = stored(shop)
     assert p == Published(event["id"], True) and again == Published(event["id"], False)
     assert event["payload"] == {"n": 1}
@@ -229,19 +237,162 @@ def test_sqlalchemy_async(shop: str, outbox: Outbox) -> None:
     assert orders(shop) == [2, 4]
 
 
+# -- G1: a connection that would commit the event on its own is refused ---------------------
+
+
+def test_psycopg_autocommit_outside_a_transaction_is_refused(shop: str, outbox: Outbox) -> None:
+    with psycopg.connect(shop, autocommit=True, cursor_factory=CountingCursor) as conn:
+        conn.statements = []  # type: ignore[attr-defined]
+        for target in (conn, conn.cursor()):
+            with pytest.raises(NoTransaction, match="autocommit") as info:
+                outbox.publish(target, type="order.placed", key="order-1", payload={})
+            assert "Nothing was written" in str(info.value)
+            with pytest.raises(NoTransaction):
+                outbox.publish_many(target, [{"type": "order.placed", "key": "order-1", "payload": {}}])
+        assert conn.statements == [], "nothing may reach the database"  # type: ignore[attr-defined]
+
+        # Inside a transaction block the event joins it, and shares its fate.
+        with pytest.raises(RuntimeError), conn.transaction():
+            conn.execute("INSERT INTO orders VALUES (1, 100)")
+            outbox.publish(conn, type="order.placed", key="order-1", payload={})
+            outbox.publish(conn.cursor(), type="order.placed", key="order-1", payload={})
+            raise RuntimeError("the business change fails")
+        assert stored(shop) == []
+        # What counts is the server's transaction status, not the flag: a BEGIN sent by hand opens one.
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO orders VALUES (2, 200)")
+        kept = outbox.publish(conn, type="order.placed", key="order-2", payload={})
+        conn.execute("COMMIT")
+    assert [e["id"] for e in stored(shop)] == [kept.id]
+    assert orders(shop) == [2]
+
+
+def test_psycopg_async_autocommit_outside_a_transaction_is_refused(shop: str, outbox: Outbox) -> None:
+    async def main() -> Published:
+        async with await psycopg.AsyncConnection.connect(shop, autocommit=True) as conn:
+            for target in (conn, conn.cursor()):
+                with pytest.raises(NoTransaction, match="autocommit"):
+                    await outbox.apublish(target, type="order.placed", key="order-1", payload={})
+                with pytest.raises(NoTransaction):
+                    await outbox.apublish_many(target, [{"type": "order.placed", "key": "order-1", "payload": {}}])
+            assert stored(shop) == []
+            with pytest.raises(RuntimeError):
+                async with conn.transaction():
+                    await outbox.apublish(conn, type="order.placed", key="order-1", payload={})
+                    raise RuntimeError("the business change fails")
+            async with conn.transaction():
+                await conn.execute("INSERT INTO orders VALUES (2, 200)")
+                async with conn.cursor() as cur:
+                    return await outbox.apublish(cur, type="order.placed", key="order-2", payload={})
+
+    kept = asyncio.run(main())
+    assert [e["id"] for e in stored(shop)] == [kept.id]
+    assert orders(shop) == [2]
+
+
+@pytest.mark.parametrize("how", ["engine", "connection"])
+def test_sqlalchemy_autocommit_is_refused(shop: str, outbox: Outbox, how: str) -> None:
+    options = {"isolation_level": "AUTOCOMMIT"} if how == "engine" else {}
+    engine = create_engine(sqlalchemy_url(shop), poolclass=NullPool, **options)
+    try:
+        with engine.connect() as conn:
+            if how == "connection":
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+            with pytest.raises(NoTransaction, match="AUTOCOMMIT") as info:
+                outbox.publish(conn, type="order.placed", key="order-1", payload={})
+            assert "Nothing was written" in str(info.value)
+            with conn.begin():  # AUTOCOMMIT: begin() sends no BEGIN, every statement commits at once
+                conn.execute(text("INSERT INTO orders VALUES (1, 100)"))
+                with pytest.raises(NoTransaction):
+                    outbox.publish_many(conn, [{"type": "order.placed", "key": "order-1", "payload": {}}])
+            # A transaction the server knows of (BEGIN sent by hand) is one to join.
+            conn.exec_driver_sql("BEGIN")
+            kept = outbox.publish(conn, type="order.placed", key="order-2", payload={})
+            conn.exec_driver_sql("COMMIT")
+        if how == "engine":
+            with Session(engine) as session:
+                with pytest.raises(NoTransaction, match="AUTOCOMMIT"):
+                    outbox.publish(session, type="order.placed", key="order-3", payload={})
+                with pytest.raises(NoTransaction):
+                    outbox.publish_many(session, [{"type": "order.placed", "key": "order-3", "payload": {}}])
+                session.rollback()
+    finally:
+        engine.dispose()
+    assert [e["id"] for e in stored(shop)] == [kept.id]
+
+
+def test_sqlalchemy_async_autocommit_is_refused(shop: str, outbox: Outbox) -> None:
+    pytest.importorskip("greenlet", reason="SQLAlchemy's asyncio layer needs greenlet (sqlalchemy[asyncio])")
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    async def main() -> None:
+        engine = create_async_engine(sqlalchemy_url(shop), poolclass=NullPool, isolation_level="AUTOCOMMIT")
+        try:
+            async with engine.connect() as conn:
+                with pytest.raises(NoTransaction, match="AUTOCOMMIT"):
+                    await outbox.apublish(conn, type="order.placed", key="order-1", payload={})
+                async with conn.begin():
+                    with pytest.raises(NoTransaction):
+                        await outbox.apublish_many(conn, [{"type": "order.placed", "key": "order-1", "payload": {}}])
+            async with AsyncSession(engine) as session:
+                with pytest.raises(NoTransaction, match="AUTOCOMMIT"):
+                    await outbox.apublish(session, type="order.placed", key="order-2", payload={})
+                await session.rollback()  # the refused call began the session (autobegin)
+                async with session.begin():
+                    with pytest.raises(NoTransaction):
+                        await outbox.apublish(session, type="order.placed", key="order-2", payload={})
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    assert stored(shop) == []
+
+
+# -- the database owns the time retention counts from ------------------------------------------
+
+
+def test_time_is_when_the_event_happened_not_the_retention_clock(dsn: str, outbox: Outbox) -> None:
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    with psycopg.connect(dsn) as conn:
+        stamped = outbox.publish(conn, type="t", key="k", payload={}, time=epoch)
+        plain = outbox.publish(conn, type="t", key="k", payload={})
+        row = conn.execute("SELECT now()").fetchone()
+        assert row is not None
+        conn.commit()
+    with psycopg.connect(dsn) as conn:
+        rows = dict((r[0], (r[1], r[2])) for r in conn.execute(
+            "SELECT id, created_at, occurred_at FROM outbox.events"))
+    # created_at (retention) is the database's clock at insert; time= is stored as occurred_at (ce_time).
+    assert rows == {stamped.id: (row[0], epoch), plain.id: (row[0], None)}
+
+
+@pytest.mark.parametrize(("column", "value"), [("created_at", "1970-01-01T00:00:00Z"), ("xid", "1")])
+def test_sql_producers_can_not_set_what_the_database_owns(dsn: str, column: str, value: str) -> None:
+    insert = sql.SQL("INSERT INTO outbox.events (topic, partition_key, type, payload, {}) "
+                     "VALUES ('orders', 'k', 't', '{{}}', %s)").format(sql.Identifier(column))
+    with psycopg.connect(dsn) as conn:
+        with pytest.raises(psycopg.errors.CheckViolation, match=rf"outbox\.events\.{column} is set by the database"):
+            conn.execute(insert, (value,))
+        conn.rollback()
+    assert stored(dsn) == []
+
+
 # -- G2: one idempotency key, one event, and the caller learns which -------------------------
 
 
 def test_same_key_in_separate_transactions(dsn: str, outbox: Outbox) -> None:
     with psycopg.connect(dsn) as conn:
-        first = outbox.publish(conn, type="payment.captured", key="pay-1", payload={"try": 1}, idempotency_key="cap-1")
+        first = outbox.publish(conn, type="payment.captured", key="pay-1", payload={"a": 1, "b": 2},
+                               idempotency_key="cap-1", headers={"try": "1"})
         conn.commit()
-        retry = outbox.publish(conn, type="payment.captured", key="pay-1", payload={"try": 2}, idempotency_key="cap-1")
+        # A retry: the same event (type, key, payload; jsonb equality, so key order does not matter).
+        retry = outbox.publish(conn, type="payment.captured", key="pay-1", payload={"b": 2, "a": 1},
+                               idempotency_key="cap-1", headers={"try": "2"})
         conn.commit()
     (event,) = stored(dsn)
     assert first == Published(event["id"], True)
     assert retry == Published(event["id"], False)
-    assert event["payload"] == {"try": 1}, "the first event stands; a retry changes nothing"
+    assert event["headers"] == {"try": "1"}, "the first event stands; a retry changes nothing"
 
 
 def test_same_key_twice_in_one_batch(dsn: str, outbox: Outbox) -> None:
@@ -250,8 +401,8 @@ def test_same_key_twice_in_one_batch(dsn: str, outbox: Outbox) -> None:
         results = outbox.publish_many(conn, [
             {"type": "t", "key": "a", "payload": 1, "idempotency_key": "dup"},
             {"type": "t", "key": "b", "payload": 2},
-            {"type": "t", "key": "a", "payload": 3, "idempotency_key": "dup"},
-            {"type": "t", "key": "a", "payload": 4, "idempotency_key": "old"},
+            {"type": "t", "key": "a", "payload": 1, "idempotency_key": "dup"},
+            {"type": "t", "key": "a", "payload": 0, "idempotency_key": "old"},
             {"type": "t", "key": "c", "payload": 5, "idempotency_key": "new"},
         ])
         conn.commit()
@@ -262,6 +413,65 @@ def test_same_key_twice_in_one_batch(dsn: str, outbox: Outbox) -> None:
     assert results[2].id == results[0].id and by_id[results[0].id]["payload"] == 1
     assert results[3].id == before.id
     assert by_id[results[4].id]["idempotency_key"] == "new"
+
+
+CONFLICTS: dict[str, dict[str, Any]] = {
+    "payload": {"payload": {"n": 2}},
+    "type": {"type": "order.cancelled"},
+    "key": {"key": "order-2"},
+}
+
+
+@pytest.mark.parametrize("differs", list(CONFLICTS))
+def test_a_key_reused_for_another_event_is_a_conflict(dsn: str, outbox: Outbox, differs: str) -> None:
+    original: dict[str, Any] = {"type": "order.placed", "key": "order-1", "payload": {"n": 1},
+                                "idempotency_key": "place-1"}
+    other = {**original, **CONFLICTS[differs]}
+    with counting_connection(dsn) as conn:
+        first = outbox.publish(conn, **original)
+        conn.commit()
+        with pytest.raises(IdempotencyConflict) as info:
+            outbox.publish(conn, **other)
+        assert isinstance(info.value, InvalidEvent)
+        assert (info.value.idempotency_key, info.value.topic) == ("place-1", TOPIC)
+        assert "'place-1' of topic 'orders'" in str(info.value) and "nothing of this call" in str(info.value)
+        sent = len(conn.statements)  # type: ignore[attr-defined]
+        with pytest.raises(IdempotencyConflict, match="'place-1'"):
+            outbox.publish_many(conn, [{"type": "t", "key": "x", "payload": "new"}, other])
+        assert len(conn.statements) == sent + 1, "found by the one INSERT statement"  # type: ignore[attr-defined]
+        # Nothing of either call was written, and the transaction goes on.
+        assert conn.info.transaction_status == pq.TransactionStatus.INTRANS
+        elsewhere = outbox.publish(conn, **other, topic="audit")  # keys are scoped per topic
+        retry = outbox.publish(conn, **original)
+        conn.commit()
+    assert [e["id"] for e in stored(dsn)] == [first.id, elsewhere.id]
+    assert elsewhere.created and retry == Published(first.id, False)
+
+
+def test_a_key_used_twice_in_one_batch_for_different_events_is_a_conflict(dsn: str, outbox: Outbox) -> None:
+    with counting_connection(dsn) as conn:
+        with pytest.raises(IdempotencyConflict, match="'dup' of topic 'orders'"):
+            outbox.publish_many(conn, [
+                {"type": "t", "key": "a", "payload": 1, "idempotency_key": "dup"},
+                {"type": "t", "key": "b", "payload": 2},
+                {"type": "t", "key": "a", "payload": 3, "idempotency_key": "dup"},
+            ])
+        assert len(conn.statements) == 1  # type: ignore[attr-defined]
+        assert conn.info.transaction_status == pq.TransactionStatus.INTRANS
+        after = outbox.publish(conn, type="t", key="a", payload=3, idempotency_key="dup")
+        conn.commit()
+    assert [e["id"] for e in stored(dsn)] == [after.id]
+
+
+def test_events_stored_without_a_fingerprint_count_as_the_same(dsn: str, outbox: Outbox) -> None:
+    # Events stored before migration 0005 have no fingerprint: a reuse of their key is taken as a retry.
+    with psycopg.connect(dsn) as conn:
+        first = outbox.publish(conn, type="t", key="k", payload=1, idempotency_key="old")
+        conn.execute("UPDATE outbox.events SET idempotency_fingerprint = NULL")
+        conn.commit()
+        assert outbox.publish(conn, type="t", key="k", payload=2, idempotency_key="old") == Published(first.id, False)
+        conn.commit()
+    assert [e["payload"] for e in stored(dsn)] == [1]
 
 
 @pytest.mark.parametrize("idempotency_key", ["same-object", None])
@@ -285,54 +495,89 @@ def test_two_different_events_with_one_id_are_refused(dsn: str, outbox: Outbox) 
     assert stored(dsn) == []
 
 
-def _second_psycopg(dsn: str, outbox: Outbox, pids: queue.Queue[int]) -> Published:
+def _second_psycopg(dsn: str, outbox: Outbox, pids: queue.Queue[int], events: list[dict[str, Any]]) -> Any:
     with psycopg.connect(dsn) as conn:
         pids.put(conn.info.backend_pid)
-        p = outbox.publish(conn, type="t", key="k", payload="second", idempotency_key="K")
+        try:
+            result: Any = outbox.publish_many(conn, events)
+        except IdempotencyConflict as exc:
+            result = exc
+            if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+                conn.rollback()
+                return result
+        # The caller's transaction is still usable: it commits an event after the conflict.
+        outbox.publish(conn, type="t", key="k", payload="after", idempotency_key="after")
         conn.commit()
-        return p
+        return result
 
 
-def _second_psycopg_async(dsn: str, outbox: Outbox, pids: queue.Queue[int]) -> Published:
-    async def main() -> Published:
+def _second_psycopg_async(dsn: str, outbox: Outbox, pids: queue.Queue[int], events: list[dict[str, Any]]) -> Any:
+    async def main() -> Any:
         async with await psycopg.AsyncConnection.connect(dsn) as conn:
             pids.put(conn.info.backend_pid)
-            p = await outbox.apublish(conn, type="t", key="k", payload="second", idempotency_key="K")
+            try:
+                result: Any = await outbox.apublish_many(conn, events)
+            except IdempotencyConflict as exc:
+                result = exc
+                if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+                    await conn.rollback()
+                    return result
+            await outbox.apublish(conn, type="t", key="k", payload="after", idempotency_key="after")
             await conn.commit()
-            return p
+            return result
 
     return asyncio.run(main())
 
 
-def _second_sqlalchemy(dsn: str, outbox: Outbox, pids: queue.Queue[int]) -> Published:
-    with sync_engine(dsn) as engine, engine.begin() as conn:
+def _second_sqlalchemy(dsn: str, outbox: Outbox, pids: queue.Queue[int], events: list[dict[str, Any]]) -> Any:
+    with sync_engine(dsn) as engine, engine.connect() as conn:
+        conn.begin()
         pids.put(int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()))
-        return outbox.publish(conn, type="t", key="k", payload="second", idempotency_key="K")
+        try:
+            result: Any = outbox.publish_many(conn, events)
+        except IdempotencyConflict as exc:
+            result = exc
+            if conn.connection.driver_connection.info.transaction_status == pq.TransactionStatus.INERROR:
+                conn.rollback()
+                return result
+        outbox.publish(conn, type="t", key="k", payload="after", idempotency_key="after")
+        conn.commit()
+        return result
 
 
-SECOND_PRODUCERS: dict[str, Callable[[str, Outbox, queue.Queue[int]], Published]] = {
+SECOND_PRODUCERS: dict[str, Callable[[str, Outbox, queue.Queue[int], list[dict[str, Any]]], Any]] = {
     "psycopg": _second_psycopg,
     "psycopg-async": _second_psycopg_async,
     "sqlalchemy": _second_sqlalchemy,
 }
 
+# What the second producer publishes while the first holds idempotency key "K" uncommitted.
+SECOND_BATCHES: dict[str, list[dict[str, Any]]] = {
+    "retry": [{"type": "t", "key": "k", "payload": "first", "idempotency_key": "K"}],
+    "other-event": [{"type": "t", "key": "k", "payload": "second", "idempotency_key": "K"}],
+    "batch-retry": [{"type": "t", "key": "b", "payload": "mine"},
+                    {"type": "t", "key": "k", "payload": "first", "idempotency_key": "K"}],
+    "batch-other-event": [{"type": "t", "key": "b", "payload": "mine"},
+                          {"type": "t", "key": "k", "payload": "second", "idempotency_key": "K"}],
+}
 
-@pytest.mark.parametrize("second", list(SECOND_PRODUCERS))
-@pytest.mark.parametrize("first_outcome", ["commit", "rollback"])
-def test_concurrent_producers_with_one_key(dsn: str, outbox: Outbox, pg_server: Any, second: str,
-                                           first_outcome: str) -> None:
+
+def race(dsn: str, outbox: Outbox, pg_server: Any, second: str, batch: str, first_outcome: str,
+         second_dsn: str | None = None) -> Any:
+    """The first producer publishes key "K" and holds it uncommitted while the second publishes
+    ``batch`` (on ``second_dsn``, default ``dsn``) and waits for it; returns what the second got."""
     pids: queue.Queue[int] = queue.Queue()
-    result: list[Published] = []
+    result: list[Any] = []
     errors: list[BaseException] = []
 
     def run_second() -> None:
         try:
-            result.append(SECOND_PRODUCERS[second](dsn, outbox, pids))
+            result.append(SECOND_PRODUCERS[second](second_dsn or dsn, outbox, pids, SECOND_BATCHES[batch]))
         except BaseException as exc:
             errors.append(exc)
 
     with psycopg.connect(dsn) as first_conn:
-        first = outbox.publish(first_conn, type="t", key="k", payload="first", idempotency_key="K")
+        outbox.publish(first_conn, type="t", key="k", payload="first", idempotency_key="K")
         thread = threading.Thread(target=run_second)
         thread.start()
         try:
@@ -353,29 +598,98 @@ def test_concurrent_producers_with_one_key(dsn: str, outbox: Outbox, pg_server: 
                 first_conn.rollback()
             thread.join(30)
     assert not errors, errors
-    (p,) = result
-    (event,) = stored(dsn)
-    if first_outcome == "commit":
-        assert p == Published(first.id, False)
-        assert event["payload"] == "first"
+    (outcome,) = result
+    return outcome
+
+
+@pytest.mark.parametrize("second", list(SECOND_PRODUCERS))
+@pytest.mark.parametrize("first_outcome", ["commit", "rollback"])
+@pytest.mark.parametrize("batch", list(SECOND_BATCHES))
+def test_concurrent_producers_with_one_key(dsn: str, outbox: Outbox, pg_server: Any, second: str,
+                                           first_outcome: str, batch: str) -> None:
+    outcome = race(dsn, outbox, pg_server, second, batch, first_outcome)
+    by_payload = {e["payload"]: e for e in stored(dsn)}
+    first = by_payload.get("first")
+    if first_outcome == "rollback":
+        # The key is free again: the second producer's events are all created.
+        assert [p.created for p in outcome] == [True] * len(SECOND_BATCHES[batch])
+        assert outcome[-1].id == by_payload[SECOND_BATCHES[batch][-1]["payload"]]["id"]
+        assert set(by_payload) == {e["payload"] for e in SECOND_BATCHES[batch]} | {"after"}
+    elif batch.endswith("retry"):
+        # The same event: the first one stands for both, the rest of the batch is created.
+        assert first is not None and outcome[-1] == Published(first["id"], False)
+        assert all(p.created for p in outcome[:-1])
+        assert set(by_payload) == {e["payload"] for e in SECOND_BATCHES[batch]} | {"after"}
     else:
-        assert p.created and p.id != first.id
-        assert event["id"] == p.id and event["payload"] == "second"
+        # Another event under a key the first producer just committed: refused, and nothing of the
+        # second call is stored. A single event left nothing behind, so the transaction went on
+        # (and committed "after"); a batch had written its first event, so its transaction was
+        # failed and rolled back.
+        assert isinstance(outcome, IdempotencyConflict), outcome
+        assert (outcome.idempotency_key, outcome.topic) == ("K", TOPIC)
+        assert "'K'" in str(outcome) and repr(TOPIC) in str(outcome)
+        if batch == "other-event":
+            assert "nothing of this call was written" in str(outcome)
+            assert set(by_payload) == {"first", "after"}
+        else:
+            assert "must be rolled back" in str(outcome)
+            assert set(by_payload) == {"first"}
+
+
+@pytest.fixture
+def producer_dsn(dsn: str, pg_server: Any) -> Iterator[str]:
+    """A login with only the producer's rights of docs/operations.md, "Least-privilege roles"
+    (tests/integration/test_roles.py runs that page as written)."""
+    name = f"outbox_test_producer_{uuid.uuid4().hex[:8]}"
+    role = sql.Identifier(name)
+    with pg_server.admin() as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(role))
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for grant in ("GRANT USAGE ON SCHEMA outbox TO {}",
+                          "GRANT INSERT (id, topic, partition_key, type, payload, headers, idempotency_key, "
+                          "occurred_at) ON outbox.events TO {}",
+                          "GRANT SELECT (id, topic, idempotency_key, idempotency_fingerprint) ON outbox.events TO {}"):
+                conn.execute(sql.SQL(grant).format(role))
+        yield make_conninfo(dsn, user=name, password=None)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(role))
+        with pg_server.admin() as admin:
+            admin.execute(sql.SQL("DROP ROLE {}").format(role))
+
+
+def test_conflicts_are_found_with_a_producers_rights(dsn: str, producer_dsn: str, outbox: Outbox,
+                                                     pg_server: Any) -> None:
+    with psycopg.connect(producer_dsn) as conn:
+        first = outbox.publish(conn, type="t", key="k", payload=1, idempotency_key="P")
+        conn.commit()
+        with pytest.raises(IdempotencyConflict, match="'P'"):
+            outbox.publish(conn, type="t", key="k", payload=2, idempotency_key="P")
+        with pytest.raises(IdempotencyConflict, match="'Q'"):
+            outbox.publish_many(conn, [{"type": "t", "key": "k", "payload": 1, "idempotency_key": "Q"},
+                                       {"type": "t", "key": "k", "payload": 2, "idempotency_key": "Q"}])
+        assert outbox.publish(conn, type="t", key="k", payload=1, idempotency_key="P") == Published(first.id, False)
+        conn.commit()
+    # The concurrent path too: the lookup after the insert, and failing the transaction.
+    outcome = race(dsn, outbox, pg_server, "psycopg", "batch-other-event", "commit", second_dsn=producer_dsn)
+    assert isinstance(outcome, IdempotencyConflict) and "must be rolled back" in str(outcome)
+    assert {e["payload"] for e in stored(dsn)} == {1, "first"}
 
 
 # -- batches ------------------------------------------------------------------------------
 
 
 def test_publish_many_is_one_statement_in_input_order(dsn: str, outbox: Outbox) -> None:
-    events = [make_event(type="t", key=f"key-{i % 37}", topic=TOPIC, payload={"i": i},
-                         idempotency_key=f"idem-{i - 7}" if i % 10 == 7 else f"idem-{i}")
-              for i in range(1000)]
+    # Every tenth event repeats the event 7 before it (a retry inside the batch).
+    events = [make_event(type="t", key=f"key-{j % 37}", topic=TOPIC, payload={"i": j}, idempotency_key=f"idem-{j}")
+              for j in (i - 7 if i % 10 == 7 else i for i in range(1000))]
     with counting_connection(dsn) as conn:
         results = outbox.publish_many(conn, events)
         assert len(conn.statements) == 1  # type: ignore[attr-defined]
         conn.commit()
     rows = stored(dsn)
-    # Every tenth event repeats the key of the event 7 before it: one row, reported as not created.
+    # The repeats are one row each, reported as not created.
     created = [e for e, r in zip(events, results, strict=True) if r.created]
     assert len(created) == 900 == len(rows)
     assert [r["id"] for r in rows] == [e.id for e in created], "seq must follow the input order"
@@ -383,30 +697,76 @@ def test_publish_many_is_one_statement_in_input_order(dsn: str, outbox: Outbox) 
     assert [r.id for r in results[7::10]] == [e.id for e in events[0::10]]
 
 
+def test_publish_statement_cost_grows_linearly(dsn: str, outbox: Outbox) -> None:
+    # The planner knows nothing of a CTE's columns, so joins between CTEs multiply its row estimates
+    # (n * n / 200): a batch of a few thousand events was costed past jit_above_cost (100,000 by
+    # default), and JIT compiling then took longer than the insert (0.3 s at 1,000 events, 7 s at
+    # 10,000 on PostgreSQL 15). Costs are estimates, not timings: this holds on any machine.
+    def cost(n: int) -> float:
+        events = [outbox.event(type="t", key=f"k{i % 50}", payload={"i": i}, idempotency_key=f"idem-{i}")
+                  for i in range(n)]
+        with psycopg.connect(dsn) as conn:
+            conn.prepare_threshold = None  # the custom plan, as for the first executions of any client
+            (plan,) = conn.execute("EXPLAIN (FORMAT JSON) " + query("publish", "publish"),
+                                   Outbox._params(events)).fetchone()  # type: ignore[misc]
+        return float(plan[0]["Plan"]["Total Cost"])
+
+    small, large = cost(1000), cost(4000)
+    assert large < 100_000, f"4,000 events cost {large:,.0f}"
+    assert large / small < 5, f"cost {small:,.0f} for 1,000 events, {large:,.0f} for 4,000"
+
+
 # -- bad input: a clear error naming the problem, before anything is written ------------------
+
+def nested(depth: int) -> Any:
+    """A payload of ``depth`` nested arrays (and objects every other level)."""
+    payload: Any = "leaf"
+    for level in range(depth):
+        payload = [payload] if level % 2 else {"n": payload}
+    return payload
+
+
+def contains_itself() -> Any:
+    payload: dict[str, Any] = {"a": []}
+    payload["a"].append(payload)
+    return payload
+
 
 BAD_INPUT: dict[str, tuple[dict[str, Any], str]] = {
     "payload with a set": ({"payload": {"tags": {"a", "b"}}}, "payload"),
     "payload with NaN": ({"payload": {"amount": math.nan}}, "payload"),
     "payload with a NUL": ({"payload": {"note": "a\x00b"}}, "payload"),
     "payload with a lone surrogate": ({"payload": "\ud800"}, "payload"),
+    "payload nested one level too deep": ({"payload": nested(MAX_PAYLOAD_DEPTH + 1)}, "payload"),
+    "payload nested 10,000 deep": ({"payload": nested(10_000)}, "payload"),
+    "payload that contains itself": ({"payload": contains_itself()}, "payload"),
     "empty key": ({"key": ""}, "key"),
     "key over 1024 bytes": ({"key": "é" * 513}, "key"),
     "key with a NUL": ({"key": "a\x00b"}, "key"),
     "missing topic": ({"topic": None, "_no_default": True}, "topic"),
     "invalid topic": ({"topic": "orders and more!"}, "topic"),
+    "topic .": ({"topic": "."}, "topic"),
+    "topic ..": ({"topic": ".."}, "topic"),
+    "topic with a trailing newline": ({"topic": "orders\n"}, "topic"),
     "empty type": ({"type": ""}, "type"),
     "type with a NUL": ({"type": "a\x00"}, "type"),
     "header that is not text": ({"headers": {"n": 1}}, "headers"),
+    "header that is bytes": ({"headers": {"n": b"1"}}, "headers"),
+    "header name that is not text": ({"headers": {1: "n"}}, "headers"),
     "header with a NUL": ({"headers": {"n": "\x00"}}, "headers"),
+    "header ce_id": ({"headers": {"ce_id": "mine"}}, "'ce_id' is reserved"),
+    "header CE_Type": ({"headers": {"CE_Type": "mine"}}, "'CE_Type' is reserved"),
+    "header Content-Type": ({"headers": {"Content-Type": "text/plain"}}, "'Content-Type' is reserved"),
+    "header outbox_fence": ({"headers": {"outbox_fence": "99"}}, "'outbox_fence' is reserved"),
+    "header Outbox_Replay": ({"headers": {"Outbox_Replay": "1"}}, "'Outbox_Replay' is reserved"),
     "empty idempotency key": ({"idempotency_key": ""}, "idempotency_key"),
-    "unknown field": ({"colour": "red"}, "colour"),
+    "time without a time zone": ({"time": datetime(2026, 1, 1)}, "time"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_refused_before_anything_is_written(dsn: str, case: str) -> None:
-    change, field = BAD_INPUT[case]
+    change, named = BAD_INPUT[case]
     change = dict(change)
     outbox = Outbox(default_topic=None if change.pop("_no_default", False) else TOPIC)
     bad = {"type": "t", "key": "k", "payload": {}, **change}
@@ -415,9 +775,10 @@ def test_bad_input_is_refused_before_anything_is_written(dsn: str, case: str) ->
         sent = len(conn.statements)  # type: ignore[attr-defined]
         with pytest.raises(InvalidEvent) as info:
             outbox.publish(conn, **bad)
-        assert field in str(info.value)
-        with pytest.raises(InvalidEvent):
+        assert named in str(info.value)
+        with pytest.raises(InvalidEvent) as info:
             outbox.publish_many(conn, [{"type": "t", "key": "k", "topic": TOPIC, "payload": "in the batch"}, bad])
+        assert named in str(info.value)
         assert len(conn.statements) == sent, "nothing may reach the database"  # type: ignore[attr-defined]
         assert conn.info.transaction_status == pq.TransactionStatus.INTRANS
         after = outbox.publish(conn, type="t", key="k", topic=TOPIC, payload="after")
@@ -425,13 +786,86 @@ def test_bad_input_is_refused_before_anything_is_written(dsn: str, case: str) ->
     assert [e["id"] for e in stored(dsn)] == [accepted.id, after.id]
 
 
+def test_unknown_fields(dsn: str, outbox: Outbox) -> None:
+    # publish has typed keyword parameters (editors and mypy see them): Python itself names an unknown
+    # one; a dict in publish_many is validated like the rest of the event.
+    with psycopg.connect(dsn) as conn:
+        with pytest.raises(TypeError, match="colour"):
+            outbox.publish(conn, type="t", key="k", payload={}, colour="red")  # type: ignore[call-arg]
+        with pytest.raises(InvalidEvent, match="colour"):
+            outbox.publish_many(conn, [{"type": "t", "key": "k", "payload": {}, "colour": "red"}])
+        conn.commit()
+    assert stored(dsn) == []
+
+
 def test_limits_agree_with_the_database(dsn: str, outbox: Outbox) -> None:
-    # The largest key Python accepts is one the CHECK constraint accepts (bytes, not characters).
+    # The largest key Python accepts is one the CHECK constraint accepts (bytes, not characters),
+    # and the deepest payload is stored and read back.
     key = "é" * 512
     with psycopg.connect(dsn) as conn:
         outbox.publish(conn, type="t", key=key, payload="\\u0000 is text here, not a NUL")
+        deep = outbox.publish(conn, type="t", key="k", payload=nested(MAX_PAYLOAD_DEPTH))
         conn.commit()
-    (event,) = stored(dsn)
-    assert event["partition_key"] == key
-    assert event["payload"] == "\\u0000 is text here, not a NUL"
+    first, second = stored(dsn)
+    assert first["partition_key"] == key
+    assert first["payload"] == "\\u0000 is text here, not a NUL"
+    assert second["id"] == deep.id and second["payload"] == nested(MAX_PAYLOAD_DEPTH)
 
+
+HEADER_NAMES = [*sorted(RESERVED_HEADERS), "CE_ID", "Ce_SpecVersion", "Content-Type", "outbox_fence", "OUTBOX_REPLAY",
+                "outbox_", "Outbox_x", "ce_\u0130d", "ce_other", "ce-id", "content_type", "outbox-fence", "x_outbox_y",
+                "trace"]
+
+
+def test_reserved_header_names_agree_with_the_database(dsn: str) -> None:
+    # Every name the trigger refuses, Python refuses first (a refusal mid-statement would abort the
+    # caller's transaction); for ASCII names the two lists are the same.
+    insert = ("INSERT INTO outbox.events (topic, partition_key, type, payload, headers) "
+              "VALUES ('orders', 'k', 't', '{}', %s)")
+    with psycopg.connect(dsn) as conn:
+        for name in HEADER_NAMES:
+            try:
+                make_event(type="t", key="k", payload={}, headers={name: "v"})
+                python_refuses = False
+            except InvalidEvent:
+                python_refuses = True
+            try:
+                with conn.transaction():
+                    conn.execute(insert, (Jsonb({name: "v"}),))
+                    raise Rollback()
+            except psycopg.errors.CheckViolation as exc:
+                assert "is reserved for the relay" in str(exc)
+                database_refuses = True
+            else:
+                database_refuses = False
+            assert python_refuses >= database_refuses, name
+            if name.isascii():
+                assert python_refuses == database_refuses, name
+
+
+
+# -- producers in other languages (docs/operations.md, run as written there) -----------------------
+
+
+def test_the_documented_sql_producer(dsn: str, outbox: Outbox) -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    section = text[text.index("### Events from other languages"):text.index("## Least-privilege roles")]
+    insert, check = re.findall(r"```sql\n(.*?)```", section, re.S)
+    with psycopg.connect(dsn) as conn:
+        conn.execute(insert)
+        conn.execute(insert)  # a retry
+        conn.commit()
+        assert conn.execute(check).fetchall() == [(stored(dsn)[0]["id"], True)]
+        conn.execute(insert.replace("9182}", "9183}"))  # the key reused for another event: DO NOTHING ...
+        conn.commit()
+        (event,) = stored(dsn)
+        assert conn.execute(check.replace("9182}", "9183}")).fetchall() == [(event["id"], False)]  # ... told apart
+        # The Python API sees it as the same event.
+        retry = outbox.publish(conn, type="OrderPaid", key="order:9182", payload={"order_id": 9182},
+                               idempotency_key="paid-9182")
+        with pytest.raises(IdempotencyConflict):
+            outbox.publish(conn, type="OrderPaid", key="order:9182", payload={"order_id": 9183},
+                           idempotency_key="paid-9182")
+        when = conn.execute("SELECT occurred_at FROM outbox.events").fetchone()
+    assert retry == Published(event["id"], False)
+    assert when == (datetime(2026, 11, 2, 10, 15, tzinfo=UTC),)

@@ -362,7 +362,8 @@ def test_async_twin(dsn: str, pool: ConnectionPool[Any]) -> None:
             assert conn.info.transaction_status == pq.TransactionStatus.IDLE
 
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-            poison = await outbox.apublish(conn, key="poison", type="t", payload={})
+            async with conn.transaction():
+                poison = await outbox.apublish(conn, key="poison", type="t", payload={})
             with pytest.raises(EventDeadLettered, match="no such topic"):
                 await wait_for_async(conn, poison, sink=SINK, timeout=LONG)
             with pytest.raises(ConfigurationError, match="no sink named 'projection-typo'"):

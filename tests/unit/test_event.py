@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import uuid
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 
-from outbox_relay import errors, event
+from outbox_relay import IdempotencyConflict, errors, event
 from outbox_relay.errors import InvalidEvent, OutboxError
-from outbox_relay.event import MAX_KEY_BYTES, Event, make_event, uuid7
+from outbox_relay.event import (
+    MAX_KEY_BYTES,
+    MAX_PAYLOAD_DEPTH,
+    RESERVED_HEADER_PREFIX,
+    RESERVED_HEADERS,
+    Event,
+    make_event,
+    uuid7,
+)
 from outbox_relay.publish import Outbox
 
 
@@ -51,11 +62,17 @@ def test_events_get_distinct_ids_by_default() -> None:
     ({"key": 42}, "key"),
     ({"topic": "no spaces"}, "topic"),
     ({"topic": "x" * 250}, "topic"),
+    ({"topic": "."}, "topic"),
+    ({"topic": ".."}, "topic"),
+    ({"topic": "orders\n"}, "topic"),
     ({"headers": {"h": 1}}, "headers.h"),
+    ({"headers": {"h": b"bytes"}}, "headers.h"),
+    ({"headers": {"ce_id": "x"}}, "headers"),
     ({"idempotency_key": ""}, "idempotency_key"),
     ({"idempotency_key": "k" * 513}, "idempotency_key"),
     ({"id": "not-a-uuid"}, "id"),
     ({"time": "yesterday"}, "time"),
+    ({"time": datetime(2026, 1, 1)}, "time"),  # naive: the database would read it in its session's zone
     ({"color": "red"}, "color"),
 ])
 def test_validation_names_the_field(fields: dict[str, object], named: str) -> None:
@@ -109,3 +126,88 @@ def test_invalid_event_is_a_value_error_and_an_outbox_error() -> None:
     assert all(issubclass(getattr(errors, name), OutboxError)
                for name in dir(errors) if name[0].isupper() and isinstance(getattr(errors, name), type)
                and issubclass(getattr(errors, name), Exception))
+
+
+def test_topic_names_kafka_accepts() -> None:
+    for topic in ("orders", "a.b_c-D9", "...", "x" * 249):
+        assert make_event(type="t", key="k", payload=0, topic=topic).topic == topic
+
+
+def _nested(depth: int) -> Any:
+    payload: Any = 0
+    for level in range(depth):
+        payload = [payload] if level % 2 else {"n": payload}
+    return payload
+
+
+def test_payload_depth_limit() -> None:
+    deepest = make_event(type="t", key="k", payload=_nested(MAX_PAYLOAD_DEPTH))
+    assert deepest.payload_json().count("[") + deepest.payload_json().count("{") == MAX_PAYLOAD_DEPTH
+    wide = make_event(type="t", key="k", payload=[_nested(MAX_PAYLOAD_DEPTH - 1)] * 100 + [(1, 2)])
+    assert wide.payload_json()
+    with pytest.raises(InvalidEvent, match=f"payload: .*more than {MAX_PAYLOAD_DEPTH} levels"):
+        make_event(type="t", key="k", payload=_nested(MAX_PAYLOAD_DEPTH + 1))
+    with pytest.raises(InvalidEvent, match="payload"):  # tuples serialise as arrays: they count
+        make_event(type="t", key="k", payload=[[1], ((_nested(MAX_PAYLOAD_DEPTH - 2),),), "x"])
+
+
+@pytest.mark.parametrize("depth", [990, 10_000, 200_000])
+def test_any_depth_is_refused_without_recursion(depth: int) -> None:
+    with pytest.raises(InvalidEvent, match="payload"):  # not RecursionError
+        make_event(type="t", key="k", payload=_nested(depth))
+
+
+def test_a_payload_that_contains_itself_is_refused() -> None:
+    loop: list[Any] = []
+    loop.append({"again": loop})
+    with pytest.raises(InvalidEvent, match="contains itself"):
+        make_event(type="t", key="k", payload={"loop": loop})
+
+
+def test_payload_json_never_raises_recursion_error() -> None:
+    unchecked = Event.model_construct(type="t", key="k", payload=_nested(10_000))  # skips validation
+    with pytest.raises(InvalidEvent, match="levels deep"):
+        unchecked.payload_json()
+
+
+@pytest.mark.parametrize("name", [
+    *sorted(RESERVED_HEADERS), "CE_ID", "Ce_Type", "CONTENT-TYPE", "outbox_fence", "outbox_replay",
+    "OUTBOX_FENCE", "Outbox_anything", RESERVED_HEADER_PREFIX, "ce_\u0130d",
+])
+def test_reserved_header_names_are_refused(name: str) -> None:
+    with pytest.raises(InvalidEvent, match=f"headers: .*{name!r} is reserved"):
+        make_event(type="t", key="k", payload=0, headers={"trace": "1", name: "x"})
+
+
+@pytest.mark.parametrize("name", ["ce_other", "cex_id", "content_type", "outbox-fence", "my_outbox_fence", "trace"])
+def test_other_header_names_are_fine(name: str) -> None:
+    assert make_event(type="t", key="k", payload=0, headers={name: "x"}).headers == {name: "x"}
+
+
+def test_time_is_aware() -> None:
+    when = datetime(1970, 1, 1, tzinfo=timezone(timedelta(hours=2)))
+    assert make_event(type="t", key="k", payload=0, time=when).time == when
+    assert make_event(type="t", key="k", payload=0, time="2026-01-01T00:00:00Z").time == datetime(2026, 1, 1,
+                                                                                                  tzinfo=UTC)
+
+
+PUBLISH_PARAMETERS = ["conn", "type", "key", "payload", "topic", "headers", "idempotency_key", "time", "id"]
+
+
+@pytest.mark.parametrize("method", [Outbox.publish, Outbox.apublish])
+def test_publish_has_typed_keyword_parameters(method: Any) -> None:
+    signature = inspect.signature(method)
+    assert list(signature.parameters)[1:] == PUBLISH_PARAMETERS
+    for name in PUBLISH_PARAMETERS[1:]:
+        parameter = signature.parameters[name]
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        assert parameter.annotation != "Any" or name == "payload"
+    assert [p for p in signature.parameters.values() if p.default is inspect.Parameter.empty][1:] == [
+        signature.parameters[name] for name in ("conn", "type", "key", "payload")]
+    assert signature.return_annotation == "Published"
+
+
+def test_idempotency_conflict_is_an_invalid_event() -> None:
+    exc = IdempotencyConflict("k-1", None, "stands for another event")
+    assert isinstance(exc, InvalidEvent) and (exc.idempotency_key, exc.topic) == ("k-1", None)
+    assert str(exc) == "idempotency key 'k-1' of events without a topic stands for another event"
