@@ -210,7 +210,9 @@ CREATE TABLE outbox.rebuilds (
 -- What an idempotency key stands for: the event's type, key and payload (jsonb text is canonical).
 CREATE FUNCTION outbox.fingerprint_v1(type text, partition_key text, payload jsonb) RETURNS bytea
     LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
-    RETURN sha256(convert_to(type || E'\n' || partition_key || E'\n' || payload::text, 'UTF8'));
+    -- Length-prefixed, so that no two (type, key) pairs run together into the same text.
+    RETURN sha256(convert_to(length(type) || ':' || type || length(partition_key) || ':' || partition_key
+                             || payload::text, 'UTF8'));
 
 -- Refuse an event the relays could not position, keep, or deliver (messages name the column), and
 -- fingerprint idempotent ones.
@@ -246,7 +248,7 @@ BEGIN
                 RAISE EXCEPTION 'outbox.events.headers: the value of % is a JSON %, not a string',
                     quote_literal(name), jsonb_typeof(value) USING ERRCODE = 'check_violation';
             END IF;
-            -- The relay's own headers (kafka_sink.RESERVED_HEADERS): consumers must see one value.
+            -- The relay's own headers (outbox_relay.event.RESERVED_HEADERS): consumers must see one value.
             IF lower(name) IN ('ce_specversion', 'ce_id', 'ce_source', 'ce_type', 'ce_time', 'ce_sequence',
                                'ce_partitionkey', 'content-type')
                OR lower(name) LIKE 'outbox\_%' THEN

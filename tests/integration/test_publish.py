@@ -448,6 +448,15 @@ def test_a_key_reused_for_another_event_is_a_conflict(dsn: str, outbox: Outbox, 
     assert elsewhere.created and retry == Published(first.id, False)
 
 
+def test_fingerprints_tell_apart_type_and_key_that_run_together(dsn: str, outbox: Outbox) -> None:
+    """Type "a\\nb" with key "c" is not type "a" with key "b\\nc" (found in review: a separator alone
+    made them one fingerprint)."""
+    with psycopg.connect(dsn) as conn:
+        outbox.publish(conn, type="a\nb", key="c", payload={}, idempotency_key="joined")
+        with pytest.raises(IdempotencyConflict):
+            outbox.publish(conn, type="a", key="b\nc", payload={}, idempotency_key="joined")
+
+
 def test_a_key_used_twice_in_one_batch_for_different_events_is_a_conflict(dsn: str, outbox: Outbox) -> None:
     with counting_connection(dsn) as conn:
         with pytest.raises(IdempotencyConflict, match="'dup' of topic 'orders'"):

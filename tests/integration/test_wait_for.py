@@ -185,7 +185,7 @@ def test_waits_through_retries_until_delivered(dsn: str, pool: ConnectionPool[An
         return Failure("broker unavailable") if e.id == head and not healed.is_set() else None
 
     sink = RecordingSink(fail=fail)
-    runner = runner_for(sink, pool, make_settings(dsn, "w", max_attempts=10_000))
+    runner = runner_for(sink, pool, make_settings(dsn, "w", max_attempts=1000))
 
     with relaying(runner), psycopg.connect(dsn, autocommit=True) as conn:
         wait_until(lambda: parked_ids(dsn) == {head, behind}, message="the key to be parked")
@@ -213,7 +213,7 @@ def test_several_events_at_once(dsn: str, pool: ConnectionPool[Any]) -> None:
         return Failure("handler failed") if e.key == "slow" and not healed.is_set() else None
 
     sink = RecordingSink(fail=fail)
-    runner = runner_for(sink, pool, make_settings(dsn, "w", max_attempts=10_000))
+    runner = runner_for(sink, pool, make_settings(dsn, "w", max_attempts=1000))
     with psycopg.connect(dsn) as tx:
         published = Outbox(default_topic=TOPIC).publish_many(tx, [
             {"key": "a", "type": "t", "payload": {}},
