@@ -71,23 +71,26 @@ class Housekeeping:
         """One pass, unless another relay's is in progress, or (``min_gap_seconds``, the relays' own
         schedule) one finished less than that long ago."""
         s = self.settings
+        # Each step checks a connection out of the relay's pool and gives it back, so that the runners,
+        # which may share that one connection, wait at most one step (a retention slice: milliseconds).
         with self.pool.connection() as conn:
             if not self._claim(conn, min_gap_seconds):
                 self._warn_if_overdue(conn)
                 return HousekeepingResult(ran=False)
-            try:
-                with conn.transaction():
-                    dead = conn.execute(query("housekeeping", "mark_dead_workers"),
-                                        {"ttl": s.worker_ttl_seconds, "worker": s.worker_id}).fetchall()
-                    expired = conn.execute(query("housekeeping", "expire_leases")).fetchall()
-                    conn.execute(query("housekeeping", "forget_dead_workers"),
-                                 {"forget_after": FORGET_DEAD_AFTER_SECONDS})
-                owners = sorted({r[2] for r in expired})
+        try:
+            with self.pool.connection() as conn, conn.transaction():
+                dead = conn.execute(query("housekeeping", "mark_dead_workers"),
+                                    {"ttl": s.worker_ttl_seconds, "worker": s.worker_id}).fetchall()
+                expired = conn.execute(query("housekeeping", "expire_leases")).fetchall()
+                conn.execute(query("housekeeping", "forget_dead_workers"), {"forget_after": FORGET_DEAD_AFTER_SECONDS})
+            owners = sorted({r[2] for r in expired})
+            with self.pool.connection() as conn:
                 if expired:
                     store.announce_buckets(conn, {r[1] for r in expired})
                 terminated = self._terminate_stalled(conn, owners) if owners else 0
-                deleted = self._apply_retention(conn)
-            finally:
+            deleted = self._apply_retention()
+        finally:
+            with self.pool.connection() as conn:
                 conn.execute(query("housekeeping", "finish"), {"worker": s.worker_id})
         if dead:
             log.warning("housekeeping: workers %s stopped heartbeating; they left the ring", [r[0] for r in dead])
@@ -144,14 +147,15 @@ class Housekeeping:
                         "is not running. Is a relay whose role may update outbox.housekeeping running?",
                         since, f"in progress on {row[1]}" if row[2] else f"last run by {row[1] or 'nobody'}")
 
-    def _apply_retention(self, conn: Conn) -> int:
+    def _apply_retention(self) -> int:
         """Delete old delivered events in slices, each its own short transaction, within a time budget."""
         s = self.settings
         deleted = 0
         deadline = time.monotonic() + RETENTION_SECONDS_PER_PASS
         while time.monotonic() < deadline:
-            n = conn.execute(query("housekeeping", "apply_retention"),
-                             {"retention": s.retention_seconds, "limit": s.retention_batch}).rowcount
+            with self.pool.connection() as conn:
+                n = conn.execute(query("housekeeping", "apply_retention"),
+                                 {"retention": s.retention_seconds, "limit": s.retention_batch}).rowcount
             deleted += max(0, n)
             if n < s.retention_batch:
                 break

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -41,7 +41,6 @@ from .store import Checkpoint, Conn, StoredEvent
 log = logging.getLogger("outbox_relay.relay")
 
 MIN_BUCKET_LIMIT = 8
-AHEAD_FLUSH_SECONDS = 2.0
 CYCLE_BACKOFF = Backoff(0.5, 30.0)  # between failed cycles of one runner
 PARKED_KEYS_PER_PASS = 256
 PARKED_PER_KEY = 100
@@ -200,6 +199,7 @@ class SinkRunner:
         self.draining = threading.Event()  # stop claiming, finish the batch, release, exit
         self.abort = threading.Event()  # hard stop: drop the batch in flight
         self.fatal: SinkDropped | None = None  # why the runner stopped by itself (the worker stops too)
+        self.listening: Callable[[], bool] = lambda: False  # whether notifications reach it (set by the worker)
         # Runner thread only:
         self._cursors: dict[int, Cursor] = {}  # held bucket -> its cursor as written in outbox.cursors
         # Held buckets whose read cursor passed an empty delta (nothing to deliver there): written
@@ -235,8 +235,15 @@ class SinkRunner:
                 self._pause(delay)
                 continue
             if n == 0:
-                self.wake.wait(self.settings.poll_seconds * (0.8 + 0.4 * (time.monotonic() % 1)))
+                jitter = 0.8 + 0.4 * (time.monotonic() % 1)
+                until_retry = max(0.0, self._check_parked_at - time.monotonic())
+                self.wake.wait(min(self._idle_poll() * jitter, until_retry + 0.001))
         self._release_all()
+
+    def _idle_poll(self) -> float:
+        """How long an idle runner waits for a wake-up before it reads again: long while LISTEN is up
+        (notifications wake it; polling is the safety net), short while it is not."""
+        return self.settings.listen_poll_seconds if self.listening() else self.settings.poll_seconds
 
     def _stopping(self) -> bool:
         return self.draining.is_set() or self.abort.is_set()
@@ -268,7 +275,7 @@ class SinkRunner:
             if time.monotonic() >= self._check_parked_at:
                 handled += self._retry_parked(normal)
             handled += self._deliver_new(normal)
-        if self._ahead and time.monotonic() - self._flushed_at >= AHEAD_FLUSH_SECONDS:
+        if self._ahead and time.monotonic() - self._flushed_at >= max(1.0, 5 * self.settings.heartbeat_seconds):
             self._flush_ahead(held)
         return handled
 
@@ -297,9 +304,11 @@ class SinkRunner:
             return
         held = self.leases.snapshot()
         surplus = {b: f for b, f in held.items() if b not in desired}
+        if surplus:
+            self._flush_ahead(surplus)
+        # One connection at a time per thread (the pool may hold just one): nothing below checks out another.
         with self.pool.connection() as conn:
             if surplus:
-                self._flush_ahead(surplus)
                 store.announce_buckets(conn, store.release_leases(conn, self.sink.name, self.worker, surplus))
                 self.leases.drop(surplus.keys(), surplus)
                 log.info("sink %s: released %d buckets", self.sink.name, len(surplus))
@@ -389,9 +398,11 @@ class SinkRunner:
     def _retry_parked(self, held: dict[int, int]) -> int:
         with self.pool.connection() as conn:
             events = store.fetch_parked(conn, self.sink.name, list(held), PARKED_KEYS_PER_PASS, PARKED_PER_KEY)
-        if not events:
-            self._check_parked_at = time.monotonic() + self.settings.poll_seconds
-            return 0
+            if not events:
+                # Nothing due: look again when the next retry is (the idle wait ends then too).
+                due_in = store.next_parked_retry(conn, self.sink.name, list(held))
+                self._check_parked_at = time.monotonic() + (self._idle_poll() if due_in is None else max(0.0, due_in))
+                return 0
         fences = {e.bucket: held[e.bucket] for e in events}
         self._run_batch(events, fences, {}, resets=set(fences))
         return len(events)
@@ -496,10 +507,10 @@ class SinkRunner:
         ``caught_up``: its cursor past the empty delta just read."""
         advance = {bucket: caught_up}
         with self.pool.connection() as conn:
-            if store.has_parked(conn, self.sink.name, bucket):  # a parked retry is still to come
-                if advance:
-                    self._write(Checkpoint(fences={bucket: fence}, advance=advance))
-                return 0
+            waiting = store.has_parked(conn, self.sink.name, bucket)
+        if waiting:  # a parked retry is still to come
+            self._write(Checkpoint(fences={bucket: fence}, advance=advance))
+            return 0
         ok = self._write(Checkpoint(fences={bucket: fence}, advance=advance, resets={bucket}))
         if bucket in ok:
             self._ramp[bucket] = 0

@@ -20,10 +20,10 @@ from typing import Any, TextIO
 
 import psycopg
 
+from .assignment import BUCKETS
 from .kafka_sink import KafkaSink
 from .migrate import check_schema
 from .progressline import ProgressLine
-from .ring import BUCKETS
 from .settings import RelaySettings
 from .sink import AsyncConn, Outcomes
 from .sqlfiles import query

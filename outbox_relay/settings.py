@@ -79,11 +79,15 @@ class RelaySettings(BaseSettings):
     heartbeat_seconds: float = Field(2.0, ge=0.01, le=600,
                                      description="registry heartbeat and ring refresh interval")
     worker_ttl_seconds: float = Field(10.0, ge=0.02, le=3600, description="a worker silent this long leaves the ring")
-    poll_seconds: float = Field(1.0, ge=0.01, le=3600, description="idle poll interval (LISTEN/NOTIFY wakes sooner)")
+    poll_seconds: float = Field(
+        1.0, ge=0.01, le=3600, description="idle poll interval while the LISTEN connection is down")
+    listen_poll_seconds: float = Field(
+        10.0, ge=0.01, le=3600,
+        description="idle poll interval while LISTEN is connected (notifications wake a relay at once; "
+                    "polling is the safety net)")
     listen: bool = Field(True, description="use LISTEN/NOTIFY to wake idle workers")
     housekeeping_seconds: float = Field(5.0, ge=0.01, le=3600,
                                         description="housekeeping interval (one worker at a time)")
-    vnodes: int = Field(64, ge=1, le=1024, description="virtual nodes per worker on the hash ring")
 
     # failures
     max_attempts: int = Field(10, ge=1, le=1000, description="attempts before an event is dead-lettered")

@@ -182,6 +182,12 @@ def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_k
     return [stored_event(r, attempts=r[10], parked=True, last_error=r[11]) for r in rows]
 
 
+def next_parked_retry(conn: Conn, sink: str, buckets: Sequence[int]) -> float | None:
+    """Seconds until the next parked retry of ``buckets`` is due (<= 0: due now), None if nothing is parked."""
+    row = conn.execute(query("relay", "next_parked_retry"), {"sink": sink, "buckets": list(buckets)}).fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
 def has_parked(conn: Conn, sink: str, bucket: int) -> bool:
     row = conn.execute(query("relay", "has_parked"), {"sink": sink, "bucket": bucket}).fetchone()
     return bool(row and row[0])
@@ -205,16 +211,33 @@ async def acheckpoint(conn: psycopg.AsyncConnection[Any], sink: str, worker: str
 # -- membership -------------------------------------------------------------------------
 
 
-def heartbeat(conn: Conn, worker: str, status: str, sinks: Sequence[str], metadata: dict[str, Any]) -> None:
-    """Register or refresh the worker; a draining one is only refreshed (never registered again)."""
-    conn.execute(
+@dataclass(frozen=True)
+class Membership:
+    """A sink's stored assignment (generation 0: none yet) and its live members now."""
+
+    sink: str
+    generation: int
+    members: list[str]
+    owners: list[str | None]
+    live: list[str]
+
+
+def heartbeat(conn: Conn, worker: str, status: str, sinks: Sequence[str], metadata: dict[str, Any],
+              ttl: float = 10.0) -> list[Membership]:
+    """Register or refresh the worker (a draining one is only refreshed, never registered again), and
+    read each of its sinks' assignment and live members."""
+    rows = conn.execute(
         query("membership", "heartbeat" if status == "alive" else "heartbeat_existing"),
-        {"worker": worker, "status": status, "sinks": list(sinks), "metadata": json.dumps(metadata)},
-    )
+        {"worker": worker, "status": status, "sinks": list(sinks), "metadata": json.dumps(metadata), "ttl": ttl},
+    ).fetchall()
+    return [Membership(r[0], r[1] or 0, list(r[2] or []), list(r[3] or []), list(r[4])) for r in rows]
 
 
-def live_workers(conn: Conn, ttl: float) -> list[tuple[str, list[str]]]:
-    return [(r[0], list(r[1])) for r in conn.execute(query("membership", "live_workers"), {"ttl": ttl})]
+def reassign(conn: Conn, sink: str, generation: int, members: Sequence[str], owners: Sequence[str | None]) -> bool:
+    """Store a new assignment if the stored one is still ``generation``; False if another relay was first."""
+    row = conn.execute(query("membership", "reassign"), {
+        "sink": sink, "generation": generation, "members": list(members), "owners": list(owners)}).fetchone()
+    return row is not None
 
 
 def leave(conn: Conn, worker: str) -> None:

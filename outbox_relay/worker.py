@@ -25,13 +25,13 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
+from .assignment import buckets_of, rebalance
 from .dsn import probe_connection, redact
 from .errors import ConfigurationError, OutboxError
 from .housekeeping import Housekeeping, application_name
 from .kafka_sink import KafkaSink
 from .migrate import check_schema
 from .relay import DeliveryGate, SinkRunner
-from .ring import Ring
 from .settings import RelaySettings
 from .sink import Sink
 from .store import Conn
@@ -39,6 +39,7 @@ from .store import Conn
 log = logging.getLogger("outbox_relay.worker")
 
 NOTIFY_CHANNEL = "outbox_events_v2"  # payload: the buckets a statement wrote, comma-separated
+MEMBERSHIP_CHANNEL = "outbox_membership_v1"  # payload: a sink whose assignment changed
 VERSION = "0.1.0"
 
 
@@ -61,6 +62,7 @@ class Worker:
         self.fatal: OutboxError | None = None  # why the worker stopped by itself (a sink was dropped)
         # Written by the listener thread, read by heartbeats: `status` shows relays that only poll.
         self.listening = False
+        self.membership_changed = threading.Event()  # another relay stored a new assignment
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -71,7 +73,10 @@ class Worker:
         sinks = self._sinks if self._sinks is not None else self._default_sinks()
         if not sinks:
             raise ConfigurationError("no sink to run: enable --kafka or name a --projection")
-        self.pool = self._open_pool(dsn, max_size=len(sinks) + 4)
+        # One connection for the runners' reads and checkpoints, heartbeats and housekeeping, which each
+        # hold it for one statement (a Kafka sink not while it waits for acks; a projection applies its
+        # batch on a connection of its own); one more per further sink. Plus the LISTEN connection.
+        self.pool = self._open_pool(dsn, max_size=max(1, len(sinks)))
         if self.pool is None:
             return False
         with self.pool.connection() as conn:
@@ -80,8 +85,9 @@ class Worker:
                 store.register_sink(conn, sink.name, sink.kind)
         gate = DeliveryGate()  # one per process: crash-loop probes run alone across all sinks
         self.runners = [SinkRunner(sink, self.pool, s, gate=gate) for sink in sinks]
-        self._heartbeat("alive")
-        self._refresh_ring()
+        for runner in self.runners:
+            runner.listening = lambda: self.listening
+        self._beat()
         self._spawn("membership", self._membership_loop)
         self._spawn("housekeeping", self._housekeeping_loop)
         if s.listen:
@@ -118,9 +124,9 @@ class Worker:
         delay = 1.0
         while not self.stopping.is_set():
             pool: ConnectionPool[Conn] = ConnectionPool(
-                dsn, min_size=2, max_size=max_size, open=False, configure=_configure,
+                dsn, min_size=1, max_size=max_size, open=False, configure=_configure,
                 kwargs={"autocommit": True, "application_name": application_name(self.id)},
-                check=ConnectionPool.check_connection, name="outbox-relay",
+                name="outbox-relay",
             )
             try:
                 pool.open(wait=True, timeout=min(10.0, max(delay, 2.0)))
@@ -239,7 +245,10 @@ class Worker:
         next_renew = time.monotonic() + renew_every
         next_beat = time.monotonic() + s.heartbeat_seconds
         while not self.stopped.is_set():
-            self.stopped.wait(min(0.5, renew_every, s.heartbeat_seconds))
+            # An assignment changed by another relay (NOTIFY) brings the next heartbeat forward.
+            if self.membership_changed.wait(min(0.5, renew_every, s.heartbeat_seconds)):
+                self.membership_changed.clear()
+                next_beat = 0.0
             if self.stopped.is_set():
                 break
             now = time.monotonic()
@@ -250,31 +259,33 @@ class Worker:
                         r.renew()
                 if now >= next_beat:
                     next_beat = now + s.heartbeat_seconds
-                    self._heartbeat("draining" if self.stopping.is_set() else "alive")
-                    self._refresh_ring()
+                    self._beat()
             except Exception as exc:
                 log.warning("membership: %s: %s", type(exc).__name__, redact(str(exc)))
 
-    def _heartbeat(self, status: str) -> None:
+    def _beat(self) -> None:
+        """Heartbeat, and follow each sink's assignment: store a new one when its live members changed
+        (assignment.py), then hand each runner the buckets it should hold."""
         assert self.pool is not None
+        status = "draining" if self.stopping.is_set() else "alive"
         meta = {"version": VERSION, "host": socket.gethostname(), "pid": os.getpid(),
                 "listening": self.listening if self.settings.listen else None}
+        by_sink = {r.sink.name: r for r in self.runners}
         with self.pool.connection() as conn:
-            store.heartbeat(conn, self.id, status, [r.sink.name for r in self.runners], meta)
-
-    def _refresh_ring(self) -> None:
-        assert self.pool is not None
-        with self.pool.connection() as conn:
-            live = store.live_workers(conn, self.settings.worker_ttl_seconds)
-        changed = False
-        for r in self.runners:
-            members = [w for w, sinks in live if r.sink.name in sinks]
-            desired = set() if self.stopping.is_set() else Ring(members, self.settings.vnodes).buckets_of(self.id)
-            if desired != r.desired:
-                changed = True
-                r.desired = desired
-        if changed:
-            self._wake_all()
+            for m in store.heartbeat(conn, self.id, status, list(by_sink), meta, self.settings.worker_ttl_seconds):
+                owners = m.owners
+                if m.live != m.members:
+                    owners = rebalance(m.owners, m.live)
+                    if store.reassign(conn, m.sink, m.generation, m.live, owners):
+                        log.info("sink %s: members now %s; buckets reassigned", m.sink, m.live)
+                    else:  # another relay stored one first: follow it at the next heartbeat
+                        self.membership_changed.set()
+                        continue
+                runner = by_sink[m.sink]
+                desired = set() if status != "alive" else buckets_of(owners, self.id)
+                if desired != runner.desired:
+                    runner.desired = desired
+                    runner.wake.set()
 
     def _leave(self) -> None:
         if self.pool is None:
@@ -303,11 +314,16 @@ class Worker:
             try:
                 with psycopg.connect(dsn, autocommit=True, application_name=application_name(self.id)) as conn:
                     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    conn.execute(f"LISTEN {MEMBERSHIP_CHANNEL}")
                     self.listening = True
                     self._wake_all()  # we may have missed notifications while disconnected
+                    self.membership_changed.set()
                     while not self.stopped.is_set():
                         for note in conn.notifies(timeout=1.0, stop_after=1):
-                            self._wake_owners(note.payload)
+                            if note.channel == MEMBERSHIP_CHANNEL:
+                                self.membership_changed.set()
+                            else:
+                                self._wake_owners(note.payload)
             except Exception as exc:
                 self.listening = False
                 if self.stopped.is_set():

@@ -276,6 +276,20 @@ CREATE TABLE outbox.housekeeping (
 );
 INSERT INTO outbox.housekeeping DEFAULT VALUES;
 
+-- 0007_snapshot_cursors (continued).
+-- Which relay should hold which bucket of a sink (outbox_relay/assignment.py): balanced within one
+-- bucket and changed only when the sink's live members change, by whichever relay notices first
+-- (compare-and-set on generation), so that a join or leave moves only the ideal share of buckets.
+CREATE TABLE outbox.assignments (
+    sink       text        NOT NULL,
+    generation bigint      NOT NULL,
+    members    text[]      NOT NULL,  -- the live relays it was made for, sorted
+    owners     text[]      NOT NULL,  -- owners[b + 1]: the relay that should hold bucket b
+    changed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    CONSTRAINT assignments_pkey PRIMARY KEY (sink),
+    CONSTRAINT assignments_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
+);
+
 -- The migrations this snapshot contains.
 INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (1, 'initial', NULL),

@@ -1,6 +1,7 @@
 -- 0007_snapshot_cursors: read events in the order their transactions became visible (PgQ-style),
 -- so that one long writing transaction anywhere on the server no longer holds delivery back; wake
--- only the relays that own the buckets a commit touched.
+-- only the relays that own the buckets a commit touched; assign buckets to relays through a stored,
+-- balanced table instead of a hash ring.
 -- min-code-version: 7
 --
 -- Before, a cursor was a position (xid, seq) and a relay read only below the snapshot's xmin: every
@@ -76,3 +77,16 @@ DROP FUNCTION outbox.notify_events_v1();
 CREATE TRIGGER events_notify AFTER INSERT ON outbox.events
     REFERENCING NEW TABLE AS new_events
     FOR EACH STATEMENT EXECUTE FUNCTION outbox.notify_events_v2();
+
+-- Which relay should hold which bucket of a sink (outbox_relay/assignment.py): balanced within one
+-- bucket and changed only when the sink's live members change, by whichever relay notices first
+-- (compare-and-set on generation), so that a join or leave moves only the ideal share of buckets.
+CREATE TABLE outbox.assignments (
+    sink       text        NOT NULL,
+    generation bigint      NOT NULL,
+    members    text[]      NOT NULL,  -- the live relays it was made for, sorted
+    owners     text[]      NOT NULL,  -- owners[b + 1]: the relay that should hold bucket b
+    changed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    CONSTRAINT assignments_pkey PRIMARY KEY (sink),
+    CONSTRAINT assignments_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
+);

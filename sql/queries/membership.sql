@@ -1,25 +1,58 @@
 -- name: heartbeat
--- Register this worker or refresh it.
-INSERT INTO outbox.workers (id, status, sinks, metadata)
-VALUES (%(worker)s, %(status)s, %(sinks)s::text[], %(metadata)s::jsonb)
-ON CONFLICT (id) DO UPDATE
-    SET status = EXCLUDED.status, sinks = EXCLUDED.sinks, metadata = EXCLUDED.metadata,
-        last_seen_at = clock_timestamp();
+-- Register this worker or refresh it, and read, for each of its sinks, the stored assignment and the
+-- live members now (one round trip per heartbeat).
+WITH beat AS (
+    INSERT INTO outbox.workers (id, status, sinks, metadata)
+    VALUES (%(worker)s, %(status)s, %(sinks)s::text[], %(metadata)s::jsonb)
+    ON CONFLICT (id) DO UPDATE
+        SET status = EXCLUDED.status, sinks = EXCLUDED.sinks, metadata = EXCLUDED.metadata,
+            last_seen_at = clock_timestamp()
+)
+SELECT s.sink, a.generation, a.members, a.owners,
+       ARRAY(
+           -- Live: alive (not draining) and heard from within the TTL. This statement does not see its
+           -- own upsert, so this worker is added as the heartbeat says it is.
+           SELECT m.id FROM (
+               SELECT w.id FROM outbox.workers w
+               WHERE w.id <> %(worker)s AND w.status = 'alive' AND s.sink = ANY(w.sinks)
+                 AND w.last_seen_at > clock_timestamp() - make_interval(secs => %(ttl)s)
+               UNION ALL
+               SELECT %(worker)s WHERE %(status)s = 'alive'
+           ) m
+           ORDER BY m.id) AS live
+FROM unnest(%(sinks)s::text[]) AS s(sink)
+LEFT JOIN outbox.assignments a ON a.sink = s.sink;
 
 -- name: heartbeat_existing
 -- Refresh a registered worker only (draining): a heartbeat that arrives after the worker left must not
--- bring its row back.
-UPDATE outbox.workers
-SET status = %(status)s, sinks = %(sinks)s::text[], metadata = %(metadata)s::jsonb, last_seen_at = clock_timestamp()
-WHERE id = %(worker)s;
+-- bring its row back. Reads the assignments like heartbeat; a draining worker is not live.
+WITH beat AS (
+    UPDATE outbox.workers
+    SET status = %(status)s, sinks = %(sinks)s::text[], metadata = %(metadata)s::jsonb,
+        last_seen_at = clock_timestamp()
+    WHERE id = %(worker)s
+)
+SELECT s.sink, a.generation, a.members, a.owners,
+       ARRAY(SELECT w.id FROM outbox.workers w
+             WHERE w.id <> %(worker)s AND w.status = 'alive' AND s.sink = ANY(w.sinks)
+               AND w.last_seen_at > clock_timestamp() - make_interval(secs => %(ttl)s)
+             ORDER BY w.id) AS live
+FROM unnest(%(sinks)s::text[]) AS s(sink)
+LEFT JOIN outbox.assignments a ON a.sink = s.sink;
 
--- name: live_workers
--- Workers that count for ring ownership: alive (not draining) and heard from within the TTL.
-SELECT id, sinks
-FROM outbox.workers
-WHERE status = 'alive'
-  AND last_seen_at > clock_timestamp() - make_interval(secs => %(ttl)s)
-ORDER BY id;
+-- name: reassign
+-- Store a sink's new assignment unless another relay changed it since it was read (compare-and-set on
+-- the generation; none read: there was no row), and tell the relays of the sink at once.
+WITH stored AS (
+    INSERT INTO outbox.assignments AS a (sink, generation, members, owners)
+    VALUES (%(sink)s, 1, %(members)s::text[], %(owners)s::text[])
+    ON CONFLICT (sink) DO UPDATE
+        SET generation = a.generation + 1, members = EXCLUDED.members, owners = EXCLUDED.owners,
+            changed_at = clock_timestamp()
+        WHERE a.generation = %(generation)s
+    RETURNING a.generation
+)
+SELECT generation, pg_notify('outbox_membership_v1', %(sink)s) FROM stored;
 
 -- name: leave
 -- Clean exit: the worker is gone from the registry at once.

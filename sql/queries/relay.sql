@@ -118,6 +118,13 @@ CROSS JOIN LATERAL (
 JOIN outbox.events e ON e.bucket = q.bucket AND e.xid = q.xid AND e.seq = q.seq
 ORDER BY q.bucket, q.partition_key, q.xid, q.seq;
 
+-- name: next_parked_retry
+-- Seconds until the next parked retry of these buckets is due (NULL: nothing parked): the runner sleeps
+-- until then instead of polling the park.
+SELECT extract(epoch FROM min(p.available_at) - clock_timestamp())::float8
+FROM outbox.parked p
+WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[]);
+
 -- name: has_parked
 -- Whether any event of a bucket is parked (due or not).
 SELECT EXISTS (SELECT 1 FROM outbox.parked WHERE sink = %(sink)s AND bucket = %(bucket)s);

@@ -262,6 +262,21 @@ DELIVER_ALL_SQL = ("UPDATE outbox.cursors SET snapshot = pg_current_snapshot(), 
                    "after_seq = NULL")
 
 
+def assigned(dsn: str, sink: str = SINK) -> tuple[list[str], dict[int, str | None]]:
+    """The stored assignment of a sink: its members and bucket -> owner (empty before the first relay)."""
+    rows = fetch_all(dsn, "SELECT members, owners FROM outbox.assignments WHERE sink = %s", (sink,))
+    if not rows:
+        return [], {}
+    members, owner_list = rows[0]
+    return list(members), dict(enumerate(owner_list))
+
+
+def settled(dsn: str, members: Iterable[str], sink: str = SINK) -> bool:
+    """Whether the sink's assignment is made for exactly ``members`` and every bucket is held by its owner."""
+    stored, want = assigned(dsn, sink)
+    return stored == sorted(members) and owners(dsn, sink) == want
+
+
 def owners(dsn: str, sink: str = SINK) -> dict[int, str | None]:
     return {b: o for b, o in fetch_all(dsn, "SELECT bucket, owner FROM outbox.cursors WHERE sink = %s", (sink,))}
 
