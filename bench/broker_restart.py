@@ -161,28 +161,26 @@ class Broker:
             self.proc.wait()
 
     def create_topic(self, name: str, partitions: int) -> None:
-        """Create ``name``; one that a producer's metadata request auto-created already is replaced."""
+        """Create ``name`` with ``partitions`` (a real broker would have kept it). A relay's producer
+        may have auto-created it first; with another partition count it is created again."""
         from confluent_kafka import KafkaError
         from confluent_kafka.admin import AdminClient, NewTopic
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
         deadline = time.monotonic() + 15
-        while True:
-            futures = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
-            error = futures[name].exception(timeout=15)
-            if error is None:
-                break
-            if error.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS or time.monotonic() > deadline:
-                raise RuntimeError(f"cannot create topic {name}: {error}")
-            # Auto-created by a relay's producer with the broker's default partition count: a real
-            # broker would have kept the topic as it was, so put it back the way it was.
-            admin.delete_topics([name])[name].exception(timeout=15)
         while time.monotonic() < deadline:
             topic = admin.list_topics(name, timeout=5).topics.get(name)
-            if topic is not None and topic.error is None and len(topic.partitions) == partitions:
-                return
+            if topic is not None and topic.error is None:
+                if len(topic.partitions) == partitions:
+                    return
+                log(f"topic {name} was auto-created with {len(topic.partitions)} partitions; creating it again")
+                admin.delete_topics([name])[name].exception(timeout=15)
+            error = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)]
+                                        )[name].exception(timeout=15)
+            if error is not None and error.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise RuntimeError(f"cannot create topic {name}: {error}")
             time.sleep(0.02)
-        raise RuntimeError(f"topic {name} did not appear")
+        raise RuntimeError(f"topic {name} did not appear with {partitions} partitions")
 
 
 class Publisher(threading.Thread):
