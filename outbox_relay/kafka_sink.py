@@ -28,6 +28,7 @@ are possible, reordering is not; see ``_resend``), and counts no attempt.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -53,6 +54,15 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     "compression.type": "none",
     "queue.buffering.max.messages": 200_000,
 }
+
+# Header names the relay sets on every message, compared lower-case, plus every name starting with
+# RESERVED_PREFIX (outbox_fence, outbox_replay, ...). An event's own header of such a name would reach
+# consumers next to the relay's value; migration 0005's trigger (outbox.check_event_v1) refuses them
+# at insert, and the sink drops them from older rows.
+RESERVED_HEADERS = frozenset({
+    "ce_specversion", "ce_id", "ce_source", "ce_type", "ce_time", "ce_sequence", "ce_partitionkey", "content-type",
+})
+RESERVED_PREFIX = "outbox_"
 
 # Errors no retry can fix: dead-letter at once with the reason.
 NON_RETRIABLE = {
@@ -99,6 +109,24 @@ def _failure(err: KafkaError) -> Failure:
 def sequence(xid: int, seq: int) -> str:
     """CloudEvents ``sequence``: compared as strings, increases with position (so per key)."""
     return f"{xid:020d}-{seq:020d}"
+
+
+def is_reserved_header(name: str) -> bool:
+    """A header name only the relay sets (as the trigger of migration 0005 compares: lower-case)."""
+    lowered = name.lower()
+    return lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_PREFIX)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
 
 
 @dataclass(frozen=True)
@@ -225,7 +253,11 @@ class KafkaSink:
             if topic is None:
                 outcomes[e.id] = Failure("event has no topic and the relay has no --default-topic", retriable=False)
                 continue
-            messages.append(_Message(e, topic, self._headers(e, fences[e.bucket])))
+            headers = self._headers(e, fences[e.bucket])
+            if isinstance(headers, Failure):
+                outcomes[e.id] = headers
+                continue
+            messages.append(_Message(e, topic, headers))
         if messages:
             self._check_producer(abort)
         todo = messages
@@ -245,7 +277,9 @@ class KafkaSink:
             todo = self._resend(messages, flight, reason)
         return commit(outcomes, None)
 
-    def _headers(self, e: StoredEvent, fence: int) -> list[tuple[str, str | bytes | None]]:
+    def _headers(self, e: StoredEvent, fence: int) -> list[tuple[str, str | bytes | None]] | Failure:
+        """The message's headers, or why the event's own headers can not be sent (non-retriable:
+        the row never changes). Never raises: one bad event must not fail the batch."""
         headers: list[tuple[str, str | bytes | None]] = [
             ("ce_specversion", b"1.0"),
             ("ce_id", str(e.id).encode()),
@@ -258,9 +292,38 @@ class KafkaSink:
             ("outbox_fence", str(fence).encode()),
         ]
         if e.headers_text != "{}":
-            headers.extend((k, v.encode()) for k, v in e.headers.items())
+            own = self._own_headers(e)
+            if isinstance(own, Failure):
+                return own
+            headers.extend(own)
         headers.extend(self.extra_headers)
         return headers
+
+    def _own_headers(self, e: StoredEvent) -> list[tuple[str, bytes]] | Failure:
+        # Rows written before migration 0005's trigger (or past it, by a superuser) may hold
+        # anything the jsonb column takes.
+        try:
+            value = json.loads(e.headers_text)
+        except ValueError as exc:
+            return Failure(f"the event's headers are not JSON: {exc}", retriable=False)
+        if not isinstance(value, dict):
+            return Failure(f"the event's headers must be a JSON object of strings, not a JSON {_json_type(value)}",
+                           retriable=False)
+        own: list[tuple[str, bytes]] = []
+        for name, header in value.items():
+            if not isinstance(header, str):
+                return Failure(f"the event's header {name!r} is a JSON {_json_type(header)}, not a string "
+                               "(headers must be a JSON object of strings)", retriable=False)
+            if is_reserved_header(name):
+                # The relay's own value is the one consumers rely on; the event goes out without this one.
+                log.warning("kafka sink %s: event %s has a header %r, a name reserved for the relay; sending the "
+                            "event without it", self.name, e.id, name)
+                continue
+            try:
+                own.append((name, header.encode()))
+            except UnicodeError as exc:
+                return Failure(f"the event's header {name!r} can not be encoded as UTF-8: {exc}", retriable=False)
+        return own
 
     def _produce(self, todo: list[_Message], held: set[str], flight: _Flight, abort: threading.Event) -> None:
         """Hand ``todo`` to the producer in order, except keys in ``held`` (grows with failures);
@@ -287,6 +350,9 @@ class KafkaSink:
                     failure = outcomes[m.event.id] = _failure(err)
                     if failure.retriable:
                         held.add(m.event.key)
+                    break
+                except (TypeError, ValueError) as exc:  # the client refused the message's shape
+                    outcomes[m.event.id] = Failure(f"kafka: the message can not be produced: {exc}", retriable=False)
                     break
 
     def _check_producer(self, abort: threading.Event) -> None:
