@@ -4,7 +4,7 @@ An event counts as delivered only once its delivery report arrived without error
 offset the broker stored it at. Message key = partition key, so Kafka keeps per-key order within a
 partition; the idempotent producer keeps it across its own retries. ``message.timeout.ms=0`` (no
 timeout): while the broker is down the batch waits (leases keep being renewed) instead of burning
-retry attempts.
+retry attempts, so a user-set message timeout is refused (``check_config``).
 
 A producer is only as good as the broker's memory of it, though. A broker that lost its state (a
 restart with in-memory storage, a cluster rebuilt from scratch, producer state expired) answers the
@@ -33,13 +33,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .dsn import redact_kafka_config
+from .errors import ConfigurationError
 from .sink import Aborted, Commit, Failure, Outcomes
 from .store import EventFilter, StoredEvent
 
@@ -115,6 +116,30 @@ def is_reserved_header(name: str) -> bool:
     """A header name only the relay sets (as the trigger of migration 0005 compares: lower-case)."""
     lowered = name.lower()
     return lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_PREFIX)
+
+
+def check_config(config: Mapping[str, Any]) -> None:
+    """Refuse librdkafka settings that would break what the sink promises (ConfigurationError).
+
+    - ``message.timeout.ms`` / ``delivery.timeout.ms`` other than 0: a message that times out
+      during a broker outage would come back as a failure and burn one of the event's attempts
+      per outage (and dead-letter it after ``--max-attempts`` outages), and a timeout is no
+      substitute for stall detection either: a wedged producer is replaced after
+      ``--kafka-stall-seconds``, its messages sent again without counting an attempt.
+    - ``acks=0``: the broker acknowledges nothing, so no delivery report carries an offset and
+      no event could ever count as delivered.
+    """
+    for name in ("message.timeout.ms", "delivery.timeout.ms"):
+        if name in config and str(config[name]).strip() != "0":
+            raise ConfigurationError(
+                f"Kafka option {name}={config[name]} is not supported: the relay waits for the broker without a "
+                "message timeout, so that an outage costs no delivery attempts; a producer that stops getting "
+                "delivery reports is replaced after --kafka-stall-seconds instead (leave the option out)")
+    for name in ("acks", "request.required.acks"):
+        if name in config and str(config[name]).strip() == "0":
+            raise ConfigurationError(
+                f"Kafka option {name}=0 is not supported: an event counts as delivered only once the broker "
+                "acknowledged it with an offset, which acks=0 never does (leave the option out: acks=all)")
 
 
 def _json_type(value: Any) -> str:
@@ -222,6 +247,7 @@ class KafkaSink:
     def __init__(self, name: str, config: dict[str, Any], default_topic: str | None, source: str,
                  stall_seconds: float = DEFAULT_STALL_SECONDS, *, topic: str | None = None,
                  extra_headers: Sequence[tuple[str, bytes]] = ()) -> None:
+        check_config(config)
         self.name = name
         self.default_topic = default_topic
         self.topic = topic  # every message to this topic (a replay into another topic)

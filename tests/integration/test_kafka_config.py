@@ -1,0 +1,53 @@
+"""librdkafka settings the Kafka sink refuses, because they would break what it promises.
+
+A message timeout (``message.timeout.ms`` or its alias ``delivery.timeout.ms``) turns every broker
+outage longer than the timeout into failed deliveries: one attempt burned per event and outage,
+dead letters after ``--max-attempts`` of them, and stall detection replaced by something blunter.
+``acks=0`` gives no acknowledgement, so nothing could ever count as delivered. The relay says so at
+start, before it touches the database, instead of misbehaving during the next outage.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from outbox_relay.errors import ConfigurationError
+from outbox_relay.kafka_sink import KafkaSink
+
+NOWHERE = "127.0.0.1:1"  # no broker is needed: the check comes first
+
+
+@pytest.mark.parametrize("option, value, named", [
+    ("message.timeout.ms", "30000", "message.timeout.ms=30000"),
+    ("delivery.timeout.ms", 120000, "delivery.timeout.ms=120000"),
+    ("acks", "0", "acks=0"),  # with enable.idempotence=false librdkafka would take it
+    ("request.required.acks", 0, "request.required.acks=0"),
+])
+def test_settings_that_defeat_the_sink_are_refused_by_name(option: str, value: object, named: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        KafkaSink("kafka", {"bootstrap.servers": NOWHERE, option: value}, "t", "urn:test")
+    assert named in str(refused.value)
+    if "timeout" in option:
+        assert "--kafka-stall-seconds" in str(refused.value), "the message says what to use instead"
+
+
+@pytest.mark.parametrize("option, value", [("message.timeout.ms", "0"), ("delivery.timeout.ms", 0), ("acks", "all"),
+                                           ("acks", "-1"), ("linger.ms", "5")])
+def test_settings_that_keep_the_promise_are_accepted(option: str, value: str) -> None:
+    KafkaSink("kafka", {"bootstrap.servers": NOWHERE, option: value}, "t", "urn:test").close()
+
+
+def test_the_relay_refuses_a_message_timeout_at_start() -> None:
+    """`outbox-relay run --kafka-option message.timeout.ms=...` exits with the reason; the database it
+    names does not exist, so a relay that went on would wait for it instead."""
+    env = {**os.environ, "OUTBOX_DSN": "postgresql://nobody@127.0.0.1:1/nothing"}
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_relay.cli", "run", "--kafka-bootstrap-servers", NOWHERE,
+         "--kafka-option", "message.timeout.ms=5000"],
+        env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "message.timeout.ms=5000 is not supported" in result.stderr
