@@ -260,7 +260,11 @@ class KafkaSink:
         self._recreate_delay = FIRST_RECREATE_DELAY
         self._recreate_after = 0.0  # monotonic time before which the producer is not replaced again
         self._session = _Session()
-        self._producer = self._new_producer(self._session)
+        try:
+            self._producer = self._new_producer(self._session)
+        except KafkaException as exc:  # an unknown option, a value it does not take, a contradiction
+            err: KafkaError = exc.args[0]
+            raise ConfigurationError(f"Kafka options refused by librdkafka: {err.str()}") from None
 
     def _new_producer(self, session: _Session) -> Producer:
         return Producer({**self._config, "error_cb": session.on_error})
