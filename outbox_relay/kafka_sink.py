@@ -1,33 +1,46 @@
 """Kafka delivery with confluent-kafka: idempotent producer, acks=all, many messages in flight.
 
-An event counts as delivered only once its delivery report arrived without error. Message
-key = partition key, so Kafka keeps per-key order within a partition; the idempotent
-producer keeps it across its own retries. ``message.timeout.ms=0`` (no timeout) by
-default: while the broker is down the batch waits (leases keep being renewed) instead of
-burning retry attempts.
+An event counts as delivered only once its delivery report arrived without error and with the
+offset the broker stored it at. Message key = partition key, so Kafka keeps per-key order within a
+partition; the idempotent producer keeps it across its own retries. ``message.timeout.ms=0`` (no
+timeout): while the broker is down the batch waits (leases keep being renewed) instead of burning
+retry attempts, so a user-set message timeout is refused (``check_config``).
 
-A producer can get wedged for good, though: a broker that lost the producer's state (a
-restart without it, or state expired on a real cluster) answers every retry with
-UNKNOWN_PRODUCER_ID, which librdkafka retries forever without a word; or the idempotent
-producer raises a fatal error, after which the instance is unusable. Both cases end in a new
-producer that sends the batch's unacknowledged messages again, in their original order
-(duplicates are possible, reordering is not; see ``_resend``), without counting an attempt.
+A producer is only as good as the broker's memory of it, though. A broker that lost its state (a
+restart with in-memory storage, a cluster rebuilt from scratch, producer state expired) answers the
+producer's retries with UNKNOWN_PRODUCER_ID, which librdkafka retries forever without a word; worse,
+it hands out producer ids again from the start, so a producer that survived the restart can share
+its id with a new producer of another relay. The survivor's batches are then answered
+DUPLICATE_SEQUENCE_NUMBER, which librdkafka reports as delivered although nothing was stored (the
+report carries no offset for the batch's first message, and made-up ones for the rest). Hence:
+
+- a report without a real offset does not count, nor does any later report of that partition from
+  the same producer (the rest of such a batch), and the producer is replaced;
+- a producer that lost every broker connection after it had been connected is replaced before it
+  sends anything more (its id may be forgotten or handed out again by the broker it meets next);
+- a producer that raised a fatal error, or got no delivery report for ``stall_seconds`` with
+  messages in flight, is replaced too.
+
+A replacement sends the batch's unacknowledged messages again, in their original order (duplicates
+are possible, reordering is not; see ``_resend``), and counts no attempt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .dsn import redact_kafka_config
+from .errors import ConfigurationError
 from .sink import Aborted, Commit, Failure, Outcomes
 from .store import EventFilter, StoredEvent
 
@@ -42,6 +55,15 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     "compression.type": "none",
     "queue.buffering.max.messages": 200_000,
 }
+
+# Header names the relay sets on every message, compared lower-case, plus every name starting with
+# RESERVED_PREFIX (outbox_fence, outbox_replay, ...). An event's own header of such a name would reach
+# consumers next to the relay's value; migration 0005's trigger (outbox.check_event_v1) refuses them
+# at insert, and the sink drops them from older rows.
+RESERVED_HEADERS = frozenset({
+    "ce_specversion", "ce_id", "ce_source", "ce_type", "ce_time", "ce_sequence", "ce_partitionkey", "content-type",
+})
+RESERVED_PREFIX = "outbox_"
 
 # Errors no retry can fix: dead-letter at once with the reason.
 NON_RETRIABLE = {
@@ -62,6 +84,7 @@ NON_RETRIABLE = {
 SESSION_ERRORS = {
     KafkaError.UNKNOWN_PRODUCER_ID,
     KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+    KafkaError.DUPLICATE_SEQUENCE_NUMBER,
     KafkaError.INVALID_PRODUCER_EPOCH,
     KafkaError.INVALID_PRODUCER_ID_MAPPING,
     KafkaError.PRODUCER_FENCED,
@@ -89,11 +112,86 @@ def sequence(xid: int, seq: int) -> str:
     return f"{xid:020d}-{seq:020d}"
 
 
+def is_reserved_header(name: str) -> bool:
+    """A header name only the relay sets (as the trigger of migration 0005 compares: lower-case)."""
+    lowered = name.lower()
+    return lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_PREFIX)
+
+
+def check_config(config: Mapping[str, Any]) -> None:
+    """Refuse librdkafka settings that would break what the sink promises (ConfigurationError).
+
+    - ``message.timeout.ms`` / ``delivery.timeout.ms`` other than 0: a message that times out
+      during a broker outage would come back as a failure and burn one of the event's attempts
+      per outage (and dead-letter it after ``--max-attempts`` outages), and a timeout is no
+      substitute for stall detection either: a wedged producer is replaced after
+      ``--kafka-stall-seconds``, its messages sent again without counting an attempt.
+    - ``acks=0``: the broker acknowledges nothing, so no delivery report carries an offset and
+      no event could ever count as delivered.
+    """
+    for name in ("message.timeout.ms", "delivery.timeout.ms"):
+        if name in config and str(config[name]).strip() != "0":
+            raise ConfigurationError(
+                f"Kafka option {name}={config[name]} is not supported: the relay waits for the broker without a "
+                "message timeout, so that an outage costs no delivery attempts; a producer that stops getting "
+                "delivery reports is replaced after --kafka-stall-seconds instead (leave the option out)")
+    for name in ("acks", "request.required.acks"):
+        if name in config and str(config[name]).strip() == "0":
+            raise ConfigurationError(
+                f"Kafka option {name}=0 is not supported: an event counts as delivered only once the broker "
+                "acknowledged it with an offset, which acks=0 never does (leave the option out: acks=all)")
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
 @dataclass(frozen=True)
 class _Message:
     event: StoredEvent
     topic: str
     headers: list[tuple[str, str | bytes | None]]
+
+
+class _Session:
+    """What one producer instance's callbacks said. The producer's error callback holds this, not
+    the producer, so that a replaced producer is destroyed at once, not by the garbage collector.
+
+    Only the thread in ``KafkaSink.deliver`` touches it: librdkafka runs callbacks inside
+    ``poll()`` on the calling thread.
+    """
+
+    def __init__(self, may_hold_id: bool = True) -> None:
+        self.fatal: str | None = None  # the producer raised a fatal error: it must be replaced
+        self.client_error = "none"  # the last error_cb report, for the stall warning
+        self.brokers_lost = False  # every broker connection was lost while it may have held a producer id
+        # Whether the producer may hold a producer id that a broker could forget. A replacement is
+        # made while the brokers may still be unreachable, and a producer that never connected
+        # reports "all brokers down" on its failed attempts (more than once: it re-bootstraps), which
+        # says nothing about forgotten state; so it counts from its first acknowledgement on. The
+        # first producer of a sink is assumed connected (it may sit idle, holding an id, for long).
+        self.may_hold_id = may_hold_id
+
+    def on_error(self, err: KafkaError) -> None:
+        # Mostly informational (broker down, reconnects); librdkafka recovers by itself from
+        # everything but a fatal error. confluent-kafka raises fatal errors from poll() rather
+        # than passing them here (see KafkaSink._poll), but a client version that passes them is covered.
+        self.client_error = _describe(err)
+        if err.fatal():
+            self.fatal = self.client_error
+        elif err.code() == KafkaError._ALL_BROKERS_DOWN and self.may_hold_id:
+            self.brokers_lost = True
+
+    def acknowledged(self) -> None:
+        self.may_hold_id = True
 
 
 class _Flight:
@@ -103,25 +201,42 @@ class _Flight:
     ``poll()`` on the calling thread.
     """
 
-    def __init__(self, outcomes: Outcomes) -> None:
+    def __init__(self, outcomes: Outcomes, session: _Session) -> None:
         self.outcomes = outcomes  # the batch's, shared by every flight of the batch
+        self.session = session
         self.pending = 0
         self.last_report = time.monotonic()
         self.session_error: str | None = None
         self.live = True  # False once its producer was given up: late reports are ignored
+        # Partitions where a report came without an offset: that report and every later one of the
+        # partition (the rest of the batch, with offsets librdkafka made up) do not count.
+        self.doubtful: set[tuple[str, int]] = set()
 
     def report(self, event_id: uuid.UUID) -> Callable[[KafkaError | None, Any], None]:
-        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+        def on_delivery(err: KafkaError | None, msg: Any) -> None:
             if not self.live:
                 return
             self.pending -= 1
             self.last_report = time.monotonic()
-            if err is None:
-                self.outcomes[event_id] = None
-            elif err.code() in SESSION_ERRORS or err.fatal():
-                self.session_error = _describe(err)  # not acknowledged: sent again by the next producer
-            else:
-                self.outcomes[event_id] = _failure(err)
+            if err is not None:
+                if err.code() in SESSION_ERRORS or err.fatal():
+                    self.session_error = self.session_error or _describe(err)  # sent again by the next producer
+                else:
+                    self.outcomes[event_id] = _failure(err)
+                return
+            partition = (msg.topic(), msg.partition())
+            offset = msg.offset()
+            if partition in self.doubtful or offset is None or offset < 0:
+                # librdkafka's report of a DUPLICATE_SEQUENCE_NUMBER answer: maybe stored earlier
+                # (a retry), maybe never (another producer holds this one's id). Not acknowledged.
+                self.doubtful.add(partition)
+                self.session_error = self.session_error or (
+                    f"the broker acknowledged messages of {partition[0]} [{partition[1]}] without an offset "
+                    "(DUPLICATE_SEQUENCE_NUMBER: it may have handed this producer's id to another producer "
+                    "after losing its state)")
+                return
+            self.outcomes[event_id] = None
+            self.session.acknowledged()
         return on_delivery
 
 
@@ -132,6 +247,7 @@ class KafkaSink:
     def __init__(self, name: str, config: dict[str, Any], default_topic: str | None, source: str,
                  stall_seconds: float = DEFAULT_STALL_SECONDS, *, topic: str | None = None,
                  extra_headers: Sequence[tuple[str, bytes]] = ()) -> None:
+        check_config(config)
         self.name = name
         self.default_topic = default_topic
         self.topic = topic  # every message to this topic (a replay into another topic)
@@ -141,23 +257,17 @@ class KafkaSink:
         self._config = {**PRODUCER_DEFAULTS, **config}
         log.info("kafka producer config %s", redact_kafka_config({k: str(v) for k, v in self._config.items()}))
         # Owned by the thread that calls deliver() (callbacks run inside its poll() calls).
-        self._fatal: str | None = None  # the producer raised a fatal error: it must be replaced
-        self._client_error = "none"  # the last error_cb report, for the stall warning
         self._recreate_delay = FIRST_RECREATE_DELAY
         self._recreate_after = 0.0  # monotonic time before which the producer is not replaced again
-        self._producer = self._new_producer()
+        self._session = _Session()
+        try:
+            self._producer = self._new_producer(self._session)
+        except KafkaException as exc:  # an unknown option, a value it does not take, a contradiction
+            err: KafkaError = exc.args[0]
+            raise ConfigurationError(f"Kafka options refused by librdkafka: {err.str()}") from None
 
-    def _new_producer(self) -> Producer:
-        self._fatal = None
-        return Producer({**self._config, "error_cb": self._on_error})
-
-    def _on_error(self, err: KafkaError) -> None:
-        # Mostly informational (broker down, reconnects); librdkafka recovers by itself from
-        # everything but a fatal error. confluent-kafka raises fatal errors from poll() rather
-        # than passing them here (see _poll), but a client version that passes them is covered.
-        self._client_error = _describe(err)
-        if err.fatal():
-            self._fatal = self._client_error
+    def _new_producer(self, session: _Session) -> Producer:
+        return Producer({**self._config, "error_cb": session.on_error})
 
     def close(self) -> None:
         with contextlib.suppress(KafkaException):  # a fatal producer raises from flush()
@@ -173,10 +283,16 @@ class KafkaSink:
             if topic is None:
                 outcomes[e.id] = Failure("event has no topic and the relay has no --default-topic", retriable=False)
                 continue
-            messages.append(_Message(e, topic, self._headers(e, fences[e.bucket])))
+            headers = self._headers(e, fences[e.bucket])
+            if isinstance(headers, Failure):
+                outcomes[e.id] = headers
+                continue
+            messages.append(_Message(e, topic, headers))
+        if messages:
+            self._check_producer(abort)
         todo = messages
         while todo:
-            flight = _Flight(outcomes)
+            flight = _Flight(outcomes, self._session)
             # A key whose event failed in this batch is parked at that event: what follows it
             # waits (not attempted), or it could land before the retried event.
             held = {m.event.key for m in messages
@@ -191,7 +307,9 @@ class KafkaSink:
             todo = self._resend(messages, flight, reason)
         return commit(outcomes, None)
 
-    def _headers(self, e: StoredEvent, fence: int) -> list[tuple[str, str | bytes | None]]:
+    def _headers(self, e: StoredEvent, fence: int) -> list[tuple[str, str | bytes | None]] | Failure:
+        """The message's headers, or why the event's own headers can not be sent (non-retriable:
+        the row never changes). Never raises: one bad event must not fail the batch."""
         headers: list[tuple[str, str | bytes | None]] = [
             ("ce_specversion", b"1.0"),
             ("ce_id", str(e.id).encode()),
@@ -204,9 +322,38 @@ class KafkaSink:
             ("outbox_fence", str(fence).encode()),
         ]
         if e.headers_text != "{}":
-            headers.extend((k, v.encode()) for k, v in e.headers.items())
+            own = self._own_headers(e)
+            if isinstance(own, Failure):
+                return own
+            headers.extend(own)
         headers.extend(self.extra_headers)
         return headers
+
+    def _own_headers(self, e: StoredEvent) -> list[tuple[str, bytes]] | Failure:
+        # Rows written before migration 0005's trigger (or past it, by a superuser) may hold
+        # anything the jsonb column takes.
+        try:
+            value = json.loads(e.headers_text)
+        except ValueError as exc:
+            return Failure(f"the event's headers are not JSON: {exc}", retriable=False)
+        if not isinstance(value, dict):
+            return Failure(f"the event's headers must be a JSON object of strings, not a JSON {_json_type(value)}",
+                           retriable=False)
+        own: list[tuple[str, bytes]] = []
+        for name, header in value.items():
+            if not isinstance(header, str):
+                return Failure(f"the event's header {name!r} is a JSON {_json_type(header)}, not a string "
+                               "(headers must be a JSON object of strings)", retriable=False)
+            if is_reserved_header(name):
+                # The relay's own value is the one consumers rely on; the event goes out without this one.
+                log.warning("kafka sink %s: event %s has a header %r, a name reserved for the relay; sending the "
+                            "event without it", self.name, e.id, name)
+                continue
+            try:
+                own.append((name, header.encode()))
+            except UnicodeError as exc:
+                return Failure(f"the event's header {name!r} can not be encoded as UTF-8: {exc}", retriable=False)
+        return own
 
     def _produce(self, todo: list[_Message], held: set[str], flight: _Flight, abort: threading.Event) -> None:
         """Hand ``todo`` to the producer in order, except keys in ``held`` (grows with failures);
@@ -228,12 +375,25 @@ class KafkaSink:
                 except KafkaException as exc:
                     err: KafkaError = exc.args[0]
                     if err.code() == KafkaError._FATAL or err.fatal():
-                        self._fatal = self._fatal or _describe(err)
+                        self._session.fatal = self._session.fatal or _describe(err)
                         return
                     failure = outcomes[m.event.id] = _failure(err)
                     if failure.retriable:
                         held.add(m.event.key)
                     break
+                except (TypeError, ValueError) as exc:  # the client refused the message's shape
+                    outcomes[m.event.id] = Failure(f"kafka: the message can not be produced: {exc}", retriable=False)
+                    break
+
+    def _check_producer(self, abort: threading.Event) -> None:
+        """Before a batch: serve callbacks the producer queued since the last one, and replace a
+        producer that lost every broker or turned fatal meanwhile, while nothing is in flight."""
+        self._poll(abort, 0)
+        if self._session.fatal is not None:
+            self._replace(f"fatal producer error: {self._session.fatal}")
+        elif self._session.brokers_lost:
+            self._replace(f"every broker connection was lost ({self._session.client_error}); the broker may have "
+                          "forgotten this producer or handed its id to another")
 
     def _wait(self, flight: _Flight, abort: threading.Event) -> str | None:
         """Poll until every report of ``flight`` arrived. Returns why the producer has to be
@@ -247,16 +407,20 @@ class KafkaSink:
             self._poll(abort)
 
     def _wedged(self, flight: _Flight) -> str | None:
-        if self._fatal is not None:
-            return f"fatal producer error: {self._fatal}"
+        session = self._session
+        if session.fatal is not None:
+            return f"fatal producer error: {session.fatal}"
         if flight.session_error is not None:
             return f"delivery failed with a producer error: {flight.session_error}"
+        if session.brokers_lost and flight.pending:
+            return (f"every broker connection was lost with {flight.pending} messages in flight "
+                    f"({session.client_error}); the broker may come back without this producer's state")
         if flight.pending and time.monotonic() - flight.last_report >= self.stall_seconds:
             return (f"no delivery report for {self.stall_seconds:g}s with {flight.pending} messages in flight "
-                    f"(last client error: {self._client_error})")
+                    f"(last client error: {session.client_error})")
         return None
 
-    def _poll(self, abort: threading.Event) -> None:
+    def _poll(self, abort: threading.Event, timeout: float = POLL_SECONDS) -> None:
         if abort.is_set():
             # Drop what is still queued so that nothing of ours lands after the next
             # owner has started (it redelivers from the same cursor).
@@ -264,15 +428,24 @@ class KafkaSink:
                 self._producer.purge()
             raise Aborted()
         try:
-            self._producer.poll(POLL_SECONDS)
+            self._producer.poll(timeout)
         except KafkaException as exc:
             # confluent-kafka raises a fatal error (the idempotent producer can not keep its
             # guarantees, e.g. UNKNOWN_PRODUCER_ID with requests in flight) from poll().
             err: KafkaError = exc.args[0]
             if not err.fatal():
                 raise
-            self._fatal = _describe(err)
-            abort.wait(POLL_SECONDS)
+            self._session.fatal = _describe(err)
+            abort.wait(timeout)
+
+    def _replace(self, reason: str) -> None:
+        """A new producer instance; the old one is purged and destroyed without waiting for it."""
+        old = self._producer
+        with contextlib.suppress(KafkaException):
+            old.purge()
+        log.warning("kafka sink %s: %s; recreating the producer", self.name, reason)
+        self._session = _Session(may_hold_id=False)  # it may start while the brokers are still away
+        self._producer = self._new_producer(self._session)
 
     def _resend(self, messages: list[_Message], flight: _Flight, reason: str) -> list[_Message]:
         """Replace the producer; returns the messages to send again, in their original order.
@@ -280,10 +453,12 @@ class KafkaSink:
         Why per-key order survives (a key maps to one partition): per partition the idempotent
         producer writes, acknowledges and fails messages in produce order, so the acknowledged
         ones are a prefix of what was produced there and the rest a suffix, which is sent again
-        in order. The old producer may still have written part of that suffix unacknowledged: a
-        run in order from the suffix's start, possibly landing after the new producer's first
-        writes. Two in-order runs from the same start, however interleaved, keep every message's
-        first occurrence in order, so the de-duplicated sequence per key is the published one.
+        in order. (A report without an offset ends the prefix of its partition: the reports after
+        it in that flight are not counted either.) The old producer may still have written part of
+        that suffix unacknowledged: a run in order from the suffix's start, possibly landing after
+        the new producer's first writes. Two in-order runs from the same start, however
+        interleaved, keep every message's first occurrence in order, so the de-duplicated sequence
+        per key is the published one.
         """
         old = self._producer
         with contextlib.suppress(KafkaException):
@@ -293,7 +468,8 @@ class KafkaSink:
         todo = [m for m in messages if m.event.id not in flight.outcomes]
         log.warning("kafka sink %s: %s; recreating the producer and producing %d unacknowledged messages again",
                     self.name, reason, len(todo))
-        self._producer = self._new_producer()  # the old instance is destroyed without waiting for it
+        self._session = _Session(may_hold_id=False)  # it may start while the brokers are still away
+        self._producer = self._new_producer(self._session)  # the old instance is destroyed without waiting for it
         self._recreate_after = time.monotonic() + self._recreate_delay
         self._recreate_delay = min(self._recreate_delay * 2, self.stall_seconds)
         return todo

@@ -180,10 +180,11 @@ def deliver_once(sink: KafkaSink, events: Sequence[StoredEvent], timeout: float 
 def test_a_broker_that_forgot_the_producer_id_gets_a_new_producer_and_nothing_fails(
         kafka_server: KafkaServer, kafka_topic: str, caplog: pytest.LogCaptureFixture) -> None:
     """The broker restarts without the idempotent producer's state (Tansu keeps it in memory; a real
-    cluster can expire it). The producer's id is then unknown, librdkafka retries UNKNOWN_PRODUCER_ID
-    forever and no delivery report ever comes. The sink notices the stall, recreates its producer and
-    produces the batch again: every event is reported delivered (a failure would burn a retry attempt)
-    and each key's de-duplicated sequence on the topic is the published one."""
+    cluster can expire it). Kept, the producer's id would be unknown and librdkafka would retry
+    UNKNOWN_PRODUCER_ID forever without a delivery report. The sink replaces the producer that lost
+    every broker connection (the stall detection is the fallback) and produces the batch on the new
+    one: every event is reported delivered (a failure would burn a retry attempt) and each key's
+    de-duplicated sequence on the topic is the published one."""
     if not kafka_server.restartable:
         pytest.skip(f"the {kafka_server.kind} broker can not be restarted by the tests")
     keys = [f"restart-{i}" for i in range(8)]
