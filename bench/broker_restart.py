@@ -50,11 +50,11 @@ from typing import Any
 warnings.filterwarnings("ignore", module="platformdirs")
 
 import psycopg  # noqa: E402
+from outbox_relay.ring import Ring  # noqa: E402
 from servers import Postgres, busy_fraction, free_port, machine  # noqa: E402
 
 from outbox_relay import Outbox, migrate  # noqa: E402
 from outbox_relay import store as relay_store  # noqa: E402
-from outbox_relay.ring import Ring  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
