@@ -1,8 +1,11 @@
 """outbox-relay: transactional outbox on PostgreSQL, relayed to Kafka in order per key.
 
-Producers: ``Outbox().publish(conn, ...)`` inside the business transaction.
-Relays: the ``outbox-relay`` command, or ``Worker(RelaySettings(...)).run()``.
+Producers: ``Outbox().publish(conn, ...)`` inside the business transaction. Importing this package
+loads neither the relay engine nor confluent-kafka.
+Relays: the ``outbox-relay`` command, or ``outbox_relay.compose.build_worker(RelaySettings(...)).run()``.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError, IdempotencyConflict, InvalidEvent, OutboxError, SchemaError
 from .event import Event
@@ -10,7 +13,19 @@ from .migrate import migrate
 from .progress import wait_for, wait_for_async
 from .publish import Outbox, Published
 from .settings import RelaySettings
-from .worker import Worker
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+
+def __getattr__(name: str) -> Any:
+    # The engine only when asked for: a producer's import stays light.
+    if name == "Worker":
+        from .worker import Worker
+
+        return Worker
+    raise AttributeError(f"module 'outbox_relay' has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigurationError",

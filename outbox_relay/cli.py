@@ -549,9 +549,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
     setup_logging(args.log_level, args.log_json, settings.worker_id)
     _check_projections(settings)
-    from .worker import Worker
+    from .compose import build_worker
 
-    worker = Worker(settings)
+    worker = build_worker(settings)
     worker.run()
     if worker.fatal is not None:  # it stopped by itself (a sink was dropped): loudly, for the supervisor
         _error(f"error: {worker.fatal}")

@@ -19,17 +19,15 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
 from .assignment import buckets_of, rebalance
-from .dsn import probe_connection, redact
+from .dsn import connection_problem, probe_connection, redact
 from .errors import ConfigurationError, OutboxError
 from .housekeeping import Housekeeping, application_name
-from .kafka_sink import KafkaSink
 from .migrate import check_schema
 from .relay import DeliveryGate, SinkRunner
 from .settings import RelaySettings
@@ -50,7 +48,10 @@ def _configure(conn: Conn) -> None:
 
 
 class Worker:
-    def __init__(self, settings: RelaySettings, sinks: list[Sink] | None = None) -> None:
+    """One relay process's engine around the sinks it is given (compose.build_worker makes them from
+    settings)."""
+
+    def __init__(self, settings: RelaySettings, sinks: list[Sink]) -> None:
         self.settings = settings
         self.id = settings.worker_id
         self.stopping = threading.Event()  # drain requested
@@ -70,24 +71,23 @@ class Worker:
         """Connect, register and start the threads. False if asked to stop before the database came up."""
         s = self.settings
         dsn = s.dsn.get_secret_value()
-        sinks = self._sinks if self._sinks is not None else self._default_sinks()
+        sinks = self._sinks
         if not sinks:
             raise ConfigurationError("no sink to run: enable --kafka or name a --projection")
         # One connection for the runners' reads and checkpoints, heartbeats and housekeeping, which each
         # hold it for one statement (a Kafka sink not while it waits for acks; a projection applies its
         # batch on a connection of its own); one more per further sink. Plus the LISTEN connection.
         self.pool = self._open_pool(dsn, max_size=max(1, len(sinks)))
-        if self.pool is None:
+        if self.pool is None or not self._register(sinks):
             return False
-        with self.pool.connection() as conn:
-            check_schema(conn)
-            for sink in sinks:
-                store.register_sink(conn, sink.name, sink.kind)
         gate = DeliveryGate()  # one per process: crash-loop probes run alone across all sinks
         self.runners = [SinkRunner(sink, self.pool, s, gate=gate) for sink in sinks]
         for runner in self.runners:
             runner.listening = lambda: self.listening
-        self._beat()
+        try:
+            self._beat()
+        except (psycopg.OperationalError, PoolTimeout) as exc:  # the membership thread tries again
+            log.warning("membership: %s", connection_problem(exc))
         self._spawn("membership", self._membership_loop)
         self._spawn("housekeeping", self._housekeeping_loop)
         if s.listen:
@@ -98,23 +98,23 @@ class Worker:
                  redact(dsn))
         return True
 
-    def _default_sinks(self) -> list[Sink]:
-        s = self.settings
-        sinks: list[Sink] = []
-        if s.kafka:
-            sinks.append(KafkaSink(s.kafka_sink, s.kafka_producer_config(), s.default_topic, s.source,
-                                   stall_seconds=s.kafka_stall_seconds))
-        if s.projection:
-            # Imported here: the projections package builds on this one, not the other way round.
-            from projections.declare import load_registry
-            from projections.sink import ProjectionSink
-
-            assert s.projections is not None  # settings validation
-            registry = load_registry(s.projections)
-            dsn = s.dsn.get_secret_value()
-            sinks.extend(ProjectionSink(registry.get(name), dsn, lease_seconds=s.lease_seconds)
-                         for name in s.projection)
-        return sinks
+    def _register(self, sinks: list[Sink]) -> bool:
+        """Check the schema and register the sinks, riding out a connection lost meanwhile (a database
+        restart, a terminated backend); False if asked to stop first."""
+        assert self.pool is not None
+        delay = 1.0
+        while True:
+            try:
+                with self.pool.connection() as conn:
+                    check_schema(conn)
+                    for sink in sinks:
+                        store.register_sink(conn, sink.name, sink.kind)
+                return True
+            except (psycopg.OperationalError, PoolTimeout) as exc:
+                log.warning("starting: %s; retrying in %.0fs", connection_problem(exc), delay)
+            if self.stopping.wait(delay):
+                return False
+            delay = min(delay * 2, 30.0)
 
     def _open_pool(self, dsn: str, max_size: int) -> ConnectionPool[Conn] | None:
         """Wait for the database (a relay started before it is normal in a deploy).
@@ -331,6 +331,3 @@ class Worker:
                 log.warning("listener: %s: %s; polling until it reconnects", type(exc).__name__, redact(str(exc)))
                 self.stopped.wait(2.0)
 
-
-def run_worker(settings: RelaySettings, **kwargs: Any) -> None:
-    Worker(settings, **kwargs).run()

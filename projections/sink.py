@@ -91,11 +91,14 @@ class ProjectionSink:
 
     def __init__(self, projection: Projection, dsn: str, *, lease_seconds: float = 30.0, name: str | None = None,
                  replay: bool = False, shadow_schema: str | None = None,
-                 guarded_tables: Sequence[int] = ()) -> None:
+                 guarded_tables: Sequence[int] = (), application_name: str | None = None) -> None:
         self.projection = projection
         self.name = name or projection.name
         self.replay = replay
         self._dsn = dsn
+        # The relay's own name (housekeeping.application_name), so that housekeeping can end a stalled
+        # relay's projection transaction together with its lease.
+        self._application_name = (application_name or f"outbox-relay projection {self.name}")[:63]
         self._begin = {"idle_ms": str(int(lease_seconds * 1000)), "shadow": shadow_schema}
         self._guarded = list(guarded_tables)  # oids of live tables a rebuild must not write
         self.event_filter: EventFilter | None = projection.event_filter
@@ -174,7 +177,7 @@ class ProjectionSink:
     def _connection(self) -> Conn:
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self._dsn, autocommit=True,
-                                         application_name=f"outbox-relay projection {self.name}"[:63])
+                                         application_name=self._application_name)
         return self._conn
 
     def _drop_connection(self) -> None:
@@ -227,7 +230,7 @@ class ProjectionSink:
     async def _aconnection(self) -> AsyncConn:
         if self._aconn is None or self._aconn.closed:
             self._aconn = await psycopg.AsyncConnection.connect(
-                self._dsn, autocommit=True, application_name=f"outbox-relay projection {self.name}"[:63])
+                self._dsn, autocommit=True, application_name=self._application_name)
         return self._aconn
 
     def close(self) -> None:

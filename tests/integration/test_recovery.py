@@ -228,6 +228,27 @@ def test_drain_finishes_the_batch_in_flight_then_releases_every_lease(dsn: str) 
     assert undelivered(dsn) == 0, "the cursors must have advanced past the finished batch"
 
 
+def test_a_connection_lost_while_starting_is_ridden_out(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend terminated (or the database restarting) between opening the pool and registering the
+    sinks made the relay exit (found by the fault suite)."""
+    real = store.register_sink
+    failures = [psycopg.OperationalError("terminating connection due to administrator command")]
+
+    def flaky(conn: psycopg.Connection[Any], sink: str, kind: str) -> None:
+        if failures:
+            raise failures.pop()
+        real(conn, sink, kind)
+
+    monkeypatch.setattr(store, "register_sink", flaky)
+    worker = Worker(make_settings(dsn, "relay-s"), sinks=[RecordingSink("relay-s")])
+    try:
+        assert worker.start() is True
+        assert not failures and fetch_all(dsn, "SELECT count(*) FROM outbox.cursors") == [(256,)]
+    finally:
+        worker.stop_hard()
+        worker.wait()
+
+
 def test_a_heartbeat_in_flight_at_exit_does_not_bring_the_registry_row_back(
         dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The membership thread's last heartbeat raced the exit's DELETE and left a 'draining' row behind."""
