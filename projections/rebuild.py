@@ -44,7 +44,7 @@ from outbox_relay.sqlfiles import query
 from outbox_relay.store import StoredEvent, stored_event
 from outbox_relay.worker import Worker
 
-from .declare import Projection
+from .declare import Projection, describe
 from .event import ProjectionEvent
 from .sink import ProjectionSink
 
@@ -371,7 +371,11 @@ def _replayed(projection: Projection, cursor: Sequence[Any],
     """The events as the handler sees them in a replay; one that no longer prepares is an error."""
     out = []
     for e in events:
-        prepared = projection.prepare(e, int(cursor[2]), replay=True)
+        try:
+            prepared = projection.prepare(e, int(cursor[2]), replay=True)
+        except Exception as exc:
+            raise RebuildError(f"event {e.id} of key {e.key!r} could not be prepared for the handler: "
+                               f"{describe(exc)}") from exc
         if prepared is None:
             continue
         if not isinstance(prepared, ProjectionEvent):

@@ -71,11 +71,19 @@ class _Batch:
                 raise Aborted()
             if e.key in self._stuck:
                 continue
-            prepared = self.known.get(e.id) or p.prepare(e, self.fences[e.bucket], self.sink.replay)
+            prepared = self.known.get(e.id) or self._prepare(p, e)
             if isinstance(prepared, ProjectionEvent):
                 yield e, prepared
             else:
                 self.record(e, prepared)
+
+    def _prepare(self, p: Projection, e: StoredEvent) -> ProjectionEvent[Any] | Failure | None:
+        """``p.prepare``, with any exception it raises charged to the event (it is the event's
+        stored form that could not be handed over: no retry changes that)."""
+        try:
+            return p.prepare(e, self.fences[e.bucket], self.sink.replay)
+        except Exception as exc:
+            return Failure(f"the event could not be prepared for the handler: {describe(exc)}", retriable=False)
 
     def record(self, e: StoredEvent, outcome: Failure | None) -> None:
         self.outcomes[e.id] = outcome

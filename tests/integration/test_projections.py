@@ -410,3 +410,60 @@ def test_fenced_upsert_writes_only_over_an_older_token(dsn: str) -> None:
     assert FenceToken.parse(str(FenceToken(4, 800, 2))) == FenceToken(4, 800, 2)
     assert sorted([str(FenceToken(10, 1, 1)), str(FenceToken(9, 99, 99))]) == [str(FenceToken(9, 99, 99)),
                                                                               str(FenceToken(10, 1, 1))]
+
+
+# -- events the relay can not turn into a handler call -------------------------------------------
+
+
+def insert_raw(dsn: str, rows: list[tuple[str, str, str, str]]) -> list[uuid.UUID]:
+    """Insert (key, type, payload JSON, headers JSON) rows as a superuser bypassing the events_check
+    trigger (as rows from before migration 0005 would be); returns their ids in order."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute("SET LOCAL session_replication_role = replica")
+        return [conn.execute("INSERT INTO outbox.events (partition_key, topic, type, payload, headers) "
+                             "VALUES (%s, 'relay-test', %s, %s::jsonb, %s::jsonb) RETURNING id",
+                             (key, type_, payload, headers)).fetchone()[0]  # type: ignore[index]
+                for key, type_, payload, headers in rows]
+
+
+def test_events_that_can_not_be_prepared_are_dead_lettered_at_once_and_the_rest_lands(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """Item 5: a payload too deep for json.loads, headers that are not a JSON object of strings, and
+    any exception from prepare are charged to their event (dead letter at once, the reason named);
+    never an exception that fails the whole batch, so the other events land."""
+    setup_tables(dsn)
+
+    class Placed(BaseModel):
+        customer: str
+
+        @classmethod
+        def model_validate(cls, obj: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            if obj.get("customer") == "explodes":
+                raise RuntimeError("validator crashed")  # not a ValidationError
+            return super().model_validate(obj, **kwargs)
+
+    @projection("order_totals", events={"OrderPlaced": Placed})
+    def apply(event: ProjectionEvent[Placed], tx: Any) -> None:
+        tx.execute("INSERT INTO order_totals VALUES (%s, 1, 0) ON CONFLICT (customer) "
+                   "DO UPDATE SET orders = order_totals.orders + 1", (event.payload.customer,))
+        tx.execute("INSERT INTO applied_log (event_id, key, worker, replay) VALUES (%s, %s, 'w', false)",
+                   (event.id, event.key))
+
+    deep = "[" * 990 + "]" * 990
+    ok = '{"customer": "ok"}'
+    rows = [("k1", "OrderPlaced", deep, "{}"), ("k1", "OrderPlaced", ok, "{}"),
+            ("k2", "OrderPlaced", ok, '["not", "an", "object"]'), ("k2", "OrderPlaced", ok, "{}"),
+            ("k3", "OrderPlaced", ok, '{"retries": 3}'), ("k3", "OrderPlaced", ok, "{}"),
+            ("k4", "OrderPlaced", '{"customer": "explodes"}', "{}"), ("k4", "OrderPlaced", ok, "{}")]
+    ids = insert_raw(dsn, rows)
+    bad = {ids[0], ids[2], ids[4], ids[6]}
+    r = runner(apply, dsn, pool)
+    run_until(r, lambda: len(dead_letters(dsn, "order_totals")) == 4 and len(applied(dsn)) == 4)
+    assert {e for e, _ in applied(dsn)} == set(ids) - bad
+    letters = dead_letters(dsn, "order_totals")
+    assert set(letters) == bad and {a for a, _ in letters.values()} == {1}, letters
+    assert "payload" in letters[ids[0]][1] and "RecursionError" in letters[ids[0]][1]
+    assert "headers" in letters[ids[2]][1] and "JSON object" in letters[ids[2]][1]
+    assert "headers" in letters[ids[4]][1] and "'retries'" in letters[ids[4]][1]
+    assert "RuntimeError: validator crashed" in letters[ids[6]][1]
+    assert parked_ids(dsn, "order_totals") == set()
