@@ -1,11 +1,43 @@
+-- name: prepare_session
+-- Once per projection connection: the commit guard of migration 0006, and read-only transactions
+-- unless begun READ WRITE (the relay begins its batches so), so that a handler that ends the
+-- relay's transaction can neither commit the batch early nor autocommit what it writes after.
+CREATE TEMP TABLE outbox_projection_batch (token text NOT NULL) ON COMMIT DELETE ROWS;
+CREATE CONSTRAINT TRIGGER outbox_projection_batch_guard
+    AFTER INSERT ON pg_temp.outbox_projection_batch DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION outbox.projection_batch_guard_v1();
+SET default_transaction_read_only = on;
+
 -- name: begin_batch
 -- Settings of one projection transaction: a relay that stalls mid-transaction (paused,
 -- partitioned) is cut off by the server after the lease, so its row locks never outlive it;
 -- a rebuild resolves the projection's unqualified table names to its shadow schema first.
-SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true),
+WITH guard AS (
+    -- Arm the commit guard: this transaction commits only once end_batch vouched for the token.
+    INSERT INTO pg_temp.outbox_projection_batch (token) VALUES (%(token)s)
+)
+SELECT set_config('outbox_relay.batch', %(token)s, true),
+       set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true),
        CASE WHEN %(shadow)s::text IS NULL THEN NULL
             ELSE set_config('search_path', quote_ident(%(shadow)s) || ', ' || current_setting('search_path'), true)
        END;
+
+-- name: end_batch
+-- Right before the checkpoint: the batch is still in the transaction it began, which may now commit.
+SELECT outbox.projection_batch_end_v1(%(token)s);
+
+-- name: event_savepoint
+-- Before each event of the careful walk: its writes can be undone alone.
+SAVEPOINT outbox_event;
+
+-- name: event_release
+-- The event's handler returned: keep its writes.
+RELEASE SAVEPOINT outbox_event;
+
+-- name: event_rollback
+-- The event failed: undo its writes, the batch's transaction goes on.
+ROLLBACK TO SAVEPOINT outbox_event;
+RELEASE SAVEPOINT outbox_event;
 
 -- name: live_table_writes
 -- Rows this transaction wrote to the given tables (a rebuild must write only its shadow copies).
