@@ -29,6 +29,19 @@ from .event import FenceToken, ProjectionEvent
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 MAX_ERROR_CHARS = 2000
 
+# Where a rebuild builds its copies and keeps replaced tables (``--keep-old``).
+SHADOW_PREFIX = "outbox_rebuild_"
+RETIRED_PREFIX = "outbox_retired_"
+# Schemas a projection's tables may never be in, since a rebuild swaps its tables out: the relay's
+# own state (a rebuild of outbox.cursors would wipe every cursor), the system catalogs, and
+# rebuilds' schemas.
+RESERVED_SCHEMAS = ("outbox", "pg_catalog", "information_schema")
+RESERVED_PREFIXES = ("pg_", SHADOW_PREFIX, RETIRED_PREFIX)
+
+
+def reserved_schema(schema: str) -> bool:
+    return schema in RESERVED_SCHEMAS or schema.startswith(RESERVED_PREFIXES)
+
 Handler = Callable[[ProjectionEvent[Any], Any], Any]
 KeyReset = Callable[[str, Any], Any]
 OnUnknown = Literal["ignore", "reject"]
@@ -138,15 +151,39 @@ def projection(
         raise ConfigurationError(f"projection {name!r}: events must be non-empty type names")
     if on_unknown == "reject" and types is None:
         raise ConfigurationError(f"projection {name!r}: on_unknown='reject' needs the list of events it handles")
+    table_names = _table_names(name, tables)
 
     def decorate(handler: Handler) -> Projection:
         if not callable(handler):
             raise ConfigurationError(f"projection {name!r}: the handler is not callable")
         return Projection(name=name, handler=handler, events=types, models=models,
-                          topics=tuple(topics) if topics is not None else None, tables=tuple(tables),
+                          topics=tuple(topics) if topics is not None else None, tables=table_names,
                           on_unknown=on_unknown)
 
     return decorate
+
+
+def _table_names(name: str, tables: Iterable[str]) -> tuple[str, ...]:
+    """``tables=`` checked: names, each once, none in a schema a rebuild must never swap tables of
+    (names without a schema are checked again where they resolve, when a rebuild starts)."""
+    if isinstance(tables, str):
+        raise ConfigurationError(f"projection {name!r}: tables must be a list of table names, not the string "
+                                 f"{tables!r}")
+    names = tuple(tables)
+    for t in names:
+        if not isinstance(t, str) or not t.strip():
+            raise ConfigurationError(f"projection {name!r}: tables must be non-empty table names, not {t!r}")
+        if "." in t:
+            schema = t.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+            schema = schema[1:-1] if schema.startswith('"') and schema.endswith('"') else schema.lower()
+            if reserved_schema(schema):
+                raise ConfigurationError(
+                    f"projection {name!r}: table {t!r} is in schema {schema!r}, which holds the relay's own state, "
+                    "the system catalogs or a rebuild's tables; a rebuild swaps a projection's tables out, so "
+                    "a projection keeps its read model in tables of its own")
+    if len(set(names)) != len(names):
+        raise ConfigurationError(f"projection {name!r}: tables= names a table more than once: {list(names)}")
+    return names
 
 
 class Registry:

@@ -44,14 +44,12 @@ from outbox_relay.sqlfiles import query
 from outbox_relay.store import StoredEvent, stored_event
 from outbox_relay.worker import Worker
 
-from .declare import Projection, describe
+from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, describe, reserved_schema
 from .event import ProjectionEvent
 from .sink import ProjectionSink
 
 log = logging.getLogger("outbox_relay.rebuild")
 
-SHADOW_PREFIX = "outbox_rebuild_"
-RETIRED_PREFIX = "outbox_retired_"
 SINK_SUFFIX = ".rebuild"
 PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "MAINTAIN"}
 SWITCH_LOCK_TIMEOUT = "5s"
@@ -115,6 +113,10 @@ class Rebuild:
         self.progress = progress
         self.stopping = threading.Event()
         self._filter = projection.event_filter.params()
+        # The rebuild this process runs, set by _start (see _remember).
+        self._started_at: datetime | None = None
+        self._tables: list[LiveTable] = []
+        self._copies: list[int | None] = []
 
     def stop(self) -> None:
         """Stop replaying (from another thread or a signal handler); ``run`` returns None, resumable."""
@@ -131,21 +133,22 @@ class Rebuild:
         log.info("rebuild %s: %s, %d events to replay into %s", self.projection.name,
                  "resumed" if resumed else "started", total, self.shadow)
         sink = ProjectionSink(self.projection, self.dsn, name=self.sink, lease_seconds=self.settings.lease_seconds,
-                              replay=True, shadow_schema=self.shadow, guarded_tables=[t.oid for t in tables])
+                              replay=True, shadow_schema=self.shadow)
         worker = Worker(self.settings.model_copy(update={
             "worker_id": f"{self.settings.worker_id}-rebuild"[:200], "kafka": False, "projection": []}),
             sinks=[sink])
         if not worker.start():
             return None
         try:
-            caught_up = self._replay(worker, sink, total)
+            outcome = self._replay(worker, sink, total)
         finally:
             worker.drain()
             worker.wait()
-        if not caught_up:
+        if outcome == "stopped":
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
-        self._switch(tables)
+        if outcome == "caught up":
+            self._switch(tables)
         ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
             f"switched over ({total:,} events replayed)")
         return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
@@ -177,8 +180,14 @@ class Rebuild:
                         f"a rebuild of {self.projection.name!r} started {row[6]:%Y-%m-%d %H:%M} with options "
                         f"{json.dumps(row[4])} is in progress: run it again with the same options to resume it, "
                         "or pass --restart to start over")
-                return [self._table(conn, name) for name in row[3]], True
+                tables = [self._table(conn, name) for name in row[3]]
+                self._remember(conn, row, tables)
+                return tables, True
             tables = [self._table(conn, name) for name in self.projection.tables]
+            twice = {t.qualified for t in tables if sum(u.oid == t.oid for u in tables) > 1}
+            if twice:
+                raise RebuildError(f"projection {self.projection.name!r}: tables= names {', '.join(sorted(twice))} "
+                                   "more than once")
             self._check_swappable(conn, tables)
             conn.execute(_template("drop_schema", schema=sql.Identifier(self.shadow)))  # a crashed start's
             conn.execute(_template("create_schema", schema=sql.Identifier(self.shadow)))
@@ -194,7 +203,22 @@ class Rebuild:
             conn.execute(query("rebuild", "insert"), {
                 "projection": self.projection.name, "sink": self.sink, "shadow_schema": self.shadow,
                 "live_tables": [t.qualified for t in tables], "options": json.dumps(self.options)})
+            row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+            assert row is not None
+            self._remember(conn, row, tables)
         return tables, False
+
+    def _remember(self, conn: psycopg.Connection[Any], row: Sequence[Any], tables: Sequence[LiveTable]) -> None:
+        """Which rebuild this process runs (its start time) and the oids of its copies, so that a rebuild
+        that disappears while it runs can be told apart: switched in by a peer, or cancelled."""
+        self._started_at = row[6]
+        self._tables = list(tables)
+        self._copies = [self._oid(conn, self.shadow, t.name) for t in tables]
+
+    @staticmethod
+    def _oid(conn: psycopg.Connection[Any], schema: str, name: str) -> int | None:
+        row = conn.execute(query("rebuild", "table_oid"), {"schema": schema, "name": name}).fetchone()
+        return int(row[0]) if row else None
 
     def _table(self, conn: psycopg.Connection[Any], name: str) -> LiveTable:
         row = conn.execute(query("rebuild", "table_info"), {"name": name}).fetchone()
@@ -203,7 +227,12 @@ class Rebuild:
                                "copies the live table's definition, so create it first)")
         if row[4] != "r":
             raise RebuildError(f"projection {self.projection.name!r}: {name!r} is not a plain table")
-        return LiveTable(int(row[0]), row[1], row[2], row[3])
+        schema = str(row[1])
+        if reserved_schema(schema):
+            raise RebuildError(f"projection {self.projection.name!r}: table {name!r} is {schema}.{row[2]}, in a "
+                               "schema a rebuild must never swap tables of (the relay's own, the system "
+                               "catalogs', or a rebuild's); nothing was changed")
+        return LiveTable(int(row[0]), schema, row[2], row[3])
 
     def _check_swappable(self, conn: psycopg.Connection[Any], tables: Sequence[LiveTable]) -> None:
         blockers = [f"{t.qualified}: {b}" for t in tables
@@ -240,8 +269,9 @@ class Rebuild:
         row = conn.execute(query("rebuild", "remaining"), {"sink": sink, **self._filter}).fetchone()
         return int(row[0]) if row else 0
 
-    def _replay(self, worker: Worker, sink: ProjectionSink, total: int) -> bool:
-        """Report progress until the rebuild has caught up (True) or was stopped (False).
+    def _replay(self, worker: Worker, sink: ProjectionSink, total: int) -> str:
+        """Report progress until the rebuild has "caught up", was "stopped", or was "switched" over
+        by a peer (another rebuild process); raises RebuildError if it was cancelled meanwhile.
 
         Caught up: nothing left, or, for a long replay under live traffic, at most a batch (and
         1% of the total) behind: the live projection applies the rest after the switch, from the
@@ -251,14 +281,35 @@ class Rebuild:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             start_left = self._remaining(conn, self.sink)
             while not (self.stopping.is_set() or worker.stopping.is_set()):
+                # Before anything else: a rebuild cancelled elsewhere has no cursors left (0 to do).
+                row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+                if row is None or row[6] != self._started_at:
+                    self._gone(conn, restarted=row is not None)
+                    return "switched"
                 if sink.fatal is not None:
                     raise RebuildError(str(sink.fatal))
                 left = self._remaining(conn, self.sink)
                 line.update(max(0, total - left), (start_left - left) / max(1e-3, time.monotonic() - first))
                 if left == 0 or left <= min(self.settings.batch_size, total // 100):
-                    return True
+                    return "caught up"
                 self.stopping.wait(PROGRESS_SECONDS if left > self.settings.batch_size else 0.1)
-        return False
+        return "stopped"
+
+    def _gone(self, conn: psycopg.Connection[Any], restarted: bool) -> None:
+        """This process's rebuild is no longer in outbox.rebuilds. Returns if a peer switched its copies
+        in (the live tables are those copies now); raises RebuildError if it was cancelled, its sink
+        dropped, or it was restarted by another process."""
+        if restarted:
+            raise RebuildError(f"the rebuild of {self.projection.name!r} was restarted by another process (rebuild "
+                               "--restart) while this one ran: this one stops, the new one carries on")
+        live = [self._oid(conn, t.schema, t.name) for t in self._tables]
+        if live == self._copies:
+            log.info("rebuild %s: another rebuild process switched over already", self.projection.name)
+            return
+        raise RebuildError(
+            f"the rebuild of {self.projection.name!r} was cancelled while it ran (`rebuild --cancel`, or its sink "
+            f"{self.sink!r} was dropped): nothing was switched over, the live model is unchanged; run the rebuild "
+            "again to start over")
 
     # -- switch -------------------------------------------------------------------------------
 
@@ -280,8 +331,9 @@ class Rebuild:
         with conn.transaction():
             conn.execute("SELECT set_config('lock_timeout', %s, true)", (SWITCH_LOCK_TIMEOUT,))
             conn.execute(query("rebuild", "lock_projection"), {"projection": self.projection.name})
-            if conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone() is None:
-                log.info("rebuild %s: another rebuild process switched over already", self.projection.name)
+            row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+            if row is None or row[6] != self._started_at:
+                self._gone(conn, restarted=row is not None)
                 return
             for t in sorted(tables, key=lambda t: t.oid):
                 conn.execute(_template("lock_table", table=sql.Identifier(t.schema, t.name)))

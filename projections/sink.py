@@ -186,25 +186,29 @@ class ProjectionSink:
     kind = "projection"
 
     def __init__(self, projection: Projection, dsn: str, *, lease_seconds: float = 30.0, name: str | None = None,
-                 replay: bool = False, shadow_schema: str | None = None,
-                 guarded_tables: Sequence[int] = ()) -> None:
+                 replay: bool = False, shadow_schema: str | None = None) -> None:
         self.projection = projection
         self.name = name or projection.name
         self.replay = replay
         self._dsn = dsn
+        self._shadow = shadow_schema  # a rebuild's: its batches must write nothing outside it
         self._begin = {"idle_ms": str(int(lease_seconds * 1000)), "shadow": shadow_schema}
-        self._guarded = list(guarded_tables)  # oids of live tables a rebuild must not write
         self.event_filter: EventFilter | None = projection.event_filter
         self._conn: Conn | None = None
         self._aconn: AsyncConn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.fatal: OutboxError | None = None  # set when a rebuild must stop (see _refuse_live_writes)
+        self.fatal: OutboxError | None = None  # set when a rebuild must stop (see _refuse_outside_writes)
 
-    def _refuse_live_writes(self, written: int) -> None:
-        if written:
+    def _refuse_outside_writes(self, tables: list[str]) -> None:
+        """A rebuild's batch wrote tables outside its shadow schema: it rolls back, and the rebuild stops."""
+        if tables:
+            declared = ", ".join(self.projection.tables)
             self.fatal = OutboxError(
-                f"projection {self.projection.name!r} wrote {written} rows to its live tables during a rebuild: "
-                "its handler must name its tables without a schema so that the rebuild's shadow copies are used")
+                f"projection {self.projection.name!r} wrote {', '.join(tables)} during its rebuild, outside the "
+                f"rebuild's schema {self._shadow}: live processing writes there too, so these writes would land on "
+                f"top of it. A rebuild writes only fresh copies of the declared tables (tables=[{declared}]), "
+                "named without a schema in the handler: declare every table the handler writes, or rebuild keys "
+                "in place with --key")
             raise self.fatal
 
     # -- sync ---------------------------------------------------------------------------------
@@ -267,9 +271,9 @@ class ProjectionSink:
                     state = self._close_savepoint(conn, error)
                     batch.settle(e, error, ended=state == "ended", undone=state == "undone")
                 conn.execute(query("projections", "end_batch"), {"token": batch.token})
-            if self._guarded:
-                row = conn.execute(query("projections", "live_table_writes"), {"tables": self._guarded}).fetchone()
-                self._refuse_live_writes(int(row[0]) if row else 0)
+            if self._shadow is not None:
+                rows = conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self._shadow}).fetchall()
+                self._refuse_outside_writes([r[0] for r in rows])
             return commit(batch.outcomes, conn)
 
     @staticmethod
@@ -355,10 +359,9 @@ class ProjectionSink:
                 if known is not None or conn.broken:
                     raise
                 raise _Redo() from exc  # a handler ended the transaction and began another: the careful walk finds it
-            if self._guarded:
-                cur = await conn.execute(query("projections", "live_table_writes"), {"tables": self._guarded})
-                row = await cur.fetchone()
-                self._refuse_live_writes(int(row[0]) if row else 0)
+            if self._shadow is not None:
+                cur = await conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self._shadow})
+                self._refuse_outside_writes([r[0] for r in await cur.fetchall()])
             return await commit.in_async(batch.outcomes, conn)
 
     @staticmethod

@@ -39,8 +39,19 @@ RELEASE SAVEPOINT outbox_event;
 ROLLBACK TO SAVEPOINT outbox_event;
 RELEASE SAVEPOINT outbox_event;
 
--- name: live_table_writes
--- Rows this transaction wrote to the given tables (a rebuild must write only its shadow copies).
-SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint
-FROM pg_stat_xact_user_tables
-WHERE relid = ANY(%(tables)s::oid[]);
+-- name: writes_outside_shadow
+-- The tables this transaction wrote outside a rebuild's shadow schema (a rebuild must write only
+-- its copies: anything else gets its writes on top of live processing). A write holds a lock on
+-- its table until the transaction ends (or its savepoint is undone): DML a ROW EXCLUSIVE one,
+-- TRUNCATE and DDL stronger ones. Temporary tables, sequences, indexes and the system catalogs
+-- (which any DDL, a temporary table's too, writes) do not count.
+SELECT DISTINCT quote_ident(n.nspname) || '.' || quote_ident(c.relname)
+FROM pg_locks l
+JOIN pg_class c ON c.oid = l.relation
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation' AND l.granted
+  AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
+  AND c.relkind IN ('r', 'p', 'f', 'm')
+  AND c.relpersistence <> 't'
+  AND n.nspname NOT IN (%(shadow)s, 'pg_catalog', 'information_schema')
+ORDER BY 1;

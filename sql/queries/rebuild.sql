@@ -32,6 +32,14 @@ FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.oid = to_regclass(%(name)s);
 
+-- name: table_oid
+-- A table's oid by schema and name (no search path, no quoting): the oids of a rebuild's copies,
+-- to tell later whether they were switched in.
+SELECT c.oid
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = %(schema)s AND c.relname = %(name)s;
+
 -- name: table_blockers
 -- What a table swap can not carry over: views, incoming foreign keys, triggers, policies.
 SELECT 'view ' || v.oid::regclass::text
