@@ -52,6 +52,7 @@ log = logging.getLogger("outbox_relay.rebuild")
 
 SINK_SUFFIX = ".rebuild"
 PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "MAINTAIN"}
+MAX_POSITION = 2**63 - 1  # positions are read as bigint (ce_sequence prints them the same way)
 SWITCH_LOCK_TIMEOUT = "5s"
 SWITCH_TRIES = 12
 PROGRESS_SECONDS = 2.0
@@ -94,6 +95,12 @@ class Rebuild:
                  progress: TextIO | None = sys.stderr) -> None:
         if from_time is not None and from_position is not None:
             raise ConfigurationError("rebuild from a time or from a position, not both")
+        if from_position is not None and not (
+                len(from_position) == 2 and all(isinstance(v, int) and 0 <= v <= MAX_POSITION for v in from_position)):
+            raise RebuildError(f"--from-position {':'.join(map(str, from_position))} is not a position: a position is "
+                               f"XID:SEQ, two integers from 0 to {MAX_POSITION} (as in an event's ce_sequence)")
+        if from_time is not None and from_time.tzinfo is None:
+            raise RebuildError(f"--from-time {from_time.isoformat()} has no time zone: give one (e.g. ...Z or +01:00)")
         if not projection.tables:
             raise ConfigurationError(f"projection {projection.name!r} declares no tables=: a rebuild builds fresh "
                                      "copies of them and swaps them in, so it must know them")
@@ -183,6 +190,7 @@ class Rebuild:
                 tables = [self._table(conn, name) for name in row[3]]
                 self._remember(conn, row, tables)
                 return tables, True
+            self._check_start(conn)
             tables = [self._table(conn, name) for name in self.projection.tables]
             twice = {t.qualified for t in tables if sum(u.oid == t.oid for u in tables) > 1}
             if twice:
@@ -219,6 +227,37 @@ class Rebuild:
     def _oid(conn: psycopg.Connection[Any], schema: str, name: str) -> int | None:
         row = conn.execute(query("rebuild", "table_oid"), {"schema": schema, "name": name}).fetchone()
         return int(row[0]) if row else None
+
+    def _check_start(self, conn: psycopg.Connection[Any]) -> None:
+        """Refuse a start past stored history before anything is created: from there the rebuild would
+        replay nothing, swap in an empty model and park the live projection's cursors there (past the
+        horizon, where no relay reads, for good if far enough)."""
+        if self.from_position is None and self.from_time is None:
+            return
+        row = conn.execute(query("rebuild", "history_bounds")).fetchone()
+        assert row is not None
+        horizon, first, last, newest, now = row
+        stored = (f"the stored events span positions {first[0]}:{first[1]} to {last[0]}:{last[1]}" if last
+                  else "no event is stored below it")
+        context = f"(the read horizon, the oldest transaction still open, is {horizon}; {stored})"
+        if self.from_position is not None:
+            xid, seq = self.from_position
+            if last is None or (xid, seq) > (last[0], last[1]):
+                past = "past the read horizon" if xid >= horizon else "after the last stored event"
+                raise RebuildError(
+                    f"--from-position {xid}:{seq} is {past} {context}: a rebuild from there replays nothing and "
+                    "swaps in an empty model; nothing was changed. Give a position of the stored history (an "
+                    "event's ce_sequence)")
+            return
+        assert self.from_time is not None
+        if self.from_time > now:
+            raise RebuildError(f"--from-time {self.from_time.isoformat()} is in the future (the database's time is "
+                               f"{now.isoformat()}); nothing was changed")
+        if newest is None or self.from_time > newest:
+            raise RebuildError(
+                f"--from-time {self.from_time.isoformat()}: no event was stored at or after it (the newest "
+                f"was stored {newest.isoformat() if newest else 'never'}): a rebuild from there replays nothing "
+                "and swaps in an empty model; nothing was changed")
 
     def _table(self, conn: psycopg.Connection[Any], name: str) -> LiveTable:
         row = conn.execute(query("rebuild", "table_info"), {"name": name}).fetchone()

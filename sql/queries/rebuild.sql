@@ -40,6 +40,42 @@ FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname = %(schema)s AND c.relname = %(name)s;
 
+-- name: history_bounds
+-- Where a rebuild may start: the read horizon, the first and the last stored event below it in
+-- position order, and when the newest event was stored.
+WITH horizon AS (
+    -- Every transaction below xmin has ended: the relays read exactly the events below it.
+    SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
+),
+firsts AS (
+    -- Each bucket's first event (one index probe on events_position per bucket).
+    SELECT f.xid, f.seq
+    FROM horizon h
+    CROSS JOIN generate_series(0, 255) AS b(bucket)
+    CROSS JOIN LATERAL (
+        SELECT e.xid, e.seq FROM outbox.events e
+        WHERE e.bucket = b.bucket AND e.xid < h.xmin
+        ORDER BY e.xid, e.seq LIMIT 1
+    ) f
+),
+lasts AS (
+    -- Each bucket's last event below the horizon (one backward probe per bucket).
+    SELECT l.xid, l.seq
+    FROM horizon h
+    CROSS JOIN generate_series(0, 255) AS b(bucket)
+    CROSS JOIN LATERAL (
+        SELECT e.xid, e.seq FROM outbox.events e
+        WHERE e.bucket = b.bucket AND e.xid < h.xmin
+        ORDER BY e.xid DESC, e.seq DESC LIMIT 1
+    ) l
+)
+SELECT h.xmin::text::bigint AS horizon,
+       (SELECT ARRAY[xid::text::bigint, seq] FROM firsts ORDER BY xid, seq LIMIT 1) AS first,
+       (SELECT ARRAY[xid::text::bigint, seq] FROM lasts ORDER BY xid DESC, seq DESC LIMIT 1) AS last,
+       (SELECT max(created_at) FROM outbox.events) AS newest,
+       clock_timestamp() AS now
+FROM horizon h;
+
 -- name: table_blockers
 -- What a table swap can not carry over: views, incoming foreign keys, triggers, policies.
 SELECT 'view ' || v.oid::regclass::text

@@ -37,6 +37,10 @@ def run(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
     (["rebuild", "nope", "--projections", "tests.integration.projection_app"], "unknown projection 'nope'"),
     (["rebuild", "order_totals", "--projections", "tests.integration.projection_app", "--from-position", "12"],
      "a position is XID:SEQ"),
+    (["rebuild", "order_totals", "--projections", "tests.integration.projection_app", "--from-position",
+      "99999999999:1"], "--from-position 99999999999:1 is past the read horizon"),
+    (["rebuild", "order_totals", "--projections", "tests.integration.projection_app", "--from-time",
+      "2999-01-01T00:00:00Z"], "is in the future"),
     (["sinks", "drop", "nope"], "no sink named 'nope'"),
     (["lag", "--sink", "nope"], "no sink named 'nope'"),
 ])

@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -328,6 +328,68 @@ def test_rebuild_key_restores_one_key_in_place(dsn: str, live: Any) -> None:
     assert rebuild_key(totals_projection(), dsn, "cust-unknown") == 0
     with pytest.raises(ConfigurationError, match="has no key_reset"):
         rebuild_key(projection("order_totals", tables=["order_totals"])(lambda e, tx: None), dsn, "cust-2")
+
+
+# -- where a rebuild may start -----------------------------------------------------------------
+
+
+def rebuild_footprint(dsn: str) -> tuple[Any, ...]:
+    """What a rebuild start creates or changes: its row, schema and sink, and the live cursors."""
+    return (fetch_all(dsn, "SELECT count(*) FROM outbox.rebuilds"),
+            fetch_all(dsn, "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'outbox_re%%'"),
+            fetch_all(dsn, "SELECT name FROM outbox.sinks ORDER BY name"),
+            fetch_all(dsn, "SELECT bucket, position_xid::text, position_seq, fence FROM outbox.cursors "
+                           "WHERE sink = 'order_totals' ORDER BY bucket"))
+
+
+def history(dsn: str) -> tuple[int, tuple[int, int]]:
+    """The read horizon and the last stored position."""
+    horizon = int(fetch_all(dsn, "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint")[0][0])
+    last = fetch_all(dsn, "SELECT xid::text::bigint, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1")[0]
+    return horizon, (int(last[0]), int(last[1]))
+
+
+@pytest.mark.parametrize("start", ["past the horizon", "past the history", "beyond xid8", "negative", "future",
+                                   "after the newest event"])
+def test_a_start_outside_stored_history_is_refused_before_anything_changes(dsn: str, live: Any, start: str) -> None:
+    """Item 3: a mistyped --from-position / --from-time swapped in an empty model and parked the live
+    projection's cursors past the horizon. Refused with the position, the horizon and the stored
+    range named; nothing is created, no sink registered, the live cursors untouched."""
+    ids = publish(dsn, orders(5, 2))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    horizon, last = history(dsn)
+    newest = fetch_all(dsn, "SELECT max(created_at) FROM outbox.events")[0][0]
+    options: dict[str, Any] = {
+        "past the horizon": {"from_position": (horizon + 1_000_000, 1)},
+        "past the history": {"from_position": (last[0], last[1] + 1)},
+        "beyond xid8": {"from_position": (2**64 + 5, 1)},
+        "negative": {"from_position": (-1, 5)},
+        "future": {"from_time": datetime.now().astimezone() + timedelta(days=1)},
+        "after the newest event": {"from_time": newest + timedelta(microseconds=1)},
+    }[start]
+    before = rebuild_footprint(dsn)
+    live_state = state(dsn)
+    with pytest.raises(RebuildError) as refused:
+        Rebuild(totals_projection(), rebuild_settings(dsn), progress=None, **options).run()
+    message = str(refused.value)
+    if "from_position" in options:
+        assert ":".join(map(str, options["from_position"])) in message, message
+    if start in ("past the horizon", "past the history"):
+        assert f"read horizon, the oldest transaction still open, is {horizon}" in message, message
+        assert f"to {last[0]}:{last[1]}" in message, message
+    if start == "future":
+        assert "in the future" in message, message
+    assert rebuild_footprint(dsn) == before, "the refused rebuild changed something"
+    assert state(dsn) == live_state
+
+
+def test_a_start_inside_stored_history_is_accepted(dsn: str, live: Any) -> None:
+    """The check refuses only what lies past the history: its last event is a valid start."""
+    ids = publish(dsn, orders(5, 2))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    _, last = history(dsn)
+    result = Rebuild(totals_projection(), rebuild_settings(dsn), from_position=last, progress=None).run()
+    assert result is not None and result.events == 1
 
 
 # -- what a rebuild may write, and which tables it may swap ------------------------------------
