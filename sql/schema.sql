@@ -258,8 +258,9 @@ INSERT INTO outbox.housekeeping DEFAULT VALUES;
 
 -- 0006_projection_guards: a projection handler can not end the relay's transaction (see the
 -- migration for the design).
--- Deferred constraint trigger of a projection connection's pg_temp.outbox_projection_batch: the
--- transaction commits only if projection_batch_end_v1 ran in it for the batch's token.
+-- Deferred constraint trigger on a projection connection's pg_temp.outbox_projection_batch (one row,
+-- updated by every batch): the transaction commits only if projection_batch_end_v1 ran in it for
+-- the batch's token.
 CREATE FUNCTION outbox.projection_batch_guard_v1() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN

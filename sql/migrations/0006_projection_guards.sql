@@ -5,17 +5,18 @@
 -- checkpoint, and the batch, failed or redone, applied it again: effects landed two or three
 -- times. A ROLLBACK let the statements after it autocommit on their own.
 --
--- How: each projection connection creates a temporary table with a deferred constraint trigger
--- that calls projection_batch_guard_v1 at COMMIT (sql/queries/projections.sql, prepare_session).
--- Every batch inserts its token there first; the trigger refuses the COMMIT unless
--- projection_batch_end_v1, which the relay runs right before its checkpoint, vouched for that token
--- in the same transaction. So a handler's early COMMIT fails at the server and rolls everything
+-- How: each projection connection creates a one-row temporary table with a deferred constraint
+-- trigger that calls projection_batch_guard_v1 at COMMIT (sql/queries/projections.sql,
+-- prepare_session). Every batch first writes its token into that row; the trigger refuses the
+-- COMMIT unless projection_batch_end_v1, which the relay runs right before its checkpoint, vouched
+-- for that token in the same transaction. So a handler's early COMMIT fails at the server and rolls everything
 -- back. The connection's transactions are read-only unless begun READ WRITE (only the relay's
 -- batches are), so after a ROLLBACK nothing can autocommit either. Older code never calls these
 -- functions: no min-code-version.
 
--- Deferred constraint trigger of a projection connection's pg_temp.outbox_projection_batch: the
--- transaction commits only if projection_batch_end_v1 ran in it for the batch's token.
+-- Deferred constraint trigger on a projection connection's pg_temp.outbox_projection_batch (one row,
+-- updated by every batch): the transaction commits only if projection_batch_end_v1 ran in it for
+-- the batch's token.
 CREATE FUNCTION outbox.projection_batch_guard_v1() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN

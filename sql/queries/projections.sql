@@ -2,9 +2,13 @@
 -- Once per projection connection: the commit guard of migration 0006, and read-only transactions
 -- unless begun READ WRITE (the relay begins its batches so), so that a handler that ends the
 -- relay's transaction can neither commit the batch early nor autocommit what it writes after.
-CREATE TEMP TABLE outbox_projection_batch (token text NOT NULL) ON COMMIT DELETE ROWS;
+-- One row, updated by each batch: an UPDATE queues the trigger for the COMMIT, and a HOT update
+-- keeps the table at one page (ON COMMIT DELETE ROWS would truncate a file at every commit,
+-- which tripled the server's cost of a small batch).
+CREATE TEMP TABLE outbox_projection_batch (token text NOT NULL);
+INSERT INTO pg_temp.outbox_projection_batch VALUES ('');
 CREATE CONSTRAINT TRIGGER outbox_projection_batch_guard
-    AFTER INSERT ON pg_temp.outbox_projection_batch DEFERRABLE INITIALLY DEFERRED
+    AFTER UPDATE ON pg_temp.outbox_projection_batch DEFERRABLE INITIALLY DEFERRED
     FOR EACH ROW EXECUTE FUNCTION outbox.projection_batch_guard_v1();
 SET default_transaction_read_only = on;
 
@@ -14,7 +18,7 @@ SET default_transaction_read_only = on;
 -- a rebuild resolves the projection's unqualified table names to its shadow schema first.
 WITH guard AS (
     -- Arm the commit guard: this transaction commits only once end_batch vouched for the token.
-    INSERT INTO pg_temp.outbox_projection_batch (token) VALUES (%(token)s)
+    UPDATE pg_temp.outbox_projection_batch SET token = %(token)s
 )
 SELECT set_config('outbox_relay.batch', %(token)s, true),
        set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true),
