@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import sys
 import threading
 import time
@@ -46,7 +47,7 @@ from outbox_relay.worker import Worker
 
 from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, describe, reserved_schema
 from .event import ProjectionEvent
-from .sink import ProjectionSink
+from .sink import ENDED_STATES, ProjectionSink
 
 log = logging.getLogger("outbox_relay.rebuild")
 
@@ -54,6 +55,7 @@ SINK_SUFFIX = ".rebuild"
 PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "MAINTAIN"}
 MAX_POSITION = 2**63 - 1  # positions are read as bigint (ce_sequence prints them the same way)
 SWITCH_LOCK_TIMEOUT = "5s"
+KEY_REBUILD_IDLE_MS = "30000"
 SWITCH_TRIES = 12
 PROGRESS_SECONDS = 2.0
 
@@ -408,7 +410,10 @@ class Rebuild:
 
 
 def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3) -> int:
-    """Rebuild one partition key's state in place, atomically; returns the events replayed."""
+    """Rebuild one partition key's state in place, atomically; returns the events replayed.
+
+    Under the same commit guard as a projection batch (see sink.py): a handler (or key_reset) that
+    ends the transaction makes the whole key rebuild fail, never half of it commit."""
     if projection.clear_key is None:
         raise ConfigurationError(f"projection {projection.name!r} has no key_reset: declare one with "
                                  f"@{projection.handler.__name__}.key_reset to rebuild a single key")
@@ -416,31 +421,53 @@ def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3) -> i
         try:
             if projection.is_async:
                 return asyncio.run(_arebuild_key(projection, dsn, key))
-            with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
-                cursor, events = _key_history(conn, projection, key)
-                projection.clear_key(key, conn)
-                for event in _replayed(projection, cursor, events):
-                    projection.handler(event, conn)
-                return len(events)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(query("projections", "prepare_session"))
+                conn.read_only = False  # conn.transaction() begins READ WRITE
+                with conn.transaction():
+                    token = secrets.token_hex(8)
+                    conn.execute(query("projections", "begin_batch"), _key_begin(token))
+                    cursor, events = _key_history(conn, projection, key)
+                    projection.clear_key(key, conn)
+                    for event in _replayed(projection, cursor, events):
+                        projection.handler(event, conn)
+                    conn.execute(query("projections", "end_batch"), {"token": token})
+                    return len(events)
         except psycopg.errors.DeadlockDetected:  # a live batch of the same bucket: it retries, so do we
             if attempt == tries:
                 raise
+        except psycopg.Error as exc:
+            if exc.sqlstate in ENDED_STATES:
+                raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
+                                   "transaction (COMMIT, END or ROLLBACK); nothing was changed") from exc
+            raise
     raise AssertionError("unreachable")
+
+
+def _key_begin(token: str) -> dict[str, Any]:
+    # A stalled key rebuild must not hold its bucket's cursor (the live relay's checkpoint) for long.
+    return {"token": token, "idle_ms": KEY_REBUILD_IDLE_MS, "shadow": None}
 
 
 async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
     assert projection.clear_key is not None
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn, conn.transaction():
-        cur = await conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key})
-        cursor = await cur.fetchone()
-        if cursor is None:
-            raise RebuildError(f"projection {projection.name!r} has never run against this database")
-        cur = await conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
-        events = [stored_event(r) for r in await cur.fetchall()]
-        await projection.clear_key(key, conn)
-        for event in _replayed(projection, cursor, events):
-            await projection.handler(event, conn)
-        return len(events)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(query("projections", "prepare_session"))
+        await conn.set_read_only(False)
+        async with conn.transaction():
+            token = secrets.token_hex(8)
+            await conn.execute(query("projections", "begin_batch"), _key_begin(token))
+            cur = await conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key})
+            cursor = await cur.fetchone()
+            if cursor is None:
+                raise RebuildError(f"projection {projection.name!r} has never run against this database")
+            cur = await conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
+            events = [stored_event(r) for r in await cur.fetchall()]
+            await projection.clear_key(key, conn)
+            for event in _replayed(projection, cursor, events):
+                await projection.handler(event, conn)
+            await conn.execute(query("projections", "end_batch"), {"token": token})
+            return len(events)
 
 
 def _key_params(projection: Projection, key: str, cursor: Sequence[Any]) -> dict[str, Any]:

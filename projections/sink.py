@@ -56,7 +56,7 @@ SWALLOWED_ERROR = Failure(
 
 # Errors a statement gets once its handler ended the relay's transaction: the commit guard refused
 # the COMMIT, a write outside the relay's (read-write) transaction, a savepoint with no transaction.
-_ENDED_STATES = frozenset({"2D000", "25006", "25P01"})
+ENDED_STATES = frozenset({"2D000", "25006", "25P01"})
 
 
 class _Redo(Exception):
@@ -85,7 +85,7 @@ def _ended_by(conn: AsyncConn, exc: BaseException | None) -> bool | None:
         return True
     cause, seen = exc, 0
     while cause is not None and seen < 20:  # the handler may have wrapped the statement's error
-        if isinstance(cause, psycopg.Error) and cause.sqlstate in _ENDED_STATES:
+        if isinstance(cause, psycopg.Error) and cause.sqlstate in ENDED_STATES:
             return True
         cause, seen = cause.__cause__ or cause.__context__, seen + 1
     if status == pq.TransactionStatus.INERROR and exc is None:

@@ -7,6 +7,7 @@ Live processing runs through the real SinkRunner + ProjectionSink; the rebuild i
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import time
@@ -516,3 +517,24 @@ def test_two_rebuild_processes_share_the_work_and_both_succeed(dsn: str, live: A
     assert len(results) == 2 and all(r is not None and not isinstance(r, BaseException) for r in results), results
     assert state(dsn) == live_state
     assert fetch_all(dsn, "SELECT count(*) FROM outbox.rebuilds") == [(0,)]
+
+
+@pytest.mark.parametrize("statement", ["COMMIT", "ROLLBACK"])
+def test_rebuild_key_whose_handler_ends_the_transaction_changes_nothing(dsn: str, live: Any, statement: str) -> None:
+    """The in-place key rebuild runs under the same commit guard as a batch: its key_reset's delete
+    and a part of the replay must not commit on their own."""
+    ids = publish(dsn, orders(3, 3))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    good, log = state(dsn), applied_ids(dsn)
+    p = totals_projection()
+    original = p.handler
+
+    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        original(event, tx)
+        with contextlib.suppress(psycopg.Error):
+            tx.execute(statement)
+
+    p.handler = handler
+    with pytest.raises(RebuildError, match="ended the transaction"):
+        rebuild_key(p, dsn, "cust-1")
+    assert state(dsn) == good and applied_ids(dsn) == log
