@@ -29,6 +29,19 @@ from .event import FenceToken, ProjectionEvent
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 MAX_ERROR_CHARS = 2000
 
+# Where a rebuild builds its copies and keeps replaced tables (``--keep-old``).
+SHADOW_PREFIX = "outbox_rebuild_"
+RETIRED_PREFIX = "outbox_retired_"
+# Schemas a projection's tables may never be in, since a rebuild swaps its tables out: the relay's
+# own state (a rebuild of outbox.cursors would wipe every cursor), the system catalogs, and
+# rebuilds' schemas.
+RESERVED_SCHEMAS = ("outbox", "pg_catalog", "information_schema")
+RESERVED_PREFIXES = ("pg_", SHADOW_PREFIX, RETIRED_PREFIX)
+
+
+def reserved_schema(schema: str) -> bool:
+    return schema in RESERVED_SCHEMAS or schema.startswith(RESERVED_PREFIXES)
+
 Handler = Callable[[ProjectionEvent[Any], Any], Any]
 KeyReset = Callable[[str, Any], Any]
 OnUnknown = Literal["ignore", "reject"]
@@ -70,7 +83,16 @@ class Projection:
             if self.on_unknown == "ignore":
                 return None
             return Failure(f"projection {self.name!r} does not handle event type {e.type!r}", retriable=False)
-        payload: Any = json.loads(e.payload_text)
+        # Stored rows can be what the relay can not hand over: written before migration 0005's
+        # checks, or by a superuser. Such an event fails alone (for good: no retry changes it).
+        try:
+            payload: Any = json.loads(e.payload_text)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep for this stack
+            return Failure(f"the event's payload can not be decoded for the handler: {describe(exc)}",
+                           retriable=False)
+        headers = _headers(e.headers_text)
+        if isinstance(headers, Failure):
+            return headers
         model = self.models.get(e.type)
         if model is not None:
             try:
@@ -78,7 +100,7 @@ class Projection:
             except ValidationError as exc:
                 return Failure(describe(exc), retriable=False)
         return ProjectionEvent(
-            id=e.id, type=e.type, key=e.key, topic=e.topic, payload=payload, headers=e.headers, time=e.time,
+            id=e.id, type=e.type, key=e.key, topic=e.topic, payload=payload, headers=headers, time=e.time,
             position=e.position, token=FenceToken(fence, e.xid, e.seq), attempt=e.attempts + 1, replay=replay)
 
     def __call__(self, event: ProjectionEvent[Any], tx: Any) -> Any:
@@ -129,15 +151,39 @@ def projection(
         raise ConfigurationError(f"projection {name!r}: events must be non-empty type names")
     if on_unknown == "reject" and types is None:
         raise ConfigurationError(f"projection {name!r}: on_unknown='reject' needs the list of events it handles")
+    table_names = _table_names(name, tables)
 
     def decorate(handler: Handler) -> Projection:
         if not callable(handler):
             raise ConfigurationError(f"projection {name!r}: the handler is not callable")
         return Projection(name=name, handler=handler, events=types, models=models,
-                          topics=tuple(topics) if topics is not None else None, tables=tuple(tables),
+                          topics=tuple(topics) if topics is not None else None, tables=table_names,
                           on_unknown=on_unknown)
 
     return decorate
+
+
+def _table_names(name: str, tables: Iterable[str]) -> tuple[str, ...]:
+    """``tables=`` checked: names, each once, none in a schema a rebuild must never swap tables of
+    (names without a schema are checked again where they resolve, when a rebuild starts)."""
+    if isinstance(tables, str):
+        raise ConfigurationError(f"projection {name!r}: tables must be a list of table names, not the string "
+                                 f"{tables!r}")
+    names = tuple(tables)
+    for t in names:
+        if not isinstance(t, str) or not t.strip():
+            raise ConfigurationError(f"projection {name!r}: tables must be non-empty table names, not {t!r}")
+        if "." in t:
+            schema = t.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+            schema = schema[1:-1] if schema.startswith('"') and schema.endswith('"') else schema.lower()
+            if reserved_schema(schema):
+                raise ConfigurationError(
+                    f"projection {name!r}: table {t!r} is in schema {schema!r}, which holds the relay's own state, "
+                    "the system catalogs or a rebuild's tables; a rebuild swaps a projection's tables out, so "
+                    "a projection keeps its read model in tables of its own")
+    if len(set(names)) != len(names):
+        raise ConfigurationError(f"projection {name!r}: tables= names a table more than once: {list(names)}")
+    return names
 
 
 class Registry:
@@ -210,6 +256,31 @@ def load_registry(spec: str) -> Registry:
     if not len(registry):
         raise ConfigurationError(f"module {module_name!r} declares no projections")
     return registry
+
+
+_JSON_KINDS = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+
+
+def _json_kind(value: Any) -> str:
+    return "null" if value is None else _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def _headers(text: str) -> dict[str, str] | Failure:
+    """An event's headers as the handler gets them, or why they can not be (a JSON object of strings)."""
+    if text == "{}":
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return Failure(f"the event's headers can not be decoded: {describe(exc)}", retriable=False)
+    if not isinstance(value, dict):
+        return Failure(f"the event's headers must be a JSON object of strings, not a JSON {_json_kind(value)}",
+                       retriable=False)
+    for name, v in value.items():
+        if not isinstance(v, str):
+            return Failure(f"the event's headers must be a JSON object of strings: the value of {name[:200]!r} "
+                           f"is a JSON {_json_kind(v)}", retriable=False)
+    return value
 
 
 def describe(exc: BaseException) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import sys
 import threading
 import time
@@ -37,6 +38,7 @@ from psycopg import sql
 
 from outbox_relay import store
 from outbox_relay.errors import ConfigurationError, OutboxError
+from outbox_relay.housekeeping import application_name
 from outbox_relay.migrate import check_schema
 from outbox_relay.positions import Cursor
 from outbox_relay.progressline import ProgressLine
@@ -45,17 +47,17 @@ from outbox_relay.sqlfiles import query
 from outbox_relay.store import StoredEvent, stored_event
 from outbox_relay.worker import Worker
 
-from .declare import Projection
+from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, describe, reserved_schema
 from .event import ProjectionEvent
-from .sink import ProjectionSink
+from .sink import ENDED_STATES, ProjectionSink
 
 log = logging.getLogger("outbox_relay.rebuild")
 
-SHADOW_PREFIX = "outbox_rebuild_"
-RETIRED_PREFIX = "outbox_retired_"
 SINK_SUFFIX = ".rebuild"
 PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "MAINTAIN"}
+MAX_POSITION = 2**63 - 1  # positions are read as bigint (ce_sequence prints them the same way)
 SWITCH_LOCK_TIMEOUT = "5s"
+KEY_REBUILD_IDLE_MS = "30000"
 SWITCH_TRIES = 12
 PROGRESS_SECONDS = 2.0
 
@@ -97,6 +99,12 @@ class Rebuild:
                  progress: TextIO | None = sys.stderr) -> None:
         if from_time is not None and from_position is not None:
             raise ConfigurationError("rebuild from a time or from a position, not both")
+        if from_position is not None and not (
+                len(from_position) == 2 and all(isinstance(v, int) and 0 <= v <= MAX_POSITION for v in from_position)):
+            raise RebuildError(f"--from-position {':'.join(map(str, from_position))} is not a position: a position is "
+                               f"XID:SEQ, two integers from 0 to {MAX_POSITION} (as in an event's ce_sequence)")
+        if from_time is not None and from_time.tzinfo is None:
+            raise RebuildError(f"--from-time {from_time.isoformat()} has no time zone: give one (e.g. ...Z or +01:00)")
         if not projection.tables:
             raise ConfigurationError(f"projection {projection.name!r} declares no tables=: a rebuild builds fresh "
                                      "copies of them and swaps them in, so it must know them")
@@ -116,6 +124,10 @@ class Rebuild:
         self.progress = progress
         self.stopping = threading.Event()
         self._filter = projection.event_filter.params()
+        # The rebuild this process runs, set by _start (see _remember).
+        self._started_at: datetime | None = None
+        self._tables: list[LiveTable] = []
+        self._copies: list[int | None] = []
 
     def stop(self) -> None:
         """Stop replaying (from another thread or a signal handler); ``run`` returns None, resumable."""
@@ -131,22 +143,24 @@ class Rebuild:
             total = self._total(conn)
         log.info("rebuild %s: %s, %d events to replay into %s", self.projection.name,
                  "resumed" if resumed else "started", total, self.shadow)
+        worker_id = f"{self.settings.worker_id}-rebuild"[:200]
         sink = ProjectionSink(self.projection, self.dsn, name=self.sink, lease_seconds=self.settings.lease_seconds,
-                              replay=True, shadow_schema=self.shadow, guarded_tables=[t.oid for t in tables])
+                              replay=True, shadow_schema=self.shadow, application_name=application_name(worker_id))
         worker = Worker(self.settings.model_copy(update={
-            "worker_id": f"{self.settings.worker_id}-rebuild"[:200], "kafka": False, "projection": []}),
+            "worker_id": worker_id, "kafka": False, "projection": []}),
             sinks=[sink])
         if not worker.start():
             return None
         try:
-            caught_up = self._replay(worker, sink, total)
+            outcome = self._replay(worker, sink, total)
         finally:
             worker.drain()
             worker.wait()
-        if not caught_up:
+        if outcome == "stopped":
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
-        self._switch(tables)
+        if outcome == "caught up":
+            self._switch(tables)
         ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
             f"switched over ({total:,} events replayed)")
         return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
@@ -178,8 +192,15 @@ class Rebuild:
                         f"a rebuild of {self.projection.name!r} started {row[6]:%Y-%m-%d %H:%M} with options "
                         f"{json.dumps(row[4])} is in progress: run it again with the same options to resume it, "
                         "or pass --restart to start over")
-                return [self._table(conn, name) for name in row[3]], True
+                tables = [self._table(conn, name) for name in row[3]]
+                self._remember(conn, row, tables)
+                return tables, True
+            self._check_start(conn)
             tables = [self._table(conn, name) for name in self.projection.tables]
+            twice = {t.qualified for t in tables if sum(u.oid == t.oid for u in tables) > 1}
+            if twice:
+                raise RebuildError(f"projection {self.projection.name!r}: tables= names {', '.join(sorted(twice))} "
+                                   "more than once")
             self._check_swappable(conn, tables)
             conn.execute(_template("drop_schema", schema=sql.Identifier(self.shadow)))  # a crashed start's
             conn.execute(_template("create_schema", schema=sql.Identifier(self.shadow)))
@@ -196,7 +217,53 @@ class Rebuild:
             conn.execute(query("rebuild", "insert"), {
                 "projection": self.projection.name, "sink": self.sink, "shadow_schema": self.shadow,
                 "live_tables": [t.qualified for t in tables], "options": json.dumps(self.options)})
+            row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+            assert row is not None
+            self._remember(conn, row, tables)
         return tables, False
+
+    def _remember(self, conn: psycopg.Connection[Any], row: Sequence[Any], tables: Sequence[LiveTable]) -> None:
+        """Which rebuild this process runs (its start time) and the oids of its copies, so that a rebuild
+        that disappears while it runs can be told apart: switched in by a peer, or cancelled."""
+        self._started_at = row[6]
+        self._tables = list(tables)
+        self._copies = [self._oid(conn, self.shadow, t.name) for t in tables]
+
+    @staticmethod
+    def _oid(conn: psycopg.Connection[Any], schema: str, name: str) -> int | None:
+        row = conn.execute(query("rebuild", "table_oid"), {"schema": schema, "name": name}).fetchone()
+        return int(row[0]) if row else None
+
+    def _check_start(self, conn: psycopg.Connection[Any]) -> None:
+        """Refuse a start past stored history before anything is created: from there the rebuild would
+        replay nothing, swap in an empty model and park the live projection's cursors there (past every
+        transaction id there is, for good if far enough)."""
+        if self.from_position is None and self.from_time is None:
+            return
+        row = conn.execute(query("rebuild", "history_bounds")).fetchone()
+        assert row is not None
+        next_xid, first, last, newest, now = row
+        stored = (f"the stored events span positions {first[0]}:{first[1]} to {last[0]}:{last[1]}" if last
+                  else "no event is stored")
+        context = f"(the next transaction id is {next_xid}; {stored})"
+        if self.from_position is not None:
+            xid, seq = self.from_position
+            if last is None or (xid, seq) > (last[0], last[1]):
+                past = "past every transaction id there is" if xid >= next_xid else "after the last stored event"
+                raise RebuildError(
+                    f"--from-position {xid}:{seq} is {past} {context}: a rebuild from there replays nothing and "
+                    "swaps in an empty model; nothing was changed. Give a position of the stored history (an "
+                    "event's ce_sequence)")
+            return
+        assert self.from_time is not None
+        if self.from_time > now:
+            raise RebuildError(f"--from-time {self.from_time.isoformat()} is in the future (the database's time is "
+                               f"{now.isoformat()}); nothing was changed")
+        if newest is None or self.from_time > newest:
+            raise RebuildError(
+                f"--from-time {self.from_time.isoformat()}: no event was stored at or after it (the newest "
+                f"was stored {newest.isoformat() if newest else 'never'}): a rebuild from there replays nothing "
+                "and swaps in an empty model; nothing was changed")
 
     def _table(self, conn: psycopg.Connection[Any], name: str) -> LiveTable:
         row = conn.execute(query("rebuild", "table_info"), {"name": name}).fetchone()
@@ -205,7 +272,12 @@ class Rebuild:
                                "copies the live table's definition, so create it first)")
         if row[4] != "r":
             raise RebuildError(f"projection {self.projection.name!r}: {name!r} is not a plain table")
-        return LiveTable(int(row[0]), row[1], row[2], row[3])
+        schema = str(row[1])
+        if reserved_schema(schema):
+            raise RebuildError(f"projection {self.projection.name!r}: table {name!r} is {schema}.{row[2]}, in a "
+                               "schema a rebuild must never swap tables of (the relay's own, the system "
+                               "catalogs', or a rebuild's); nothing was changed")
+        return LiveTable(int(row[0]), schema, row[2], row[3])
 
     def _check_swappable(self, conn: psycopg.Connection[Any], tables: Sequence[LiveTable]) -> None:
         blockers = [f"{t.qualified}: {b}" for t in tables
@@ -242,8 +314,9 @@ class Rebuild:
         row = conn.execute(query("rebuild", "remaining"), {"sink": sink, **self._filter}).fetchone()
         return int(row[0]) if row else 0
 
-    def _replay(self, worker: Worker, sink: ProjectionSink, total: int) -> bool:
-        """Report progress until the rebuild has caught up (True) or was stopped (False).
+    def _replay(self, worker: Worker, sink: ProjectionSink, total: int) -> str:
+        """Report progress until the rebuild has "caught up", was "stopped", or was "switched" over
+        by a peer (another rebuild process); raises RebuildError if it was cancelled meanwhile.
 
         Caught up: nothing left, or, for a long replay under live traffic, at most a batch (and
         1% of the total) behind: the live projection applies the rest after the switch, from the
@@ -253,14 +326,35 @@ class Rebuild:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             start_left = self._remaining(conn, self.sink)
             while not (self.stopping.is_set() or worker.stopping.is_set()):
+                # Before anything else: a rebuild cancelled elsewhere has no cursors left (0 to do).
+                row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+                if row is None or row[6] != self._started_at:
+                    self._gone(conn, restarted=row is not None)
+                    return "switched"
                 if sink.fatal is not None:
                     raise RebuildError(str(sink.fatal))
                 left = self._remaining(conn, self.sink)
                 line.update(max(0, total - left), (start_left - left) / max(1e-3, time.monotonic() - first))
                 if left == 0 or left <= min(self.settings.batch_size, total // 100):
-                    return True
+                    return "caught up"
                 self.stopping.wait(PROGRESS_SECONDS if left > self.settings.batch_size else 0.1)
-        return False
+        return "stopped"
+
+    def _gone(self, conn: psycopg.Connection[Any], restarted: bool) -> None:
+        """This process's rebuild is no longer in outbox.rebuilds. Returns if a peer switched its copies
+        in (the live tables are those copies now); raises RebuildError if it was cancelled, its sink
+        dropped, or it was restarted by another process."""
+        if restarted:
+            raise RebuildError(f"the rebuild of {self.projection.name!r} was restarted by another process (rebuild "
+                               "--restart) while this one ran: this one stops, the new one carries on")
+        live = [self._oid(conn, t.schema, t.name) for t in self._tables]
+        if live == self._copies:
+            log.info("rebuild %s: another rebuild process switched over already", self.projection.name)
+            return
+        raise RebuildError(
+            f"the rebuild of {self.projection.name!r} was cancelled while it ran (`rebuild --cancel`, or its sink "
+            f"{self.sink!r} was dropped): nothing was switched over, the live model is unchanged; run the rebuild "
+            "again to start over")
 
     # -- switch -------------------------------------------------------------------------------
 
@@ -282,8 +376,9 @@ class Rebuild:
         with conn.transaction():
             conn.execute("SELECT set_config('lock_timeout', %s, true)", (SWITCH_LOCK_TIMEOUT,))
             conn.execute(query("rebuild", "lock_projection"), {"projection": self.projection.name})
-            if conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone() is None:
-                log.info("rebuild %s: another rebuild process switched over already", self.projection.name)
+            row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+            if row is None or row[6] != self._started_at:
+                self._gone(conn, restarted=row is not None)
                 return
             for t in sorted(tables, key=lambda t: t.oid):
                 conn.execute(_template("lock_table", table=sql.Identifier(t.schema, t.name)))
@@ -319,7 +414,10 @@ class Rebuild:
 
 
 def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3) -> int:
-    """Rebuild one partition key's state in place, atomically; returns the events replayed."""
+    """Rebuild one partition key's state in place, atomically; returns the events replayed.
+
+    Under the same commit guard as a projection batch (see sink.py): a handler (or key_reset) that
+    ends the transaction makes the whole key rebuild fail, never half of it commit."""
     if projection.clear_key is None:
         raise ConfigurationError(f"projection {projection.name!r} has no key_reset: declare one with "
                                  f"@{projection.handler.__name__}.key_reset to rebuild a single key")
@@ -327,31 +425,53 @@ def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3) -> i
         try:
             if projection.is_async:
                 return asyncio.run(_arebuild_key(projection, dsn, key))
-            with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
-                cursor, events = _key_history(conn, projection, key)
-                projection.clear_key(key, conn)
-                for event in _replayed(projection, cursor, events):
-                    projection.handler(event, conn)
-                return len(events)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(query("projections", "prepare_session"))
+                conn.read_only = False  # conn.transaction() begins READ WRITE
+                with conn.transaction():
+                    token = secrets.token_hex(8)
+                    conn.execute(query("projections", "begin_batch"), _key_begin(token))
+                    cursor, events = _key_history(conn, projection, key)
+                    projection.clear_key(key, conn)
+                    for event in _replayed(projection, cursor, events):
+                        projection.handler(event, conn)
+                    conn.execute(query("projections", "end_batch"), {"token": token})
+                    return len(events)
         except psycopg.errors.DeadlockDetected:  # a live batch of the same bucket: it retries, so do we
             if attempt == tries:
                 raise
+        except psycopg.Error as exc:
+            if exc.sqlstate in ENDED_STATES:
+                raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
+                                   "transaction (COMMIT, END or ROLLBACK); nothing was changed") from exc
+            raise
     raise AssertionError("unreachable")
+
+
+def _key_begin(token: str) -> dict[str, Any]:
+    # A stalled key rebuild must not hold its bucket's cursor (the live relay's checkpoint) for long.
+    return {"token": token, "idle_ms": KEY_REBUILD_IDLE_MS, "shadow": None}
 
 
 async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
     assert projection.clear_key is not None
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn, conn.transaction():
-        cur = await conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key})
-        cursor = await cur.fetchone()
-        if cursor is None:
-            raise RebuildError(f"projection {projection.name!r} has never run against this database")
-        cur = await conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
-        events = [stored_event(r) for r in await cur.fetchall()]
-        await projection.clear_key(key, conn)
-        for event in _replayed(projection, cursor, events):
-            await projection.handler(event, conn)
-        return len(events)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(query("projections", "prepare_session"))
+        await conn.set_read_only(False)
+        async with conn.transaction():
+            token = secrets.token_hex(8)
+            await conn.execute(query("projections", "begin_batch"), _key_begin(token))
+            cur = await conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key})
+            cursor = await cur.fetchone()
+            if cursor is None:
+                raise RebuildError(f"projection {projection.name!r} has never run against this database")
+            cur = await conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
+            events = [stored_event(r) for r in await cur.fetchall()]
+            await projection.clear_key(key, conn)
+            for event in _replayed(projection, cursor, events):
+                await projection.handler(event, conn)
+            await conn.execute(query("projections", "end_batch"), {"token": token})
+            return len(events)
 
 
 def _key_params(projection: Projection, key: str, cursor: Sequence[Any]) -> dict[str, Any]:
@@ -374,7 +494,11 @@ def _replayed(projection: Projection, cursor: Sequence[Any],
     """The events as the handler sees them in a replay; one that no longer prepares is an error."""
     out = []
     for e in events:
-        prepared = projection.prepare(e, int(cursor[2]), replay=True)
+        try:
+            prepared = projection.prepare(e, int(cursor[2]), replay=True)
+        except Exception as exc:
+            raise RebuildError(f"event {e.id} of key {e.key!r} could not be prepared for the handler: "
+                               f"{describe(exc)}") from exc
         if prepared is None:
             continue
         if not isinstance(prepared, ProjectionEvent):

@@ -10,17 +10,27 @@ below its bucket's cursor and it is neither parked nor dead-lettered.
 Fast path: the whole batch in one pipelined transaction. If any handler raises (or a statement
 fails), that transaction rolls back and the batch runs again with a savepoint per event, so
 only the failing event's key is held back and every other event still lands.
+
+A handler that ends the transaction (``tx.execute("COMMIT")``, END, ROLLBACK) must not commit
+part of a batch: the connection's commit guard (migration 0006, ``prepare_session``) makes any
+COMMIT fail at the server unless ``end_batch`` ran for the batch's transaction-local token
+right before the checkpoint, and its transactions are read-only unless begun by the relay, so
+nothing autocommits after a ROLLBACK either. The batch then fails; the savepoint walk finds the
+event whose handler ended the transaction (its savepoint is gone), and the batch is redone
+without it, the event dead-lettered with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
+from psycopg import pq
 
 from outbox_relay.errors import NonRetriableDelivery, OutboxError
 from outbox_relay.sink import Aborted, AsyncConn, Commit, Failure, Outcomes
@@ -34,19 +44,53 @@ log = logging.getLogger("outbox_relay.projections")
 
 ABORT_CHECK_EVERY = 64  # events between checks of the hard-stop flag
 
+ENDED_TRANSACTION = Failure(
+    "the handler ended the relay's transaction (COMMIT, END or ROLLBACK through tx): nothing of its batch was "
+    "kept, and this event is not retried; a handler writes through the transaction it is given and never ends "
+    "it, so that its writes commit with the relay's checkpoint", retriable=False)
+
+SWALLOWED_ERROR = Failure(
+    "a statement of the handler failed and the handler went on (it caught the error): the transaction can not "
+    "go on after a failed statement, so this event's writes were undone; use a savepoint (with "
+    "tx.transaction()) around a statement that may fail")
+
+# Errors a statement gets once its handler ended the relay's transaction: the commit guard refused
+# the COMMIT, a write outside the relay's (read-write) transaction, a savepoint with no transaction.
+ENDED_STATES = frozenset({"2D000", "25006", "25P01"})
+
 
 class _Redo(Exception):
-    """The fast path failed: roll back and redo the batch event by event. When a handler itself
-    raised, ``failed`` maps that event to its failure, so the redo does not call it again (an
-    attempt is one call); a failed statement is only known at the pipeline's next sync."""
+    """Roll back and redo the batch event by event. ``failed``: failures already pinned on events,
+    so the redo does not call their handlers again (an attempt is one call); a failed statement
+    in the pipelined path is only known at its next sync, unpinned. ``ended``: the event whose
+    handler ended the transaction; whatever failed after it failed outside the batch's
+    transaction and is not pinned on those events."""
 
-    def __init__(self, failed: dict[Any, Failure] | None = None) -> None:
+    def __init__(self, failed: dict[Any, Failure] | None = None, ended: Any = None) -> None:
         super().__init__()
         self.failed = failed or {}
+        self.ended = ended
 
 
 def _failure(exc: BaseException) -> Failure:
     return Failure(describe(exc), retriable=not isinstance(exc, NonRetriableDelivery))
+
+
+def _ended_by(conn: AsyncConn, exc: BaseException | None) -> bool | None:
+    """Whether the handler just called, with no savepoint around it, ended the relay's transaction
+    (it was open before the call). None: can not tell (a failed statement also leaves the
+    transaction failed), the careful walk will."""
+    status = conn.info.transaction_status
+    if status == pq.TransactionStatus.IDLE:
+        return True
+    cause, seen = exc, 0
+    while cause is not None and seen < 20:  # the handler may have wrapped the statement's error
+        if isinstance(cause, psycopg.Error) and cause.sqlstate in ENDED_STATES:
+            return True
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    if status == pq.TransactionStatus.INERROR and exc is None:
+        return None  # failed without raising: a statement error it caught, or a new transaction it began
+    return False
 
 
 class _Batch:
@@ -59,28 +103,80 @@ class _Batch:
         self.sink = sink
         self.events = events
         self.fences = fences
-        self.known = known or {}  # failures the fast path already saw: not called again
+        self.known = known or {}  # failures an earlier run of this batch pinned on events: not called again
         self.outcomes: Outcomes = {}
+        self.token = secrets.token_hex(8)  # this run's transaction-local token (the commit guard's)
         self._stuck: set[str] = set()
 
     def todo(self, abort: threading.Event) -> Iterator[tuple[StoredEvent, ProjectionEvent[Any]]]:
-        """The events for the handler; the caller ``record``s each before asking for the next."""
+        """The events for the handler; the caller ``settle``s each before asking for the next."""
         p = self.sink.projection
         for i, e in enumerate(self.events):
             if i % ABORT_CHECK_EVERY == 0 and abort.is_set():
                 raise Aborted()
             if e.key in self._stuck:
                 continue
-            prepared = self.known.get(e.id) or p.prepare(e, self.fences[e.bucket], self.sink.replay)
+            prepared = self.known.get(e.id) or self._prepare(p, e)
             if isinstance(prepared, ProjectionEvent):
                 yield e, prepared
             else:
                 self.record(e, prepared)
 
+    def _prepare(self, p: Projection, e: StoredEvent) -> ProjectionEvent[Any] | Failure | None:
+        """``p.prepare``, with any exception it raises charged to the event (it is the event's
+        stored form that could not be handed over: no retry changes that)."""
+        try:
+            return p.prepare(e, self.fences[e.bucket], self.sink.replay)
+        except Exception as exc:
+            return Failure(f"the event could not be prepared for the handler: {describe(exc)}", retriable=False)
+
+    def settle(self, e: StoredEvent, exc: Exception | None, *, ended: bool | None, undone: bool) -> None:
+        """Record what became of ``e`` after its handler call: ``exc`` what it raised, ``ended``
+        whether it ended the batch's transaction (None: unknown), ``undone`` whether its writes
+        were undone alone (a savepoint; else the run can not go on after a failure).
+
+        Raises ``_Redo`` to roll back and run the batch again, with what is known pinned on ``e``."""
+        if ended:
+            log.warning("sink %s: the handler of event %s (key %r) ended the relay's transaction; the batch is "
+                        "redone without it", self.sink.name, e.id, e.key)
+            raise _Redo({e.id: ENDED_TRANSACTION}, ended=e.id)
+        if ended is None:
+            raise _Redo()  # the careful walk tells
+        outcome = None if exc is None else _failure(exc)
+        if exc is None and undone:
+            outcome = SWALLOWED_ERROR
+        if outcome is not None and not undone:
+            raise _Redo({e.id: outcome}) from exc
+        self.record(e, outcome)
+
     def record(self, e: StoredEvent, outcome: Failure | None) -> None:
         self.outcomes[e.id] = outcome
         if outcome is not None and outcome.retriable:
             self._stuck.add(e.key)
+
+
+def _redo_known(events: Sequence[StoredEvent], known: dict[Any, Failure] | None, redo: _Redo) -> dict[Any, Failure]:
+    """The failures the next run of a batch starts from."""
+    merged = dict(known or {})
+    if redo.ended is not None:
+        # Later events failed outside the batch's transaction (e.g. read-only after a ROLLBACK):
+        # not their fault. The next run calls them again.
+        order = {e.id: i for i, e in enumerate(events)}
+        merged = {k: v for k, v in merged.items() if order[k] < order[redo.ended]}
+    merged.update(redo.failed)
+    return merged
+
+
+def _max_runs(events: Sequence[StoredEvent]) -> int:
+    """Runs of one batch: the fast one, then careful ones. A careful run is redone only when it
+    pinned one more event (whose handler ended the transaction) and never calls a pinned one
+    again, so handlers that behave the same each time need at most one careful run per event."""
+    return len(events) + 2
+
+
+def _restless(sink: str, events: Sequence[StoredEvent]) -> OutboxError:
+    return OutboxError(f"sink {sink}: a batch of {len(events)} events was redone {_max_runs(events)} times, its "
+                       "handlers ending the transaction differently each time; it is tried again later")
 
 
 class ProjectionSink:
@@ -91,7 +187,7 @@ class ProjectionSink:
 
     def __init__(self, projection: Projection, dsn: str, *, lease_seconds: float = 30.0, name: str | None = None,
                  replay: bool = False, shadow_schema: str | None = None,
-                 guarded_tables: Sequence[int] = (), application_name: str | None = None) -> None:
+                 application_name: str | None = None) -> None:
         self.projection = projection
         self.name = name or projection.name
         self.replay = replay
@@ -99,19 +195,24 @@ class ProjectionSink:
         # The relay's own name (housekeeping.application_name), so that housekeeping can end a stalled
         # relay's projection transaction together with its lease.
         self._application_name = (application_name or f"outbox-relay projection {self.name}")[:63]
+        self._shadow = shadow_schema  # a rebuild's: its batches must write nothing outside it
         self._begin = {"idle_ms": str(int(lease_seconds * 1000)), "shadow": shadow_schema}
-        self._guarded = list(guarded_tables)  # oids of live tables a rebuild must not write
         self.event_filter: EventFilter | None = projection.event_filter
         self._conn: Conn | None = None
         self._aconn: AsyncConn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.fatal: OutboxError | None = None  # set when a rebuild must stop (see _refuse_live_writes)
+        self.fatal: OutboxError | None = None  # set when a rebuild must stop (see _refuse_outside_writes)
 
-    def _refuse_live_writes(self, written: int) -> None:
-        if written:
+    def _refuse_outside_writes(self, tables: list[str]) -> None:
+        """A rebuild's batch wrote tables outside its shadow schema: it rolls back, and the rebuild stops."""
+        if tables:
+            declared = ", ".join(self.projection.tables)
             self.fatal = OutboxError(
-                f"projection {self.projection.name!r} wrote {written} rows to its live tables during a rebuild: "
-                "its handler must name its tables without a schema so that the rebuild's shadow copies are used")
+                f"projection {self.projection.name!r} wrote {', '.join(tables)} during its rebuild, outside the "
+                f"rebuild's schema {self._shadow}: live processing writes there too, so these writes would land on "
+                f"top of it. A rebuild writes only fresh copies of the declared tables (tables=[{declared}]), "
+                "named without a schema in the handler: declare every table the handler writes, or rebuild keys "
+                "in place with --key")
             raise self.fatal
 
     # -- sync ---------------------------------------------------------------------------------
@@ -124,26 +225,29 @@ class ProjectionSink:
             loop = self._loop = self._loop or asyncio.new_event_loop()
             return loop.run_until_complete(self._adeliver(events, fences, commit, abort))
         conn = self._connection()
+        known: dict[Any, Failure] | None = None  # None: the fast path first
         try:
-            try:
-                return self._apply(conn, events, fences, commit, abort, None)
-            except _Redo as redo:
-                return self._apply(conn, events, fences, commit, abort, redo.failed)
+            for _ in range(_max_runs(events)):
+                try:
+                    return self._apply(conn, events, fences, commit, abort, known)
+                except _Redo as redo:
+                    known = _redo_known(events, known, redo)
         except psycopg.OperationalError:
             self._drop_connection()
             raise
+        raise _restless(self.name, events)
 
     def _apply(self, conn: Conn, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                abort: threading.Event, known: dict[Any, Failure] | None) -> set[int]:
         """One transaction: fast (``known`` None: pipelined, all or nothing) or careful (a savepoint
-        per event; ``known`` holds failures already observed in the fast path)."""
+        per event; ``known`` holds failures already pinned on events)."""
         batch = _Batch(self, events, fences, known)
         handler = self.projection.handler
-        with conn.transaction():
+        with conn.transaction():  # BEGIN READ WRITE (the session's default is read-only)
             if known is None:
                 try:
                     with conn.pipeline():
-                        conn.execute(query("projections", "begin_batch"), self._begin)
+                        conn.execute(query("projections", "begin_batch"), {**self._begin, "token": batch.token})
                         for e, event in batch.todo(abort):
                             try:
                                 handler(event, conn)
@@ -152,32 +256,60 @@ class ProjectionSink:
                             except Exception as exc:  # the handler's own: attributed exactly
                                 raise _Redo({e.id: _failure(exc)}) from exc
                             batch.record(e, None)
-                except (Aborted, _Redo, psycopg.OperationalError):
+                        conn.execute(query("projections", "end_batch"), {"token": batch.token})
+                except (Aborted, _Redo):
                     raise
-                except Exception as exc:
+                except Exception as exc:  # a statement failed (or the pipeline aborted after it)
                     if conn.broken:
                         raise
                     raise _Redo() from exc
             else:
-                conn.execute(query("projections", "begin_batch"), self._begin)
+                conn.execute(query("projections", "begin_batch"), {**self._begin, "token": batch.token})
                 for e, event in batch.todo(abort):
+                    conn.execute(query("projections", "event_savepoint"))  # undo only this event's writes
+                    error: Exception | None = None
                     try:
-                        with conn.transaction():  # a savepoint: undo only this event's writes
-                            handler(event, conn)
-                        batch.record(e, None)
+                        handler(event, conn)
                     except Exception as exc:
-                        if conn.broken:
-                            raise
-                        batch.record(e, _failure(exc))
-            if self._guarded:
-                row = conn.execute(query("projections", "live_table_writes"), {"tables": self._guarded}).fetchone()
-                self._refuse_live_writes(int(row[0]) if row else 0)
+                        error = exc
+                    state = self._close_savepoint(conn, error)
+                    batch.settle(e, error, ended=state == "ended", undone=state == "undone")
+                conn.execute(query("projections", "end_batch"), {"token": batch.token})
+            if self._shadow is not None:
+                rows = conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self._shadow}).fetchall()
+                self._refuse_outside_writes([r[0] for r in rows])
             return commit(batch.outcomes, conn)
+
+    @staticmethod
+    def _close_savepoint(conn: Conn, error: Exception | None) -> str:
+        """After an event's handler: "kept" (its writes released into the batch), "undone" (rolled
+        back to its savepoint), or "ended": the savepoint is gone, so the handler ended the batch's
+        transaction (COMMIT, END or ROLLBACK, maybe followed by a BEGIN)."""
+        if conn.broken and error is not None:
+            raise error
+        status = conn.info.transaction_status
+        if status == pq.TransactionStatus.IDLE:
+            return "ended"
+        keep = error is None and status == pq.TransactionStatus.INTRANS
+        try:
+            conn.execute(query("projections", "event_release" if keep else "event_rollback"))
+        except psycopg.Error:
+            if conn.broken:
+                raise
+            return "ended"
+        return "kept" if keep else "undone"
 
     def _connection(self) -> Conn:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self._dsn, autocommit=True,
-                                         application_name=self._application_name)
+            conn = psycopg.connect(self._dsn, autocommit=True,
+                                   application_name=self._application_name)
+            try:
+                conn.execute(query("projections", "prepare_session"))
+                conn.read_only = False  # conn.transaction() begins READ WRITE
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
         return self._conn
 
     def _drop_connection(self) -> None:
@@ -190,15 +322,18 @@ class ProjectionSink:
     async def _adeliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                         abort: threading.Event) -> set[int]:
         conn = await self._aconnection()
+        known: dict[Any, Failure] | None = None
         try:
-            try:
-                return await self._aapply(conn, events, fences, commit, abort, None)
-            except _Redo as redo:
-                return await self._aapply(conn, events, fences, commit, abort, redo.failed)
+            for _ in range(_max_runs(events)):
+                try:
+                    return await self._aapply(conn, events, fences, commit, abort, known)
+                except _Redo as redo:
+                    known = _redo_known(events, known, redo)
         except psycopg.OperationalError:
             self._aconn = None
             await conn.close()
             raise
+        raise _restless(self.name, events)
 
     async def _aapply(self, conn: AsyncConn, events: Sequence[StoredEvent], fences: dict[int, int],
                       commit: Commit, abort: threading.Event, known: dict[Any, Failure] | None) -> set[int]:
@@ -206,31 +341,61 @@ class ProjectionSink:
         batch = _Batch(self, events, fences, known)
         handler = self.projection.handler
         async with conn.transaction():
-            await conn.execute(query("projections", "begin_batch"), self._begin)
+            await conn.execute(query("projections", "begin_batch"), {**self._begin, "token": batch.token})
             for e, event in batch.todo(abort):
+                if known is not None:
+                    await conn.execute(query("projections", "event_savepoint"))
+                error: Exception | None = None
                 try:
-                    if known is None:
-                        await handler(event, conn)
-                    else:
-                        async with conn.transaction():  # a savepoint
-                            await handler(event, conn)
-                    batch.record(e, None)
+                    await handler(event, conn)
                 except Exception as exc:
-                    if conn.broken:
-                        raise
-                    if known is None:
-                        raise _Redo({e.id: _failure(exc)}) from exc
-                    batch.record(e, _failure(exc))
-            if self._guarded:
-                cur = await conn.execute(query("projections", "live_table_writes"), {"tables": self._guarded})
-                row = await cur.fetchone()
-                self._refuse_live_writes(int(row[0]) if row else 0)
+                    error = exc
+                if known is None:
+                    if conn.broken and error is not None:
+                        raise error
+                    batch.settle(e, error, ended=_ended_by(conn, error), undone=False)
+                else:
+                    state = await self._aclose_savepoint(conn, error)
+                    batch.settle(e, error, ended=state == "ended", undone=state == "undone")
+            try:
+                await conn.execute(query("projections", "end_batch"), {"token": batch.token})
+            except psycopg.Error as exc:
+                if known is not None or conn.broken:
+                    raise
+                raise _Redo() from exc  # a handler ended the transaction and began another: the careful walk finds it
+            if self._shadow is not None:
+                cur = await conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self._shadow})
+                self._refuse_outside_writes([r[0] for r in await cur.fetchall()])
             return await commit.in_async(batch.outcomes, conn)
+
+    @staticmethod
+    async def _aclose_savepoint(conn: AsyncConn, error: Exception | None) -> str:
+        """``_close_savepoint`` on an async connection."""
+        if conn.broken and error is not None:
+            raise error
+        status = conn.info.transaction_status
+        if status == pq.TransactionStatus.IDLE:
+            return "ended"
+        keep = error is None and status == pq.TransactionStatus.INTRANS
+        try:
+            await conn.execute(query("projections", "event_release" if keep else "event_rollback"))
+        except psycopg.Error:
+            if conn.broken:
+                raise
+            return "ended"
+        return "kept" if keep else "undone"
 
     async def _aconnection(self) -> AsyncConn:
         if self._aconn is None or self._aconn.closed:
-            self._aconn = await psycopg.AsyncConnection.connect(
+            conn = await psycopg.AsyncConnection.connect(
                 self._dsn, autocommit=True, application_name=self._application_name)
+            try:
+                await conn.execute(query("projections", "prepare_session"))
+                await conn.set_read_only(False)  # conn.transaction() begins READ WRITE
+            except BaseException:
+                await conn.close()
+                raise
+            self._aconn = conn
         return self._aconn
 
     def close(self) -> None:
@@ -241,4 +406,3 @@ class ProjectionSink:
                 self._aconn = None
             self._loop.close()
             self._loop = None
-

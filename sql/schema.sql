@@ -276,6 +276,38 @@ CREATE TABLE outbox.housekeeping (
 );
 INSERT INTO outbox.housekeeping DEFAULT VALUES;
 
+-- 0006_projection_guards: a projection handler can not end the relay's transaction (see the
+-- migration for the design).
+-- Deferred constraint trigger on a projection connection's pg_temp.outbox_projection_batch (one row,
+-- updated by every batch): the transaction commits only if projection_batch_end_v1 ran in it for
+-- the batch's token.
+CREATE FUNCTION outbox.projection_batch_guard_v1() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('outbox_relay.batch_end', true) IS DISTINCT FROM NEW.token THEN
+        RAISE EXCEPTION 'a projection handler ended the relay''s transaction (COMMIT or END) before its checkpoint; '
+                        'nothing of the batch is kept'
+            USING ERRCODE = 'invalid_transaction_termination',
+                  HINT = 'a handler writes through the transaction it is given and never commits or rolls it back';
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- Run by the relay right before a projection batch's checkpoint: the batch is still in the
+-- transaction it began (the token is transaction-local), and may now commit.
+CREATE FUNCTION outbox.projection_batch_end_v1(token text) RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('outbox_relay.batch', true) IS DISTINCT FROM token THEN
+        RAISE EXCEPTION 'the projection batch is no longer in the transaction it began (a handler ran COMMIT, END or '
+                        'ROLLBACK); nothing of the batch is kept'
+            USING ERRCODE = 'invalid_transaction_termination';
+    END IF;
+    PERFORM set_config('outbox_relay.batch_end', token, true);
+END
+$$;
+
 -- 0007_snapshot_cursors (continued).
 -- Which relay should hold which bucket of a sink (outbox_relay/assignment.py): balanced within one
 -- bucket and changed only when the sink's live members change, by whichever relay notices first
@@ -297,4 +329,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (3, 'rebuilds', NULL),
     (4, 'retention_index', NULL),
     (5, 'hardening', 5),
+    (6, 'projection_guards', NULL),
     (7, 'snapshot_cursors', 7);

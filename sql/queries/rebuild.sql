@@ -32,6 +32,43 @@ FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.oid = to_regclass(%(name)s);
 
+-- name: table_oid
+-- A table's oid by schema and name (no search path, no quoting): the oids of a rebuild's copies,
+-- to tell later whether they were switched in.
+SELECT c.oid
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = %(schema)s AND c.relname = %(name)s;
+
+-- name: history_bounds
+-- Where a rebuild may start: the next transaction id, the first and the last stored (committed) event
+-- in position order, and when the newest event was stored.
+WITH firsts AS (
+    -- Each bucket's first event (one index probe on events_position per bucket).
+    SELECT f.xid, f.seq
+    FROM generate_series(0, 255) AS b(bucket)
+    CROSS JOIN LATERAL (
+        SELECT e.xid, e.seq FROM outbox.events e
+        WHERE e.bucket = b.bucket
+        ORDER BY e.xid, e.seq LIMIT 1
+    ) f
+),
+lasts AS (
+    -- Each bucket's last event (one backward probe per bucket).
+    SELECT l.xid, l.seq
+    FROM generate_series(0, 255) AS b(bucket)
+    CROSS JOIN LATERAL (
+        SELECT e.xid, e.seq FROM outbox.events e
+        WHERE e.bucket = b.bucket
+        ORDER BY e.xid DESC, e.seq DESC LIMIT 1
+    ) l
+)
+SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS next_xid,
+       (SELECT ARRAY[xid::text::bigint, seq] FROM firsts ORDER BY xid, seq LIMIT 1) AS first,
+       (SELECT ARRAY[xid::text::bigint, seq] FROM lasts ORDER BY xid DESC, seq DESC LIMIT 1) AS last,
+       (SELECT max(created_at) FROM outbox.events) AS newest,
+       clock_timestamp() AS now;
+
 -- name: table_blockers
 -- What a table swap can not carry over: views, incoming foreign keys, triggers, policies.
 SELECT 'view ' || v.oid::regclass::text

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from projections import ProjectionEvent, Registry, projection
 
 registry = Registry()
 
+# Seconds order_totals spends per event: tests that need a rebuild still running when they act.
+APPLY_SECONDS = float(os.environ.get("OUTBOX_TEST_APPLY_SECONDS", "0"))
+
 
 @projection("order_totals", events=["OrderPlaced", "OrderPaid"], tables=["order_totals"])
 def order_totals(event: ProjectionEvent[Any], tx: Any) -> None:
+    if APPLY_SECONDS:
+        time.sleep(APPLY_SECONDS)
     p = event.payload
     if event.type == "OrderPlaced":
         tx.execute("INSERT INTO order_totals (customer, orders, paid_cents) VALUES (%s, 1, 0) "

@@ -7,6 +7,7 @@ The relay loop is the real SinkRunner; the sink is the real ProjectionSink. Noth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections.abc import Callable
@@ -406,3 +407,164 @@ def test_fenced_upsert_writes_only_over_an_older_token(dsn: str) -> None:
     assert FenceToken.parse(str(FenceToken(4, 800, 2))) == FenceToken(4, 800, 2)
     assert sorted([str(FenceToken(10, 1, 1)), str(FenceToken(9, 99, 99))]) == [str(FenceToken(9, 99, 99)),
                                                                               str(FenceToken(10, 1, 1))]
+
+
+# -- events the relay can not turn into a handler call -------------------------------------------
+
+
+def insert_raw(dsn: str, rows: list[tuple[str, str, str, str]]) -> list[uuid.UUID]:
+    """Insert (key, type, payload JSON, headers JSON) rows as a superuser bypassing the events_check
+    trigger (as rows from before migration 0005 would be); returns their ids in order."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute("SET LOCAL session_replication_role = replica")
+        return [conn.execute("INSERT INTO outbox.events (partition_key, topic, type, payload, headers) "
+                             "VALUES (%s, 'relay-test', %s, %s::jsonb, %s::jsonb) RETURNING id",
+                             (key, type_, payload, headers)).fetchone()[0]  # type: ignore[index]
+                for key, type_, payload, headers in rows]
+
+
+def test_events_that_can_not_be_prepared_are_dead_lettered_at_once_and_the_rest_lands(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """Item 5: a payload too deep for json.loads, headers that are not a JSON object of strings, and
+    any exception from prepare are charged to their event (dead letter at once, the reason named);
+    never an exception that fails the whole batch, so the other events land."""
+    setup_tables(dsn)
+
+    class Placed(BaseModel):
+        customer: str
+
+        @classmethod
+        def model_validate(cls, obj: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            if obj.get("customer") == "explodes":
+                raise RuntimeError("validator crashed")  # not a ValidationError
+            return super().model_validate(obj, **kwargs)
+
+    @projection("order_totals", events={"OrderPlaced": Placed})
+    def apply(event: ProjectionEvent[Placed], tx: Any) -> None:
+        tx.execute("INSERT INTO order_totals VALUES (%s, 1, 0) ON CONFLICT (customer) "
+                   "DO UPDATE SET orders = order_totals.orders + 1", (event.payload.customer,))
+        tx.execute("INSERT INTO applied_log (event_id, key, worker, replay) VALUES (%s, %s, 'w', false)",
+                   (event.id, event.key))
+
+    deep = "[" * 990 + "]" * 990
+    ok = '{"customer": "ok"}'
+    rows = [("k1", "OrderPlaced", deep, "{}"), ("k1", "OrderPlaced", ok, "{}"),
+            ("k2", "OrderPlaced", ok, '["not", "an", "object"]'), ("k2", "OrderPlaced", ok, "{}"),
+            ("k3", "OrderPlaced", ok, '{"retries": 3}'), ("k3", "OrderPlaced", ok, "{}"),
+            ("k4", "OrderPlaced", '{"customer": "explodes"}', "{}"), ("k4", "OrderPlaced", ok, "{}")]
+    ids = insert_raw(dsn, rows)
+    bad = {ids[0], ids[2], ids[4], ids[6]}
+    r = runner(apply, dsn, pool)
+    run_until(r, lambda: len(dead_letters(dsn, "order_totals")) == 4 and len(applied(dsn)) == 4)
+    assert {e for e, _ in applied(dsn)} == set(ids) - bad
+    letters = dead_letters(dsn, "order_totals")
+    assert set(letters) == bad and {a for a, _ in letters.values()} == {1}, letters
+    assert "payload" in letters[ids[0]][1] and "RecursionError" in letters[ids[0]][1]
+    assert "headers" in letters[ids[2]][1] and "JSON object" in letters[ids[2]][1]
+    assert "headers" in letters[ids[4]][1] and "'retries'" in letters[ids[4]][1]
+    assert "RuntimeError: validator crashed" in letters[ids[6]][1]
+    assert parked_ids(dsn, "order_totals") == set()
+
+
+# -- a handler that ends the relay's transaction -----------------------------------------------
+
+ESCAPES = {"commit": ["COMMIT"], "end": ["END"], "rollback": ["ROLLBACK"], "commit_begin": ["COMMIT", "BEGIN"],
+           "rollback_begin": ["ROLLBACK", "BEGIN READ WRITE"]}
+
+
+@pytest.mark.parametrize("escape", list(ESCAPES))
+@pytest.mark.parametrize("path", ["pipelined", "savepoint", "async", "async_savepoint"])
+def test_a_handler_that_ends_the_transaction_is_charged_with_it_and_nothing_lands_twice(
+        dsn: str, pool: ConnectionPool[Any], escape: str, path: str) -> None:
+    """Item 7: ``tx.execute("COMMIT")`` (or END, ROLLBACK, then BEGIN) in a handler must not
+    commit anything of the batch early, nor let writes after it autocommit; the batch fails, the
+    event is dead-lettered with the reason, and every other event lands exactly once.
+
+    One bucket holds, in this order, a key whose first event raises once (in the *savepoint paths:
+    the fast attempt stops there, so the escaping event is first called with a savepoint), the
+    escaping key, and an innocent key; other buckets hold more keys of the same batch."""
+    setup_tables(dsn)
+    raiser, escaper, innocent = keys_in_bucket(dsn, 7, 3, prefix="k")
+    events = [(raiser, "OrderPlaced", {"customer": raiser, "fail_once": path.endswith("savepoint")}),
+              (escaper, "OrderPlaced", {"customer": escaper, "escape": True}),
+              (escaper, "OrderPlaced", {"customer": escaper}),
+              (innocent, "OrderPlaced", {"customer": innocent}),
+              (raiser, "OrderPlaced", {"customer": raiser})]
+    events += [(f"other-{i}", "OrderPlaced", {"customer": f"other-{i}"}) for i in range(20)]
+    ids = publish(dsn, events)
+    escaping = ids[1]
+    log_sql = "INSERT INTO applied_log (event_id, key, worker, replay) VALUES (%s, %s, %s, false)"
+
+    def sync_handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        if event.payload.get("fail_once") and event.attempt == 1:
+            raise RuntimeError("fails once")
+        if event.payload.get("escape"):
+            tx.execute(log_sql, (event.id, event.key, "before the escape"))
+            for statement in ESCAPES[escape]:
+                with contextlib.suppress(psycopg.Error):  # a careless handler: errors ignored, too
+                    tx.execute(statement)
+            tx.execute(log_sql, (event.id, event.key, "after the escape"))
+            return
+        tx.execute(log_sql, (event.id, event.key, "w"))
+
+    async def async_handler(event: ProjectionEvent[Any], tx: psycopg.AsyncConnection[Any]) -> None:
+        if event.payload.get("fail_once") and event.attempt == 1:
+            raise RuntimeError("fails once")
+        if event.payload.get("escape"):
+            await tx.execute(log_sql, (event.id, event.key, "before the escape"))
+            for statement in ESCAPES[escape]:
+                with contextlib.suppress(psycopg.Error):
+                    await tx.execute(statement)
+            await tx.execute(log_sql, (event.id, event.key, "after the escape"))
+            return
+        await tx.execute(log_sql, (event.id, event.key, "w"))
+
+    handler = async_handler if path.startswith("async") else sync_handler
+    p = projection("order_totals", events=["OrderPlaced"])(handler)
+    r = runner(p, dsn, pool, max_attempts=5)
+    run_until(r, lambda: len(applied(dsn)) >= len(ids) - 1 and escaping in dead_letters(dsn, "order_totals"))
+    for _ in range(3):
+        r.run_once()  # nothing left to do: nothing more lands
+    log = applied(dsn)
+    assert all(e != escaping for e, _ in log), "a write of the escaping handler landed"
+    assert len(log) == len({e for e, _ in log}), "an event's effect landed twice"
+    assert {e for e, _ in log} == set(ids) - {escaping}
+    attempts, error = dead_letters(dsn, "order_totals")[escaping]
+    assert attempts == 1 and "ended the relay's transaction" in error, error
+    assert set(dead_letters(dsn, "order_totals")) == {escaping}
+    assert parked_ids(dsn, "order_totals") == set()
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_handler_that_swallows_a_failed_statement_is_charged_with_it(
+        dsn: str, pool: ConnectionPool[Any], is_async: bool) -> None:
+    """A handler that catches a failed statement's error and goes on: its transaction can not go on,
+    so the failure is that event's (retried, then dead-lettered), never an error that fails every
+    batch (in the pipelined path psycopg then reports only "pipeline aborted" at the end)."""
+    setup_tables(dsn)
+    ids = publish(dsn, [("bad", "OrderPlaced", {"customer": "bad"}), ("bad", "OrderPlaced", {"customer": "bad"}),
+                        *[(f"ok-{i}", "OrderPlaced", {"customer": f"ok-{i}"}) for i in range(10)]])
+    log_sql = "INSERT INTO applied_log (event_id, key, worker, replay) VALUES (%s, %s, 'w', false)"
+
+    def sync_handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        if event.id == ids[0]:
+            with contextlib.suppress(psycopg.Error):
+                tx.execute("SELECT 1 / 0")
+                tx.execute("SELECT 1")
+        with contextlib.suppress(psycopg.Error):
+            tx.execute(log_sql, (event.id, event.key))
+
+    async def async_handler(event: ProjectionEvent[Any], tx: psycopg.AsyncConnection[Any]) -> None:
+        if event.id == ids[0]:
+            with contextlib.suppress(psycopg.Error):
+                await tx.execute("SELECT 1 / 0")
+        with contextlib.suppress(psycopg.Error):
+            await tx.execute(log_sql, (event.id, event.key))
+
+    p = projection("order_totals", events=["OrderPlaced"])(async_handler if is_async else sync_handler)
+    r = runner(p, dsn, pool, max_attempts=2)
+    run_until(r, lambda: len(applied(dsn)) == len(ids) - 1 and ids[0] in dead_letters(dsn, "order_totals"))
+    log = applied(dsn)
+    assert sorted(e for e, _ in log) == sorted(ids[1:]), "every other event exactly once"
+    attempts, error = dead_letters(dsn, "order_totals")[ids[0]]
+    assert attempts == 2 and "went on" in error, error

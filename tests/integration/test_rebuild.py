@@ -7,12 +7,13 @@ Live processing runs through the real SinkRunner + ProjectionSink; the rebuild i
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -22,7 +23,7 @@ from psycopg_pool import ConnectionPool
 from outbox_relay import store
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.relay import SinkRunner
-from projections import ProjectionEvent, projection
+from projections import Projection, ProjectionEvent, projection
 from projections.rebuild import Rebuild, RebuildError, rebuild_key
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
@@ -302,7 +303,7 @@ def test_a_handler_that_names_the_live_table_is_refused_during_a_rebuild(dsn: st
     ids = publish(dsn, orders(5, 1))
     run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
     before = state(dsn)
-    with pytest.raises(RebuildError, match=r"wrote .* rows to its live tables"):
+    with pytest.raises(RebuildError, match=r"wrote public\.order_totals during its rebuild, outside"):
         Rebuild(totals_projection(qualified=True), rebuild_settings(dsn), progress=None).run()
     assert state(dsn) == before
 
@@ -328,3 +329,212 @@ def test_rebuild_key_restores_one_key_in_place(dsn: str, live: Any) -> None:
     assert rebuild_key(totals_projection(), dsn, "cust-unknown") == 0
     with pytest.raises(ConfigurationError, match="has no key_reset"):
         rebuild_key(projection("order_totals", tables=["order_totals"])(lambda e, tx: None), dsn, "cust-2")
+
+
+# -- where a rebuild may start -----------------------------------------------------------------
+
+
+def rebuild_footprint(dsn: str) -> tuple[Any, ...]:
+    """What a rebuild start creates or changes: its row, schema and sink, and the live cursors."""
+    return (fetch_all(dsn, "SELECT count(*) FROM outbox.rebuilds"),
+            fetch_all(dsn, "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'outbox_re%%'"),
+            fetch_all(dsn, "SELECT name FROM outbox.sinks ORDER BY name"),
+            fetch_all(dsn, "SELECT bucket, snapshot::text, target::text, after_xid::text, after_seq, fence "
+                           "FROM outbox.cursors WHERE sink = 'order_totals' ORDER BY bucket"))
+
+
+def history(dsn: str) -> tuple[int, tuple[int, int]]:
+    """The next transaction id and the last stored position."""
+    horizon = int(fetch_all(dsn, "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")[0][0])
+    last = fetch_all(dsn, "SELECT xid::text::bigint, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1")[0]
+    return horizon, (int(last[0]), int(last[1]))
+
+
+@pytest.mark.parametrize("start", ["past the horizon", "past the history", "beyond xid8", "negative", "future",
+                                   "after the newest event"])
+def test_a_start_outside_stored_history_is_refused_before_anything_changes(dsn: str, live: Any, start: str) -> None:
+    """Item 3: a mistyped --from-position / --from-time swapped in an empty model and parked the live
+    projection's cursors past every transaction id. Refused with the position, the next transaction id and
+    the stored range named; nothing is created, no sink registered, the live cursors untouched."""
+    ids = publish(dsn, orders(5, 2))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    horizon, last = history(dsn)
+    newest = fetch_all(dsn, "SELECT max(created_at) FROM outbox.events")[0][0]
+    options: dict[str, Any] = {
+        "past the horizon": {"from_position": (horizon + 1_000_000, 1)},
+        "past the history": {"from_position": (last[0], last[1] + 1)},
+        "beyond xid8": {"from_position": (2**64 + 5, 1)},
+        "negative": {"from_position": (-1, 5)},
+        "future": {"from_time": datetime.now().astimezone() + timedelta(days=1)},
+        "after the newest event": {"from_time": newest + timedelta(microseconds=1)},
+    }[start]
+    before = rebuild_footprint(dsn)
+    live_state = state(dsn)
+    with pytest.raises(RebuildError) as refused:
+        Rebuild(totals_projection(), rebuild_settings(dsn), progress=None, **options).run()
+    message = str(refused.value)
+    if "from_position" in options:
+        assert ":".join(map(str, options["from_position"])) in message, message
+    if start in ("past the horizon", "past the history"):
+        assert "the next transaction id is" in message, message
+        assert f"to {last[0]}:{last[1]}" in message, message
+    if start == "future":
+        assert "in the future" in message, message
+    assert rebuild_footprint(dsn) == before, "the refused rebuild changed something"
+    assert state(dsn) == live_state
+
+
+def test_a_start_inside_stored_history_is_accepted(dsn: str, live: Any) -> None:
+    """The check refuses only what lies past the history: its last event is a valid start."""
+    ids = publish(dsn, orders(5, 2))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    _, last = history(dsn)
+    result = Rebuild(totals_projection(), rebuild_settings(dsn), from_position=last, progress=None).run()
+    assert result is not None and result.events == 1
+
+
+# -- what a rebuild may write, and which tables it may swap ------------------------------------
+
+
+@pytest.mark.parametrize("write", ["insert", "truncate"])
+def test_a_handler_writing_an_undeclared_table_stops_the_rebuild(dsn: str, live: Any, write: str) -> None:
+    """Item 9: a table the handler writes but tables= does not list has no shadow copy, so during a
+    rebuild its unqualified name is the live table: it would get the rebuild's writes on top of live
+    processing. The batch rolls back and the rebuild stops, naming the table."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE audit (event_id uuid NOT NULL, replay boolean NOT NULL)")
+    base = totals_projection()
+
+    @projection("order_totals", events=["OrderPlaced", "OrderPaid"], tables=["order_totals", "applied_log"])
+    def apply(event: ProjectionEvent[Any], tx: Any) -> None:
+        base.handler(event, tx)
+        if write == "insert":
+            tx.execute("INSERT INTO audit VALUES (%s, %s)", (event.id, event.replay))
+        elif event.replay:
+            tx.execute("TRUNCATE audit")
+
+    ids = publish(dsn, orders(5, 2))
+    run_until(live(apply), lambda: len(applied_ids(dsn)) == len(ids))
+    audit_before = fetch_all(dsn, "SELECT count(*) FROM audit")
+    live_state = state(dsn)
+    with pytest.raises(RebuildError, match=r"wrote public\.audit during its rebuild, outside the rebuild's schema"):
+        Rebuild(apply, rebuild_settings(dsn), progress=None).run()
+    assert fetch_all(dsn, "SELECT count(*) FROM audit") == audit_before, "the rebuild's writes landed on audit"
+    assert state(dsn) == live_state
+
+
+@pytest.mark.parametrize("table", ["outbox.cursors", "OUTBOX.sinks", "pg_catalog.pg_class", '"outbox".parked',
+                                   "outbox_rebuild_other.t", "outbox_retired_other.t"])
+def test_tables_in_the_relays_or_the_systems_schemas_are_refused_when_declared(table: str) -> None:
+    """Item 9: tables=["outbox.cursors"] made a rebuild swap out (and wipe) every cursor."""
+    with pytest.raises(ConfigurationError, match=r"is in schema .* a projection keeps its read model"):
+        projection("bad", tables=[table])
+
+
+def test_a_declared_table_that_resolves_to_a_reserved_schema_is_refused_at_rebuild_start(dsn: str) -> None:
+    """Names without a schema resolve on the search path (pg_catalog is always on it), and a Projection
+    can be built without the decorator: the rebuild checks where each table really is."""
+    cursors = fetch_all(dsn, "SELECT count(*) FROM outbox.cursors")
+    for tables in (("pg_class",), ("outbox.cursors",)):
+        p = Projection(name="bad", handler=lambda e, tx: None, events=None, tables=tables)
+        with pytest.raises(RebuildError, match=r"in a schema a rebuild must never swap tables of"):
+            Rebuild(p, rebuild_settings(dsn), progress=None).run()
+    assert fetch_all(dsn, "SELECT count(*) FROM outbox.rebuilds") == [(0,)]
+    assert fetch_all(dsn, "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'outbox_re%%'") == [(0,)]
+    assert fetch_all(dsn, "SELECT count(*) FROM outbox.cursors") == cursors
+
+
+# -- a rebuild that disappears while it runs ---------------------------------------------------
+
+
+def slow_projection(entered: threading.Event) -> Any:
+    p = totals_projection()
+    original = p.handler
+
+    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        entered.set()
+        time.sleep(0.002)
+        original(event, tx)
+
+    p.handler = handler
+    return p
+
+
+@pytest.mark.parametrize("how", ["cancel", "sink dropped"])
+def test_a_rebuild_cancelled_while_it_runs_fails_and_says_so(dsn: str, live: Any, how: str) -> None:
+    """Item 9: `rebuild --cancel` (or `sinks drop` of its sink) from another terminal while a rebuild
+    runs: it must not report success (it said "another rebuild process switched over already").
+    Told apart from a peer's switch by the oids of its copies."""
+    ids = publish(dsn, orders(40, 10))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    live_state, live_oid = state(dsn), table_oid(dsn)
+    entered = threading.Event()
+    running = Rebuild(slow_projection(entered), rebuild_settings(dsn), progress=None)
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(running.run())
+        except BaseException as exc:  # checked below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert entered.wait(30), "the rebuild never started replaying"
+        if how == "cancel":
+            assert Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).cancel()
+        else:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("DELETE FROM outbox.sinks WHERE name = 'order_totals.rebuild'")
+    finally:
+        thread.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], RebuildError), outcome
+    assert "was cancelled while it ran" in str(outcome[0]) and "nothing was switched" in str(outcome[0])
+    assert table_oid(dsn) == live_oid and state(dsn) == live_state, "the live model changed"
+
+
+def test_two_rebuild_processes_share_the_work_and_both_succeed(dsn: str, live: Any) -> None:
+    """The peer case the cancel check must not break: whichever process switches, the other one
+    finds its copies live and succeeds too."""
+    ids = publish(dsn, orders(40, 5))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    live_state = state(dsn)
+    results: list[Any] = []
+
+    def run(worker: str) -> None:
+        try:
+            results.append(Rebuild(totals_projection(), make_settings(dsn, worker, batch_size=50),
+                                   progress=None).run())
+        except BaseException as exc:  # checked below
+            results.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in ("rebuilder-a", "rebuilder-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 2 and all(r is not None and not isinstance(r, BaseException) for r in results), results
+    assert state(dsn) == live_state
+    assert fetch_all(dsn, "SELECT count(*) FROM outbox.rebuilds") == [(0,)]
+
+
+@pytest.mark.parametrize("statement", ["COMMIT", "ROLLBACK"])
+def test_rebuild_key_whose_handler_ends_the_transaction_changes_nothing(dsn: str, live: Any, statement: str) -> None:
+    """The in-place key rebuild runs under the same commit guard as a batch: its key_reset's delete
+    and a part of the replay must not commit on their own."""
+    ids = publish(dsn, orders(3, 3))
+    run_until(live(totals_projection()), lambda: len(applied_ids(dsn)) == len(ids))
+    good, log = state(dsn), applied_ids(dsn)
+    p = totals_projection()
+    original = p.handler
+
+    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        original(event, tx)
+        with contextlib.suppress(psycopg.Error):
+            tx.execute(statement)
+
+    p.handler = handler
+    with pytest.raises(RebuildError, match="ended the transaction"):
+        rebuild_key(p, dsn, "cust-1")
+    assert state(dsn) == good and applied_ids(dsn) == log
