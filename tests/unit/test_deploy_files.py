@@ -598,6 +598,8 @@ def dockerfile_problems(text: str) -> list[str]:
     instructions = dockerfile(text)
     last = final_stage(instructions)
     problems = []
+    if re.match(r"#\s*syntax\s*=", text):
+        problems.append("a `# syntax=` directive: BuildKit would pull a frontend image to build it")
     froms = [i.args.split()[0] for i in instructions if i.keyword == "FROM"]
     if len(froms) < 2:
         problems.append("not multi-stage")
@@ -660,6 +662,7 @@ def test_the_dockerfile_is_multi_stage_non_root_and_installs_the_wheel_without_e
     ('CMD ["run"]', 'CMD ["status"]', "CMD"),
     ("ARG VERSION=0.1.0", "ARG VERSION=0.0.9", "labels"),
     ("EXPOSE 9108", "EXPOSE 8080", "EXPOSE"),
+    ("# outbox-relay image:", "# syntax=docker/dockerfile:1\n# outbox-relay image:", "syntax"),
     ("PYTHONDONTWRITEBYTECODE=1", "PYTHONDONTWRITEBYTECODE=0", "PYTHONDONTWRITEBYTECODE"),
 ])
 def test_the_dockerfile_check_finds_what_is_wrong(old: str, new: str, problem: str) -> None:
