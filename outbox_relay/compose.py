@@ -35,5 +35,21 @@ def default_sinks(settings: RelaySettings) -> list[Sink]:
 
 
 def build_worker(settings: RelaySettings) -> Worker:
-    """A relay process's worker with the sinks its settings name: what ``outbox-relay run`` runs."""
-    return Worker(settings, default_sinks(settings))
+    """A relay process's worker with the sinks its settings name, and its metrics server when
+    ``metrics_port`` is set: what ``outbox-relay run`` runs."""
+    if settings.metrics_port is None:
+        return Worker(settings, default_sinks(settings))
+    from prometheus_client import CollectorRegistry
+
+    from .metrics import MetricsServer, PrometheusObserver
+
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry)
+    sinks = default_sinks(settings)
+    for sink in sinks:
+        if isinstance(sink, KafkaSink):
+            sink.observer = observer
+    worker = Worker(settings, sinks, observer)
+    worker.services.append(MetricsServer(worker, registry, settings.metrics_host, settings.metrics_port,
+                                         settings.metrics_refresh_seconds))
+    return worker

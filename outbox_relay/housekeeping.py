@@ -47,6 +47,7 @@ class HousekeepingResult:
     expired_leases: int = 0
     deleted_events: int = 0
     terminated_connections: int = 0
+    seconds: float = 0.0  # how long the pass took
 
 
 class Housekeeping:
@@ -71,6 +72,7 @@ class Housekeeping:
         """One pass, unless another relay's is in progress, or (``min_gap_seconds``, the relays' own
         schedule) one finished less than that long ago."""
         s = self.settings
+        started = time.monotonic()
         # Each step checks a connection out of the relay's pool and gives it back, so that the runners,
         # which may share that one connection, wait at most one step (a retention slice: milliseconds).
         with self.pool.connection() as conn:
@@ -98,7 +100,7 @@ class Housekeeping:
             log.warning("housekeeping: %d expired leases returned (owners %s)", len(expired), owners)
         if deleted:
             log.info("housekeeping: retention deleted %d events", deleted)
-        return HousekeepingResult(True, len(dead), len(expired), deleted, terminated)
+        return HousekeepingResult(True, len(dead), len(expired), deleted, terminated, time.monotonic() - started)
 
     def _claim(self, conn: Conn, min_gap_seconds: float) -> bool:
         if not self.allowed:

@@ -41,6 +41,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .dsn import redact_kafka_config
 from .errors import ConfigurationError
+from .observer import NULL_OBSERVER, Observer
 from .sink import Aborted, Commit, Failure, Outcomes
 from .store import EventFilter, StoredEvent
 
@@ -260,6 +261,7 @@ class KafkaSink:
         self._recreate_delay = FIRST_RECREATE_DELAY
         self._recreate_after = 0.0  # monotonic time before which the producer is not replaced again
         self._session = _Session()
+        self.observer: Observer = NULL_OBSERVER  # set by the composition root
         try:
             self._producer = self._new_producer(self._session)
         except KafkaException as exc:  # an unknown option, a value it does not take, a contradiction
@@ -268,6 +270,18 @@ class KafkaSink:
 
     def _new_producer(self, session: _Session) -> Producer:
         return Producer({**self._config, "error_cb": session.on_error})
+
+    def problem(self, timeout: float = 2.0) -> str | None:
+        """Why the sink can not deliver now (for /readyz), or None: its brokers answer a metadata request.
+        Safe from another thread (librdkafka is thread-safe)."""
+        if self._session.fatal is not None:
+            return f"the Kafka producer failed: {self._session.fatal}"
+        try:
+            self._producer.list_topics(timeout=timeout)
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            return f"the Kafka brokers do not answer: {_describe(err)}"
+        return None
 
     def close(self) -> None:
         with contextlib.suppress(KafkaException):  # a fatal producer raises from flush()
@@ -444,6 +458,7 @@ class KafkaSink:
         with contextlib.suppress(KafkaException):
             old.purge()
         log.warning("kafka sink %s: %s; recreating the producer", self.name, reason)
+        self.observer.producer_recreated(self.name, reason)
         self._session = _Session(may_hold_id=False)  # it may start while the brokers are still away
         self._producer = self._new_producer(self._session)
 
@@ -468,6 +483,7 @@ class KafkaSink:
         todo = [m for m in messages if m.event.id not in flight.outcomes]
         log.warning("kafka sink %s: %s; recreating the producer and producing %d unacknowledged messages again",
                     self.name, reason, len(todo))
+        self.observer.producer_recreated(self.name, reason)
         self._session = _Session(may_hold_id=False)  # it may start while the brokers are still away
         self._producer = self._new_producer(self._session)  # the old instance is destroyed without waiting for it
         self._recreate_after = time.monotonic() + self._recreate_delay

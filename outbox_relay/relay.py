@@ -33,6 +33,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import store
 from .backoff import Backoff
 from .errors import CheckpointFailed, LeaseLost, SinkDropped, describe_error
+from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor
 from .settings import RelaySettings
 from .sink import Aborted, AsyncConn, Outcomes, Sink
@@ -168,6 +169,7 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
             continue
         outcome = outcomes[e.id]
         if outcome is None:
+            cp.delivered.append(e)
             if e.parked:
                 cp.done.append(e)
             continue
@@ -200,6 +202,7 @@ class SinkRunner:
         self.abort = threading.Event()  # hard stop: drop the batch in flight
         self.fatal: SinkDropped | None = None  # why the runner stopped by itself (the worker stops too)
         self.listening: Callable[[], bool] = lambda: False  # whether notifications reach it (set by the worker)
+        self.observer: Observer = NULL_OBSERVER
         # Runner thread only:
         self._cursors: dict[int, Cursor] = {}  # held bucket -> its cursor as written in outbox.cursors
         # Held buckets whose read cursor passed an empty delta (nothing to deliver there): written
@@ -230,6 +233,7 @@ class SinkRunner:
             except Exception as exc:  # one failure never kills the worker
                 failures += 1
                 delay = CYCLE_BACKOFF.delay(failures)
+                self.observer.cycle_failed(self.sink.name, describe_error(exc))
                 log.warning("sink %s: cycle failed (%s); retrying in %.1fs", self.sink.name, describe_error(exc),
                             delay)
                 self._pause(delay)
@@ -311,6 +315,7 @@ class SinkRunner:
             if surplus:
                 store.announce_buckets(conn, store.release_leases(conn, self.sink.name, self.worker, surplus))
                 self.leases.drop(surplus.keys(), surplus)
+                self.observer.leases(self.sink.name, released=len(surplus))
                 log.info("sink %s: released %d buckets", self.sink.name, len(surplus))
             wanted = desired - held.keys()
             if wanted and not self.draining.is_set():
@@ -321,6 +326,7 @@ class SinkRunner:
                     # a dropped sink looks like (its cursors are gone). Never idle silently on one.
                     store.check_sink(self.sink.name, store.sink_state(conn, self.sink.name))
                 if acquired:
+                    self.observer.leases(self.sink.name, acquired=len(acquired))
                     self.leases.add({b: a.fence for b, a in acquired.items()})
                     self._cursors.update({b: a.cursor for b, a in acquired.items()})
                     for b in acquired:
@@ -343,6 +349,7 @@ class SinkRunner:
             kept = store.renew_leases(conn, self.sink.name, self.worker, fences, self.settings.lease_seconds)
         lost = set(fences) - kept
         if lost:
+            self.observer.leases(self.sink.name, lost=len(lost))
             log.warning("sink %s: lost the lease on %d buckets (fenced out)", self.sink.name, len(lost))
             self.leases.drop(lost, fences)
 
@@ -354,6 +361,7 @@ class SinkRunner:
             self._flush_ahead(fences)
             with self.pool.connection() as conn:
                 store.announce_buckets(conn, store.release_leases(conn, self.sink.name, self.worker, fences))
+            self.observer.leases(self.sink.name, released=len(fences))
             log.info("sink %s: released all %d buckets", self.sink.name, len(fences))
         except Exception as exc:
             log.warning("sink %s: could not release leases (%s); they will expire", self.sink.name, exc)
@@ -537,6 +545,7 @@ class SinkRunner:
     def _fenced(self, cp: Checkpoint, ok: set[int], in_tx: bool) -> set[int]:
         lost = set(cp.fences) - ok
         if lost:
+            self.observer.leases(self.sink.name, lost=len(lost))
             log.warning("sink %s: fenced out of %d buckets; their batch is discarded and will be redelivered "
                         "by the new owner", self.sink.name, len(lost))
             self.leases.drop(lost, cp.fences)
@@ -551,9 +560,17 @@ class SinkRunner:
                 self._ahead.pop(b, None)
         if cp.park:
             self._check_parked_at = 0.0
-        for e, attempts, error in cp.dead:
+        dead = [(e, attempts, error) for e, attempts, error in cp.dead if e.bucket in ok]
+        for e, attempts, error in dead:
             log.error("sink %s: event %s (key %r, type %s) dead-lettered after %d attempts: %s",
                       self.sink.name, e.id, e.key, e.type, attempts, error)
+        delivered = [e for e in cp.delivered if e.bucket in ok]
+        retried = sum(1 for e, _, _, error in cp.park if error is not None and e.bucket in ok)
+        if delivered or retried or dead:
+            at = cp.landed_at
+            latencies = [(at - e.stored_at).total_seconds() for e in delivered if at and e.stored_at]
+            self.observer.batch(self.sink.name, size=len(delivered) + retried + len(dead), delivered=len(delivered),
+                                retried=retried, dead=len(dead), latencies=latencies)
 
 
 class _BatchCommit:

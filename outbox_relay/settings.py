@@ -73,6 +73,14 @@ class RelaySettings(BaseSettings):
         default_factory=list, description="run this projection (repeatable; in the environment: comma-separated)")
     source: str = Field("outbox-relay", min_length=1, max_length=1000, description="CloudEvents ce_source header value")
 
+    # observability
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="serve /metrics (Prometheus), /healthz and /readyz on this port (off when unset)")
+    metrics_host: str = Field("0.0.0.0", min_length=1, description="address the metrics port listens on")
+    metrics_refresh_seconds: float = Field(
+        15.0, ge=1, le=3600, description="how often the outbox-wide gauges (backlog, lagging keys) are read")
+
     # batching and leases
     batch_size: int = Field(1000, ge=1, le=100_000, description="events read per fetch")
     lease_seconds: float = Field(30.0, ge=0.1, le=3600, description="bucket lease; renewed every third of it")

@@ -37,6 +37,7 @@ class StoredEvent:
     blocked: bool = False  # an older event of this key is parked
     parked: bool = False  # read from outbox.parked (a retry), not from past the cursor
     last_error: str | None = None  # parked events: why the last attempt failed
+    stored_at: datetime | None = None  # created_at: when its transaction stored it (the database's clock)
 
     @property
     def position(self) -> tuple[int, int]:
@@ -61,6 +62,8 @@ class Checkpoint:
     done: list[StoredEvent] = field(default_factory=list)  # parked events that left the park
     dead: list[tuple[StoredEvent, int, str]] = field(default_factory=list)  # attempts, error
     resets: set[int] = field(default_factory=set)  # buckets that proved healthy: lapses back to 0
+    delivered: list[StoredEvent] = field(default_factory=list)  # what the sink delivered (for observers)
+    landed_at: datetime | None = None  # the database's clock when the checkpoint was written (set by it)
 
     def params(self, sink: str, worker: str) -> dict[str, Any]:
         buckets = sorted(self.fences)
@@ -169,7 +172,7 @@ def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int,
     rows = cur.fetchall()
     now = Snapshot.parse(rows[-1][11])  # the last row always carries it
     # Per bucket in (xid, seq) order: the delta's delivery order (positions.py).
-    events = sorted((stored_event(r, blocked=r[10]) for r in rows if r[3] is not None),
+    events = sorted((stored_event(r, blocked=r[10], stored_at=r[12]) for r in rows if r[3] is not None),
                     key=lambda e: (e.bucket, e.xid, e.seq))
     return Read(events, now)
 
@@ -179,7 +182,7 @@ def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_k
         query("relay", "fetch_parked"),
         {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key},
     ).fetchall()
-    return [stored_event(r, attempts=r[10], parked=True, last_error=r[11]) for r in rows]
+    return [stored_event(r, attempts=r[10], parked=True, last_error=r[11], stored_at=r[12]) for r in rows]
 
 
 def next_parked_retry(conn: Conn, sink: str, buckets: Sequence[int]) -> float | None:
@@ -197,7 +200,9 @@ def checkpoint(conn: Conn, sink: str, worker: str, cp: Checkpoint) -> set[int]:
     """Write the batch outcome; returns the buckets whose fence held (the others were lost)."""
     if not cp.fences:
         return set()
-    return {r[0] for r in conn.execute(query("relay", "checkpoint"), cp.params(sink, worker)).fetchall()}
+    rows = conn.execute(query("relay", "checkpoint"), cp.params(sink, worker)).fetchall()
+    cp.landed_at = rows[0][1] if rows else None
+    return {r[0] for r in rows}
 
 
 async def acheckpoint(conn: psycopg.AsyncConnection[Any], sink: str, worker: str, cp: Checkpoint) -> set[int]:
@@ -205,7 +210,9 @@ async def acheckpoint(conn: psycopg.AsyncConnection[Any], sink: str, worker: str
     if not cp.fences:
         return set()
     cur = await conn.execute(query("relay", "checkpoint"), cp.params(sink, worker))
-    return {r[0] for r in await cur.fetchall()}
+    rows = await cur.fetchall()
+    cp.landed_at = rows[0][1] if rows else None
+    return {r[0] for r in rows}
 
 
 # -- membership -------------------------------------------------------------------------

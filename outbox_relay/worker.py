@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Protocol
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -29,12 +30,21 @@ from .dsn import connection_problem, probe_connection, redact
 from .errors import ConfigurationError, OutboxError
 from .housekeeping import Housekeeping, application_name
 from .migrate import check_schema
+from .observer import NULL_OBSERVER, Observer
 from .relay import DeliveryGate, SinkRunner
 from .settings import RelaySettings
 from .sink import Sink
 from .store import Conn
 
 log = logging.getLogger("outbox_relay.worker")
+
+
+class Service(Protocol):
+    """Something that lives as long as a worker (the metrics server)."""
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
 
 NOTIFY_CHANNEL = "outbox_events_v2"  # payload: the buckets a statement wrote, comma-separated
 MEMBERSHIP_CHANNEL = "outbox_membership_v1"  # payload: a sink whose assignment changed
@@ -51,12 +61,13 @@ class Worker:
     """One relay process's engine around the sinks it is given (compose.build_worker makes them from
     settings)."""
 
-    def __init__(self, settings: RelaySettings, sinks: list[Sink]) -> None:
+    def __init__(self, settings: RelaySettings, sinks: list[Sink], observer: Observer = NULL_OBSERVER) -> None:
         self.settings = settings
         self.id = settings.worker_id
         self.stopping = threading.Event()  # drain requested
         self.stopped = threading.Event()  # all threads should exit now
         self._sinks = sinks
+        self.observer = observer
         self.runners: list[SinkRunner] = []
         self.pool: ConnectionPool[Conn] | None = None
         self._threads: list[threading.Thread] = []
@@ -64,6 +75,8 @@ class Worker:
         # Written by the listener thread, read by heartbeats: `status` shows relays that only poll.
         self.listening = False
         self.membership_changed = threading.Event()  # another relay stored a new assignment
+        self.services: list[Service] = []  # started with the worker, closed after it (metrics server)
+        self._beat_ok_at: float | None = None  # monotonic time of the last heartbeat that reached the database
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -74,6 +87,8 @@ class Worker:
         sinks = self._sinks
         if not sinks:
             raise ConfigurationError("no sink to run: enable --kafka or name a --projection")
+        for service in self.services:  # first: a health endpoint answers (503) while the database is away
+            service.start()
         # One connection for the runners' reads and checkpoints, heartbeats and housekeeping, which each
         # hold it for one statement (a Kafka sink not while it waits for acks; a projection applies its
         # batch on a connection of its own); one more per further sink. Plus the LISTEN connection.
@@ -84,6 +99,7 @@ class Worker:
         self.runners = [SinkRunner(sink, self.pool, s, gate=gate) for sink in sinks]
         for runner in self.runners:
             runner.listening = lambda: self.listening
+            runner.observer = self.observer
         try:
             self._beat()
         except (psycopg.OperationalError, PoolTimeout) as exc:  # the membership thread tries again
@@ -180,6 +196,39 @@ class Worker:
             r.draining.set()
         self._wake_all()
 
+    # -- health (the metrics server's /healthz and /readyz) ----------------------------------
+
+    def health(self) -> list[str]:
+        """Why this relay is not alive and in touch with its database; empty when it is."""
+        if self.stopped.is_set():
+            return ["stopped"]
+        if self._beat_ok_at is None:
+            return ["not registered yet (waiting for the database)"]
+        silent = time.monotonic() - self._beat_ok_at
+        if silent > self.settings.worker_ttl_seconds:
+            return [f"no heartbeat reached the database for {silent:.0f}s"]
+        return []
+
+    def readiness(self) -> list[str]:
+        """Why this relay is not doing its share; empty when it holds every bucket it should and its
+        sinks can reach what they deliver to."""
+        problems = self.health()
+        if self.stopping.is_set():
+            problems.append("draining")
+        for r in self.runners:
+            desired = r.desired
+            if desired is None:
+                problems.append(f"sink {r.sink.name}: no assignment yet")
+                continue
+            missing = desired - r.leases.snapshot().keys()
+            if missing:
+                problems.append(f"sink {r.sink.name}: {len(missing)} of its {len(desired)} buckets not leased yet")
+            check: Callable[[], str | None] | None = getattr(r.sink, "problem", None)
+            problem = check() if check is not None else None
+            if problem:
+                problems.append(f"sink {r.sink.name}: {problem}")
+        return problems
+
     def _check_fatal(self) -> None:
         fatal = next((r.fatal for r in self.runners if r.fatal is not None), None)
         if fatal is not None and self.fatal is None:
@@ -213,6 +262,8 @@ class Worker:
                 r.sink.close()
             if self.pool is not None:
                 self.pool.close()
+            for service in self.services:
+                service.close()
         log.info("worker %s stopped", self.id)
 
     # -- threads ---------------------------------------------------------------------------
@@ -272,7 +323,9 @@ class Worker:
                 "listening": self.listening if self.settings.listen else None}
         by_sink = {r.sink.name: r for r in self.runners}
         with self.pool.connection() as conn:
-            for m in store.heartbeat(conn, self.id, status, list(by_sink), meta, self.settings.worker_ttl_seconds):
+            memberships = store.heartbeat(conn, self.id, status, list(by_sink), meta, self.settings.worker_ttl_seconds)
+            self._beat_ok_at = time.monotonic()
+            for m in memberships:
                 owners = m.owners
                 if m.live != m.members:
                     owners = rebalance(m.owners, m.live)
@@ -303,6 +356,10 @@ class Worker:
         while not self.stopping.wait(interval * (0.75 + 0.5 * (time.monotonic() % 1))):
             try:
                 result = hk.run_once(min_gap_seconds=interval)
+                if result.ran:
+                    self.observer.housekeeping(seconds=result.seconds, dead_workers=result.dead_workers,
+                                               expired_leases=result.expired_leases,
+                                               deleted_events=result.deleted_events)
                 if result.expired_leases or result.dead_workers:
                     self._wake_all()
             except Exception as exc:

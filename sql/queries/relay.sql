@@ -54,7 +54,7 @@ blocked AS (
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
        e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
        e.partition_key IN (SELECT partition_key FROM blocked) AS blocked,
-       (SELECT snapshot::text FROM now) AS now
+       (SELECT snapshot::text FROM now) AS now, e.created_at AS stored_at
 FROM wanted w
 CROSS JOIN LATERAL (
     SELECT d.*
@@ -90,7 +90,7 @@ CROSS JOIN LATERAL (
 ) e
 UNION ALL
 -- One row carrying the current snapshot even when no bucket has anything to read.
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT snapshot::text FROM now);
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT snapshot::text FROM now), NULL;
 
 -- name: fetch_parked
 -- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it.
@@ -107,7 +107,8 @@ due AS (
     LIMIT %(keys)s
 )
 SELECT q.bucket, q.xid::text::bigint AS xid, q.seq, e.id, e.partition_key, e.topic, e.type,
-       e.payload::text, e.headers::text, coalesce(e.occurred_at, e.created_at), q.attempts, q.last_error
+       e.payload::text, e.headers::text, coalesce(e.occurred_at, e.created_at), q.attempts, q.last_error,
+       e.created_at AS stored_at
 FROM due d
 CROSS JOIN LATERAL (
     SELECT * FROM outbox.parked q
@@ -182,4 +183,4 @@ dead AS (
     ON CONFLICT (sink, event_id) DO UPDATE
         SET attempts = EXCLUDED.attempts, last_error = EXCLUDED.last_error, dead_at = clock_timestamp()
 )
-SELECT bucket FROM fenced;
+SELECT bucket, clock_timestamp() FROM fenced;

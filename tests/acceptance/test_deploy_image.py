@@ -33,7 +33,6 @@ import pytest
 import yaml
 
 from outbox_relay import Outbox
-from outbox_relay.settings import RelaySettings
 from tests.servers import consume_all, docker_available, free_port, wait_until
 
 pytestmark = pytest.mark.slow
@@ -159,11 +158,10 @@ def test_the_manifests_containers_run_from_the_installed_wheel(
                 conn, type="deploy.checked", key=f"k-{uuid.uuid4().hex[:8]}", payload={"ok": True})
         (message,) = consume_all(kafka_bootstrap, kafka_topic, 1, timeout=60)
         assert message.headers["ce_id"] == str(published.id), log.read_text()
-        if "metrics_port" in RelaySettings.model_fields:  # issue 9 items 1-2: the probes, for real
-            for probe_name, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
-                assert relay[probe_name]["httpGet"]["path"] == path
-                url = f"http://127.0.0.1:{metrics_port}{path}"
-                wait_until(lambda url=url: _http_status(url) == 200, 60, 0.2, f"{url} to answer 200")
+        for probe_name, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):  # for real
+            assert relay[probe_name]["httpGet"]["path"] == path
+            url = f"http://127.0.0.1:{metrics_port}{path}"
+            wait_until(lambda url=url: _http_status(url) == 200, 60, 0.2, f"{url} to answer 200")
         assert proc.poll() is None, log.read_text()
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)

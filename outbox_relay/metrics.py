@@ -1,0 +1,259 @@
+"""Prometheus metrics and health endpoints of a relay (``outbox-relay run --metrics-port PORT``).
+
+One HTTP server per relay process serves:
+
+- ``/metrics``: Prometheus text format. Counters and histograms come from the engine's observer
+  calls (batches, leases, failed cycles, producer replacements, housekeeping). Gauges of the whole
+  outbox (backlog per sink, the oldest undelivered event, parked and dead-lettered events, the keys
+  that lag most, the oldest open writing transaction, when housekeeping last finished) come from a
+  background refresh every ``--metrics-refresh-seconds`` on a short-lived connection of its own, so
+  a scrape never queries the database and never waits for a relay's connection.
+- ``/healthz``: 200 while the process is up and its last heartbeat reached the database within
+  ``--worker-ttl-seconds``; else 503. For a liveness probe.
+- ``/readyz``: 200 when it is healthy, not draining, holds every bucket it should, and its sinks can
+  reach what they deliver to (a Kafka sink: its brokers answer a metadata request); else 503 with the
+  reasons. For a readiness probe (a rolling deploy moves on once the new relay has taken its share).
+
+Each metric's name and help text is below; docs/operations.md has the dashboard and alert rules.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .dsn import redact
+from .errors import describe_error
+from .observer import Observer
+from .sqlfiles import query
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+log = logging.getLogger("outbox_relay.metrics")
+
+PREFIX = "outbox_relay"
+TOP_KEYS = 10  # per sink, the keys with most undelivered events and with the oldest one
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class PrometheusObserver(Observer):
+    """The engine's observer calls as Prometheus counters and histograms (thread-safe: the
+    prometheus_client types are)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry=registry)
+
+        self.delivered = counter("events_delivered_total", "Events delivered (acknowledged by Kafka with an "
+                                 "offset, or applied by a projection)", ["sink"])
+        self.retried = counter("events_retried_total", "Delivery attempts that failed and wait for a retry", ["sink"])
+        self.dead = counter("events_dead_lettered_total", "Events given up on (dead letters)", ["sink"])
+        self.lease_changes = counter("lease_changes_total", "Bucket leases acquired, lost (fenced out by "
+                                     "another relay) or released by this relay", ["sink", "change"])
+        self.cycle_failures = counter("cycle_failures_total", "Runner cycles that failed as a whole", ["sink"])
+        self.recreations = counter("producer_recreations_total", "Kafka producers replaced (a broker that "
+                                   "forgot the producer, a fatal error, a stall)", ["sink"])
+        self.housekeeping_runs = counter("housekeeping_runs_total", "Housekeeping passes this relay ran")
+        self.expired = counter("leases_expired_total", "Leases found expired and freed by this relay's housekeeping")
+        self.deleted = counter("retention_deleted_total", "Delivered events deleted by retention on this relay")
+        self.latency = Histogram(f"{PREFIX}_delivery_latency_seconds", "From an event's storing (its "
+                                 "transaction's start) to the checkpoint after its delivery, by the database's "
+                                 "clock", ["sink"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.batch_size = Histogram(f"{PREFIX}_batch_size_events", "Events per checkpointed batch", ["sink"],
+                                    buckets=BATCH_BUCKETS, registry=registry)
+        self.housekeeping_seconds = Histogram(f"{PREFIX}_housekeeping_duration_seconds",
+                                              "How long this relay's housekeeping passes took", registry=registry)
+
+    def batch(self, sink: str, *, size: int, delivered: int, retried: int, dead: int,
+              latencies: Sequence[float]) -> None:
+        self.delivered.labels(sink).inc(delivered)
+        if retried:
+            self.retried.labels(sink).inc(retried)
+        if dead:
+            self.dead.labels(sink).inc(dead)
+        self.batch_size.labels(sink).observe(size)
+        histogram = self.latency.labels(sink)
+        for seconds in latencies:
+            histogram.observe(max(0.0, seconds))
+
+    def leases(self, sink: str, *, acquired: int = 0, lost: int = 0, released: int = 0) -> None:
+        for change, n in (("acquired", acquired), ("lost", lost), ("released", released)):
+            if n:
+                self.lease_changes.labels(sink, change).inc(n)
+
+    def cycle_failed(self, sink: str, error: str) -> None:
+        self.cycle_failures.labels(sink).inc()
+
+    def producer_recreated(self, sink: str, reason: str) -> None:
+        self.recreations.labels(sink).inc()
+
+    def housekeeping(self, *, seconds: float, dead_workers: int, expired_leases: int, deleted_events: int) -> None:
+        self.housekeeping_runs.inc()
+        self.housekeeping_seconds.observe(seconds)
+        self.expired.inc(expired_leases)
+        self.deleted.inc(deleted_events)
+
+
+class OutboxGauges(Collector):
+    """Gauges of the relay process (read at scrape time) and of the whole outbox (the last background
+    refresh; ``outbox_relay_metrics_refresh_age_seconds`` says how old it is)."""
+
+    def __init__(self, worker: Worker, dsn: str, refresh_seconds: float) -> None:
+        self.worker = worker
+        self.dsn = dsn
+        self.refresh_seconds = refresh_seconds
+        self._lock = threading.Lock()
+        self._sinks: list[tuple[str, int, float | None, int, int]] = []
+        self._keys: list[tuple[str, str, int, float]] = []
+        self._cluster: tuple[float | None, float | None] = (None, None)
+        self._refreshed: float | None = None  # monotonic time of the last good refresh
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="metrics-refresh", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.refresh()
+            self._stop.wait(self.refresh_seconds)
+
+    def refresh(self) -> None:
+        try:
+            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=10,
+                                 application_name="outbox-relay metrics") as conn:
+                conn.execute("SET statement_timeout = '30s'")
+                sinks = [(r[0], int(r[1]), r[2], int(r[3]), int(r[4]))
+                         for r in conn.execute(query("metrics", "sinks")).fetchall()]
+                keys = [(r[0], r[1], int(r[2]), float(r[3]))
+                        for r in conn.execute(query("metrics", "key_lag"), {"top": TOP_KEYS}).fetchall()]
+                row = conn.execute(query("metrics", "cluster")).fetchone()
+        except psycopg.Error as exc:
+            log.warning("metrics: could not refresh the outbox gauges: %s", redact(describe_error(exc)))
+            return
+        with self._lock:
+            self._sinks, self._keys = sinks, keys
+            self._cluster = (row[0], row[1]) if row else (None, None)
+            self._refreshed = time.monotonic()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        w = self.worker
+        held = GaugeMetricFamily(f"{PREFIX}_buckets_held", "Buckets this relay holds a lease on", labels=["sink"])
+        wanted = GaugeMetricFamily(f"{PREFIX}_buckets_assigned", "Buckets the assignment gives this relay",
+                                   labels=["sink"])
+        for r in w.runners:
+            held.add_metric([r.sink.name], len(r.leases.snapshot()))
+            wanted.add_metric([r.sink.name], len(r.desired or ()))
+        yield held
+        yield wanted
+        yield GaugeMetricFamily(f"{PREFIX}_listening", "1 while the LISTEN connection is up (else the relay polls)",
+                                value=1.0 if w.listening else 0.0)
+        yield GaugeMetricFamily(f"{PREFIX}_draining", "1 once the relay is draining", value=float(w.stopping.is_set()))
+        with self._lock:
+            sinks, keys, cluster, refreshed = self._sinks, self._keys, self._cluster, self._refreshed
+        age = GaugeMetricFamily(f"{PREFIX}_metrics_refresh_age_seconds",
+                                "Seconds since the outbox gauges below were read from the database")
+        if refreshed is not None:
+            age.add_metric([], time.monotonic() - refreshed)
+        yield age
+        pending = GaugeMetricFamily(f"{PREFIX}_pending_events", "Committed events a sink has not delivered yet",
+                                    labels=["sink"])
+        oldest = GaugeMetricFamily(f"{PREFIX}_oldest_pending_age_seconds",
+                                   "Age of the oldest committed event a sink has not delivered yet", labels=["sink"])
+        parked = GaugeMetricFamily(f"{PREFIX}_parked_events", "Events waiting for a retry, or behind one of their "
+                                   "key", labels=["sink"])
+        dead = GaugeMetricFamily(f"{PREFIX}_dead_letters", "Dead letters", labels=["sink"])
+        for name, n, age_s, n_parked, n_dead in sinks:
+            pending.add_metric([name], n)
+            oldest.add_metric([name], age_s or 0.0)
+            parked.add_metric([name], n_parked)
+            dead.add_metric([name], n_dead)
+        yield from (pending, oldest, parked, dead)
+        key_pending = GaugeMetricFamily(f"{PREFIX}_key_pending_events", f"Undelivered events of the {TOP_KEYS} "
+                                        "keys with most, and of the keys that wait longest, per sink",
+                                        labels=["sink", "key"])
+        key_oldest = GaugeMetricFamily(f"{PREFIX}_key_oldest_pending_age_seconds", "Age of the oldest undelivered "
+                                       "event of the same keys", labels=["sink", "key"])
+        for sink, key, n, age_s in keys:
+            key_pending.add_metric([sink, key], n)
+            key_oldest.add_metric([sink, key], age_s)
+        yield key_pending
+        yield key_oldest
+        open_tx = GaugeMetricFamily(f"{PREFIX}_oldest_writing_transaction_age_seconds",
+                                    "Age of the oldest open writing transaction on the server (0: none)")
+        open_tx.add_metric([], cluster[0] or 0.0)
+        yield open_tx
+        housekeeping = GaugeMetricFamily(f"{PREFIX}_housekeeping_last_finished_age_seconds",
+                                         "Seconds since housekeeping (on any relay) last finished a pass")
+        if cluster[1] is not None:
+            housekeeping.add_metric([], cluster[1])
+        yield housekeeping
+
+
+class MetricsServer:
+    """``/metrics``, ``/healthz`` and ``/readyz`` on one port, for a worker's lifetime."""
+
+    def __init__(self, worker: Worker, registry: CollectorRegistry, host: str, port: int,
+                 refresh_seconds: float) -> None:
+        self.worker = worker
+        self.registry = registry
+        self.gauges = OutboxGauges(worker, worker.settings.dsn.get_secret_value(), refresh_seconds)
+        registry.register(self.gauges)
+        self.server = ThreadingHTTPServer((host, port), _handler(self))
+        self.server.daemon_threads = True
+        self._thread = threading.Thread(target=self.server.serve_forever, name="metrics-http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    def start(self) -> None:
+        self.gauges.start()
+        self._thread.start()
+        log.info("metrics, /healthz and /readyz on port %d", self.port)
+
+    def close(self) -> None:
+        self.gauges.stop()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, CONTENT_TYPE_LATEST, generate_latest(server.registry))
+            elif path in ("/healthz", "/readyz"):
+                problems = server.worker.health() if path == "/healthz" else server.worker.readiness()
+                body = json.dumps({"ok": not problems, "problems": problems}).encode()
+                self._send(503 if problems else 200, "application/json", body)
+            else:
+                self._send(404, "text/plain", b"not found: /metrics, /healthz, /readyz\n")
+
+        def _send(self, status: int, content_type: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # probes every few seconds would flood the log
+
+    return Handler

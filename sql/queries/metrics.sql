@@ -1,0 +1,50 @@
+-- Queries of the metrics endpoint (outbox_relay/metrics.py), refreshed in the background every
+-- --metrics-refresh-seconds on a connection of their own, never on a scrape or a relay's path.
+
+-- name: sinks
+-- Per live sink: committed events not yet delivered, the age of the oldest, parked and dead-lettered.
+SELECT s.name,
+       coalesce(sum(b.pending), 0)::bigint,
+       extract(epoch FROM clock_timestamp() - min(b.oldest))::float8,
+       (SELECT count(*) FROM outbox.parked p WHERE p.sink = s.name),
+       (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = s.name)
+FROM outbox.sinks s
+JOIN outbox.cursors c ON c.sink = s.name
+CROSS JOIN LATERAL (
+    -- An index range per bucket, from the oldest transaction its cursor has not seen.
+    SELECT count(*) AS pending, min(e.created_at) AS oldest
+    FROM outbox.events e
+    WHERE e.bucket = c.bucket AND e.xid >= pg_snapshot_xmin(c.snapshot)
+      AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq)
+) b
+WHERE s.dropped_at IS NULL
+GROUP BY s.name;
+
+-- name: key_lag
+-- Per sink, the keys with the most undelivered events and those whose oldest undelivered event is the
+-- oldest: the top %(top)s of each.
+WITH undelivered AS (
+    SELECT c.sink, e.partition_key, count(*) AS pending, min(e.created_at) AS oldest
+    FROM outbox.cursors c
+    JOIN outbox.events e ON e.bucket = c.bucket AND e.xid >= pg_snapshot_xmin(c.snapshot)
+                        AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq)
+    GROUP BY c.sink, e.partition_key
+),
+ranked AS (
+    SELECT u.*,
+           row_number() OVER (PARTITION BY u.sink ORDER BY u.pending DESC, u.partition_key) AS by_count,
+           row_number() OVER (PARTITION BY u.sink ORDER BY u.oldest, u.partition_key) AS by_age
+    FROM undelivered u
+)
+SELECT sink, partition_key, pending, extract(epoch FROM clock_timestamp() - oldest)::float8
+FROM ranked
+WHERE by_count <= %(top)s OR by_age <= %(top)s;
+
+-- name: cluster
+-- The oldest open writing transaction on the server (seconds; NULL: none), and seconds since
+-- housekeeping last finished.
+SELECT (SELECT extract(epoch FROM clock_timestamp() - min(xact_start))::float8
+        FROM pg_stat_activity WHERE backend_xid IS NOT NULL),
+       (SELECT CASE WHEN finished_at = '-infinity' THEN NULL
+                    ELSE extract(epoch FROM clock_timestamp() - finished_at)::float8 END
+        FROM outbox.housekeeping);

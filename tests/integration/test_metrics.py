@@ -1,0 +1,157 @@
+"""/metrics, /healthz and /readyz of a real relay delivering to a real broker, read by real scrapes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from outbox_relay import Outbox
+from outbox_relay.compose import build_worker
+from outbox_relay.settings import RelaySettings
+from outbox_relay.worker import Worker
+from tests.integration.relay_helpers import dead_letters
+from tests.servers import KafkaServer, free_port, require_restartable, wait_until
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def probe(port: int, path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+@pytest.fixture
+def relay(dsn: str, kafka_bootstrap: str, kafka_topic: str) -> Iterator[tuple[Worker, int]]:
+    port = free_port()
+    settings = RelaySettings(dsn=dsn, worker_id="metered", kafka_bootstrap_servers=kafka_bootstrap,
+                             default_topic=kafka_topic, metrics_port=port, metrics_host="127.0.0.1",
+                             metrics_refresh_seconds=1, heartbeat_seconds=0.2, worker_ttl_seconds=2,
+                             housekeeping_seconds=0.5, lease_seconds=5, listen=True, kafka_stall_seconds=5)
+    worker = build_worker(settings)
+    waiter = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    waiter.start()
+    try:
+        yield worker, port
+    finally:
+        worker.drain()
+        waiter.join(30)
+
+
+def test_a_scrape_shows_what_the_relay_did_and_the_probes_say_it_is_ready(
+        dsn: str, kafka_topic: str, relay: tuple[Worker, int]) -> None:
+    worker, port = relay
+    wait_until(lambda: probe(port, "/readyz")[0] == 200, 20, message="the relay to be ready")
+    assert probe(port, "/healthz") == (200, {"ok": True, "problems": []})
+    outbox = Outbox(default_topic=kafka_topic)
+    with psycopg.connect(dsn) as conn:
+        outbox.publish_many(conn, [{"type": "t", "key": f"k{i % 7}", "payload": {"i": i}} for i in range(40)])
+        outbox.publish(conn, type="t", key="huge", payload={"blob": "x" * 2_000_000})  # over the broker's limit
+
+    def counted() -> Any:
+        s = scrape(port)
+        return (value(s, "outbox_relay_events_delivered_total", sink="kafka") == 40
+                and value(s, "outbox_relay_events_dead_lettered_total", sink="kafka") == 1) and s
+
+    samples = wait_until(counted, 20, message="the counters to show 40 delivered and 1 dead letter")
+    assert value(samples, "outbox_relay_delivery_latency_seconds_count", sink="kafka") == 40
+    assert value(samples, "outbox_relay_buckets_held", sink="kafka") == 256
+    assert value(samples, "outbox_relay_buckets_assigned", sink="kafka") == 256
+    assert value(samples, "outbox_relay_lease_changes_total", sink="kafka", change="acquired") == 256
+    assert value(samples, "outbox_relay_listening") == 1.0
+    assert len(dead_letters(dsn, "kafka")) == 1
+
+    # The outbox-wide gauges come from the background refresh: nothing pending, one dead letter.
+    def refreshed() -> Any:
+        s = scrape(port)
+        return (value(s, "outbox_relay_dead_letters", sink="kafka") == 1
+                and value(s, "outbox_relay_pending_events", sink="kafka") == 0) and s
+
+    samples = wait_until(refreshed, 10, message="the outbox gauges to be refreshed")
+    assert value(samples, "outbox_relay_oldest_pending_age_seconds", sink="kafka") == 0
+    assert value(samples, "outbox_relay_housekeeping_last_finished_age_seconds") is not None
+    assert wait_until(lambda: value(scrape(port), "outbox_relay_housekeeping_runs_total") or 0, 10) >= 1
+
+    worker.drain()
+    status, body = probe(port, "/readyz")
+    assert status == 503 and "draining" in body["problems"]
+
+
+def test_the_keys_that_lag_are_named(dsn: str, kafka_topic: str, relay: tuple[Worker, int]) -> None:
+    """A second sink that no relay runs lags on every key: the top keys show up with their counts."""
+    _, port = relay
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        from outbox_relay import store
+
+        store.register_sink(conn, "stalled", "projection")
+    outbox = Outbox(default_topic=kafka_topic)
+    with psycopg.connect(dsn) as conn:
+        outbox.publish_many(conn, [{"type": "t", "key": "hot", "payload": {}} for _ in range(30)]
+                            + [{"type": "t", "key": f"cold-{i}", "payload": {}} for i in range(3)])
+
+    def lagging() -> Any:
+        s = scrape(port)
+        return value(s, "outbox_relay_key_pending_events", sink="stalled", key="hot") == 30 and s
+
+    samples = wait_until(lagging, 15, message="the hot key's lag to show")
+    assert value(samples, "outbox_relay_pending_events", sink="stalled") == 33
+    assert (value(samples, "outbox_relay_key_oldest_pending_age_seconds", sink="stalled", key="hot") or 0) >= 0
+    assert value(samples, "outbox_relay_key_pending_events", sink="kafka", key="hot") is None, "kafka keeps up"
+
+
+def test_readiness_follows_the_broker(kafka_server: KafkaServer, relay: tuple[Worker, int]) -> None:
+    require_restartable(kafka_server)
+    _, port = relay
+    wait_until(lambda: probe(port, "/readyz")[0] == 200, 20, message="the relay to be ready")
+    kafka_server.stop()
+    try:
+        _, body = wait_until(lambda: (r := probe(port, "/readyz"))[0] == 503 and r, 20,
+                             message="/readyz to notice the broker is gone")
+        assert any("Kafka brokers do not answer" in p for p in body["problems"]), body
+        assert probe(port, "/healthz")[0] == 200, "the relay itself is fine"
+    finally:
+        kafka_server.start()
+    wait_until(lambda: probe(port, "/readyz")[0] == 200, 30, message="/readyz once the broker is back")
+
+
+def test_the_health_endpoint_answers_while_the_database_is_away(kafka_bootstrap: str) -> None:
+    port = free_port()
+    settings = RelaySettings(dsn="postgresql://nobody@127.0.0.1:1/none?connect_timeout=1", worker_id="early",
+                             kafka_bootstrap_servers=kafka_bootstrap, metrics_port=port, metrics_host="127.0.0.1")
+    worker = build_worker(settings)
+    waiter = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    waiter.start()
+    try:
+        status, body = wait_until(lambda: (r := _try_probe(port, "/healthz")) and r, 10,
+                                  message="the health endpoint to answer")
+        assert status == 503 and "waiting for the database" in body["problems"][0]
+    finally:
+        worker.drain()
+        waiter.join(30)
+
+
+def _try_probe(port: int, path: str) -> tuple[int, dict[str, Any]] | None:
+    try:
+        return probe(port, path)
+    except OSError:
+        return None
