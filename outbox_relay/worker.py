@@ -272,17 +272,24 @@ class Worker:
         for r in self.runners:
             r.wake.set()
 
+    def _read_everything(self) -> None:
+        """Notifications may have been missed (LISTEN connection lost): every runner reads all its buckets."""
+        for r in self.runners:
+            r.hints.everything()
+            r.wake.set()
+
     def _wake_owners(self, payload: str) -> None:
         """Wake the runners that hold or want one of the buckets a commit wrote or a relay freed (all,
         if the payload is not a list of buckets)."""
         try:
             buckets = [int(b) for b in payload.split(",")]
         except ValueError:
-            self._wake_all()
+            self._read_everything()
             return
         for r in self.runners:
             desired = r.desired  # replaced whole by the membership thread, never mutated
             if r.leases.holds_any(buckets) or (desired is not None and not desired.isdisjoint(buckets)):
+                r.hints.add(buckets)
                 r.wake.set()
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
@@ -373,7 +380,7 @@ class Worker:
                     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     conn.execute(f"LISTEN {MEMBERSHIP_CHANNEL}")
                     self.listening = True
-                    self._wake_all()  # we may have missed notifications while disconnected
+                    self._read_everything()  # notifications may have been missed while disconnected
                     self.membership_changed.set()
                     while not self.stopped.is_set():
                         for note in conn.notifies(timeout=1.0, stop_after=1):
