@@ -1,15 +1,23 @@
 """The testing kit (outbox_relay.testing) against a real PostgreSQL: reading what a test's own
 transaction published, the assertions (passing, and failing with a useful message), and
 apply_projection, checked against what the real relay hands the same projection.
+
+The example test of the order service (examples/test_order_service.py) runs here too, as a user
+runs it: ``pytest examples/test_order_service.py`` with ``OUTBOX_DSN`` set.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 from unittest.mock import ANY
 
@@ -47,6 +55,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
 )
 from tests.servers import sqlalchemy_url
 
+ROOT = Path(__file__).resolve().parents[2]
 outbox = Outbox(default_topic="orders")
 
 TABLES = """
@@ -482,3 +491,16 @@ def test_async_handlers_and_sqlalchemy_connections(shop: str) -> None:
 
     asyncio.run(main())
     assert fetch_all(shop, "SELECT count(*) FROM seen") == [(0,)]
+
+
+# -- the example ---------------------------------------------------------------------------------
+
+
+def test_the_example_test_of_the_order_service_passes(dsn: str) -> None:
+    """examples/test_order_service.py, run as a user runs it (its own conftest, OUTBOX_DSN)."""
+    env = {**os.environ, "OUTBOX_DSN": dsn, "PYTHONDONTWRITEBYTECODE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/test_order_service.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"\b[1-9]\d* passed\b", result.stdout), result.stdout
