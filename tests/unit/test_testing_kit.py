@@ -123,3 +123,11 @@ def test_a_source_that_is_not_one_is_named() -> None:
     with pytest.raises(TypeError, match=r"cannot read events from a list"):
         published(["not an event"])
 
+
+def test_docs_testing_md_names_every_public_name_of_the_kit() -> None:
+    from pathlib import Path
+
+    import outbox_relay.testing as kit
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "testing.md").read_text()
+    assert [name for name in kit.__all__ if f"`{name}" not in doc] == []
