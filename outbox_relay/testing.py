@@ -38,7 +38,14 @@ from projections import Projection, ProjectionEvent
 from projections.declare import describe
 from projections.sink import SWALLOWED_ERROR
 
-from .errors import EventDeadLettered, IdempotencyConflict, NonRetriableDelivery, OutboxError, UnknownEvent
+from .errors import (
+    EventDeadLettered,
+    IdempotencyConflict,
+    InvalidEvent,
+    NonRetriableDelivery,
+    OutboxError,
+    UnknownEvent,
+)
 from .event import Event
 from .publish import Outbox, Published
 from .sink import Failure
@@ -707,10 +714,11 @@ class FakeOutbox(Outbox):
                 results.append(Published(e.id, True))
         for e, _, _ in new:
             if e.id in self._ids:
-                # What the database raises (events_pkey), so that code under test sees the same error.
-                raise psycopg.errors.UniqueViolation(
-                    f'duplicate key value violates unique constraint "events_pkey"\n'
-                    f"DETAIL:  Key (id)=({e.id}) already exists.")
+                # What Outbox raises (its statement finds the id stored and inserts nothing).
+                raise InvalidEvent(
+                    f"invalid event: id: an event with the id {e.id} is already stored; ids are unique (leave id out "
+                    "for a new one; to publish an event again, give it the same idempotency_key); nothing of this "
+                    "call was written")
         for e, payload, fp in new:
             self._ids.add(e.id)
             if e.idempotency_key is not None:

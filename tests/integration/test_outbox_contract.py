@@ -228,11 +228,11 @@ def test_one_event_twice_in_a_batch_is_one_and_two_events_may_not_share_an_id(si
 
 
 def test_an_id_already_stored_is_refused_by_the_database_and_the_fake_alike(side: SideFactory) -> None:
-    # The database refuses it with its own error (events_pkey), which also aborts the caller's
-    # transaction; the fake raises the same error so that code under test sees what it would see.
+    # Found by the publish statement, which then inserts nothing: the caller's transaction goes on
+    # (it was aborted by the primary key's error before).
     s = side()
     first = s.publish(type="A", key="k", payload=1)
-    with pytest.raises(psycopg.errors.UniqueViolation, match=r'"events_pkey"'):
+    with pytest.raises(InvalidEvent, match=rf"an event with the id {first.id} is already stored"):
         s.publish_many([{"type": "B", "key": "k", "payload": 2}, {"type": "A", "key": "k", "payload": 1,
                                                                   "id": first.id}])
     assert [x.type for x in s.events()] == ["A"]
