@@ -36,7 +36,7 @@ from .errors import CheckpointFailed, LeaseLost, SinkDropped, describe_error
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor
 from .settings import RelaySettings
-from .sink import Aborted, AsyncConn, Outcomes, Sink
+from .sink import Aborted, AsyncConn, KeyHold, Outcomes, Sink
 from .store import Checkpoint, Conn, StoredEvent
 
 log = logging.getLogger("outbox_relay.relay")
@@ -189,10 +189,10 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
     the park stay there unless delivered or dead-lettered.
     """
     cp = Checkpoint(fences=fences)
-    stuck: set[str] = set()  # keys whose head is parked in this batch
+    hold = KeyHold()  # keys whose head is parked in this batch (the sink followed the same rule)
     for e in events:
-        if e.blocked or e.key in stuck or e.id not in outcomes:
-            stuck.add(e.key)
+        if e.blocked or not hold.allows(e) or e.id not in outcomes:
+            hold.hold(e.key)
             if not e.parked:
                 cp.park.append((e, e.attempts, 0.0, None))
             continue
@@ -209,7 +209,7 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
                 cp.done.append(e)
         else:
             cp.park.append((e, attempts, backoff.delay(attempts), outcome.error))
-            stuck.add(e.key)
+            hold.hold(e.key)
     return cp
 
 
