@@ -179,6 +179,20 @@ class DeliveryGate:
         self._cond.wait(0.1)
 
 
+def read_limits(buckets: Iterable[int], saturated: set[int], batch_size: int, rotation: int) -> dict[int, int]:
+    """Per-bucket read limits, in an order that rotates with ``rotation`` (the first buckets of a read
+    are served first when the batch fills): the batch budget spread over the buckets, at least
+    MIN_BUCKET_LIMIT each, and the buckets whose last read was full share it when that is more."""
+    order = sorted(buckets)
+    if not order:
+        return {}
+    base = max(MIN_BUCKET_LIMIT, batch_size // len(order))
+    busy = saturated.intersection(order)
+    hot = max(base, batch_size // max(1, len(busy)))
+    start = rotation % len(order)
+    return {b: hot if b in busy else base for b in order[start:] + order[:start]}
+
+
 def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int, int], *,
              max_attempts: int, backoff: Backoff) -> Checkpoint:
     """Turn per-event outcomes into a checkpoint that keeps per-key order.
@@ -405,14 +419,8 @@ class SinkRunner:
         return max(MIN_BUCKET_LIMIT, self.settings.batch_size // max(1, buckets))
 
     def _limits(self, held: dict[int, int]) -> dict[int, int]:
-        """Per-bucket read limits, in a rotating order: busy buckets share the batch budget."""
-        base = self._bucket_limit(len(held))
-        busy = self._saturated & held.keys()
-        hot = max(base, self.settings.batch_size // max(1, len(busy)))
-        order = sorted(held)
-        self._rotation = (self._rotation + 1) % len(order)
-        order = order[self._rotation:] + order[: self._rotation]
-        return {b: hot if b in busy else base for b in order}
+        self._rotation = (self._rotation + 1) % len(held)
+        return read_limits(held, self._saturated, self.settings.batch_size, self._rotation)
 
     def _deliver_new(self, held: dict[int, int]) -> int:
         # Read the buckets notifications named (and those whose last read was full); every held bucket
