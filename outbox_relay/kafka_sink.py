@@ -326,14 +326,14 @@ class KafkaSink:
         the row never changes). Never raises: one bad event must not fail the batch."""
         headers: list[tuple[str, str | bytes | None]] = [
             ("ce_specversion", b"1.0"),
-            ("ce_id", str(e.id).encode()),
+            ("ce_id", e.id_text or str(e.id)),
             ("ce_source", self.source),
-            ("ce_type", e.type.encode()),
-            ("ce_time", e.time.isoformat().encode()),
-            ("ce_sequence", sequence(e.xid, e.seq).encode()),
-            ("ce_partitionkey", e.key.encode()),
+            ("ce_type", e.type),
+            ("ce_time", e.time_text or e.time.isoformat()),
+            ("ce_sequence", e.sequence_text or sequence(e.xid, e.seq)),
+            ("ce_partitionkey", e.key),
             ("content-type", b"application/json"),
-            ("outbox_fence", str(fence).encode()),
+            ("outbox_fence", str(fence)),
         ]
         if e.headers_text != "{}":
             own = self._own_headers(e)

@@ -6,6 +6,7 @@ The loop (relay.py) holds no SQL; it calls these functions with a connection.
 from __future__ import annotations
 
 import json
+import operator
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ class StoredEvent:
     parked: bool = False  # read from outbox.parked (a retry), not from past the cursor
     last_error: str | None = None  # parked events: why the last attempt failed
     stored_at: datetime | None = None  # created_at: when its transaction stored it (the database's clock)
+    # The Kafka sink's header values, formatted by the read query (None: formatted in Python).
+    id_text: str | None = None
+    time_text: str | None = None
+    sequence_text: str | None = None
 
     @property
     def position(self) -> tuple[int, int]:
@@ -301,7 +306,8 @@ def announce_buckets(conn: Conn, buckets: Iterable[int]) -> None:
 # Query column -> StoredEvent field: every query that reads events names its columns so.
 EVENT_COLUMNS = {"bucket": "bucket", "xid": "xid", "seq": "seq", "id": "id", "partition_key": "key", "topic": "topic",
                  "type": "type", "payload": "payload_text", "headers": "headers_text", "time": "time",
-                 "blocked": "blocked", "attempts": "attempts", "last_error": "last_error", "stored_at": "stored_at"}
+                 "blocked": "blocked", "attempts": "attempts", "last_error": "last_error", "stored_at": "stored_at",
+                 "id_text": "id_text", "time_text": "time_text", "sequence_text": "sequence_text"}
 
 
 def event_reader(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> tuple[
@@ -309,11 +315,13 @@ def event_reader(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> tuple[
     """A function that turns one of ``cur``'s rows into a StoredEvent by column name (extra keyword
     arguments set more fields), and the index of every column by name."""
     column = {d.name: i for i, d in enumerate(cur.description or [])}
-    picks = [(i, EVENT_COLUMNS[name]) for name, i in column.items() if name in EVENT_COLUMNS]
+    names = [EVENT_COLUMNS[name] for name in column if name in EVENT_COLUMNS]
+    pick = operator.itemgetter(*(i for name, i in column.items() if name in EVENT_COLUMNS))
 
     def event(row: Sequence[Any], **extra: Any) -> StoredEvent:
-        fields = {field: row[i] for i, field in picks}
-        fields.update(extra)
+        fields = dict(zip(names, pick(row), strict=True))  # once per event: the C paths
+        if extra:
+            fields.update(extra)
         return StoredEvent(**fields)
 
     return event, column

@@ -54,6 +54,10 @@ blocked AS (
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
        e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
        e.partition_key IN (SELECT partition_key FROM blocked) AS blocked,
+       -- Ready-made header values for the Kafka sink (formatting in SQL costs less than in Python).
+       e.id::text AS id_text,
+       to_char(coalesce(e.occurred_at, e.created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS time_text,
+       lpad(e.xid::text, 20, '0') || '-' || lpad(e.seq::text, 20, '0') AS sequence_text,
        (SELECT snapshot::text FROM now) AS now, e.created_at AS stored_at
 FROM wanted w
 CROSS JOIN LATERAL (
@@ -90,7 +94,8 @@ CROSS JOIN LATERAL (
 ) e
 UNION ALL
 -- One row carrying the current snapshot even when no bucket has anything to read.
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT snapshot::text FROM now), NULL;
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       (SELECT snapshot::text FROM now), NULL;
 
 -- name: fetch_parked
 -- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it.
@@ -108,6 +113,10 @@ due AS (
 )
 SELECT q.bucket, q.xid::text::bigint AS xid, q.seq, e.id, e.partition_key, e.topic, e.type,
        e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
+       -- Ready-made header values for the Kafka sink (formatting in SQL costs less than in Python).
+       e.id::text AS id_text,
+       to_char(coalesce(e.occurred_at, e.created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS time_text,
+       lpad(e.xid::text, 20, '0') || '-' || lpad(e.seq::text, 20, '0') AS sequence_text,
        q.attempts, q.last_error, e.created_at AS stored_at
 FROM due d
 CROSS JOIN LATERAL (
