@@ -9,9 +9,11 @@
    writes the order row (examples/order_service.py).
 4. A consumer (assign() on every partition, no consumer group) prints each message as it arrives
    and checks that every order's events arrived in publish order.
-5. Prints `outbox-relay status`, then sends SIGTERM to both relays: they drain and exit 0.
+5. Prints `outbox-relay status` and the interesting lines of one relay's /metrics (each relay
+   runs with --metrics-port), then sends SIGTERM to both relays: they drain and exit 0.
 
-Exit status 0 when every event arrived once or more, in order per key, and both relays exited 0.
+Exit status 0 when every event arrived once or more, in order per key, a relay's /metrics could be
+read, and both relays exited 0.
 """
 
 from __future__ import annotations
@@ -20,16 +22,20 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import defaultdict
 from decimal import Decimal
 from pathlib import Path
 from typing import IO, Any
 
 import psycopg
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # order_service, next to this file
 
@@ -44,7 +50,7 @@ RELAYS = ("relay-a", "relay-b")
 # Short intervals so that the demo moves quickly; production defaults are in `outbox-relay run --help`.
 RELAY_OPTIONS = ["--default-topic", TOPIC, "--heartbeat-seconds", "0.5", "--worker-ttl-seconds", "2",
                  "--lease-seconds", "6", "--poll-seconds", "0.5", "--housekeeping-seconds", "1",
-                 "--drain-seconds", "10"]
+                 "--drain-seconds", "10", "--metrics-host", "127.0.0.1", "--metrics-refresh-seconds", "1"]
 # What a relay logs that is worth showing here (everything at warning level and above is shown too).
 INTERESTING = ("started", "acquired", "released", "draining", "stopped", "dead-lettered")
 
@@ -76,8 +82,10 @@ class Relay:
 
     def __init__(self, name: str, env: dict[str, str], bootstrap: str) -> None:
         self.name = name
+        self.metrics_port = free_port()
         self.proc = subprocess.Popen(
-            cli("--log-json", "run", "--worker-id", name, "--kafka-bootstrap-servers", bootstrap, *RELAY_OPTIONS),
+            cli("--log-json", "run", "--worker-id", name, "--kafka-bootstrap-servers", bootstrap,
+                "--metrics-port", str(self.metrics_port), *RELAY_OPTIONS),
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         self.started = threading.Event()
@@ -112,6 +120,73 @@ class Relay:
             code = self.proc.wait()
         self._reader.join(2)
         return code
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+# The lines of a scrape worth showing here; the rest (buckets, _created, lease changes, ...) is for
+# Prometheus (docs/observability.md lists every metric).
+SHOWN = ("outbox_relay_events_delivered_total", "outbox_relay_events_dead_lettered_total",
+         "outbox_relay_delivery_latency_seconds_count", "outbox_relay_pending_events",
+         "outbox_relay_oldest_pending_age_seconds", "outbox_relay_dead_letters", "outbox_relay_buckets_held",
+         "outbox_relay_listening")
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:  # /readyz answers 503 with its reasons
+        return err.code, err.read().decode()
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """The upper bound of the histogram bucket that holds the q-quantile (cumulative buckets)."""
+    total = buckets[-1][1]
+    return next(le for le, count in buckets if count >= q * total)
+
+
+def show_metrics(relay: Relay) -> bool:
+    """Print the interesting lines of one relay's /metrics; False if it can not be read."""
+    port = relay.metrics_port
+    say(f"\n$ curl -s http://127.0.0.1:{port}/metrics    ({relay.name}; the interesting lines)")
+    try:
+        # The backlog gauges are read from the database every --metrics-refresh-seconds: wait for a
+        # refresh that has seen the deliveries.
+        text = ""
+
+        def refreshed() -> bool:
+            nonlocal text
+            text = get(port, "/metrics")[1]
+            return 'outbox_relay_pending_events{sink="kafka"} 0.0' in text
+
+        try:
+            wait_for(refreshed, 10, "the backlog gauges to show nothing pending", interval=0.5)
+        except TimeoutError as exc:
+            say(f"  ({exc}; showing the last scrape)")
+        buckets: list[tuple[float, float]] = []
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "outbox_relay_delivery_latency_seconds_bucket":
+                    buckets.append((float(sample.labels["le"]), sample.value))
+        for line in text.splitlines():
+            if line.startswith(SHOWN):
+                say(f"  {line}")
+        if buckets and buckets[-1][1] > 0:
+            say(f"  delivery latency, from the histogram: p50 <= {quantile(buckets, 0.5):g} s, "
+                f"p99 <= {quantile(buckets, 0.99):g} s (bucket bounds; the dashboard interpolates)")
+        status, body = get(port, "/readyz")
+        say(f"\n$ curl -s http://127.0.0.1:{port}/readyz\n  {status} {body.strip()}")
+        return status == 200 and "outbox_relay_events_delivered_total" in text
+    except OSError as exc:
+        say(f"  could not read the relay's metrics: {exc}")
+        return False
 
 
 # -- consumer ---------------------------------------------------------------------------------
@@ -253,6 +328,7 @@ def main() -> int:
             out = subprocess.run(cli("status"), env=env, capture_output=True, text=True, check=False)
             say("\n".join("  " + line for line in (out.stdout + out.stderr).strip().splitlines()))
             ok = ok and out.returncode == 0
+            ok = show_metrics(relays[0]) and ok
         finally:
             say("\nSIGTERM to the relays (they drain: leave the ring, finish the batch, release, exit)")
             for r in relays:
