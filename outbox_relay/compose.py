@@ -46,6 +46,7 @@ def build_worker(settings: RelaySettings) -> Worker:
     registry = CollectorRegistry()
     observer = PrometheusObserver(registry)
     sinks = default_sinks(settings)
+    observer.sinks(s.name for s in sinks)
     for sink in sinks:
         if isinstance(sink, KafkaSink):
             sink.observer = observer

@@ -14,7 +14,8 @@ One HTTP server per relay process serves:
   reach what they deliver to (a Kafka sink: its brokers answer a metadata request); else 503 with the
   reasons. For a readiness probe (a rolling deploy moves on once the new relay has taken its share).
 
-Each metric's name and help text is below; docs/operations.md has the dashboard and alert rules.
+Each metric's name and help text is below; docs/observability.md lists them with the dashboard
+(deploy/grafana) and the alert rules (deploy/prometheus).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("outbox_relay.metrics")
 
 PREFIX = "outbox_relay"
+READY_CACHE_SECONDS = 5.0  # the ready gauge re-runs the readiness checks at most this often
 TOP_KEYS = 10  # per sink, the keys with most undelivered events and with the oldest one
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
@@ -75,6 +77,14 @@ class PrometheusObserver(Observer):
                                     buckets=BATCH_BUCKETS, registry=registry)
         self.housekeeping_seconds = Histogram(f"{PREFIX}_housekeeping_duration_seconds",
                                               "How long this relay's housekeeping passes took", registry=registry)
+
+    def sinks(self, names: Iterable[str]) -> None:
+        """Create every sink's series at 0, so that ``increase()`` sees the first event of each."""
+        for sink in names:
+            for metric in (self.delivered, self.retried, self.dead, self.cycle_failures, self.recreations):
+                metric.labels(sink)
+            for change in ("acquired", "lost", "released"):
+                self.lease_changes.labels(sink, change)
 
     def batch(self, sink: str, *, size: int, delivered: int, retried: int, dead: int,
               latencies: Sequence[float]) -> None:
@@ -121,6 +131,7 @@ class OutboxGauges(Collector):
         self._refreshed: float | None = None  # monotonic time of the last good refresh
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="metrics-refresh", daemon=True)
+        self._ready: tuple[float, bool] | None = None  # (monotonic time, answer): readiness asks the brokers
 
     def start(self) -> None:
         self._thread.start()
@@ -132,6 +143,12 @@ class OutboxGauges(Collector):
         while not self._stop.is_set():
             self.refresh()
             self._stop.wait(self.refresh_seconds)
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if self._ready is None or now - self._ready[0] > READY_CACHE_SECONDS:
+            self._ready = (now, not self.worker.readiness())
+        return self._ready[1]
 
     def refresh(self) -> None:
         try:
@@ -164,6 +181,8 @@ class OutboxGauges(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_listening", "1 while the LISTEN connection is up (else the relay polls)",
                                 value=1.0 if w.listening else 0.0)
         yield GaugeMetricFamily(f"{PREFIX}_draining", "1 once the relay is draining", value=float(w.stopping.is_set()))
+        yield GaugeMetricFamily(f"{PREFIX}_ready", "1 while /readyz answers 200 (checked at most every few seconds)",
+                                value=1.0 if self.ready() else 0.0)
         with self._lock:
             sinks, keys, cluster, refreshed = self._sinks, self._keys, self._cluster, self._refreshed
         age = GaugeMetricFamily(f"{PREFIX}_metrics_refresh_age_seconds",
