@@ -46,6 +46,7 @@ from servers import Servers, busy_fraction, machine  # noqa: E402
 from outbox_relay import Outbox, migrate  # noqa: E402
 from outbox_relay import store as relay_store  # noqa: E402
 from outbox_relay.housekeeping import RETENTION_SECONDS_PER_PASS  # noqa: E402
+from outbox_relay.positions import Cursor  # noqa: E402
 from outbox_relay.ring import Ring  # noqa: E402
 from outbox_relay.settings import RelaySettings  # noqa: E402
 from outbox_relay.sqlfiles import query  # noqa: E402
@@ -60,6 +61,14 @@ VNODES = 64  # the relay's default
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat (R, S, T for stopped, ...); '' if the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def summary(values: Sequence[float]) -> dict[str, Any]:
@@ -155,7 +164,8 @@ class Bench:
 
     @staticmethod
     def targets(conn: psycopg.Connection[Any]) -> tuple[list[int], list[int], list[int]]:
-        """Per bucket, the last stored position: delivered once the bucket's cursor reaches it."""
+        """Per bucket, the last stored position: delivered once the bucket's cursor has delivered it
+        (the events of one bucket are delivered in (xid, seq) order once their transactions ended)."""
         rows = conn.execute(
             "SELECT DISTINCT ON (bucket) bucket, xid::text::bigint, seq FROM outbox.events "
             "ORDER BY bucket, xid DESC, seq DESC").fetchall()
@@ -167,7 +177,8 @@ class Bench:
         buckets, xids, seqs = targets
         sql = ("SELECT count(*) FROM outbox.cursors c "
                "JOIN unnest(%s::int[], %s::bigint[], %s::bigint[]) AS t(bucket, xid, seq) ON t.bucket = c.bucket "
-               "WHERE c.sink = %s AND (c.position_xid, c.position_seq) >= (t.xid::text::xid8, t.seq)")
+               "WHERE c.sink = %s AND outbox.delivered_v1(t.xid::text::xid8, t.seq, c.snapshot, c.target, "
+               "c.after_xid, c.after_seq)")
         deadline = time.monotonic() + timeout
         while True:
             row = conn.execute(sql, (buckets, xids, seqs, sink)).fetchone()
@@ -232,30 +243,55 @@ class Bench:
             self.wait_delivered(poll, targets, relays, timeout=60, sink=sink)
         return len(keys)
 
-    def publish_backlog(self, dsn: str, n: int, topic: str, hold: bool
-                        ) -> tuple[psycopg.Connection[Any] | None, float]:
-        """Publish n events in transactions of --tx-size (publish_many).
-
-        hold=True: the first event is written by a transaction left open, so that the relays'
-        read horizon (snapshot xmin) stays below every event until the caller commits it.
-        """
+    def publish_backlog(self, dsn: str, n: int, topic: str) -> float:
+        """Publish n events in transactions of --tx-size (publish_many); returns the seconds it took."""
         outbox = Outbox(default_topic=topic)
         keys = self.args.keys
         tx = self.args.tx_size
         start = time.monotonic()
-        blocker = None
-        first = 0
-        if hold:
-            blocker = psycopg.connect(dsn)
-            outbox.publish(blocker, type="bench.order_paid", key="order:0", payload=self.payload(0))
-            first = 1
         with psycopg.connect(dsn) as conn:
-            for lo in range(first, n, tx):
+            for lo in range(0, n, tx):
                 outbox.publish_many(conn, [
                     {"type": "bench.order_paid", "key": f"order:{i % keys}", "payload": self.payload(i)}
                     for i in range(lo, min(n, lo + tx))])
                 conn.commit()
-        return blocker, time.monotonic() - start
+        return time.monotonic() - start
+
+    # Relays stopped longer than this could find each other's heartbeats stale (--worker-ttl-seconds,
+    # default 10 s, checked every --heartbeat-seconds, default 2 s) and hand buckets over mid-drain.
+    MAX_PAUSE_SECONDS = 5.0
+
+    def release_backlog(self, dsn: str, n: int, topic: str, relays: list[tuple[str, subprocess.Popen[bytes]]],
+                        out: dict[str, Any]) -> tuple[tuple[list[int], list[int], list[int]], float]:
+        """Publish the backlog while the running relays are stopped (SIGSTOP), then let them go
+        (SIGCONT): the clock starts when they resume. Returns the delivery targets and that time.
+
+        Relays read every committed event whatever else is open on the server, so a backlog can no
+        longer be held back by an open transaction; a stopped process reads nothing. The pause is
+        only the publishing time, well under the lease and the worker TTL, so no lease expires and
+        no relay drops out of the others' rings; notifications sent meanwhile wait in the listener's
+        socket and wake the relays as they resume, as do their overdue polls."""
+        pids = [p.pid for _, p in relays]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        paused = time.monotonic()
+        try:
+            for pid in pids:  # the signal is asynchronous: publish only once every relay has stopped
+                deadline = time.monotonic() + 5.0
+                while process_state(pid) not in ("T", "t") and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            out["publish_seconds"] = self.publish_backlog(dsn, n, topic)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                targets = self.targets(conn)
+        finally:
+            t0 = time.time()
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        out["pause_seconds"] = pause = time.monotonic() - paused
+        if pause > self.MAX_PAUSE_SECONDS:
+            log(f"WARNING: relays were paused {pause:.1f}s to publish the backlog (over {self.MAX_PAUSE_SECONDS:.0f}s: "
+                "heartbeats may look stale and buckets change hands mid-drain); use fewer --events")
+        return targets, t0
 
     # -- case 1 + 5: drain and peak RSS -----------------------------------------------------------
 
@@ -264,23 +300,19 @@ class Bench:
         name, dsn = self.fresh_outbox_db()
         topic = self.kafka.create_topic(f"drain{relays_n}", PARTITIONS)
         relays: list[tuple[str, subprocess.Popen[bytes]]] = []
-        blocker = None
         out: dict[str, Any] = {"relays": relays_n, "mode": mode, "run": run}
         warmups = 0
         try:
             with psycopg.connect(dsn, autocommit=True) as poll:
                 if mode == "warm":
                     # Relays up and settled on the ring, producers warmed up; then the backlog is
-                    # published behind an open transaction (below their read horizon) and released.
+                    # published while they are stopped, and released by letting them go on.
                     relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}")
                     out["settle_seconds"] = self.wait_ring(poll, [w for w, _ in relays], relays)
                     warmups = self.warm_up(dsn, topic, relays)
-                    blocker, out["publish_seconds"] = self.publish_backlog(dsn, n, topic, hold=True)
-                    targets = self.targets(blocker)  # sees its own (uncommitted) event too
-                    t0 = time.time()
-                    blocker.commit()  # the backlog becomes visible, and its NOTIFY wakes the relays
+                    targets, t0 = self.release_backlog(dsn, n, topic, relays, out)
                 else:
-                    _, out["publish_seconds"] = self.publish_backlog(dsn, n, topic, hold=False)
+                    out["publish_seconds"] = self.publish_backlog(dsn, n, topic)
                     targets = self.targets(poll)
                     t0 = time.time()
                     relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}")
@@ -295,8 +327,6 @@ class Bench:
                 out["topic"] = self.count_topic(topic, n + warmups)
                 out["topic"]["expected"] = n + warmups
         finally:
-            if blocker is not None:
-                blocker.close()
             self.stop_relays(relays)
             self.pg.drop_database(name)
         return out
@@ -384,12 +414,15 @@ class Bench:
     # -- case 3: steady-state latency ----------------------------------------------------------------
 
     CURSOR_LOG = """
-    CREATE TABLE public.bench_cursor_log (bucket int, position_xid xid8, position_seq bigint, at timestamptz);
+    CREATE TABLE public.bench_cursor_log (bucket int, snapshot text, target text, after_xid bigint, after_seq bigint,
+                                          at timestamptz);
     CREATE FUNCTION public.bench_log_cursor() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
-        IF (NEW.position_xid, NEW.position_seq) IS DISTINCT FROM (OLD.position_xid, OLD.position_seq) THEN
+        IF (NEW.snapshot::text, NEW.target::text, NEW.after_xid, NEW.after_seq)
+           IS DISTINCT FROM (OLD.snapshot::text, OLD.target::text, OLD.after_xid, OLD.after_seq) THEN
             INSERT INTO public.bench_cursor_log
-            VALUES (NEW.bucket, NEW.position_xid, NEW.position_seq, NEW.advanced_at);
+            VALUES (NEW.bucket, NEW.snapshot::text, NEW.target::text, NEW.after_xid::text::bigint, NEW.after_seq,
+                    NEW.advanced_at);
         END IF;
         RETURN NULL;
     END $$;
@@ -399,26 +432,33 @@ class Bench:
 
     @staticmethod
     def checkpoint_times(dsn: str, ids: list[str]) -> dict[str, float]:
-        """Per event id: when the relay's checkpoint first moved its bucket's cursor past it
-        (the relay checkpoints only after the broker acknowledged the whole batch)."""
-        import bisect
+        """Per event id: when the relay's checkpoint first wrote a cursor of its bucket that has
+        delivered it (the relay checkpoints only after the broker acknowledged the whole batch)."""
         from collections import defaultdict
 
         with psycopg.connect(dsn, autocommit=True) as conn:
             events = conn.execute("SELECT id::text, bucket, xid::text::bigint, seq FROM outbox.events "
                                   "WHERE id = ANY(%s::uuid[])", (ids,)).fetchall()
             log_rows = conn.execute(
-                "SELECT bucket, position_xid::text::bigint, position_seq, extract(epoch FROM at)::float8 "
-                "FROM public.bench_cursor_log ORDER BY bucket, position_xid, position_seq").fetchall()
-        per_bucket: dict[int, list[tuple[tuple[int, int], float]]] = defaultdict(list)
-        for b, x, q, at in log_rows:
-            per_bucket[b].append(((x, q), at))
+                "SELECT bucket, snapshot, target, after_xid, after_seq, extract(epoch FROM at)::float8 "
+                "FROM public.bench_cursor_log ORDER BY bucket, at").fetchall()
+        per_bucket: dict[int, list[tuple[Cursor, float]]] = defaultdict(list)
+        for b, seen, target, after_xid, after_seq, at in log_rows:
+            per_bucket[b].append((Cursor.from_row(seen, target, after_xid, after_seq), at))
         out = {}
         for eid, b, x, q in events:
             entries = per_bucket.get(b, [])
-            i = bisect.bisect_left([pos for pos, _ in entries], (x, q))
-            if i < len(entries):
-                out[eid] = min(at for _, at in entries[i:])  # positions only move forward; min is safe
+            # A bucket's cursor only moves forward, so "has delivered this event" is false, then true
+            # for good: the first entry where it holds, by bisection.
+            lo, hi = 0, len(entries)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if entries[mid][0].delivered(x, q):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            if lo < len(entries):
+                out[eid] = entries[lo][1]
         return out
 
     def latency_once(self, rate: float, run: int) -> dict[str, Any]:
@@ -497,22 +537,27 @@ class Bench:
                 "transit_p50_ms": pct(50, transit), "transit_p99_ms": pct(99, transit),
                 "peak_rss_mb": rss, "missing_diagnosis": diagnosis}
 
-    def diagnose_missing(self, dsn: str, commits_path: Path, received_path: Path, topic: str
+    def diagnose_missing(self, dsn: str | None, commits_path: Path, received_path: Path, topic: str
                          ) -> dict[str, Any] | None:
-        """If the consumer did not see some committed events, say where they are (never expected)."""
+        """If the consumer did not see some committed events, say where they are (never expected).
+        ``dsn``: an outbox database (None for the tuned relay's: only the topic is searched)."""
         commits = json.loads(commits_path.read_text())["commits"]
         got = json.loads(received_path.read_text())["received"]
         missing = [i for i in commits if i not in got]
         if not missing:
             return None
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            known = {str(r[0]) for r in conn.execute("SELECT id FROM outbox.events")}
-            rows = conn.execute(
-                "SELECT e.id::text, e.bucket, e.xid::text, e.seq, e.partition_key, "
-                "(e.xid, e.seq) <= (c.position_xid, c.position_seq) AS behind_cursor, c.position_xid::text, "
-                "c.position_seq, c.owner FROM outbox.events e JOIN outbox.cursors c "
-                "ON c.sink = %s AND c.bucket = e.bucket WHERE e.id = ANY(%s::uuid[])", (SINK, missing)).fetchall()
-        strangers = [i for i in got if i not in known]
+        rows: list[Any] = []
+        strangers: list[str] = []
+        if dsn is not None:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                known = {str(r[0]) for r in conn.execute("SELECT id FROM outbox.events")}
+                rows = conn.execute(
+                    "SELECT e.id::text, e.bucket, e.xid::text, e.seq, e.partition_key, "
+                    "outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) AS delivered, "
+                    "c.snapshot::text, c.target::text, c.after_xid::text, c.after_seq, c.owner "
+                    "FROM outbox.events e JOIN outbox.cursors c "
+                    "ON c.sink = %s AND c.bucket = e.bucket WHERE e.id = ANY(%s::uuid[])", (SINK, missing)).fetchall()
+            strangers = [i for i in got if i not in known]
         # Is it on the topic at all? A second consumer reads everything from the beginning.
         on_topic: set[str] = set()
         recount = self.count_topic(topic, len(got) + len(missing), timeout=30, ids_out=on_topic)
@@ -621,11 +666,11 @@ class Bench:
 
     @staticmethod
     def deliver_all(conn: psycopg.Connection[Any]) -> None:
-        """Everything stored so far becomes delivered history: every cursor of the sink moves past it."""
+        """Everything stored so far becomes delivered history: every cursor of the sink has seen a
+        snapshot in which all of it is visible (as if the relay had read up to now)."""
         conn.execute(
-            "UPDATE outbox.cursors c SET position_xid = m.xid, position_seq = m.seq "
-            "FROM (SELECT xid, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1) m "
-            "WHERE c.sink = %s", (SINK,))
+            "UPDATE outbox.cursors c SET snapshot = pg_current_snapshot(), target = NULL, after_xid = NULL, "
+            "after_seq = NULL WHERE c.sink = %s", (SINK,))
 
     def lease_to(self, conn: psycopg.Connection[Any], owner: str) -> tuple[list[int], int]:
         """Lease --claim-buckets buckets to one owner (as fetch_events joins on them); returns them
@@ -649,11 +694,18 @@ class Bench:
                    ) -> dict[str, Any]:
         """VACUUM ANALYZE, then EXPLAIN (ANALYZE, BUFFERS) of the relay's fetch over the leased buckets."""
         conn.execute("VACUUM ANALYZE outbox.events")
+        # Each bucket's read cursor, as the relay passes it (store.fetch_events).
+        stored = {r[0]: Cursor.from_row(*r[1:]) for r in conn.execute(
+            "SELECT bucket, snapshot::text, target::text, after_xid::text, after_seq FROM outbox.cursors "
+            "WHERE sink = %s AND bucket = ANY(%s::int[])", (SINK, buckets))}
+        cursors = [stored[b].params() for b in buckets]
         params = {"sink": SINK, "worker": owner, "buckets": buckets, "limits": [limit] * len(buckets),
+                  "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
+                  "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
                   "types": None, "topics": None}  # the Kafka sink wants every event
         row = conn.execute(
-            "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s "
-            "AND c.bucket = e.bucket AND (e.xid, e.seq) > (c.position_xid, c.position_seq) "
+            "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s AND c.bucket = e.bucket "
+            "AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) "
             "WHERE c.owner = %s", (SINK, owner)).fetchone()
         explains = []
         for _ in range(max(3, self.args.runs)):
@@ -732,25 +784,20 @@ class Bench:
         topic = self.kafka.create_topic("profile", PARTITIONS)
         relays: list[tuple[str, subprocess.Popen[bytes]]] = []
         raw = RESULTS / f"profile-{self.stamp}.txt"
-        blocker = None
         try:
-            blocker, _ = self.publish_backlog(dsn, n, topic, hold=True)
             with psycopg.connect(dsn, autocommit=True) as poll:
-                targets = self.targets(blocker)
                 relays = self.start_relays(1, dsn, topic, "profile")
                 self.wait_ring(poll, [w for w, _ in relays], relays)
+                self.warm_up(dsn, topic, relays)
                 spy_proc = subprocess.Popen([spy, "record", "--pid", str(relays[0][1].pid), "--rate", "200",
                                              "--idle", "--nonblocking", "--format", "raw", "--output", str(raw)],
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
-                t0 = time.time()
-                blocker.commit()
+                targets, t0 = self.release_backlog(dsn, n, topic, relays, {})
                 t_end = self.wait_delivered(poll, targets, relays, timeout=self.args.drain_timeout)
                 spy_proc.send_signal(signal.SIGINT)
                 spy_proc.wait(30)
         finally:
-            if blocker is not None:
-                blocker.close()
             self.stop_relays(relays)
             self.pg.drop_database(name)
         self.results["profile"] = {"events_per_s": n / (t_end - t0), "raw": str(raw),
