@@ -206,13 +206,17 @@ RETENTION_SQL = query("housekeeping", "apply_retention")
 
 class TimedConnection(psycopg.Connection[Any]):
     """Times every transaction that ran the retention DELETE, around the unchanged housekeeping
-    code: a writing transaction holds back every relay's read horizon while it is open."""
+    code: a writing transaction holds back vacuum (and, before migration 0007, every relay's read
+    horizon) while it is open. Housekeeping runs each slice as a statement of its own on an
+    autocommit connection (its own transaction); a slice inside an explicit transaction is timed
+    from BEGIN to COMMIT."""
 
     slices: ClassVar[list[tuple[float, int]]] = []  # (seconds from BEGIN to COMMIT, rows deleted), in order
+    _deleted: int | None = None
 
     @contextlib.contextmanager
     def transaction(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        self._deleted: int | None = None
+        self._deleted = None
         start = time.perf_counter()
         with super().transaction(*args, **kwargs) as tx:
             yield tx
@@ -220,8 +224,14 @@ class TimedConnection(psycopg.Connection[Any]):
             self.slices.append((time.perf_counter() - start, self._deleted))
 
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        if query != RETENTION_SQL:
+            return super().execute(query, params, **kwargs)
+        alone = self.autocommit and self.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        start = time.perf_counter()
         cur = super().execute(query, params, **kwargs)
-        if query == RETENTION_SQL:
+        if alone:
+            self.slices.append((time.perf_counter() - start, cur.rowcount))
+        else:
             self._deleted = cur.rowcount
         return cur
 
