@@ -144,15 +144,23 @@ def table(meta: dict[str, Any], results: dict[str, Any]) -> str:
             def both(key: str, held: list[dict[str, Any]] = held, free: list[dict[str, Any]] = free) -> str:
                 return f"{_ms(_med([r[key] for r in held]))} vs {_ms(_med([r[key] for r in free]))}"
 
+            def growth(rs: list[dict[str, Any]]) -> str:
+                rs = [r for r in rs if "table_after" in r]
+                if not rs:
+                    return "-"
+                t = rs[0]["table_after"]
+                grew = _med([(r["table_after"]["table_bytes"] - r["table_before"]["table_bytes"]) / 1024 for r in rs])
+                igrew = _med([(r["table_after"]["index_bytes"] - r["table_before"]["index_bytes"]) / 1024 for r in rs])
+                dead = _med([r["table_after"]["dead_tuples"] for r in rs])
+                return f"{t['table']} +{grew:,.0f} kB, {t['index']} +{igrew:,.0f} kB, {dead:,.0f} dead row versions"
+
             notes.append(
                 f"- Long transaction, {'outbox-relay' if kind == 'ours' else 'the tuned SQL relay'} (with vs without, "
                 f"p99 ms): commit -> produce() {both('pickup_p99_ms')}, produce() -> ack recorded "
                 f"{both('settle_p99_ms')}, whole path {both('ack_p99_ms')}; last quarter of the window with it "
-                f"{_ms(_med([r['ack_p99_last_quarter_ms'] for r in held]))}. While a transaction id stays open, "
-                "vacuum keeps every row version newer than it: "
-                + ("the cursor rows each checkpoint updates" if kind == "ours"
-                   else "the delivered rows' entries in the claim index, which every claim steps over")
-                + ", so costs that grow with the window point there.")
+                f"{_ms(_med([r['ack_p99_last_quarter_ms'] for r in held]))}. The table each batch updates, over the "
+                f"window: with it {growth(held)}; without {growth(free)} (vacuum can not remove row versions newer "
+                "than an open transaction id).")
 
     # -- fleet --------------------------------------------------------------------------------------
     fl = results.get("fleet", [])

@@ -594,6 +594,7 @@ class Bench:
             if longtx:
                 held_db, held = self.open_long_transaction()
                 out["held_from"] = time.time()
+            out["table_before"] = self.hot_table(dsn, kind)
             producer = subprocess.Popen(
                 [sys.executable, str(PROCS), "latency-producer", "--dsn", dsn, "--topic", topic,
                  "--rate", str(rate), "--duration", str(seconds),
@@ -610,9 +611,10 @@ class Bench:
             consumer.stdin.write(f"expect {sent['sent'] + warmups}\n")
             consumer.stdin.flush()
             consumer.communicate(timeout=60)
+            out["table_after"] = self.hot_table(dsn, kind)
             if held is not None:
-                out["held_seconds"] = self.close_long_transaction(held, out["held_from"])
                 out["held_until"] = time.time()
+                out["held_seconds"] = self.close_long_transaction(held, out["held_from"])
                 held = None
             if kind == "ours":
                 out["peak_rss_mb"] = {wid: self.peak_rss_mb(p.pid) for wid, p in relays}
@@ -679,6 +681,20 @@ class Bench:
             tail = sorted((acked[i] - t) * 1000 for i, t in commits["commits"].items() if i in acked and t >= cut)
             out["ack_p99_last_quarter_ms"] = pct(99, tail)
         return out
+
+    @staticmethod
+    def hot_table(dsn: str, kind: str) -> dict[str, Any]:
+        """Size and dead row versions of the table each batch updates (ours: outbox.cursors; the tuned
+        relay: its table and its claim index): what vacuum can not clean while a transaction is open."""
+        table, index = ("outbox.cursors", "outbox.cursors_pkey") if kind == "ours" else (
+            "public.tuned_outbox", "public.tuned_outbox_claim")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT pg_relation_size(%s::regclass), pg_relation_size(%s::regclass), n_dead_tup, n_tup_upd, "
+                "n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = %s::regclass", (table, index, table)).fetchone()
+        assert row is not None
+        return {"table": table, "table_bytes": row[0], "index": index, "index_bytes": row[1], "dead_tuples": row[2],
+                "updates": row[3], "hot_updates": row[4]}
 
     def open_long_transaction(self) -> tuple[str, psycopg.Connection[Any]]:
         """A transaction that has written (so it has a transaction id) and stays open, in a database of
