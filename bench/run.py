@@ -1388,7 +1388,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-kinds", default="ours,tuned",
                    help="ours (outbox-relay run) and/or tuned (the tuned SQL relay), comma list")
     p.add_argument("--longtx-seconds", type=float, default=None,
-                   help="longtx: publish duration with the transaction held open (default 90, --quick 20)")
+                   help="longtx: publish duration with the transaction held open (default 60, --quick 20)")
     p.add_argument("--longtx-rate", type=float, default=1000.0)
     p.add_argument("--longtx-relays", type=int, default=4)
     p.add_argument("--longtx-kinds", default="ours,tuned")
@@ -1440,7 +1440,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.latency_seconds = args.latency_seconds or (8.0 if quick else 15.0)
     args.latency_relays = [int(x) for x in args.latency_relays.split(",")]
     args.latency_kinds = [x for x in args.latency_kinds.split(",") if x]
-    args.longtx_seconds = args.longtx_seconds or (20.0 if quick else 90.0)
+    args.longtx_seconds = args.longtx_seconds or (20.0 if quick else 60.0)
     args.longtx_kinds = [x for x in args.longtx_kinds.split(",") if x]
     args.longtx_runs = args.longtx_runs or (1 if quick else args.runs)
     args.fleet_sizes = [int(x) for x in args.fleet_sizes.split(",")]
