@@ -12,10 +12,11 @@ wakes, how evenly the ring spreads the buckets, and how long a hand-over takes:
    per relay (pg_stat_activity, sampled every second); housekeeping passes (its statements in
    pg_stat_statements, and the changes of outbox.housekeeping.finished_at); bucket balance
    (owners in outbox.cursors).
-3. Single-event commits (--fleet-commits, one every --fleet-commit-gap seconds): fetch_events
-   statements per commit over the idle rate (pg_stat_statements, the issue's measure), and how many
-   relays ran fetch_events within --fleet-wake-window after each commit, minus how many did in a
-   window of the same length half a gap later (polling relays fetch at random times too).
+3. Single-event commits (--fleet-commits, one every --fleet-commit-gap seconds): how many relays
+   each commit wakes. A relay's fetch_events within --fleet-wake-window after a commit that comes
+   sooner after its previous one than a poll could is a wake-up; the relay holding the event's
+   bucket is always woken, so the share of commits where it shows as woken calibrates the count of
+   other relays seen woken.
 4. Hand-over: one relay joins (from its spawn, and from its first heartbeat, until every bucket is
    held by the owner the new ring gives it), then one relay leaves (SIGTERM until the same).
 
@@ -25,6 +26,7 @@ every statement logged with its application name), so the other cases' server ke
 
 from __future__ import annotations
 
+import bisect
 import re
 import signal
 import statistics
@@ -43,6 +45,7 @@ from outbox_relay import Outbox, migrate
 from outbox_relay import store as relay_store
 from outbox_relay.housekeeping import application_name
 from outbox_relay.ring import Ring
+from outbox_relay.settings import RelaySettings
 from outbox_relay.sqlfiles import queries, sql_dir
 
 if TYPE_CHECKING:
@@ -165,6 +168,13 @@ def read_log(path: Path, offset: int, apps: set[str]) -> list[tuple[float, str, 
     return out
 
 
+def poll_seconds(relay_args: list[str]) -> float:
+    """The relays' --poll-seconds (the bench passes --relay-args to every relay)."""
+    if "--poll-seconds" in relay_args:
+        return float(relay_args[relay_args.index("--poll-seconds") + 1])
+    return float(RelaySettings.model_fields["poll_seconds"].default)
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.mean(values), "median": statistics.median(values), "max": max(values)}
 
@@ -233,7 +243,7 @@ def fleet_once(bench: Bench, pg: Postgres, n: int, run: int) -> dict[str, Any]:
                 f"{a.fleet_idle_seconds:.0f}s")
 
             # -- idle ------------------------------------------------------------------------
-            offset = pg.log_path.stat().st_size
+            idle_offset = offset = pg.log_path.stat().st_size
             pss0 = pss_calls(conn)
             t0 = time.time()
             conns: dict[str, list[int]] = defaultdict(list)
@@ -292,79 +302,94 @@ def fleet_once(bench: Bench, pg: Postgres, n: int, run: int) -> dict[str, Any]:
             # -- single-event commits ----------------------------------------------------------
             outbox = Outbox(default_topic=topic)
             offset = pg.log_path.stat().st_size
-            pss2 = pss_calls(conn)
+            held = owners(conn)
             commits: list[float] = []
-            tc0 = time.time()
+            keys = [f"single:{run}:{k}" for k in range(a.fleet_commits)]
             with psycopg.connect(admin_dsn, application_name="outbox-bench producer") as prod:
-                for k in range(a.fleet_commits):
-                    outbox.publish(prod, type="bench.single", key=f"single:{run}:{k}", payload={"k": k})
+                for key in keys:
+                    outbox.publish(prod, type="bench.single", key=key, payload={"key": key})
+                    if a.fleet_wake_all:  # diagnostic: a payload every relay wakes on, as before 0007
+                        prod.execute("SELECT pg_notify('outbox_events_v2', 'all')")
                     prod.commit()
                     commits.append(time.time())
                     time.sleep(a.fleet_commit_gap)
                 targets = bench.targets(prod)
             bench.wait_delivered(conn, targets, relays, timeout=60)
             time.sleep(a.fleet_wake_window)
-            tc1 = time.time()
-            pss3 = pss_calls(conn)
-            busy = pss_delta(pss2, pss3, named)
-            fetches = [(ts, app) for ts, app, text in read_log(pg.log_path, offset, apps)
-                       if label_statement(text, purposes) == "relay.fetch_events"]
-            # Polling relays fetch at random times too: each commit's window is compared with a window
-            # of the same length half a gap later (no commit near it), in the same phase.
+            bucket_of = dict(conn.execute(
+                "SELECT partition_key, bucket FROM outbox.events WHERE partition_key = ANY(%s)", (keys,)).fetchall())
+            owner_of = [application_name(held[bucket_of[key]] or "") for key in keys]
+            # Every relay polls about once a second anyway; a poll comes at least 0.8 x --poll-seconds
+            # after the relay's previous cycle ended. So a relay's first fetch_events after a commit
+            # that follows its previous one sooner than that was woken; one that follows later may
+            # have been woken or may be a poll. The bucket's owner is always woken: the share of
+            # commits after which it shows as woken is the share of wake-ups this test sees, and the
+            # other relays seen woken are divided by it.
+            min_gap = 0.75 * poll_seconds(a.relay_args)
+            history: dict[str, list[float]] = defaultdict(list)  # relay -> its fetch_events, in time order
+            for ts, app, text in read_log(pg.log_path, idle_offset, apps):
+                if label_statement(text, purposes) == "relay.fetch_events":
+                    history[app].append(ts)
             w = a.fleet_wake_window
-            later_by = a.fleet_commit_gap / 2
-            if w > later_by:
-                log(f"WARNING: --fleet-wake-window {w}s is longer than half of --fleet-commit-gap: the windows overlap")
-
-            def in_window(start: float) -> list[str]:
-                return [app for ts, app in fetches if start < ts <= start + w]
-
-            after = [in_window(t) for t in commits]
-            later = [in_window(t + later_by) for t in commits]
-            span = tc1 - tc0
-            fetch_rate = idle.get("relay.fetch_events", 0) / idle_s
+            seen: list[set[str]] = []  # per commit: relays that ran fetch_events within w after it
+            woken: list[set[str]] = []  # ... of which sooner than a poll could have come
+            owner_fetches: list[int] = []
+            for c, owner in zip(commits, owner_of, strict=True):
+                seen.append(set())
+                woken.append(set())
+                for app, times in history.items():
+                    i = bisect.bisect_right(times, c)
+                    if i < len(times) and times[i] <= c + w:
+                        seen[-1].add(app)
+                        if i > 0 and times[i] - times[i - 1] < min_gap:
+                            woken[-1].add(app)
+                owner_fetches.append(sum(1 for t in history.get(owner, []) if c < t <= c + w))
+            detected = statistics.mean(o in x for o, x in zip(owner_of, woken, strict=True))
+            others = statistics.mean(len(x - {o}) for o, x in zip(owner_of, woken, strict=True))
+            others_woken = others / detected if detected else None
+            owner_share = statistics.mean(o in x for o, x in zip(owner_of, seen, strict=True))
             out["commits"] = {
                 "commits": len(commits), "gap_seconds": a.fleet_commit_gap, "window_ms": 1000 * w,
-                # The issue's measure: fetch_events statements per commit, over what polling runs anyway.
-                "fetch_events_per_commit_pss": (busy.get("relay.fetch_events", 0) - fetch_rate * span) / len(commits),
-                "fetch_events_per_commit_log": statistics.mean(map(len, after)) - statistics.mean(map(len, later)),
-                # Distinct relays that fetched after a commit, over the same count half a gap later.
-                "relays_fetching_after_a_commit": statistics.mean(len(set(x)) for x in after),
-                "relays_fetching_half_a_gap_later": statistics.mean(len(set(x)) for x in later),
-                "woken_relays_per_commit": statistics.mean(len(set(x)) for x in after)
-                - statistics.mean(len(set(x)) for x in later),
-                # Per statement, calls per commit over the idle rate: what a commit costs the fleet.
-                "pss_per_commit_over_idle": {
-                    k: (v - idle.get(k, 0) / idle_s * span) / len(commits) for k, v in busy.most_common(12)},
+                "min_poll_gap_s": min_gap,
+                "owner_fetched_share": owner_share,
+                "owner_seen_woken_share": detected,
+                "others_seen_woken_per_commit": others,
+                "others_woken_per_commit": others_woken,
+                "woken_relays_per_commit": None if others_woken is None else owner_share + others_woken,
+                # The issue counted fetch_events per commit: the owner's (the read that finds the event,
+                # then one that finds nothing more) and one per other relay woken.
+                "fetch_events_per_commit": None if others_woken is None
+                else statistics.mean(owner_fetches) + others_woken,
+                "relays_fetching_within_window": statistics.mean(len(x) for x in seen),
             }
             c = out["commits"]
-            log(f"fleet {n} single-event commits: {c['fetch_events_per_commit_pss']:.2f} fetch_events per commit "
-                f"(pg_stat_statements; {c['fetch_events_per_commit_log']:.2f} from the log); "
-                f"{c['relays_fetching_after_a_commit']:.2f} relays fetch within {1000 * w:.0f} ms of a commit, "
-                f"{c['relays_fetching_half_a_gap_later']:.2f} half a gap later: {c['woken_relays_per_commit']:.2f} "
-                "woken per commit")
+            log(f"fleet {n} single-event commits: the bucket's owner ran fetch_events within {1000 * w:.0f} ms after "
+                f"{100 * owner_share:.0f}% of commits, seen woken (sooner than a poll) after {100 * detected:.0f}%; "
+                f"other relays seen woken {others:.2f} per commit, so about {others_woken or 0:.2f} woken; "
+                f"{c['woken_relays_per_commit'] or 0:.2f} relays and {c['fetch_events_per_commit'] or 0:.2f} "
+                "fetch_events per commit")
 
             # -- hand-over: one joins, then one leaves ------------------------------------------
             t_spawn = time.time()
             relays += bench.start_relays(1, relay_dsn, topic, f"fleet{n}r{run}-join")
             joiner = relays[-1][0]
             with_joiner = [*ids, joiner]
-            before = owners(conn)
+            owners_before = owners(conn)
             j = wait_assignment(conn, with_joiner, relays, a.fleet_start_timeout, registered=joiner)
-            after = owners(conn)
+            owners_joined = owners(conn)
             leaver_id, leaver = relays[0]
             t_sig = time.time()
             leaver.send_signal(signal.SIGTERM)
             rest = [r for r in relays if r[0] != leaver_id]
             lv = wait_assignment(conn, with_joiner[1:], rest, a.fleet_start_timeout)
             leaver.wait(60)
-            final = owners(conn)
+            owners_final = owners(conn)
             out["handover"] = {
                 "join_from_spawn_s": j["settled"] - t_spawn,
                 "join_from_registration_s": j["settled"] - j["registered"] if "registered" in j else None,
-                "join_moved_buckets": sum(1 for b in before if before[b] != after[b]),
+                "join_moved_buckets": sum(1 for b in owners_before if owners_before[b] != owners_joined[b]),
                 "leave_s": lv["settled"] - t_sig,
-                "leave_moved_buckets": sum(1 for b in after if after[b] != final[b]),
+                "leave_moved_buckets": sum(1 for b in owners_joined if owners_joined[b] != owners_final[b]),
                 "leaver_exit_code": leaver.returncode,
             }
             h = out["handover"]

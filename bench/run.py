@@ -1233,12 +1233,17 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
             row(case, "connections per relay (max)", "n", [r["idle"]["connections_per_relay"]["max"] for r in rs])
             row(case, "bucket balance max/mean", "x", [r["idle"]["balance"]["max_over_mean"] for r in rs])
             row(case, "relays owning no bucket", "n", [r["idle"]["balance"]["owning_none"] for r in rs])
-            row(case, "fetch_events per single-event commit, over the idle rate (pg_stat_statements)", "n",
-                [r["commits"]["fetch_events_per_commit_pss"] for r in rs])
-            row(case, "... the same from the statement log (within the window, minus half a gap later)", "n",
-                [r["commits"]["fetch_events_per_commit_log"] for r in rs])
-            row(case, f"relays running fetch_events within {1000 * a['fleet_wake_window']:.0f} ms of a commit, minus "
-                "half a gap later", "n", [r["commits"]["woken_relays_per_commit"] for r in rs])
+            w_ms = f"{1000 * a['fleet_wake_window']:.0f} ms"
+            row(case, "relays woken per single-event commit", "n",
+                [r["commits"]["woken_relays_per_commit"] for r in rs])
+            row(case, "fetch_events per single-event commit (the owner's, and one per other relay woken)", "n",
+                [r["commits"]["fetch_events_per_commit"] for r in rs])
+            row(case, f"commits after which the bucket's owner ran fetch_events within {w_ms}", "%",
+                [100 * r["commits"]["owner_fetched_share"] for r in rs])
+            row(case, "... and showed as woken (sooner after its previous fetch than a poll comes)", "%",
+                [100 * r["commits"]["owner_seen_woken_share"] for r in rs])
+            row(case, "other relays that showed as woken, per commit", "n",
+                [r["commits"]["others_seen_woken_per_commit"] for r in rs])
             row(case, "hand-over: one relay joins, spawn -> every bucket with its new owner", "s",
                 [r["handover"]["join_from_spawn_s"] for r in rs])
             row(case, "hand-over: ... from its first heartbeat", "s",
@@ -1398,8 +1403,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fleet-idle-seconds", type=float, default=None, help="default 60, --quick 20")
     p.add_argument("--fleet-commits", type=int, default=None, help="single-event commits (default 120, --quick 60)")
     p.add_argument("--fleet-commit-gap", type=float, default=0.5, help="seconds between those commits")
-    p.add_argument("--fleet-wake-window", type=float, default=0.2,
-                   help="a relay that runs fetch_events this soon after a commit counts as woken by it")
+    p.add_argument("--fleet-wake-window", type=float, default=0.25,
+                   help="a relay that runs fetch_events this soon after a commit (and sooner after its previous "
+                        "one than a poll comes) counts as woken by it")
+    p.add_argument("--fleet-wake-all", action="store_true",
+                   help="diagnostic: each single-event commit also notifies every relay (checks that the wake-up "
+                        "count sees wake-ups)")
     p.add_argument("--fleet-settle-seconds", type=float, default=None,
                    help="wait after the ring settled, before measuring (default 10, --quick 5)")
     p.add_argument("--fleet-start-timeout", type=float, default=300.0)
