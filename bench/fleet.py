@@ -44,7 +44,6 @@ from servers import Postgres
 from outbox_relay import Outbox, migrate
 from outbox_relay import store as relay_store
 from outbox_relay.housekeeping import application_name
-from outbox_relay.ring import Ring
 from outbox_relay.settings import RelaySettings
 from outbox_relay.sqlfiles import queries, sql_dir
 
@@ -52,7 +51,7 @@ if TYPE_CHECKING:
     from run import Bench
 
 SINK = "kafka"
-VNODES = 64
+VNODES = 64  # the relay's default, for relays that compute a ring (before the stored assignment)
 ROLE = "fleet_relay"  # the relays' login: pg_stat_statements keeps statistics per role
 CONFIG = {
     "max_connections": "400",
@@ -169,10 +168,16 @@ def read_log(path: Path, offset: int, apps: set[str]) -> list[tuple[float, str, 
 
 
 def poll_seconds(relay_args: list[str]) -> float:
-    """The relays' --poll-seconds (the bench passes --relay-args to every relay)."""
-    if "--poll-seconds" in relay_args:
-        return float(relay_args[relay_args.index("--poll-seconds") + 1])
-    return float(RelaySettings.model_fields["poll_seconds"].default)
+    """The shortest idle poll interval of the relays (--poll-seconds, and --listen-poll-seconds where
+    relays have it; the bench passes --relay-args to every relay)."""
+    values = []
+    for name in ("poll_seconds", "listen_poll_seconds"):
+        flag = "--" + name.replace("_", "-")
+        if flag in relay_args:
+            values.append(float(relay_args[relay_args.index(flag) + 1]))
+        elif name in RelaySettings.model_fields:
+            values.append(float(RelaySettings.model_fields[name].default))
+    return min(values)
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -191,11 +196,25 @@ def balance(held: dict[int, str | None], ids: list[str]) -> dict[str, Any]:
             "owning_none": sum(1 for c in per if c == 0), "unowned_buckets": sum(1 for o in held.values() if o is None)}
 
 
+def wanted_owners(conn: psycopg.Connection[Any], ids: list[str]) -> dict[int, str] | None:
+    """Which relay should hold each bucket once the relays ``ids`` have settled: the sink's stored
+    assignment where relays keep one (None until it is made for exactly these relays), else the
+    consistent-hash ring that relays of earlier versions compute."""
+    row = conn.execute("SELECT to_regclass('outbox.assignments') IS NOT NULL").fetchone()
+    if row and row[0]:
+        stored = conn.execute("SELECT members, owners FROM outbox.assignments WHERE sink = %s", (SINK,)).fetchone()
+        if stored is None or sorted(stored[0]) != sorted(ids):
+            return None
+        return dict(enumerate(stored[1]))
+    from outbox_relay.ring import Ring  # type: ignore[import-not-found,unused-ignore]
+
+    return dict(Ring(ids, VNODES).assignment())
+
+
 def wait_assignment(conn: psycopg.Connection[Any], ids: list[str], relays: list[Any], timeout: float,
                     registered: str | None = None) -> dict[str, float]:
-    """Poll until every bucket is held by the owner the ring over ``ids`` gives it. Returns the time
-    it happened and, with ``registered``, when that worker's first heartbeat landed."""
-    want = Ring(ids, VNODES).assignment()
+    """Poll until every bucket is held by the owner it should have with the relays ``ids``. Returns
+    the time it happened and, with ``registered``, when that worker's first heartbeat landed."""
     deadline = time.monotonic() + timeout
     out: dict[str, float] = {}
     while time.monotonic() < deadline:
@@ -206,7 +225,8 @@ def wait_assignment(conn: psycopg.Connection[Any], ids: list[str], relays: list[
                 "SELECT 1 FROM outbox.workers WHERE id = %s", (registered,)).fetchone():
             out["registered"] = time.time()
         held = owners(conn)
-        if len(held) == len(want) and all(want[b] == o for b, o in held.items()):
+        want = wanted_owners(conn, ids)
+        if want is not None and len(held) == len(want) and all(want[b] == o for b, o in held.items()):
             out["settled"] = time.time()
             return out
         time.sleep(0.02)

@@ -233,9 +233,9 @@ def table(meta: dict[str, Any], results: dict[str, Any]) -> str:
         worst_bal = max(r["idle"]["balance"]["max_over_mean"] for r in fl)
         add("bucket balance max/mean (256 buckets)", bal, "", "", "<= 1.15 at 32 and 64", worst_bal <= 1.15)
         if worst_bal > 1.15:
-            notes.append("- Balance: each relay places 64 virtual nodes (--vnodes) on the ring and owns the buckets "
-                         "that hash into its arcs; the arcs' lengths, hence the bucket counts, vary with so few points "
-                         "per relay (min/max per relay are in the JSON).")
+            notes.append("- Balance, buckets per relay (min-max, mean): " + "; ".join(
+                f"{r['relays']} relays: {r['idle']['balance']['min']}-{r['idle']['balance']['max']}, "
+                f"{r['idle']['balance']['mean']:.1f}" for r in fl) + ".")
 
         hand = "; ".join(
             f"{n}: join {_ms(_med([r['handover']['join_from_spawn_s'] for r in at(n)]))} s from spawn "

@@ -51,23 +51,22 @@ import projection_cases  # noqa: E402
 import psycopg  # noqa: E402
 from servers import Servers, busy_fraction, machine  # noqa: E402
 
-from outbox_relay import Outbox, migrate  # noqa: E402
+from outbox_relay import Outbox, migrate, positions  # noqa: E402
 from outbox_relay import store as relay_store  # noqa: E402
 from outbox_relay.housekeeping import RETENTION_SECONDS_PER_PASS  # noqa: E402
-from outbox_relay.positions import Cursor  # noqa: E402
 from outbox_relay.ring import Ring  # noqa: E402
 from outbox_relay.settings import RelaySettings  # noqa: E402
 from outbox_relay.sqlfiles import query  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+# What `--cases issue8` runs: every row of issue 8's table (bench/README.md).
+ISSUE8_CASES = ("drain", "tuned", "reference", "latency", "longtx", "fleet")
+THROUGHPUT_CASES = ("drain", "tuned", "reference")  # run interleaved with each other
 RESULTS = HERE / "results"
 PROCS = HERE / "procs.py"
 SINK = "kafka"
 PARTITIONS = 8
 VNODES = 64  # the relay's default
-# What `--cases issue8` runs: every row of issue 8's table (bench/README.md).
-ISSUE8_CASES = ("drain", "tuned", "reference", "latency", "longtx", "fleet")
-THROUGHPUT_CASES = ("drain", "tuned", "reference")  # run interleaved with each other
 
 
 def log(msg: str) -> None:
@@ -521,9 +520,9 @@ class Bench:
             log_rows = conn.execute(
                 "SELECT bucket, snapshot, target, after_xid, after_seq, extract(epoch FROM at)::float8 "
                 "FROM public.bench_cursor_log ORDER BY bucket, at").fetchall()
-        per_bucket: dict[int, list[tuple[Cursor, float]]] = defaultdict(list)
+        per_bucket: dict[int, list[tuple[positions.Cursor, float]]] = defaultdict(list)
         for b, seen, target, after_xid, after_seq, at in log_rows:
-            per_bucket[b].append((Cursor.from_row(seen, target, after_xid, after_seq), at))
+            per_bucket[b].append((positions.Cursor.from_row(seen, target, after_xid, after_seq), at))
         out = {}
         for eid, b, x, q in events:
             entries = per_bucket.get(b, [])
@@ -924,7 +923,7 @@ class Bench:
         """VACUUM ANALYZE, then EXPLAIN (ANALYZE, BUFFERS) of the relay's fetch over the leased buckets."""
         conn.execute("VACUUM ANALYZE outbox.events")
         # Each bucket's read cursor, as the relay passes it (store.fetch_events).
-        stored = {r[0]: Cursor.from_row(*r[1:]) for r in conn.execute(
+        stored = {r[0]: positions.Cursor.from_row(*r[1:]) for r in conn.execute(
             "SELECT bucket, snapshot::text, target::text, after_xid::text, after_seq FROM outbox.cursors "
             "WHERE sink = %s AND bucket = ANY(%s::int[])", (SINK, buckets))}
         cursors = [stored[b].params() for b in buckets]
