@@ -167,17 +167,27 @@ def read_log(path: Path, offset: int, apps: set[str]) -> list[tuple[float, str, 
     return out
 
 
-def poll_seconds(relay_args: list[str]) -> float:
-    """The shortest idle poll interval of the relays (--poll-seconds, and --listen-poll-seconds where
-    relays have it; the bench passes --relay-args to every relay)."""
-    values = []
-    for name in ("poll_seconds", "listen_poll_seconds"):
-        flag = "--" + name.replace("_", "-")
-        if flag in relay_args:
-            values.append(float(relay_args[relay_args.index(flag) + 1]))
-        elif name in RelaySettings.model_fields:
-            values.append(float(RelaySettings.model_fields[name].default))
-    return min(values)
+def setting(name: str, relay_args: list[str]) -> float | None:
+    """A relay setting as the bench's relays run with it (--relay-args, else the default); None if
+    relays of this version do not have it."""
+    flag = "--" + name.replace("_", "-")
+    if flag in relay_args:
+        return float(relay_args[relay_args.index(flag) + 1])
+    field = RelaySettings.model_fields.get(name)
+    return None if field is None else float(field.default)
+
+
+def idle_poll_seconds(conn: psycopg.Connection[Any], ids: list[str], relay_args: list[str]) -> float:
+    """How long an idle relay waits before it polls: --listen-poll-seconds where relays have it and
+    every relay says (in its heartbeat) that its LISTEN connection is up, else --poll-seconds."""
+    poll = setting("poll_seconds", relay_args)
+    assert poll is not None
+    listen_poll = setting("listen_poll_seconds", relay_args)
+    if listen_poll is None:
+        return poll
+    row = conn.execute("SELECT bool_and(coalesce((metadata->>'listening')::boolean, false)) FROM outbox.workers "
+                       "WHERE id = ANY(%s)", (ids,)).fetchone()
+    return min(poll, listen_poll) if not (row and row[0]) else listen_poll
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -339,13 +349,13 @@ def fleet_once(bench: Bench, pg: Postgres, n: int, run: int) -> dict[str, Any]:
             bucket_of = dict(conn.execute(
                 "SELECT partition_key, bucket FROM outbox.events WHERE partition_key = ANY(%s)", (keys,)).fetchall())
             owner_of = [application_name(held[bucket_of[key]] or "") for key in keys]
-            # Every relay polls about once a second anyway; a poll comes at least 0.8 x --poll-seconds
+            # Every relay polls now and then anyway; a poll comes at least 0.8 x its idle poll interval
             # after the relay's previous cycle ended. So a relay's first fetch_events after a commit
             # that follows its previous one sooner than that was woken; one that follows later may
             # have been woken or may be a poll. The bucket's owner is always woken: the share of
             # commits after which it shows as woken is the share of wake-ups this test sees, and the
             # other relays seen woken are divided by it.
-            min_gap = 0.75 * poll_seconds(a.relay_args)
+            min_gap = 0.75 * idle_poll_seconds(conn, ids, a.relay_args)
             history: dict[str, list[float]] = defaultdict(list)  # relay -> its fetch_events, in time order
             for ts, app, text in read_log(pg.log_path, idle_offset, apps):
                 if label_statement(text, purposes) == "relay.fetch_events":
