@@ -136,8 +136,9 @@ def table(meta: dict[str, Any], results: dict[str, Any]) -> str:
         f"{a['longtx_rate'] / 1000:g}k ev/s, {a['longtx_relays']} relays", ours_cell, tuned_cell, "",
         f"delivers; p99 unchanged (within {UNCHANGED_FACTOR:g}x or +{UNCHANGED_MS:g} ms, also in the last quarter)",
         ok)
-    for kind, missed in (("ours", ok), ("tuned", tuned_ok)):
-        if missed is False:
+    # Always said, met or not: what an open transaction costs grows with its age.
+    for kind, measured in (("ours", ok), ("tuned", tuned_ok)):
+        if measured is not None:
             held = [r for r in lt if r["kind"] == kind and r["longtx"]]
             free = [r for r in lt if r["kind"] == kind and not r["longtx"]]
 
@@ -246,5 +247,6 @@ def table(meta: dict[str, Any], results: dict[str, Any]) -> str:
             "(not in the issue)", None)
 
     if notes:
-        lines += ["", "Where the time goes, for the rows that miss their goal:", "", *notes]
+        lines += ["", "Where the time goes, for the rows that miss their goal (and what the long transaction left "
+                  "behind either way):", "", *notes]
     return "\n".join(lines)
