@@ -1,6 +1,7 @@
 """Helper processes the bench starts (each in its own interpreter, so no GIL is shared).
 
     python bench/procs.py ref-worker ...         the seed's claim loop (claim 25, complete row by row)
+    python bench/procs.py tuned-worker ...       a tuned set-based SQL relay (claim 500, one UPDATE per batch)
     python bench/procs.py latency-producer ...   publish at a fixed rate, record commit times per event id
     python bench/procs.py latency-consumer ...   assign() every partition, record receive times per event id
     python bench/procs.py enqueue ...            publish for a while, N events per transaction
@@ -137,14 +138,134 @@ def ref_worker(args: argparse.Namespace) -> None:
     print(json.dumps({"processed": processed, "stale": stale, "last_done": last_done}), flush=True)
 
 
+# -- a tuned set-based SQL relay (the GUIDE's anchor) -------------------------------------------
+#
+# What a competent team would write with a status column and no ordering: one UPDATE claims up to
+# 500 pending rows (FOR UPDATE SKIP LOCKED, through a partial index that matches the claim's ORDER
+# BY) and marks them delivered, RETURNING them; the rows are produced, and the transaction commits
+# once the broker acknowledged all of them. Its row locks are the lease: a crash or a failed batch
+# rolls back and the rows are pending again. One row update per event, one statement per batch; no
+# ring, no per-key order, no retries or dead letters. (Claiming with SELECT ... FOR UPDATE and
+# completing with a second UPDATE writes every row twice and drained at half the rate here.)
+
+TUNED_SCHEMA = """
+CREATE TABLE tuned_outbox (
+  id            BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+  event_id      UUID NOT NULL,
+  partition_key TEXT NOT NULL,
+  topic         TEXT NOT NULL,
+  payload       JSONB NOT NULL,
+  status        SMALLINT NOT NULL DEFAULT 0,  -- 0 pending, 1 delivered
+  created_at    TIMESTAMPTZ NOT NULL DEFAULT now(),
+  delivered_at  TIMESTAMPTZ
+);
+-- The claim's ORDER BY, pending rows only: a claim reads the head of this index, never delivered rows.
+CREATE INDEX tuned_outbox_claim ON tuned_outbox (id) WHERE status = 0;
+-- Wake idle workers at once (one notification per insert statement, as the relay's own trigger).
+CREATE FUNCTION tuned_outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  PERFORM pg_notify('tuned_outbox', '');
+  RETURN NULL;
+END $$;
+CREATE TRIGGER tuned_outbox_notify AFTER INSERT ON tuned_outbox
+  FOR EACH STATEMENT EXECUTE FUNCTION tuned_outbox_notify();
+"""
+
+TUNED_ENQUEUE = """
+INSERT INTO tuned_outbox (event_id, partition_key, topic, payload)
+SELECT * FROM unnest(%(ids)s::uuid[], %(keys)s::text[], %(topics)s::text[], %(payloads)s::jsonb[])
+"""
+
+TUNED_CLAIM = """
+UPDATE tuned_outbox t SET status = 1, delivered_at = now()
+FROM (SELECT id FROM tuned_outbox WHERE status = 0 ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED) c
+WHERE t.id = c.id
+RETURNING t.id, t.event_id::text, t.partition_key, t.topic, t.payload::text
+"""
+
+
+def tuned_worker(args: argparse.Namespace) -> None:
+    """Drain mode (default): exit once a claim finds nothing. --serve: wait for notifications (polling
+    every --poll-seconds as a fallback) until a ``stop`` line, then write each event's ack time (the
+    commit of the claim that marked it delivered, after the broker acknowledged it) to --out."""
+    from confluent_kafka import Producer
+
+    from outbox_relay.kafka_sink import PRODUCER_DEFAULTS
+
+    producer = Producer({**PRODUCER_DEFAULTS, "bootstrap.servers": args.bootstrap})
+    producer.list_topics(args.topic, timeout=10)  # metadata fetched before the clock starts
+    conn = psycopg.connect(args.dsn)  # not autocommit: the claim commits after the acks
+    listener = None
+    stop = threading.Event()
+    if args.serve:
+        listener = psycopg.connect(args.dsn, autocommit=True)
+        listener.execute("LISTEN tuned_outbox")
+    failures: list[str] = []
+
+    def on_delivery(err: Any, _msg: Any) -> None:
+        if err is not None:
+            failures.append(str(err))
+
+    _ready_then_wait()
+    if args.serve:
+        def control() -> None:
+            for line in sys.stdin:
+                if line.strip() == "stop":
+                    break
+            stop.set()  # a "stop" line, or the parent went away
+
+        threading.Thread(target=control, daemon=True).start()
+    acks: dict[str, float] = {}
+    processed = batches = 0
+    last_done = time.time()
+    while not stop.is_set():
+        rows = conn.execute(TUNED_CLAIM, {"limit": args.batch_size}).fetchall()
+        if not rows:
+            conn.commit()
+            if listener is None:
+                break
+            for _ in listener.notifies(timeout=args.poll_seconds, stop_after=1):
+                pass
+            continue
+        for _id, event_id, key, topic, payload in rows:
+            producer.produce(topic, payload.encode(), key.encode(), headers=[("ce_id", event_id.encode())],
+                             on_delivery=on_delivery)
+        producer.flush()
+        if failures:
+            raise RuntimeError(failures[0])  # the claim rolls back with the connection
+        conn.commit()
+        last_done = time.time()
+        processed += len(rows)
+        batches += 1
+        if args.serve:
+            for r in rows:
+                acks[r[1]] = last_done
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"acks": acks}, f)
+    print(json.dumps({"processed": processed, "batches": batches, "last_done": last_done}), flush=True)
+
+
 # -- steady-state latency ---------------------------------------------------------------------
 
 
 def latency_producer(args: argparse.Namespace) -> None:
+    import uuid
+
     from outbox_relay import Outbox
 
     outbox = Outbox(default_topic=args.topic)
     conn = psycopg.connect(args.dsn)
+
+    def publish(batch: list[dict[str, Any]]) -> list[str]:
+        if args.target == "outbox":
+            return [str(p.id) for p in outbox.publish_many(conn, batch)]
+        # The tuned SQL relay's table: one INSERT for the tick's events, as publish_many does.
+        ids = [str(uuid.uuid4()) for _ in batch]
+        conn.execute(TUNED_ENQUEUE, {"ids": ids, "keys": [e["key"] for e in batch], "topics": [args.topic] * len(batch),
+                                     "payloads": [json.dumps(e["payload"]) for e in batch]})
+        return ids
+
     tick = args.tick_ms / 1000.0
     commits: dict[str, float] = {}
     txs = 0
@@ -164,11 +285,11 @@ def latency_producer(args: argparse.Namespace) -> None:
                 batch.append({"type": "bench.latency", "key": f"order:{i % args.keys}",
                               "payload": {"n": i, "note": "steady-state latency probe"}})
                 i += 1
-            published = outbox.publish_many(conn, batch)
+            published = publish(batch)
             conn.commit()
             committed = time.time()
-            for p in published:
-                commits[str(p.id)] = committed
+            for event_id in published:
+                commits[event_id] = committed
             sent += due
             txs += 1
         next_tick = start + (int(elapsed / tick) + 1) * tick
@@ -281,6 +402,14 @@ def main() -> None:
     p.add_argument("--topic", required=True)
     p.add_argument("--id", required=True)
     p.add_argument("--per-row-flush", action="store_true")
+    p = sub.add_parser("tuned-worker")
+    p.add_argument("--dsn", required=True)
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--topic", required=True, help="fetch its metadata before the clock starts")
+    p.add_argument("--batch-size", type=int, default=500)
+    p.add_argument("--serve", action="store_true", help="keep serving (LISTEN) until a 'stop' line")
+    p.add_argument("--poll-seconds", type=float, default=1.0)
+    p.add_argument("--out", default=None, help="--serve: write each event's ack time here")
     p = sub.add_parser("latency-producer")
     p.add_argument("--dsn", required=True)
     p.add_argument("--topic", required=True)
@@ -288,6 +417,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, required=True)
     p.add_argument("--tick-ms", type=float, default=10.0)
     p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--target", choices=("outbox", "tuned"), default="outbox",
+                   help="outbox: Outbox.publish_many; tuned: the tuned SQL relay's table")
     p.add_argument("--out", required=True)
     p = sub.add_parser("latency-consumer")
     p.add_argument("--bootstrap", required=True)
@@ -303,8 +434,8 @@ def main() -> None:
     p.add_argument("--id", type=int, required=True)
     p.add_argument("--keys", type=int, default=1000)
     args = parser.parse_args()
-    {"ref-worker": ref_worker, "latency-producer": latency_producer, "latency-consumer": latency_consumer,
-     "enqueue": enqueue}[args.cmd](args)
+    {"ref-worker": ref_worker, "tuned-worker": tuned_worker, "latency-producer": latency_producer,
+     "latency-consumer": latency_consumer, "enqueue": enqueue}[args.cmd](args)
 
 
 if __name__ == "__main__":

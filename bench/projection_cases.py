@@ -38,7 +38,7 @@ FROM outbox.events WHERE type = 'bench.order_paid' {where} GROUP BY 1
 """
 # The same, for events at or below the projection's cursors only (what it has applied).
 APPLIED = ("AND EXISTS (SELECT 1 FROM outbox.cursors c WHERE c.sink = %(sink)s AND c.bucket = events.bucket "
-           "AND (events.xid, events.seq) <= (c.position_xid, c.position_seq))")
+           "AND outbox.delivered_v1(events.xid, events.seq, c.snapshot, c.target, c.after_xid, c.after_seq))")
 
 
 def log(msg: str) -> None:  # as run.log (run.py is __main__: importing it would load it twice)
@@ -69,7 +69,6 @@ def projection_once(bench: Bench, relays_n: int, verify: bool, run: int) -> dict
     name, dsn = bench.fresh_outbox_db()
     topic = "bench-projection"  # stored on the events only; no broker involved
     relays: list[tuple[str, subprocess.Popen[bytes]]] = []
-    blocker = None
     out: dict[str, Any] = {"relays": relays_n, "run": run}
     try:
         with psycopg.connect(dsn, autocommit=True) as poll:
@@ -79,10 +78,7 @@ def projection_once(bench: Bench, relays_n: int, verify: bool, run: int) -> dict
             out["settle_seconds"] = bench.wait_ring(poll, [w for w, _ in relays], relays, sink=PROJECTION)
             warmups = bench.warm_up(dsn, topic, relays, sink=PROJECTION, type_="bench.order_paid",
                                     payload={"customer": "warmup", "amount_cents": 0})
-            blocker, out["publish_seconds"] = bench.publish_backlog(dsn, n, topic, hold=True)
-            targets = bench.targets(blocker)
-            t0 = time.time()
-            blocker.commit()
+            targets, t0 = bench.release_backlog(dsn, n, topic, relays, out)
             t_end = bench.wait_delivered(poll, targets, relays, timeout=bench.args.drain_timeout, sink=PROJECTION)
             out["seconds"] = t_end - t0
             out["events_per_s"] = n / (t_end - t0)
@@ -95,8 +91,6 @@ def projection_once(bench: Bench, relays_n: int, verify: bool, run: int) -> dict
                 if not (c["ok"] and c["orders"] == n + warmups and c["cents"] == c["published_cents"]):
                     raise RuntimeError(f"projection: bench_totals does not match the published events: {c}")
     finally:
-        if blocker is not None:
-            blocker.close()
         bench.stop_relays(relays)
         bench.pg.drop_database(name)
     return out
@@ -212,13 +206,17 @@ RETENTION_SQL = query("housekeeping", "apply_retention")
 
 class TimedConnection(psycopg.Connection[Any]):
     """Times every transaction that ran the retention DELETE, around the unchanged housekeeping
-    code: a writing transaction holds back every relay's read horizon while it is open."""
+    code: a writing transaction holds back vacuum (and, before migration 0007, every relay's read
+    horizon) while it is open. Housekeeping runs each slice as a statement of its own on an
+    autocommit connection (its own transaction); a slice inside an explicit transaction is timed
+    from BEGIN to COMMIT."""
 
     slices: ClassVar[list[tuple[float, int]]] = []  # (seconds from BEGIN to COMMIT, rows deleted), in order
+    _deleted: int | None = None
 
     @contextlib.contextmanager
     def transaction(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        self._deleted: int | None = None
+        self._deleted = None
         start = time.perf_counter()
         with super().transaction(*args, **kwargs) as tx:
             yield tx
@@ -226,8 +224,14 @@ class TimedConnection(psycopg.Connection[Any]):
             self.slices.append((time.perf_counter() - start, self._deleted))
 
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        if query != RETENTION_SQL:
+            return super().execute(query, params, **kwargs)
+        alone = self.autocommit and self.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        start = time.perf_counter()
         cur = super().execute(query, params, **kwargs)
-        if query == RETENTION_SQL:
+        if alone:
+            self.slices.append((time.perf_counter() - start, cur.rowcount))
+        else:
             self._deleted = cur.rowcount
         return cur
 

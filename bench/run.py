@@ -3,11 +3,17 @@
     python bench/run.py                 # the default bench (about 18-20 minutes on 2 cores)
     python bench/run.py --quick         # about 3 minutes: fewer events, runs and history sizes
     python bench/run.py --cases drain,reference --events 50000 --runs 5
+    python bench/run.py --cases issue8  # every row of issue 8's table, next to a tuned SQL relay
 
 Cases (bench/README.md explains each one and its caveats):
     drain      N events published first, then 1/2/4 `outbox-relay run` processes deliver them to Kafka
+    tuned      a tuned set-based SQL relay (one UPDATE claims 500 and marks them, commit after the acks), same N
     reference  the seed's claim loop (claim 25 with SKIP LOCKED, complete row by row), same N, same servers
-    latency    commit-to-consumer latency at a steady publish rate with 2 relays running
+               (drain, tuned and reference run interleaved when selected together)
+    latency    commit-to-ack latency at 1k and 5k events/s with 1 and 4 relays, ours and the tuned SQL relay
+    longtx     the same while a writing transaction stays open on the server, next to a run without one
+    fleet      32 and 64 relays on a server of their own: idle statements/s, wake-ups per commit,
+               housekeeping passes, connections, bucket balance, hand-over times
     enqueue    4 concurrent producer processes, 1 and 100 events per transaction
     claim      EXPLAIN (ANALYZE, BUFFERS) of the relay's fetch query as stored history grows
     projection as drain (released backlog), with relays that run a projection (one upsert per event)
@@ -39,17 +45,22 @@ from typing import Any
 
 warnings.filterwarnings("ignore", module="platformdirs")
 
+import fleet  # noqa: E402
+import issue8  # noqa: E402
 import projection_cases  # noqa: E402
 import psycopg  # noqa: E402
 from servers import Servers, busy_fraction, machine  # noqa: E402
 
-from outbox_relay import Outbox, migrate  # noqa: E402
+from outbox_relay import Outbox, migrate, positions  # noqa: E402
 from outbox_relay import store as relay_store  # noqa: E402
 from outbox_relay.housekeeping import RETENTION_SECONDS_PER_PASS  # noqa: E402
 from outbox_relay.settings import RelaySettings  # noqa: E402
 from outbox_relay.sqlfiles import query  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+# What `--cases issue8` runs: every row of issue 8's table (bench/README.md).
+ISSUE8_CASES = ("drain", "tuned", "reference", "latency", "longtx", "fleet")
+THROUGHPUT_CASES = ("drain", "tuned", "reference")  # run interleaved with each other
 RESULTS = HERE / "results"
 PROCS = HERE / "procs.py"
 SINK = "kafka"
@@ -58,6 +69,19 @@ PARTITIONS = 8
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat (R, S, T for stopped, ...); '' if the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def pct(p: float, xs: Sequence[float]) -> float | None:
+    """The p-th percentile of sorted values (nearest rank), None if there are none."""
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else None
 
 
 def summary(values: Sequence[float]) -> dict[str, Any]:
@@ -155,7 +179,8 @@ class Bench:
 
     @staticmethod
     def targets(conn: psycopg.Connection[Any]) -> tuple[list[int], list[int], list[int]]:
-        """Per bucket, the last stored position: delivered once the bucket's cursor reaches it."""
+        """Per bucket, the last stored position: delivered once the bucket's cursor has delivered it
+        (the events of one bucket are delivered in (xid, seq) order once their transactions ended)."""
         rows = conn.execute(
             "SELECT DISTINCT ON (bucket) bucket, xid::text::bigint, seq FROM outbox.events "
             "ORDER BY bucket, xid DESC, seq DESC").fetchall()
@@ -167,7 +192,8 @@ class Bench:
         buckets, xids, seqs = targets
         sql = ("SELECT count(*) FROM outbox.cursors c "
                "JOIN unnest(%s::int[], %s::bigint[], %s::bigint[]) AS t(bucket, xid, seq) ON t.bucket = c.bucket "
-               "WHERE c.sink = %s AND (c.position_xid, c.position_seq) >= (t.xid::text::xid8, t.seq)")
+               "WHERE c.sink = %s AND outbox.delivered_v1(t.xid::text::xid8, t.seq, c.snapshot, c.target, "
+               "c.after_xid, c.after_seq)")
         deadline = time.monotonic() + timeout
         while True:
             row = conn.execute(sql, (buckets, xids, seqs, sink)).fetchone()
@@ -232,30 +258,55 @@ class Bench:
             self.wait_delivered(poll, targets, relays, timeout=60, sink=sink)
         return len(keys)
 
-    def publish_backlog(self, dsn: str, n: int, topic: str, hold: bool
-                        ) -> tuple[psycopg.Connection[Any] | None, float]:
-        """Publish n events in transactions of --tx-size (publish_many).
-
-        hold=True: the first event is written by a transaction left open, so that the relays'
-        read horizon (snapshot xmin) stays below every event until the caller commits it.
-        """
+    def publish_backlog(self, dsn: str, n: int, topic: str) -> float:
+        """Publish n events in transactions of --tx-size (publish_many); returns the seconds it took."""
         outbox = Outbox(default_topic=topic)
         keys = self.args.keys
         tx = self.args.tx_size
         start = time.monotonic()
-        blocker = None
-        first = 0
-        if hold:
-            blocker = psycopg.connect(dsn)
-            outbox.publish(blocker, type="bench.order_paid", key="order:0", payload=self.payload(0))
-            first = 1
         with psycopg.connect(dsn) as conn:
-            for lo in range(first, n, tx):
+            for lo in range(0, n, tx):
                 outbox.publish_many(conn, [
                     {"type": "bench.order_paid", "key": f"order:{i % keys}", "payload": self.payload(i)}
                     for i in range(lo, min(n, lo + tx))])
                 conn.commit()
-        return blocker, time.monotonic() - start
+        return time.monotonic() - start
+
+    # Relays stopped longer than this could find each other's heartbeats stale (--worker-ttl-seconds,
+    # default 10 s, checked every --heartbeat-seconds, default 2 s) and hand buckets over mid-drain.
+    MAX_PAUSE_SECONDS = 5.0
+
+    def release_backlog(self, dsn: str, n: int, topic: str, relays: list[tuple[str, subprocess.Popen[bytes]]],
+                        out: dict[str, Any]) -> tuple[tuple[list[int], list[int], list[int]], float]:
+        """Publish the backlog while the running relays are stopped (SIGSTOP), then let them go
+        (SIGCONT): the clock starts when they resume. Returns the delivery targets and that time.
+
+        Relays read every committed event whatever else is open on the server, so a backlog can no
+        longer be held back by an open transaction; a stopped process reads nothing. The pause is
+        only the publishing time, well under the lease and the worker TTL, so no lease expires and
+        no relay drops out of the others' rings; notifications sent meanwhile wait in the listener's
+        socket and wake the relays as they resume, as do their overdue polls."""
+        pids = [p.pid for _, p in relays]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        paused = time.monotonic()
+        try:
+            for pid in pids:  # the signal is asynchronous: publish only once every relay has stopped
+                deadline = time.monotonic() + 5.0
+                while process_state(pid) not in ("T", "t") and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            out["publish_seconds"] = self.publish_backlog(dsn, n, topic)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                targets = self.targets(conn)
+        finally:
+            t0 = time.time()
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        out["pause_seconds"] = pause = time.monotonic() - paused
+        if pause > self.MAX_PAUSE_SECONDS:
+            log(f"WARNING: relays were paused {pause:.1f}s to publish the backlog (over {self.MAX_PAUSE_SECONDS:.0f}s: "
+                "heartbeats may look stale and buckets change hands mid-drain); use fewer --events")
+        return targets, t0
 
     # -- case 1 + 5: drain and peak RSS -----------------------------------------------------------
 
@@ -264,23 +315,19 @@ class Bench:
         name, dsn = self.fresh_outbox_db()
         topic = self.kafka.create_topic(f"drain{relays_n}", PARTITIONS)
         relays: list[tuple[str, subprocess.Popen[bytes]]] = []
-        blocker = None
         out: dict[str, Any] = {"relays": relays_n, "mode": mode, "run": run}
         warmups = 0
         try:
             with psycopg.connect(dsn, autocommit=True) as poll:
                 if mode == "warm":
                     # Relays up and settled on the ring, producers warmed up; then the backlog is
-                    # published behind an open transaction (below their read horizon) and released.
+                    # published while they are stopped, and released by letting them go on.
                     relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}")
                     out["settle_seconds"] = self.wait_ring(poll, [w for w, _ in relays], relays)
                     warmups = self.warm_up(dsn, topic, relays)
-                    blocker, out["publish_seconds"] = self.publish_backlog(dsn, n, topic, hold=True)
-                    targets = self.targets(blocker)  # sees its own (uncommitted) event too
-                    t0 = time.time()
-                    blocker.commit()  # the backlog becomes visible, and its NOTIFY wakes the relays
+                    targets, t0 = self.release_backlog(dsn, n, topic, relays, out)
                 else:
-                    _, out["publish_seconds"] = self.publish_backlog(dsn, n, topic, hold=False)
+                    out["publish_seconds"] = self.publish_backlog(dsn, n, topic)
                     targets = self.targets(poll)
                     t0 = time.time()
                     relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}")
@@ -295,26 +342,96 @@ class Bench:
                 out["topic"] = self.count_topic(topic, n + warmups)
                 out["topic"]["expected"] = n + warmups
         finally:
-            if blocker is not None:
-                blocker.close()
             self.stop_relays(relays)
             self.pg.drop_database(name)
         return out
 
-    def case_drain(self) -> None:
-        runs = []
+    def case_throughput(self, kinds: Sequence[str]) -> None:
+        """The drain cases of ``kinds`` (drain: ours; tuned: the tuned SQL relay; reference: the seeds'
+        loop), interleaved: run 1 of each process count of each kind, then run 2, ..., so that load
+        from outside the bench skews them alike and the ratios compare runs made side by side."""
+        counts = sorted({*(self.args.relays if "drain" in kinds else ()),
+                         *(self.args.tuned_workers if "tuned" in kinds else ()),
+                         *(self.args.ref_workers if "reference" in kinds else ())})
+        for kind in kinds:
+            self.results[kind] = []
         for run in range(self.args.runs):
-            for relays_n in self.args.relays:
-                for mode in self.args.drain_modes:
-                    verify = run == 0 and mode == "warm"
-                    r = self.drain_once(relays_n, mode, verify, run)
-                    rss = max(v or 0 for v in r["peak_rss_mb"].values())
-                    log(f"drain {mode} {relays_n} relays run {run + 1}: {r['events_per_s']:,.0f} ev/s "
-                        f"({r['seconds']:.2f}s, first checkpoint after {r['first_checkpoint_after_s'] or 0:.2f}s, "
-                        f"rss {rss:.0f} MB)"
+            for n in counts:
+                if "drain" in kinds and n in self.args.relays:
+                    for mode in self.args.drain_modes:
+                        r = self.drain_once(n, mode, run == 0 and mode == "warm", run)
+                        rss = max(v or 0 for v in r["peak_rss_mb"].values())
+                        log(f"drain {mode} {n} relays run {run + 1}: {r['events_per_s']:,.0f} ev/s "
+                            f"({r['seconds']:.2f}s, cursor write after {r['first_checkpoint_after_s'] or 0:.2f}s, "
+                            f"rss {rss:.0f} MB)"
+                            + (f", topic {r['topic']}" if "topic" in r else ""))
+                        self.results["drain"].append(r)
+                if "tuned" in kinds and n in self.args.tuned_workers:
+                    r = self.tuned_once(n, run, verify=run == 0)
+                    log(f"tuned SQL relay {n} workers run {run + 1}: {r['events_per_s']:,.0f} ev/s "
+                        f"({r['seconds']:.2f}s, {r['batches']} batches)"
                         + (f", topic {r['topic']}" if "topic" in r else ""))
-                    runs.append(r)
-        self.results["drain"] = runs
+                    self.results["tuned"].append(r)
+                if "reference" in kinds and n in self.args.ref_workers:
+                    r = self.reference_once(n, run)
+                    log(f"reference {n} workers run {run + 1}: {r['events_per_s']:,.0f} ev/s ({r['seconds']:.2f}s)")
+                    self.results["reference"].append(r)
+
+    # -- the tuned set-based SQL relay (procs.py tuned-worker) ----------------------------------------
+
+    def tuned_once(self, workers: int, run: int, verify: bool) -> dict[str, Any]:
+        """The same N, keys and payloads in the tuned relay's table, then ``workers`` processes drain
+        it; the clock starts when all of them are connected and have the topic's metadata."""
+        import uuid
+
+        from procs import TUNED_ENQUEUE, TUNED_SCHEMA
+
+        n = self.args.events
+        name = self.pg.create_database("tuned")
+        dsn = self.pg.dsn(name)
+        topic = self.kafka.create_topic(f"tuned{workers}", PARTITIONS)
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            with psycopg.connect(dsn) as conn:
+                conn.execute(TUNED_SCHEMA)
+                conn.commit()
+                for lo in range(0, n, self.args.tx_size):
+                    rng = range(lo, min(n, lo + self.args.tx_size))
+                    conn.execute(TUNED_ENQUEUE, {"ids": [str(uuid.uuid4()) for _ in rng],
+                                                 "keys": [f"order:{i % self.args.keys}" for i in rng],
+                                                 "topics": [topic] * len(rng),
+                                                 "payloads": [json.dumps(self.payload(i)) for i in rng]})
+                    conn.commit()
+            for _ in range(workers):
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(PROCS), "tuned-worker", "--dsn", dsn, "--bootstrap", self.kafka.bootstrap,
+                     "--topic", topic, "--batch-size", str(self.args.tuned_batch)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            t0 = self._ready_go(procs, "tuned worker")
+            reports = []
+            for p in procs:
+                stdout, _ = p.communicate(timeout=self.args.drain_timeout)
+                if p.returncode != 0:
+                    raise RuntimeError(f"tuned worker exited with {p.returncode}")
+                reports.append(json.loads(stdout.strip().splitlines()[-1]))
+            t_end = max(r["last_done"] for r in reports)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                row = conn.execute("SELECT count(*) FILTER (WHERE status = 1) FROM tuned_outbox").fetchone()
+            if not row or row[0] != n:
+                raise RuntimeError(f"tuned relay delivered {row[0] if row else 0} of {n} rows")
+            out: dict[str, Any] = {
+                "workers": workers, "run": run, "seconds": t_end - t0, "events_per_s": n / (t_end - t0),
+                "processed": [r["processed"] for r in reports], "batches": sum(r["batches"] for r in reports)}
+            if verify:
+                out["topic"] = self.count_topic(topic, n)
+                out["topic"]["expected"] = n
+            return out
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.pg.drop_database(name)
 
     # -- case 2: the seed reference loop -----------------------------------------------------------
 
@@ -372,24 +489,18 @@ class Bench:
                     p.wait()
             self.pg.drop_database(name)
 
-    def case_reference(self) -> None:
-        runs = []
-        for run in range(self.args.runs):
-            for workers in self.args.ref_workers:
-                r = self.reference_once(workers, run)
-                log(f"reference {workers} workers run {run + 1}: {r['events_per_s']:,.0f} ev/s ({r['seconds']:.2f}s)")
-                runs.append(r)
-        self.results["reference"] = runs
-
     # -- case 3: steady-state latency ----------------------------------------------------------------
 
     CURSOR_LOG = """
-    CREATE TABLE public.bench_cursor_log (bucket int, position_xid xid8, position_seq bigint, at timestamptz);
+    CREATE TABLE public.bench_cursor_log (bucket int, snapshot text, target text, after_xid bigint, after_seq bigint,
+                                          at timestamptz);
     CREATE FUNCTION public.bench_log_cursor() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
-        IF (NEW.position_xid, NEW.position_seq) IS DISTINCT FROM (OLD.position_xid, OLD.position_seq) THEN
+        IF (NEW.snapshot::text, NEW.target::text, NEW.after_xid, NEW.after_seq)
+           IS DISTINCT FROM (OLD.snapshot::text, OLD.target::text, OLD.after_xid, OLD.after_seq) THEN
             INSERT INTO public.bench_cursor_log
-            VALUES (NEW.bucket, NEW.position_xid, NEW.position_seq, NEW.advanced_at);
+            VALUES (NEW.bucket, NEW.snapshot::text, NEW.target::text, NEW.after_xid::text::bigint, NEW.after_seq,
+                    NEW.advanced_at);
         END IF;
         RETURN NULL;
     END $$;
@@ -399,120 +510,262 @@ class Bench:
 
     @staticmethod
     def checkpoint_times(dsn: str, ids: list[str]) -> dict[str, float]:
-        """Per event id: when the relay's checkpoint first moved its bucket's cursor past it
-        (the relay checkpoints only after the broker acknowledged the whole batch)."""
-        import bisect
+        """Per event id: when the relay's checkpoint first wrote a cursor of its bucket that has
+        delivered it (the relay checkpoints only after the broker acknowledged the whole batch)."""
         from collections import defaultdict
 
         with psycopg.connect(dsn, autocommit=True) as conn:
             events = conn.execute("SELECT id::text, bucket, xid::text::bigint, seq FROM outbox.events "
                                   "WHERE id = ANY(%s::uuid[])", (ids,)).fetchall()
             log_rows = conn.execute(
-                "SELECT bucket, position_xid::text::bigint, position_seq, extract(epoch FROM at)::float8 "
-                "FROM public.bench_cursor_log ORDER BY bucket, position_xid, position_seq").fetchall()
-        per_bucket: dict[int, list[tuple[tuple[int, int], float]]] = defaultdict(list)
-        for b, x, q, at in log_rows:
-            per_bucket[b].append(((x, q), at))
+                "SELECT bucket, snapshot, target, after_xid, after_seq, extract(epoch FROM at)::float8 "
+                "FROM public.bench_cursor_log ORDER BY bucket, at").fetchall()
+        per_bucket: dict[int, list[tuple[positions.Cursor, float]]] = defaultdict(list)
+        for b, seen, target, after_xid, after_seq, at in log_rows:
+            per_bucket[b].append((positions.Cursor.from_row(seen, target, after_xid, after_seq), at))
         out = {}
         for eid, b, x, q in events:
             entries = per_bucket.get(b, [])
-            i = bisect.bisect_left([pos for pos, _ in entries], (x, q))
-            if i < len(entries):
-                out[eid] = min(at for _, at in entries[i:])  # positions only move forward; min is safe
+            # A bucket's cursor only moves forward, so "has delivered this event" is false, then true
+            # for good: the first entry where it holds, by bisection.
+            lo, hi = 0, len(entries)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if entries[mid][0].delivered(x, q):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            if lo < len(entries):
+                out[eid] = entries[lo][1]
         return out
 
-    def latency_once(self, rate: float, run: int) -> dict[str, Any]:
-        name, dsn = self.fresh_outbox_db()
-        if not self.args.no_cursor_log:
+    def latency_once(self, kind: str, rate: float, relays_n: int, run: int, seconds: float,
+                     longtx: bool = False) -> dict[str, Any]:
+        """Publish at ``rate`` for ``seconds`` with ``relays_n`` relays of ``kind`` running ("ours":
+        `outbox-relay run`; "tuned": the tuned SQL relay of procs.py) and time every event.
+        ``longtx``: a writing transaction in another database of the same server stays open from
+        before the first event until the consumer has everything (or gave up waiting)."""
+        tag = f"{kind}{int(rate)}x{relays_n}r{run}{'L' if longtx else ''}"
+        if kind == "ours":
+            name, dsn = self.fresh_outbox_db()
+            if not self.args.no_cursor_log:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    conn.execute(self.CURSOR_LOG)  # bench instrumentation, this database only
+        else:
+            from procs import TUNED_SCHEMA
+
+            name = self.pg.create_database("tuned")
+            dsn = self.pg.dsn(name)
             with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute(self.CURSOR_LOG)  # bench instrumentation, this database only
-        topic = self.kafka.create_topic(f"lat{int(rate)}", PARTITIONS)
+                conn.execute(TUNED_SCHEMA)
+        topic = self.kafka.create_topic(f"lat-{tag}", PARTITIONS)
         relays: list[tuple[str, subprocess.Popen[bytes]]] = []
+        workers: list[subprocess.Popen[str]] = []
         consumer = producer = None
-        commits_path = self.base / f"lat-commits-{run}-{int(rate)}.json"
-        received_path = self.base / f"lat-received-{run}-{int(rate)}.json"
+        held: psycopg.Connection[Any] | None = None
+        held_db = None
+        commits_path = self.base / f"lat-commits-{tag}.json"
+        received_path = self.base / f"lat-received-{tag}.json"
+        acks_paths = [self.base / f"lat-acks-{tag}-{i}.json" for i in range(relays_n)]
+        out: dict[str, Any] = {"kind": kind, "rate": rate, "relays": relays_n, "run": run, "longtx": longtx}
         try:
             consumer = subprocess.Popen(
                 [sys.executable, str(PROCS), "latency-consumer", "--bootstrap", self.kafka.bootstrap,
                  "--topic", topic, "--partitions", str(PARTITIONS), "--out", str(received_path), "--timeout", "10"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            relays = self.start_relays(self.args.latency_relays, dsn, topic, f"lat{int(rate)}r{run}")
-            with psycopg.connect(dsn, autocommit=True) as poll:
-                self.wait_ring(poll, [w for w, _ in relays], relays)
-            warmups = self.warm_up(dsn, topic, relays)
+            warmups = 0
+            if kind == "ours":
+                relays = self.start_relays(relays_n, dsn, topic, f"lat-{tag}")
+                with psycopg.connect(dsn, autocommit=True) as poll:
+                    self.wait_ring(poll, [w for w, _ in relays], relays)
+                warmups = self.warm_up(dsn, topic, relays)
+            else:
+                for i in range(relays_n):
+                    workers.append(subprocess.Popen(
+                        [sys.executable, str(PROCS), "tuned-worker", "--dsn", dsn, "--bootstrap", self.kafka.bootstrap,
+                         "--topic", topic, "--batch-size", str(self.args.tuned_batch), "--serve",
+                         "--out", str(acks_paths[i])],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                self._ready_go(workers, "tuned worker")
             assert consumer.stdout is not None and consumer.stdin is not None
             if consumer.stdout.readline().strip() != "ready":
                 raise RuntimeError("latency consumer failed to start")
+            if longtx:
+                held_db, held = self.open_long_transaction()
+                out["held_from"] = time.time()
+            out["table_before"] = self.hot_table(dsn, kind)
             producer = subprocess.Popen(
                 [sys.executable, str(PROCS), "latency-producer", "--dsn", dsn, "--topic", topic,
-                 "--rate", str(rate), "--duration", str(self.args.latency_seconds),
+                 "--rate", str(rate), "--duration", str(seconds),
                  "--tick-ms", str(self.args.latency_tick_ms), "--keys", str(self.args.keys),
-                 "--out", str(commits_path)],
+                 "--target", "outbox" if kind == "ours" else "tuned", "--out", str(commits_path)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             assert producer.stdout is not None and producer.stdin is not None
             if producer.stdout.readline().strip() != "ready":
                 raise RuntimeError("latency producer failed to start")
             producer.stdin.write("go\n")
             producer.stdin.flush()
-            pstdout, _ = producer.communicate(timeout=self.args.latency_seconds + 60)
+            pstdout, _ = producer.communicate(timeout=seconds + 60)
             sent = json.loads(pstdout.strip().splitlines()[-1])
             consumer.stdin.write(f"expect {sent['sent'] + warmups}\n")
             consumer.stdin.flush()
             consumer.communicate(timeout=60)
-            rss = {wid: self.peak_rss_mb(p.pid) for wid, p in relays}
-            diagnosis = self.diagnose_missing(dsn, commits_path, received_path, topic)
-            acked = {} if self.args.no_cursor_log else self.checkpoint_times(
-                dsn, list(json.loads(commits_path.read_text())["commits"]))
+            out["table_after"] = self.hot_table(dsn, kind)
+            if held is not None:
+                out["held_until"] = time.time()
+                out["held_seconds"] = self.close_long_transaction(held, out["held_from"])
+                held = None
+            if kind == "ours":
+                out["peak_rss_mb"] = {wid: self.peak_rss_mb(p.pid) for wid, p in relays}
+                out["missing_diagnosis"] = self.diagnose_missing(dsn, commits_path, received_path, topic)
+                acked = {} if self.args.no_cursor_log else self.checkpoint_times(
+                    dsn, list(json.loads(commits_path.read_text())["commits"]))
+            else:
+                out["peak_rss_mb"] = {f"tuned-{i}": self.peak_rss_mb(p.pid) for i, p in enumerate(workers)}
+                with psycopg.connect(dsn, autocommit=True) as poll:  # every event marked delivered
+                    deadline = time.monotonic() + 60
+                    while (poll.execute("SELECT count(*) FROM tuned_outbox WHERE status = 0").fetchone() or [0])[0]:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("tuned relay: events still pending 60s after the producer stopped")
+                        time.sleep(0.05)
+                reports = self._stop_serving(workers)
+                out["batches"] = sum(r["batches"] for r in reports)
+                acked = {}
+                for path in acks_paths:
+                    acked.update(json.loads(path.read_text())["acks"])
+                out["missing_diagnosis"] = self.diagnose_missing(None, commits_path, received_path, topic)
         finally:
-            for p in (producer, consumer):
+            for p in (producer, consumer, *workers):
                 if p is not None and p.poll() is None:
                     p.kill()
                     p.wait()
+            if held is not None:
+                held.close()
+            if held_db is not None:
+                self.pg.drop_database(held_db)
             self.stop_relays(relays)
             self.pg.drop_database(name)
         commits = json.loads(commits_path.read_text())
         received = json.loads(received_path.read_text())
         got = received["received"]
         lat = sorted((got[i] - t) * 1000 for i, t in commits["commits"].items() if i in got)
-        missing = len(commits["commits"]) - len(lat)
-        # Commit -> the relay's checkpoint after the broker's ack: an upper bound of commit -> ack.
+        # Commit -> the relay's durable record of the broker's ack (our checkpoint; the tuned relay's
+        # UPDATE): an upper bound of commit -> ack.
         ack = sorted((acked[i] - t) * 1000 for i, t in commits["commits"].items() if i in acked)
         # Split at the relay's produce() call (the message's CreateTime, same clock):
         # commit -> produce is the relay's pickup; produce -> receive is librdkafka + Tansu + consumer.
         made = received.get("produced", {})
         pickup = sorted((made[i] - t) * 1000 for i, t in commits["commits"].items() if i in made)
         transit = sorted((got[i] - made[i]) * 1000 for i in commits["commits"] if i in made and i in got)
+        # The pickup's complement: produce() -> acked and recorded.
+        settle = sorted((acked[i] - made[i]) * 1000 for i in commits["commits"] if i in made and i in acked)
+        out.update({
+            "sent": sent["sent"], "seconds": sent["seconds"], "achieved_rate": sent["sent"] / sent["seconds"],
+            "transactions": sent["transactions"], "received": len(lat), "missing": len(commits["commits"]) - len(lat),
+            "duplicates": received["duplicates"],
+            "ack_p50_ms": pct(50, ack), "ack_p90_ms": pct(90, ack), "ack_p99_ms": pct(99, ack),
+            "ack_max_ms": ack[-1] if ack else None, "ack_measured": len(ack),
+            "p50_ms": pct(50, lat), "p90_ms": pct(90, lat), "p99_ms": pct(99, lat), "max_ms": lat[-1] if lat else None,
+            "pickup_p50_ms": pct(50, pickup), "pickup_p99_ms": pct(99, pickup),
+            "transit_p50_ms": pct(50, transit), "transit_p99_ms": pct(99, transit),
+            "settle_p50_ms": pct(50, settle), "settle_p99_ms": pct(99, settle),
+        })
+        if longtx:
+            # Delivered while the transaction was open, and the tail at the end of the window (a
+            # transaction that holds back vacuum makes some costs grow with time).
+            until = out["held_until"]
+            out["acked_while_held"] = sum(1 for i in commits["commits"] if i in acked and acked[i] < until)
+            last = sorted(commits["commits"].values())
+            cut = last[int(0.75 * len(last))] if last else 0.0
+            tail = sorted((acked[i] - t) * 1000 for i, t in commits["commits"].items() if i in acked and t >= cut)
+            out["ack_p99_last_quarter_ms"] = pct(99, tail)
+        return out
 
-        def pct(p: float, xs: list[float] | None = None) -> float | None:
-            xs = lat if xs is None else xs
-            return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else None
+    @staticmethod
+    def hot_table(dsn: str, kind: str) -> dict[str, Any]:
+        """Size and dead row versions of the table each batch updates (ours: outbox.cursors; the tuned
+        relay: its table and its claim index): what vacuum can not clean while a transaction is open."""
+        table, index = ("outbox.cursors", "outbox.cursors_pkey") if kind == "ours" else (
+            "public.tuned_outbox", "public.tuned_outbox_claim")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT pg_relation_size(%s::regclass), pg_relation_size(%s::regclass), n_dead_tup, n_tup_upd, "
+                "n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = %s::regclass", (table, index, table)).fetchone()
+        assert row is not None
+        return {"table": table, "table_bytes": row[0], "index": index, "index_bytes": row[1], "dead_tuples": row[2],
+                "updates": row[3], "hot_updates": row[4]}
 
-        return {"rate": rate, "run": run, "sent": sent["sent"], "seconds": sent["seconds"],
-                "achieved_rate": sent["sent"] / sent["seconds"], "transactions": sent["transactions"],
-                "received": len(lat), "missing": missing, "duplicates": received["duplicates"],
-                "ack_p50_ms": pct(50, ack), "ack_p90_ms": pct(90, ack), "ack_p99_ms": pct(99, ack),
-                "ack_max_ms": ack[-1] if ack else None, "ack_measured": len(ack),
-                "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99), "max_ms": lat[-1] if lat else None,
-                "pickup_p50_ms": pct(50, pickup), "pickup_p99_ms": pct(99, pickup),
-                "transit_p50_ms": pct(50, transit), "transit_p99_ms": pct(99, transit),
-                "peak_rss_mb": rss, "missing_diagnosis": diagnosis}
+    def open_long_transaction(self) -> tuple[str, psycopg.Connection[Any]]:
+        """A transaction that has written (so it has a transaction id) and stays open, in a database of
+        its own on the same server: transaction ids and snapshots are server-wide."""
+        db = self.pg.create_database("longtx")
+        conn = psycopg.connect(self.pg.dsn(db), application_name="outbox-bench long transaction")
+        conn.execute("CREATE TABLE held (x int)")
+        conn.commit()
+        conn.execute("INSERT INTO held VALUES (1)")  # a transaction id; the transaction stays open
+        return db, conn
 
-    def diagnose_missing(self, dsn: str, commits_path: Path, received_path: Path, topic: str
+    def close_long_transaction(self, conn: psycopg.Connection[Any], since: float) -> float:
+        """Check it is still open with its transaction id, roll it back; how long it was held."""
+        with psycopg.connect(self.pg.admin_dsn, autocommit=True) as admin:
+            row = admin.execute("SELECT backend_xid IS NOT NULL, state FROM pg_stat_activity WHERE pid = %s",
+                                (conn.info.backend_pid,)).fetchone()
+        if not row or not row[0] or row[1] != "idle in transaction":
+            raise RuntimeError(f"the long transaction did not stay open with a transaction id: {row}")
+        held = time.time() - since
+        conn.rollback()
+        conn.close()
+        return held
+
+    @staticmethod
+    def _ready_go(procs: Sequence[subprocess.Popen[str]], what: str) -> float:
+        """Wait for every process's ``ready``, then tell them all to go; returns the time just before."""
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"{what} failed to start")
+        t0 = time.time()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        return t0
+
+    @staticmethod
+    def _stop_serving(workers: Sequence[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+        for p in workers:
+            assert p.stdin is not None
+            p.stdin.write("stop\n")
+            p.stdin.flush()
+        reports = []
+        for p in workers:
+            stdout, _ = p.communicate(timeout=60)
+            if p.returncode != 0:
+                raise RuntimeError(f"tuned worker exited with {p.returncode}")
+            reports.append(json.loads(stdout.strip().splitlines()[-1]))
+        return reports
+
+    def diagnose_missing(self, dsn: str | None, commits_path: Path, received_path: Path, topic: str
                          ) -> dict[str, Any] | None:
-        """If the consumer did not see some committed events, say where they are (never expected)."""
+        """If the consumer did not see some committed events, say where they are (never expected).
+        ``dsn``: an outbox database (None for the tuned relay's: only the topic is searched)."""
         commits = json.loads(commits_path.read_text())["commits"]
         got = json.loads(received_path.read_text())["received"]
         missing = [i for i in commits if i not in got]
         if not missing:
             return None
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            known = {str(r[0]) for r in conn.execute("SELECT id FROM outbox.events")}
-            rows = conn.execute(
-                "SELECT e.id::text, e.bucket, e.xid::text, e.seq, e.partition_key, "
-                "(e.xid, e.seq) <= (c.position_xid, c.position_seq) AS behind_cursor, c.position_xid::text, "
-                "c.position_seq, c.owner FROM outbox.events e JOIN outbox.cursors c "
-                "ON c.sink = %s AND c.bucket = e.bucket WHERE e.id = ANY(%s::uuid[])", (SINK, missing)).fetchall()
-        strangers = [i for i in got if i not in known]
+        rows: list[Any] = []
+        strangers: list[str] = []
+        if dsn is not None:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                known = {str(r[0]) for r in conn.execute("SELECT id FROM outbox.events")}
+                rows = conn.execute(
+                    "SELECT e.id::text, e.bucket, e.xid::text, e.seq, e.partition_key, "
+                    "outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) AS delivered, "
+                    "c.snapshot::text, c.target::text, c.after_xid::text, c.after_seq, c.owner "
+                    "FROM outbox.events e JOIN outbox.cursors c "
+                    "ON c.sink = %s AND c.bucket = e.bucket WHERE e.id = ANY(%s::uuid[])", (SINK, missing)).fetchall()
+            strangers = [i for i in got if i not in known]
         # Is it on the topic at all? A second consumer reads everything from the beginning.
         on_topic: set[str] = set()
         recount = self.count_topic(topic, len(got) + len(missing), timeout=30, ids_out=on_topic)
@@ -523,20 +776,40 @@ class Bench:
         log(f"MISSING at the consumer: {json.dumps(out, default=str)[:2000]}")
         return out
 
+    def latency_line(self, r: dict[str, Any]) -> str:
+        def f(v: float | None) -> str:
+            return "-" if v is None else f"{v:.1f}"
+
+        return (f"{r['kind']} {r['relays']} relay{'s' if r['relays'] > 1 else ''} at {r['rate']:.0f} ev/s run "
+                f"{r['run'] + 1}{' (long transaction open)' if r['longtx'] else ''}: commit->ack p50 "
+                f"{f(r['ack_p50_ms'])} ms, p99 {f(r['ack_p99_ms'])} ms, max {f(r['ack_max_ms'])} ms; "
+                f"commit->produce p50/p99 {f(r['pickup_p50_ms'])}/{f(r['pickup_p99_ms'])} ms; commit->consumer "
+                f"p50/p99 {f(r['p50_ms'])}/{f(r['p99_ms'])} ms ({r['received']}/{r['sent']} received, "
+                f"{r['ack_measured']} acked, {r['achieved_rate']:.0f} ev/s achieved)"
+                + (f"; acked while held {r['acked_while_held']}, held {r['held_seconds']:.0f}s" if r["longtx"] else ""))
+
     def case_latency(self) -> None:
         runs = []
         for run in range(self.args.runs):
             for rate in self.args.latency_rates:
-                r = self.latency_once(rate, run)
-                log(f"latency {rate:.0f} ev/s run {run + 1}: commit->checkpoint p50 {r['ack_p50_ms'] or 0:.1f} ms, "
-                    f"p99 {r['ack_p99_ms'] or 0:.1f} ms, max {r['ack_max_ms'] or 0:.1f} ms; "
-                    f"commit->consumer p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, "
-                    f"max {r['max_ms']:.1f} ms; commit->produce p50/p99 {r['pickup_p50_ms']:.1f}/"
-                    f"{r['pickup_p99_ms']:.1f} ms, produce->receive {r['transit_p50_ms']:.1f}/"
-                    f"{r['transit_p99_ms']:.1f} ms ({r['received']}/{r['sent']} received, "
-                    f"{r['achieved_rate']:.0f} ev/s achieved)")
-                runs.append(r)
+                for relays_n in self.args.latency_relays:
+                    for kind in self.args.latency_kinds:
+                        r = self.latency_once(kind, rate, relays_n, run, self.args.latency_seconds)
+                        log(self.latency_line(r))
+                        runs.append(r)
         self.results["latency"] = runs
+
+    def case_longtx(self) -> None:
+        """Latency while a writing transaction stays open, next to the same run without it."""
+        runs = []
+        for run in range(self.args.longtx_runs):
+            for kind in self.args.longtx_kinds:
+                for held in (True, False):
+                    r = self.latency_once(kind, self.args.longtx_rate, self.args.longtx_relays, run,
+                                          self.args.longtx_seconds, longtx=held)
+                    log(self.latency_line(r))
+                    runs.append(r)
+        self.results["longtx"] = runs
 
     # -- case 4: enqueue rate ----------------------------------------------------------------------
 
@@ -621,11 +894,11 @@ class Bench:
 
     @staticmethod
     def deliver_all(conn: psycopg.Connection[Any]) -> None:
-        """Everything stored so far becomes delivered history: every cursor of the sink moves past it."""
+        """Everything stored so far becomes delivered history: every cursor of the sink has seen a
+        snapshot in which all of it is visible (as if the relay had read up to now)."""
         conn.execute(
-            "UPDATE outbox.cursors c SET position_xid = m.xid, position_seq = m.seq "
-            "FROM (SELECT xid, seq FROM outbox.events ORDER BY xid DESC, seq DESC LIMIT 1) m "
-            "WHERE c.sink = %s", (SINK,))
+            "UPDATE outbox.cursors c SET snapshot = pg_current_snapshot(), target = NULL, after_xid = NULL, "
+            "after_seq = NULL WHERE c.sink = %s", (SINK,))
 
     def lease_to(self, conn: psycopg.Connection[Any], owner: str) -> tuple[list[int], int]:
         """Lease --claim-buckets buckets to one owner (as fetch_events joins on them); returns them
@@ -649,11 +922,18 @@ class Bench:
                    ) -> dict[str, Any]:
         """VACUUM ANALYZE, then EXPLAIN (ANALYZE, BUFFERS) of the relay's fetch over the leased buckets."""
         conn.execute("VACUUM ANALYZE outbox.events")
+        # Each bucket's read cursor, as the relay passes it (store.fetch_events).
+        stored = {r[0]: positions.Cursor.from_row(*r[1:]) for r in conn.execute(
+            "SELECT bucket, snapshot::text, target::text, after_xid::text, after_seq FROM outbox.cursors "
+            "WHERE sink = %s AND bucket = ANY(%s::int[])", (SINK, buckets))}
+        cursors = [stored[b].params() for b in buckets]
         params = {"sink": SINK, "worker": owner, "buckets": buckets, "limits": [limit] * len(buckets),
+                  "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
+                  "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
                   "types": None, "topics": None}  # the Kafka sink wants every event
         row = conn.execute(
-            "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s "
-            "AND c.bucket = e.bucket AND (e.xid, e.seq) > (c.position_xid, c.position_seq) "
+            "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s AND c.bucket = e.bucket "
+            "AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) "
             "WHERE c.owner = %s", (SINK, owner)).fetchone()
         explains = []
         for _ in range(max(3, self.args.runs)):
@@ -732,25 +1012,20 @@ class Bench:
         topic = self.kafka.create_topic("profile", PARTITIONS)
         relays: list[tuple[str, subprocess.Popen[bytes]]] = []
         raw = RESULTS / f"profile-{self.stamp}.txt"
-        blocker = None
         try:
-            blocker, _ = self.publish_backlog(dsn, n, topic, hold=True)
             with psycopg.connect(dsn, autocommit=True) as poll:
-                targets = self.targets(blocker)
                 relays = self.start_relays(1, dsn, topic, "profile")
                 self.wait_ring(poll, [w for w, _ in relays], relays)
+                self.warm_up(dsn, topic, relays)
                 spy_proc = subprocess.Popen([spy, "record", "--pid", str(relays[0][1].pid), "--rate", "200",
                                              "--idle", "--nonblocking", "--format", "raw", "--output", str(raw)],
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
-                t0 = time.time()
-                blocker.commit()
+                targets, t0 = self.release_backlog(dsn, n, topic, relays, {})
                 t_end = self.wait_delivered(poll, targets, relays, timeout=self.args.drain_timeout)
                 spy_proc.send_signal(signal.SIGINT)
                 spy_proc.wait(30)
         finally:
-            if blocker is not None:
-                blocker.close()
             self.stop_relays(relays)
             self.pg.drop_database(name)
         self.results["profile"] = {"events_per_s": n / (t_end - t0), "raw": str(raw),
@@ -807,6 +1082,8 @@ def fmt(v: float | None, unit: str) -> str:
         return f"{v:.2f}"
     if unit in ("MB", "MiB"):
         return f"{v:,.0f}"
+    if unit == "n" and float(v).is_integer():
+        return f"{v:.0f}"
     return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
@@ -829,6 +1106,11 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
     a = meta["args"]
     lines.append(f"N = {a['events']:,} events over {a['keys']:,} keys, published in transactions of {a['tx_size']}; "
                  f"relay --batch-size {a['batch_size']}; {a['runs']} runs per case: median (min-max).")
+    if a.get("issue8"):
+        lines.append("")
+        lines.append(issue8.table(meta, results))
+        lines.append("")
+        lines.append("### Every figure of this run")
     lines.append("")
     lines.append("| case | metric | median | min | max | runs |")
     lines.append("|---|---|---:|---:|---:|---:|")
@@ -854,6 +1136,18 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
             rs = [r for r in results["projection"] if r["relays"] == r_n]
             row(f"projection {a['events']:,}, {r_n} relay{'s' if r_n > 1 else ''} (backlog released to running "
                 "relays, one upsert per event)", "events/s", "ev/s", [r["events_per_s"] for r in rs])
+    tuned: dict[int, list[float]] = {}
+    if "tuned" in results:
+        for w in a["tuned_workers"]:
+            tuned[w] = [r["events_per_s"] for r in results["tuned"] if r["workers"] == w]
+            row(f"tuned SQL relay, {w} worker{'s' if w > 1 else ''} (one UPDATE claims {a['tuned_batch']} with SKIP "
+                "LOCKED, produce, one flush, commit)", "events/s", "ev/s", tuned[w])
+        for w in a["tuned_workers"]:
+            if ours.get(w) and tuned.get(w):
+                pairs = [o / r for o, r in zip(ours[w], tuned[w], strict=False)]
+                med = statistics.median(ours[w]) / statistics.median(tuned[w])
+                lines.append(f"| ratio ours (released backlog)/tuned SQL relay, {w} vs {w} | x (paired runs) | "
+                             f"{med:.2f} | {min(pairs):.2f} | {max(pairs):.2f} | {len(pairs)} |")
     ref: dict[int, list[float]] = {}
     if "reference" in results:
         flush = "per-row produce+flush" if a["ref_per_row_flush"] else "produce 25, one flush"
@@ -870,25 +1164,92 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     lines.append(f"| ratio ours ({label})/reference, {w} relay{'s' if w > 1 else ''} vs {w} "
                                  f"worker{'s' if w > 1 else ''} | x (paired runs) | {med:.1f} | {min(pairs):.1f} | "
                                  f"{max(pairs):.1f} | {len(pairs)} |")
+    def latency_rows(case: str, rs: list[dict[str, Any]]) -> None:
+        tuned = rs and rs[0]["kind"] == "tuned"
+        ack = "acked+marked delivered" if tuned else "acked+checkpointed"
+        row(case, "achieved publish rate ev/s", "ev/s", [r["achieved_rate"] for r in rs])
+        for k, label in (("ack_p50_ms", f"commit -> {ack} p50 ms"),
+                         ("ack_p99_ms", f"commit -> {ack} p99 ms"),
+                         ("ack_max_ms", f"commit -> {ack} max ms"),
+                         ("pickup_p50_ms", "commit -> relay produce() p50 ms"),
+                         ("pickup_p99_ms", "commit -> relay produce() p99 ms"),
+                         ("settle_p50_ms", f"relay produce() -> {ack} p50 ms"),
+                         ("settle_p99_ms", f"relay produce() -> {ack} p99 ms"),
+                         ("p50_ms", "commit -> consumer receive p50 ms"),
+                         ("p99_ms", "commit -> consumer receive p99 ms"),
+                         ("max_ms", "commit -> consumer receive max ms")):
+            row(case, label, "ms", [r[k] for r in rs])
+        lost = sum(r["missing"] for r in rs)
+        if lost:
+            found = sum((r.get("missing_diagnosis") or {}).get("missing_found_by_second_consumer", 0) for r in rs)
+            lines.append(f"| {case} | events the live consumer never received (all runs) | {lost} | | | |")
+            lines.append(f"| {case} | ... of which a second consumer found on the topic | {found} | | | |")
+
+    kind_label = {"ours": "outbox-relay", "tuned": "tuned SQL relay"}
     if "latency" in results:
         for rate in a["latency_rates"]:
-            rs = [r for r in results["latency"] if r["rate"] == rate]
-            case = f"latency at {rate:,.0f} ev/s, {a['latency_relays']} relays, {a['latency_seconds']:.0f}s"
-            row(case, "achieved publish rate ev/s", "ev/s", [r["achieved_rate"] for r in rs])
-            for k, label in (("ack_p50_ms", "commit -> acked+checkpointed p50 ms"),
-                             ("ack_p99_ms", "commit -> acked+checkpointed p99 ms"),
-                             ("ack_max_ms", "commit -> acked+checkpointed max ms"),
-                             ("pickup_p50_ms", "commit -> relay produce() p50 ms"),
-                             ("pickup_p99_ms", "commit -> relay produce() p99 ms"),
-                             ("p50_ms", "commit -> consumer receive p50 ms"),
-                             ("p99_ms", "commit -> consumer receive p99 ms"),
-                             ("max_ms", "commit -> consumer receive max ms")):
-                row(case, label, "ms", [r[k] for r in rs])
-            lost = sum(r["missing"] for r in rs)
-            if lost:
-                found = sum((r.get("missing_diagnosis") or {}).get("missing_found_by_second_consumer", 0) for r in rs)
-                lines.append(f"| {case} | events the live consumer never received (all runs) | {lost} | | | |")
-                lines.append(f"| {case} | ... of which a second consumer found on the topic | {found} | | | |")
+            for r_n in a["latency_relays"]:
+                for kind in a["latency_kinds"]:
+                    rs = [r for r in results["latency"] if r["rate"] == rate and r["relays"] == r_n
+                          and r["kind"] == kind]
+                    if rs:
+                        latency_rows(f"latency {kind_label[kind]} at {rate:,.0f} ev/s, {r_n} "
+                                     f"{'relay' if kind == 'ours' else 'worker'}{'s' if r_n > 1 else ''}, "
+                                     f"{a['latency_seconds']:.0f}s", rs)
+    if "longtx" in results:
+        for kind in a["longtx_kinds"]:
+            for held in (True, False):
+                rs = [r for r in results["longtx"] if r["kind"] == kind and r["longtx"] == held]
+                if not rs:
+                    continue
+                case = (f"long transaction: {kind_label[kind]} at {a['longtx_rate']:,.0f} ev/s, {a['longtx_relays']} "
+                        f"{'relays' if kind == 'ours' else 'workers'}, {a['longtx_seconds']:.0f}s, "
+                        + ("a writing transaction open throughout" if held else "none open (same run)"))
+                latency_rows(case, rs)
+                if held:
+                    row(case, "share of events acked while the transaction was open", "%",
+                        [100 * r["acked_while_held"] / r["sent"] for r in rs])
+                    row(case, "commit -> ack p99 ms, last quarter of the window", "ms",
+                        [r["ack_p99_last_quarter_ms"] for r in rs])
+                    row(case, "transaction held open s", "s", [r["held_seconds"] for r in rs])
+    if "fleet" in results:
+        for f_n in a["fleet_sizes"]:
+            rs = [r for r in results["fleet"] if r["relays"] == f_n]
+            case = f"fleet of {f_n} `outbox-relay run` processes, idle {a['fleet_idle_seconds']:.0f}s"
+            row(case, "statements/s per idle relay (pg_stat_statements)", "/s",
+                [r["idle"]["pss_statements_per_relay_s"] for r in rs])
+            row(case, "statements/s per idle relay (statement log, mean; the same statements)", "/s",
+                [r["idle"]["log_statements_per_relay_s"]["mean"] for r in rs])
+            row(case, "... the median relay (one relay runs each housekeeping pass)", "/s",
+                [r["idle"]["log_statements_per_relay_s"]["median"] for r in rs])
+            row(case, "... plus empty statements/s per relay (psycopg_pool connection checks, mean)", "/s",
+                [r["idle"]["log_pool_checks_per_relay_s"]["mean"] for r in rs])
+            row(case, "housekeeping passes/s (all relays)", "/s", [r["idle"]["housekeeping_passes_per_s"] for r in rs])
+            row(case, "housekeeping claim attempts/s (all relays)", "/s",
+                [r["idle"]["housekeeping_claims_per_s"] for r in rs])
+            row(case, "connections per relay (median of relays' medians)", "n",
+                [r["idle"]["connections_per_relay"]["median"] for r in rs])
+            row(case, "connections per relay (max)", "n", [r["idle"]["connections_per_relay"]["max"] for r in rs])
+            row(case, "bucket balance max/mean", "x", [r["idle"]["balance"]["max_over_mean"] for r in rs])
+            row(case, "relays owning no bucket", "n", [r["idle"]["balance"]["owning_none"] for r in rs])
+            w_ms = f"{1000 * a['fleet_wake_window']:.0f} ms"
+            row(case, "relays woken per single-event commit", "n",
+                [r["commits"]["woken_relays_per_commit"] for r in rs])
+            row(case, "fetch_events per single-event commit (the owner's, and one per other relay woken)", "n",
+                [r["commits"]["fetch_events_per_commit"] for r in rs])
+            row(case, f"commits after which the bucket's owner ran fetch_events within {w_ms}", "%",
+                [100 * r["commits"]["owner_fetched_share"] for r in rs])
+            row(case, "... and showed as woken (sooner after its previous fetch than a poll comes)", "%",
+                [100 * r["commits"]["owner_seen_woken_share"] for r in rs])
+            row(case, "other relays that showed as woken, per commit", "n",
+                [r["commits"]["others_seen_woken_per_commit"] for r in rs])
+            row(case, "hand-over: one relay joins, spawn -> every bucket with its new owner", "s",
+                [r["handover"]["join_from_spawn_s"] for r in rs])
+            row(case, "hand-over: ... from its first heartbeat", "s",
+                [r["handover"]["join_from_registration_s"] for r in rs])
+            row(case, "hand-over: buckets moved by the join", "n", [r["handover"]["join_moved_buckets"] for r in rs])
+            row(case, "hand-over: one relay leaves (SIGTERM -> every bucket with its new owner)", "s",
+                [r["handover"]["leave_s"] for r in rs])
     if "enqueue" in results:
         for per_tx, notify in ((1, True), (100, True), (1, False)):
             rs = [r for r in results["enqueue"] if r["per_tx"] == per_tx and r["notify"] == notify]
@@ -1004,25 +1365,52 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="about 2 minutes: fewer events, runs and sizes")
-    p.add_argument("--cases", default="drain,projection,reference,latency,enqueue,claim,rebuild,history",
-                   help="comma list of drain, projection, reference, latency, enqueue, claim, rebuild, history, "
-                        "profile")
+    p.add_argument("--cases", default="drain,tuned,projection,reference,latency,enqueue,claim,rebuild,history",
+                   help="comma list of drain, tuned, projection, reference, latency, longtx, fleet, enqueue, claim, "
+                        "rebuild, history, profile; issue8 = drain,tuned,reference,latency,longtx,fleet and the "
+                        "issue's table")
     p.add_argument("--events", type=int, default=None, help="N for drain and reference (default 20000)")
     p.add_argument("--runs", type=int, default=None, help="runs per case (default 3)")
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--tx-size", type=int, default=500, help="events per producer transaction for the backlog")
     p.add_argument("--batch-size", type=int, default=1000, help="relay --batch-size")
-    p.add_argument("--relays", default="1,2,4", help="relay process counts for the drain and projection cases")
-    p.add_argument("--drain-modes", default="warm,cold",
-                   help="warm: relays running and settled, then the backlog is released; cold: timed from spawn")
+    p.add_argument("--relays", default=None,
+                   help="relay process counts for the drain and projection cases (default 1,2,4; issue8: 1,4)")
+    p.add_argument("--drain-modes", default=None,
+                   help="warm: relays running and settled, then the backlog is released; cold: timed from spawn "
+                        "(default warm,cold; --quick and issue8: warm)")
     p.add_argument("--drain-timeout", type=float, default=300.0)
     p.add_argument("--relay-args", default="", help="extra `outbox-relay run` options for every relay, one string")
     p.add_argument("--ref-workers", default="1,4")
+    p.add_argument("--tuned-workers", default="1,4", help="process counts of the tuned SQL relay (drain)")
+    p.add_argument("--tuned-batch", type=int, default=500, help="rows the tuned SQL relay claims at once")
     p.add_argument("--ref-per-row-flush", action="store_true",
                    help="reference handler waits for each row's ack (the seed's literal loop)")
     p.add_argument("--latency-rates", default=None, help="events/s, comma list (default 1000,5000)")
     p.add_argument("--latency-seconds", type=float, default=None, help="publish duration (default 15)")
-    p.add_argument("--latency-relays", type=int, default=2)
+    p.add_argument("--latency-relays", default="1,4", help="relay process counts, comma list")
+    p.add_argument("--latency-kinds", default="ours,tuned",
+                   help="ours (outbox-relay run) and/or tuned (the tuned SQL relay), comma list")
+    p.add_argument("--longtx-seconds", type=float, default=None,
+                   help="longtx: publish duration with the transaction held open (default 60, --quick 20)")
+    p.add_argument("--longtx-rate", type=float, default=1000.0)
+    p.add_argument("--longtx-relays", type=int, default=4)
+    p.add_argument("--longtx-kinds", default="ours,tuned")
+    p.add_argument("--longtx-runs", type=int, default=None, help="default: --runs (--quick: 1)")
+    p.add_argument("--fleet-sizes", default="32,64", help="relay processes in the fleet case, comma list")
+    p.add_argument("--fleet-runs", type=int, default=1)
+    p.add_argument("--fleet-idle-seconds", type=float, default=None, help="default 60, --quick 20")
+    p.add_argument("--fleet-commits", type=int, default=None, help="single-event commits (default 120, --quick 60)")
+    p.add_argument("--fleet-commit-gap", type=float, default=0.5, help="seconds between those commits")
+    p.add_argument("--fleet-wake-window", type=float, default=0.25,
+                   help="a relay that runs fetch_events this soon after a commit (and sooner after its previous "
+                        "one than a poll comes) counts as woken by it")
+    p.add_argument("--fleet-wake-all", action="store_true",
+                   help="diagnostic: each single-event commit also notifies every relay (checks that the wake-up "
+                        "count sees wake-ups)")
+    p.add_argument("--fleet-settle-seconds", type=float, default=None,
+                   help="wait after the ring settled, before measuring (default 10, --quick 5)")
+    p.add_argument("--fleet-start-timeout", type=float, default=300.0)
     p.add_argument("--latency-tick-ms", type=float, default=10.0,
                    help="the producer commits the events due every tick in one transaction")
     p.add_argument("--no-cursor-log", action="store_true",
@@ -1046,23 +1434,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the server directory under /tmp")
     args = p.parse_args(argv)
     quick = args.quick
+    args.cases = [c for c in args.cases.split(",") if c]
+    wants_issue8 = "issue8" in args.cases
+    if wants_issue8:
+        args.cases = [c for c in args.cases if c != "issue8"]
+        args.cases += [c for c in ISSUE8_CASES if c not in args.cases]
+        if args.latency_rates is None:  # the issue's table has rows at both rates, also with --quick
+            args.latency_rates = "1000,5000"
+    args.issue8 = wants_issue8
     args.events = args.events or (10_000 if quick else 20_000)
     args.runs = args.runs or (2 if quick else 3)
     args.latency_rates = [float(x) for x in (args.latency_rates or ("1000" if quick else "1000,5000")).split(",")]
     args.latency_seconds = args.latency_seconds or (8.0 if quick else 15.0)
+    args.latency_relays = [int(x) for x in args.latency_relays.split(",")]
+    args.latency_kinds = [x for x in args.latency_kinds.split(",") if x]
+    args.longtx_seconds = args.longtx_seconds or (20.0 if quick else 60.0)
+    args.longtx_kinds = [x for x in args.longtx_kinds.split(",") if x]
+    args.longtx_runs = args.longtx_runs or (1 if quick else args.runs)
+    args.fleet_sizes = [int(x) for x in args.fleet_sizes.split(",")]
+    args.fleet_idle_seconds = args.fleet_idle_seconds or (20.0 if quick else 60.0)
+    args.fleet_commits = args.fleet_commits or (60 if quick else 120)
+    args.fleet_settle_seconds = args.fleet_settle_seconds if args.fleet_settle_seconds is not None else (
+        5.0 if quick else 10.0)
+    args.tuned_workers = [int(x) for x in args.tuned_workers.split(",")]
     args.enqueue_seconds = args.enqueue_seconds or (3.0 if quick else 5.0)
     args.claim_sizes = [int(x) for x in (args.claim_sizes or ("10000,1000000" if quick
                                                              else "10000,1000000,5000000")).split(",")]
     args.rebuild_events = args.rebuild_events or (100_000 if quick else 1_000_000)
     args.history_events = args.history_events or (100_000 if quick else 1_000_000)
     args.rebuild_procs = [int(x) for x in args.rebuild_procs.split(",")]
-    args.relays = [int(x) for x in args.relays.split(",")]
+    args.relays = [int(x) for x in (args.relays or ("1,4" if wants_issue8 else "1,2,4")).split(",")]
     args.relay_args = shlex.split(args.relay_args)
     args.ref_workers = [int(x) for x in args.ref_workers.split(",")]
-    args.drain_modes = [x for x in args.drain_modes.split(",") if x]
-    if quick and "cold" in args.drain_modes and args.drain_modes != ["cold"]:
-        args.drain_modes = ["warm"]
-    args.cases = [c for c in args.cases.split(",") if c]
+    modes = args.drain_modes or ("warm" if quick or wants_issue8 else "warm,cold")
+    args.drain_modes = [x for x in modes.split(",") if x]
     if args.profile and "profile" not in args.cases:
         args.cases.append("profile")
     return args
@@ -1081,13 +1486,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "args": {k: v for k, v in vars(args).items()}}
         log(f"servers up: PostgreSQL {servers.postgres.version} in {servers.base}, Tansu on "
             f"{bench.kafka.bootstrap}")
-        cases: dict[str, Callable[[], None]] = {"drain": bench.case_drain, "reference": bench.case_reference,
-                                                "latency": bench.case_latency, "enqueue": bench.case_enqueue,
+        # The drain cases of ours, the tuned SQL relay and the seeds' loop run interleaved, as one case.
+        together = [c for c in THROUGHPUT_CASES if c in args.cases]
+        order = []
+        for c in args.cases:
+            if c in THROUGHPUT_CASES:
+                if "+".join(together) not in order:
+                    order.append("+".join(together))
+            else:
+                order.append(c)
+        cases: dict[str, Callable[[], None]] = {"+".join(together): lambda: bench.case_throughput(together),
+                                                "latency": bench.case_latency, "longtx": bench.case_longtx,
+                                                "fleet": lambda: fleet.case_fleet(bench),
+                                                "enqueue": bench.case_enqueue,
                                                 "claim": bench.case_claim, "profile": bench.case_profile,
                                                 "projection": lambda: projection_cases.case_projection(bench),
                                                 "rebuild": lambda: projection_cases.case_rebuild(bench),
                                                 "history": lambda: projection_cases.case_history(bench)}
-        for case in args.cases:
+        for case in order:
             # Other work on the machine skews every figure: record how busy it was just before.
             busy = busy_fraction(1.0)
             meta.setdefault("background_busy", {})[case] = round(busy, 3)

