@@ -1,9 +1,9 @@
 """Fleet case: 32 and 64 `outbox-relay run` processes on one database, called from run.py.
 
 What a large fleet costs the database while it has nothing to do, how many relays one commit
-wakes, how evenly the ring spreads the buckets, and how long a hand-over takes:
+wakes, how evenly the stored assignment spreads the buckets, and how long a hand-over takes:
 
-1. N relays (Kafka sink, default settings) start and settle on the ring; one event per bucket
+1. N relays (Kafka sink, default settings) start and settle on the stored assignment; one event per bucket
    warms their producers up.
 2. An idle window (--fleet-idle-seconds): statements per relay per second, from the server's own
    counters (pg_stat_statements, filtered to the relays' role) and from its statement log (every
@@ -18,7 +18,7 @@ wakes, how evenly the ring spreads the buckets, and how long a hand-over takes:
    bucket is always woken, so the share of commits where it shows as woken calibrates the count of
    other relays seen woken.
 4. Hand-over: one relay joins (from its spawn, and from its first heartbeat, until every bucket is
-   held by the owner the new ring gives it), then one relay leaves (SIGTERM until the same).
+   held by the owner the new assignment gives it), then one relay leaves (SIGTERM until the same).
 
 The relays run on a PostgreSQL server of their own (max_connections 400, pg_stat_statements loaded,
 every statement logged with its application name), so the other cases' server keeps its defaults.
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from run import Bench
 
 SINK = "kafka"
-VNODES = 64  # the relay's default, for relays that compute a ring (before the stored assignment)
 ROLE = "fleet_relay"  # the relays' login: pg_stat_statements keeps statistics per role
 CONFIG = {
     "max_connections": "400",
@@ -208,17 +207,11 @@ def balance(held: dict[int, str | None], ids: list[str]) -> dict[str, Any]:
 
 def wanted_owners(conn: psycopg.Connection[Any], ids: list[str]) -> dict[int, str] | None:
     """Which relay should hold each bucket once the relays ``ids`` have settled: the sink's stored
-    assignment where relays keep one (None until it is made for exactly these relays), else the
-    consistent-hash ring that relays of earlier versions compute."""
-    row = conn.execute("SELECT to_regclass('outbox.assignments') IS NOT NULL").fetchone()
-    if row and row[0]:
-        stored = conn.execute("SELECT members, owners FROM outbox.assignments WHERE sink = %s", (SINK,)).fetchone()
-        if stored is None or sorted(stored[0]) != sorted(ids):
-            return None
-        return dict(enumerate(stored[1]))
-    from outbox_relay.ring import Ring  # type: ignore[import-not-found,unused-ignore]
-
-    return dict(Ring(ids, VNODES).assignment())
+    assignment (None until it is made for exactly these relays)."""
+    stored = conn.execute("SELECT members, owners FROM outbox.assignments WHERE sink = %s", (SINK,)).fetchone()
+    if stored is None or sorted(stored[0]) != sorted(ids):
+        return None
+    return dict(enumerate(stored[1]))
 
 
 def wait_assignment(conn: psycopg.Connection[Any], ids: list[str], relays: list[Any], timeout: float,
@@ -240,7 +233,7 @@ def wait_assignment(conn: psycopg.Connection[Any], ids: list[str], relays: list[
             out["settled"] = time.time()
             return out
         time.sleep(0.02)
-    raise RuntimeError(f"the ring over {len(ids)} relays did not settle within {timeout:.0f}s")
+    raise RuntimeError(f"the assignment over {len(ids)} relays did not settle within {timeout:.0f}s")
 
 
 # -- one run --------------------------------------------------------------------------------------
