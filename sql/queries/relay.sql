@@ -128,11 +128,18 @@ ORDER BY q.bucket, q.partition_key, q.xid, q.seq;
 
 -- name: next_parked_retry
 -- Seconds until the next parked retry of these buckets is due (NULL: nothing parked): the runner sleeps
--- until then instead of polling the park. A paused key's events are not retried: they do not count.
-SELECT extract(epoch FROM min(p.available_at) - clock_timestamp())::float8
-FROM outbox.parked p
-WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
-  AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k WHERE k.sink = p.sink AND k.partition_key = p.partition_key);
+-- until then instead of polling the park. Only a key's head has a retry time (the events queued behind
+-- it, parked due at once, wait for it: counting them had an idle runner poll the park every few
+-- milliseconds while a head waited for its retry), and a paused key's events are not retried.
+SELECT extract(epoch FROM min(h.available_at) - clock_timestamp())::float8
+FROM (
+    -- The oldest parked event of each key (index parked_key), as in fetch_parked.
+    SELECT DISTINCT ON (p.bucket, p.partition_key) p.partition_key, p.available_at
+    FROM outbox.parked p
+    WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
+    ORDER BY p.bucket, p.partition_key, p.xid, p.seq
+) h
+WHERE NOT EXISTS (SELECT 1 FROM outbox.paused_keys k WHERE k.sink = %(sink)s AND k.partition_key = h.partition_key);
 
 -- name: has_parked
 -- Whether any event of a bucket is parked (due or not) that a retry will come for (not a paused key's).

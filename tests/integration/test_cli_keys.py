@@ -149,20 +149,27 @@ def test_show_states_and_errors(dsn: str, pool: ConnectionPool[Any], capsys: pyt
 def test_retry_makes_the_head_due_and_wakes_its_idle_relay(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The head waits a minute for its retry; `keys retry` has its relay (idle, polling every 30 s) deliver it
     at once, then the events behind it, in order."""
-    ids = publish(dsn, [("order:1", "t", {}), ("order:1", "t", {}), ("order:1", "t", {})])
-    failing = {ids[0]}
-    sink = RecordingSink("relay-a", fail=fail_ids(failing))
+    broken = threading.Event()
+    broken.set()
+
+    def fail(e: StoredEvent, _n: int) -> Failure | None:
+        return Failure("broker said no") if e.type == "a" and broken.is_set() else None
+
+    sink = RecordingSink("relay-a", fail=fail)
     worker = Worker(make_settings(dsn, "relay-a", listen=True, poll_seconds=30.0, listen_poll_seconds=30.0,
                                   backoff_base_seconds=60, backoff_max_seconds=60), sinks=[sink])
     assert worker.start()
     waiter = threading.Thread(target=worker.wait)
     waiter.start()
     try:
+        # Settled first: a bucket acquired later would have its runner look at the park anyway.
+        wait_until(lambda: settled(dsn, ["relay-a"]), 15, message="the relay to hold every bucket")
+        ids = publish(dsn, [("order:1", "a", {}), ("order:1", "b", {}), ("order:1", "c", {})])
         wait_until(lambda: len(parked_ids(dsn)) == 3, 15, message="the key to park behind its failed head")
-        failing.clear()  # the cause is fixed
+        broken.clear()  # the cause is fixed
         code, out, err = keys(capsys, dsn, "retry", "order:1", "--sink", SINK)
         assert code == cli.EXIT_OK, err
-        assert f"event {ids[0]} (t), the head of key 'order:1', is due now" in out, out
+        assert f"event {ids[0]} (a), the head of key 'order:1', is due now" in out, out
         assert "then the 2 event(s) behind it" in out
         wait_until(lambda: sink.delivered_ids() == set(ids), 10, message="the retry, at once rather than in 60 s")
     finally:
@@ -453,6 +460,23 @@ def test_a_paused_key_s_parked_events_are_no_work_for_the_relay(dsn: str, capsys
         assert store.fetch_parked(conn, SINK, [bucket], 10, 10) == []
         assert keys(capsys, dsn, "resume", "k", "--sink", SINK)[0] == cli.EXIT_OK
         assert work() and [e.id for e in store.fetch_parked(conn, SINK, [bucket], 10, 10)] == [event]
+
+
+def test_an_idle_relay_waits_for_a_head_s_retry_time_not_for_the_events_queued_behind_it(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """The events queued behind a failed head are parked due at once (they wait for the head, not for a
+    time of their own). The runner's park timer must follow the head: when it followed the queue, an idle
+    relay polled the park every few milliseconds for as long as the head waited."""
+    ids = publish(dsn, [("k", "t", {}), ("k", "t", {}), ("k", "t", {})])
+    sink = RecordingSink(fail=fail_ids({ids[0]}))
+    runner = runner_for(sink, pool, make_settings(dsn, "w", backoff_base_seconds=60, backoff_max_seconds=60))
+    run_until(runner, lambda: len(parked_ids(dsn)) == 3)
+    bucket = bucket_of(dsn, "k")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        queued_due = fetch_all(dsn, "SELECT count(*) FROM outbox.parked WHERE available_at <= clock_timestamp()")
+        assert queued_due == [(2,)], "the queue behind the head is parked due at once"
+        due_in = store.next_parked_retry(conn, SINK, [bucket])
+    assert due_in is not None and 25 < due_in <= 60  # the head's backoff (30-60 s with its jitter)
 
 
 def test_retry_skip_and_resume_notify_the_bucket_s_owner(dsn: str, pool: ConnectionPool[Any],
