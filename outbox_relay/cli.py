@@ -680,20 +680,20 @@ def cmd_keys(args: argparse.Namespace) -> int:
         if args.action == "show":
             return _key_show(conn, args)
         with conn.transaction():
-            sink = _live_sink(conn, args.sink)
+            _live_sink(conn, args.sink)
             if args.action == "pause":
                 return _key_pause(conn, args)
             if args.action == "resume":
                 return _key_resume(conn, args)
-            return _key_retry_or_skip(conn, args, sink)
+            return _key_retry_or_skip(conn, args)
 
 
-def _live_sink(conn: psycopg.Connection[Any], name: str) -> str:
-    """The kind of a sink that exists and is not dropped, locked against a drop until the transaction ends."""
+def _live_sink(conn: psycopg.Connection[Any], name: str) -> None:
+    """Refuse a sink that does not exist or was dropped; lock a live one against a drop until the
+    transaction ends."""
     _, found = _rows(conn, "admin", "share_sink", {"sink": name})
     if not found or found[0][1] is not None:
         _no_such_sink(conn, name)
-    return str(found[0][0])
 
 
 def _key_cmd(action: str, key: str, sink: str) -> str:
@@ -843,7 +843,7 @@ def _pause(conn: psycopg.Connection[Any], sink: str, key: str) -> dict[str, Any]
     return _records(cols, rows)[0] if rows else None
 
 
-def _key_retry_or_skip(conn: psycopg.Connection[Any], args: argparse.Namespace, kind: str) -> int:
+def _key_retry_or_skip(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     key, sink = args.key, args.sink
     head = _locked_head(conn, sink, key, args.action)
     paused = _pause(conn, sink, key)
@@ -895,9 +895,15 @@ def _operator() -> str:
 
 def _key_pause(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     key, sink = args.key, args.sink
-    _, rows = _rows(conn, "admin", "pause_key", {"sink": sink, "key": key, "by": _operator(), "reason": args.reason})
-    paused = _pause(conn, sink, key)
-    assert paused is not None  # inserted now, or there already (and locked against a drop)
+    for _ in range(3):
+        _, rows = _rows(conn, "admin", "pause_key",
+                        {"sink": sink, "key": key, "by": _operator(), "reason": args.reason})
+        # Inserted now, or there already; unless another operator resumed it between the two statements.
+        paused = _pause(conn, sink, key)
+        if paused is not None:
+            break
+    else:
+        raise OutboxError(f"key {key!r} was paused and resumed by others while this ran; run it again")
     result = {"action": "pause", "sink": sink, "key": key, "already_paused": not rows, "paused_at": paused["paused_at"],
               "paused_by": paused["paused_by"], "paused_role": paused["paused_role"], "reason": paused["reason"]}
     if rows:

@@ -127,6 +127,14 @@ def test_show_states_and_errors(dsn: str, pool: ConnectionPool[Any], capsys: pyt
     assert state["summary"].startswith("dead-lettered head moved on (1 dead letter(s), the last at "), state
     assert [d["event_id"] for d in state["dead_letters"]["recent"]] == [str(ids[0])]
     assert state["dead_letters"]["recent"][0]["last_error"] == "too large"
+    # A new event on its way while no relay holds the bucket: the line says both.
+    [waiting] = publish(dsn, [("k", "t", {})])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.cursors SET owner = NULL, lease_expires_at = NULL")
+    state = show(capsys, dsn, "k")
+    assert state["summary"].endswith(f": too large); 1 event(s) on their way; no relay holds bucket "
+                                     f"{state['bucket']} now"), state["summary"]
+    assert state["owner"] is None and state["unread"] == 1 and waiting not in sink.delivered_ids()
 
     # Every sink when none is named; a key nothing was published under flows.
     code, out, _ = keys(capsys, dsn, "show", "never-published")
@@ -220,6 +228,9 @@ def test_skip_dead_letters_the_head_and_the_key_moves_on(dsn: str, pool: Connect
     result = json.loads(out)
     assert (result["event_id"], result["now_due"], result["attempts"]) == (str(ids[0]), 2, 1)
     assert dead_letters(dsn) == {ids[0]: (1, cli.SKIPPED_ERROR)}
+    state = show(capsys, dsn, "k")
+    assert state["state"] == "due" and state["head"]["event_id"] == str(ids[1])
+    assert state["summary"] == "retry due now (not attempted yet); 1 event(s) queued behind it", state["summary"]
     # The key moves on at once: the events behind the head were due already, the runner has no reason to wait.
     run_until(runner, lambda: sink.delivered_ids() == {ids[1], ids[2]})
     assert dedup_per_key(sink.attempts)["k"] == [ids[1], ids[2]]
