@@ -388,6 +388,7 @@ def test_nothing_lost_or_reordered_while_a_key_is_paused_and_resumed_under_load(
             more_published(published, 40)
             assert keys(capsys, dsn, "pause", "hot", "--sink", SINK)[0] == cli.EXIT_OK
             more_published(published, 60)
+            wait_until(lambda: parked_rows(dsn, "hot"), 10, message="the paused key's events to be held")
             assert keys(capsys, dsn, "resume", "hot", "--sink", SINK)[0] == cli.EXIT_OK
         producer.join(60)
         expected: dict[str, list[uuid.UUID]] = {}
