@@ -1,4 +1,4 @@
-"""``outbox-relay``: migrate, run, status, lag, dead-letters, sinks, rebuild, replay.
+"""``outbox-relay``: migrate, run, status, lag, dead-letters, keys, sinks, rebuild, replay.
 
 Every option of ``run`` is a RelaySettings field and can also come from the environment
 variable named in ``--help``.
@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import getpass
 import json
 import logging
 import os
+import shlex
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,6 +32,7 @@ from pydantic.fields import FieldInfo
 
 from .dsn import check_dsn, connection_problem, one_line, redact, remember_dsn
 from .errors import ConfigurationError, OutboxError
+from .event import MAX_KEY_BYTES
 from .migrate import check_schema, migrate
 from .settings import RelaySettings, bounds, env_var, load_settings
 from .sink import Aborted
@@ -47,6 +51,10 @@ EXIT_INTERRUPTED = 130  # rebuild/replay stopped by a signal; run the same comma
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_DSN = RelaySettings.model_fields["dsn"].default.get_secret_value()
 DEAD_LETTERS_LIMIT = (1, 10_000)
+MAX_ATTEMPTS = (1, 1000)  # RelaySettings.max_attempts
+KEY_DEAD_LETTERS_SHOWN = 5
+# The last error of a dead letter made by `keys skip`.
+SKIPPED_ERROR = "skipped by an operator (outbox-relay keys skip)"
 
 
 class _WorkerIdFilter(logging.Filter):
@@ -119,6 +127,15 @@ def _event_id(text: str) -> str:
         return str(uuid.UUID(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"an event id is a UUID, not {text[:100]!r}") from None
+
+
+def _partition_key(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a partition key is not empty")
+    if len(text.encode()) > MAX_KEY_BYTES:
+        raise argparse.ArgumentTypeError(f"a partition key is at most {MAX_KEY_BYTES} bytes, not "
+                                         f"{len(text.encode())}")
+    return text
 
 
 def _int_between(low: int, high: int) -> Callable[[str], int]:
@@ -235,7 +252,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_int_between(*DEAD_LETTERS_LIMIT), default=50,
                    help=f"list at most this many ({DEAD_LETTERS_LIMIT[0]}-{DEAD_LETTERS_LIMIT[1]}, default 50)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("keys", help="one partition key: why it waits, retry it now, skip its head, pause or "
+                                    "resume it")
+    actions = p.add_subparsers(dest="action", required=True)
+    k = actions.add_parser("show", help="per sink: the key's bucket and owner, its parked head (attempts, next "
+                                        "retry, last error), what waits behind it, dead letters, pause")
+    _key_args(k, sink_required=False)
+    k.add_argument("--max-attempts", type=_int_between(*MAX_ATTEMPTS), default=None, metavar="N",
+                   help=f"the relays' --max-attempts, for 'attempt 3 of N' ({MAX_ATTEMPTS[0]}-{MAX_ATTEMPTS[1]}; "
+                        f"default: {env_var('max_attempts')}, else "
+                        f"{RelaySettings.model_fields['max_attempts'].default})")
+    k = actions.add_parser("retry", help="make the key's parked head due now (its relay retries it at once)")
+    _key_args(k)
+    k = actions.add_parser("skip", help="move the key's parked head to dead letters; the events behind it go on")
+    _key_args(k)
+    k.add_argument("--event", type=_event_id, default=None,
+                   help="skip only if this event is the head (refused otherwise)")
+    k = actions.add_parser("pause", help="hold the key's events for the sink (parked, in order) until resumed")
+    _key_args(k)
+    k.add_argument("--reason", default=None, help="why (shown by keys show)")
+    k = actions.add_parser("resume", help="let a paused key go: its held events are due at once")
+    _key_args(k)
     return parser
+
+
+def _key_args(parser: argparse.ArgumentParser, sink_required: bool = True) -> None:
+    _dsn_arg(parser)
+    parser.add_argument("key", type=_partition_key, metavar="KEY", help="the partition key")
+    parser.add_argument("--sink", required=sink_required, default=None,
+                        help="the sink (kafka, a projection's name)" + ("" if sink_required else "; default: all"))
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 # What `rebuild` reads of the relay settings (the rest is about Kafka and the ring).
@@ -628,12 +675,272 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return EXIT_FAILED if result.failed else EXIT_OK
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    with _database(_dsn(args)) as conn:
+        if args.action == "show":
+            return _key_show(conn, args)
+        with conn.transaction():
+            _live_sink(conn, args.sink)
+            if args.action == "pause":
+                return _key_pause(conn, args)
+            if args.action == "resume":
+                return _key_resume(conn, args)
+            return _key_retry_or_skip(conn, args)
+
+
+def _live_sink(conn: psycopg.Connection[Any], name: str) -> None:
+    """Refuse a sink that does not exist or was dropped; lock a live one against a drop until the
+    transaction ends."""
+    _, found = _rows(conn, "admin", "share_sink", {"sink": name})
+    if not found or found[0][1] is not None:
+        _no_such_sink(conn, name)
+
+
+def _key_cmd(action: str, key: str, sink: str) -> str:
+    """A command line to suggest (the key quoted for a shell)."""
+    return f"outbox-relay keys {action} {shlex.quote(key)} --sink {shlex.quote(sink)}"
+
+
+def _key_show(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+    max_attempts = _max_attempts(args)
+    cols, rows = _rows(conn, "admin", "key_state", {"key": args.key, "sink": args.sink})
+    if not rows:
+        if args.sink:
+            _no_such_sink(conn, args.sink)
+        print("no sinks")  # nothing registered yet: no relay ran
+        return EXIT_OK
+    sinks = []
+    for state in _records(cols, rows):
+        dead_cols, dead = _rows(conn, "admin", "dead_letters",
+                                {"sink": state["sink"], "key": args.key, "limit": KEY_DEAD_LETTERS_SHOWN})
+        sinks.append(_key_report(state, _records(dead_cols, dead), max_attempts))
+    bucket = sinks[0]["bucket"]
+    if args.json:
+        _print_json({"key": args.key, "bucket": bucket, "max_attempts": max_attempts, "sinks": sinks})
+        return EXIT_OK
+    print(f"key {args.key!r} (bucket {bucket})")
+    for r in sinks:
+        print(f"  {r['sink']}: {r['summary']}")
+    for r in sinks:
+        _print_key_report(r)
+    return EXIT_OK
+
+
+def _max_attempts(args: argparse.Namespace) -> int:
+    if args.max_attempts is not None:
+        return int(args.max_attempts)
+    text = os.environ.get(env_var("max_attempts"))
+    try:
+        return _int_between(*MAX_ATTEMPTS)(text) if text else int(RelaySettings.model_fields["max_attempts"].default)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigurationError(f"{env_var('max_attempts')}: {exc}") from None
+
+
+def _key_report(s: dict[str, Any], dead: list[dict[str, Any]], max_attempts: int) -> dict[str, Any]:
+    """What ``keys show`` says about one sink: the key_state row regrouped, with a state and a summary."""
+    seconds_left = s["lease_seconds_left"]
+    held = s["owner"] is not None and seconds_left is not None and seconds_left > 0
+    head = None
+    if s["head_event_id"] is not None:
+        head = {"event_id": s["head_event_id"], "type": s["head_type"], "attempts": s["head_attempts"],
+                "next_retry": s["head_next_retry"], "retry_in_seconds": s["head_retry_in_seconds"],
+                "last_error": s["head_last_error"], "parked_at": s["head_parked_at"]}
+    paused = None
+    if s["paused_at"] is not None:
+        paused = {"since": s["paused_at"], "by": s["paused_by"], "role": s["paused_role"], "reason": s["pause_reason"]}
+    report: dict[str, Any] = {
+        "sink": s["sink"], "kind": s["kind"], "bucket": s["bucket"],
+        "owner": s["owner"] if held else None, "fence": s["fence"],
+        "lease_expires_at": s["lease_expires_at"] if held else None,
+        "lease_seconds_left": seconds_left if held else None,
+        "head": head, "queued_behind": max(0, s["parked"] - 1), "parked": s["parked"],
+        "unread": s["unread"], "oldest_unread": s["oldest_unread"],
+        "undelivered": s["parked"] + s["unread"],
+        "dead_letters": {"count": s["dead_letters"], "last_at": s["last_dead_at"], "recent": dead},
+        "paused": paused,
+    }
+    report["state"], report["summary"] = _key_summary(report, max_attempts)
+    return report
+
+
+def _failed(head: dict[str, Any], max_attempts: int) -> str:
+    """"attempt 3 of 10 failed: <error>" (a head parked behind a pause or a skipped event has none)."""
+    if head["last_error"] is None:
+        return "not attempted yet"
+    return f"attempt {head['attempts']} of {max_attempts} failed: {one_line(head['last_error'])}"
+
+
+def _key_summary(r: dict[str, Any], max_attempts: int) -> tuple[str, str]:
+    """(state, the plain-language line) of one sink's report."""
+    head, paused = r["head"], r["paused"]
+    nobody = "" if r["owner"] else f"; no relay holds bucket {r['bucket']} now"
+    if paused is not None:
+        text = (f"paused since {_cell(paused['since'])} by {paused['by']} (role {paused['role']})"
+                + (f": {one_line(paused['reason'])}" if paused["reason"] else "")
+                + f"; {r['parked']} parked event(s) held, {r['unread']} not read yet")
+        if head is not None and head["last_error"] is not None:
+            text += f" (its head: {_failed(head, max_attempts)})"
+        return "paused", text
+    if head is not None:
+        behind = f"; {r['queued_behind']} event(s) queued behind it" if r["queued_behind"] else ""
+        wait = head["retry_in_seconds"]
+        if wait is not None and wait > 0:
+            return "retrying", f"waiting for a retry in {wait:.0f} s ({_failed(head, max_attempts)}){behind}{nobody}"
+        return "due", f"retry due now ({_failed(head, max_attempts)}){behind}{nobody}"
+    on_the_way = f"; {r['unread']} event(s) on their way" if r["unread"] else ""
+    dead = r["dead_letters"]
+    if dead["count"]:
+        last = f": {one_line(dead['recent'][0]['last_error'])}" if dead["recent"] else ""
+        return "dead-lettered", (f"dead-lettered head moved on ({dead['count']} dead letter(s), the last at "
+                                 f"{_cell(dead['last_at'])}{last}){on_the_way}{nobody if r['unread'] else ''}")
+    if r["unread"]:
+        return "flowing", f"flowing ({r['unread']} event(s) not delivered yet){nobody}"
+    return "flowing", "flowing (nothing waiting)"
+
+
+def _print_key_report(r: dict[str, Any]) -> None:
+    print(f"\nsink {r['sink']} ({r['kind']}): {r['state']}")
+    if r["owner"]:
+        print(f"  bucket {r['bucket']}: held by {r['owner']} (fence {r['fence']}, lease {r['lease_seconds_left']} s "
+              "left)")
+    else:
+        print(f"  bucket {r['bucket']}: held by no relay")
+    if r["paused"] is not None:
+        p = r["paused"]
+        print(f"  paused since {_cell(p['since'])} by {p['by']} (role {p['role']})"
+              + (f": {_cell(p['reason'])}" if p["reason"] else ""))
+    head = r["head"]
+    if head is None:
+        print("  parked: nothing")
+    else:
+        wait = head["retry_in_seconds"]
+        when = ("when resumed" if r["paused"] is not None else
+                f"{_cell(head['next_retry'])} (in {wait:.0f} s)" if wait is not None and wait > 0 else "due now")
+        print(f"  parked head: event {head['event_id']} ({head['type']}), {head['attempts']} failed attempt(s), "
+              f"parked since {_cell(head['parked_at'])}, next retry {when}")
+        if head["last_error"] is not None:
+            print(f"    last error: {_cell(head['last_error'])}")
+        print(f"  queued behind it: {r['queued_behind']} event(s)")
+    print(f"  not read by the sink yet: {r['unread']} event(s)"
+          + (f", the oldest stored {_cell(r['oldest_unread'])}" if r["oldest_unread"] else ""))
+    dead = r["dead_letters"]
+    print(f"  dead letters: {dead['count']}" + (f" (newest {len(dead['recent'])}):" if dead["count"] else ""))
+    for d in dead["recent"]:
+        print(f"    {d['event_id']} ({d['type']}) after {d['attempts']} attempt(s) at {_cell(d['dead_at'])}: "
+              f"{_cell(d['last_error'])}")
+
+
+def _locked_head(conn: psycopg.Connection[Any], sink: str, key: str, action: str) -> dict[str, Any]:
+    cols, rows = _rows(conn, "admin", "lock_key_head", {"sink": sink, "key": key})
+    if not rows:
+        raise OutboxError(f"nothing to {action}: no event of key {key!r} is parked for sink {sink!r} "
+                          f"(`{_key_cmd('show', key, sink)}` shows where it stands)")
+    return _records(cols, rows)[0]
+
+
+def _pause(conn: psycopg.Connection[Any], sink: str, key: str) -> dict[str, Any] | None:
+    cols, rows = _rows(conn, "admin", "paused_key", {"sink": sink, "key": key})
+    return _records(cols, rows)[0] if rows else None
+
+
+def _key_retry_or_skip(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+    key, sink = args.key, args.sink
+    head = _locked_head(conn, sink, key, args.action)
+    paused = _pause(conn, sink, key)
+    where = {"sink": sink, "bucket": head["bucket"], "xid": head["xid"], "seq": head["seq"]}
+    result: dict[str, Any] = {"action": args.action, "sink": sink, "key": key, "bucket": head["bucket"],
+                              "event_id": head["event_id"], "type": head["type"], "attempts": head["attempts"],
+                              "last_error": head["last_error"]}
+    if args.action == "retry":
+        if paused is not None:
+            raise OutboxError(f"key {key!r} is paused for sink {sink!r} (since {_cell(paused['paused_at'])}): its "
+                              f"events are held; `{_key_cmd('resume', key, sink)}` lets them go and retries the head "
+                              "at once")
+        _rows(conn, "admin", "retry_key_head", where)
+        text = (f"event {head['event_id']} ({head['type']}), the head of key {key!r}, is due now for sink {sink!r}: "
+                f"its relay retries it at once, then the {head['parked'] - 1} event(s) behind it")
+    else:
+        if args.event is not None and args.event != str(head["event_id"]):
+            raise OutboxError(f"event {args.event} is not the head of key {key!r} for sink {sink!r} (the head is "
+                              f"{head['event_id']}); only the head can be skipped, since the events behind it may "
+                              "not go before it")
+        _, done = _rows(conn, "admin", "skip_key_head", {**where, "error": SKIPPED_ERROR})
+        result["now_due"] = int(done[0][1])
+        text = (f"event {head['event_id']} ({head['type']}, {head['attempts']} failed attempt(s)) of key {key!r} "
+                f"moved to sink {sink!r}'s dead letters ('{SKIPPED_ERROR}'); "
+                + (f"the key stays paused: its {done[0][1]} other parked event(s) are held until "
+                   f"`{_key_cmd('resume', key, sink)}`" if paused is not None else
+                   f"the {done[0][1]} event(s) behind it are due now"))
+    _rows(conn, "admin", "notify_parked", {"bucket": head["bucket"]})
+    result["paused"] = paused is not None
+    _key_done(args, result, text)
+    return EXIT_OK
+
+
+def _key_done(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
+    if args.json:
+        _print_json(result)
+    else:
+        print(text)
+
+
+def _operator() -> str:
+    """Who runs this command, as far as this host knows (a pause records it with the database role)."""
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):  # no login name, no USER/LOGNAME (some containers)
+        user = f"uid {os.getuid()}" if hasattr(os, "getuid") else "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _key_pause(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+    key, sink = args.key, args.sink
+    for _ in range(3):
+        _, rows = _rows(conn, "admin", "pause_key",
+                        {"sink": sink, "key": key, "by": _operator(), "reason": args.reason})
+        # Inserted now, or there already; unless another operator resumed it between the two statements.
+        paused = _pause(conn, sink, key)
+        if paused is not None:
+            break
+    else:
+        raise OutboxError(f"key {key!r} was paused and resumed by others while this ran; run it again")
+    result = {"action": "pause", "sink": sink, "key": key, "already_paused": not rows, "paused_at": paused["paused_at"],
+              "paused_by": paused["paused_by"], "paused_role": paused["paused_role"], "reason": paused["reason"]}
+    if rows:
+        text = (f"paused key {key!r} for sink {sink!r}: from the relay's next read on its events are held (parked, "
+                f"in order) and none is retried; a batch already on its way still lands. "
+                f"`{_key_cmd('resume', key, sink)}` lets them go")
+    else:
+        text = (f"key {key!r} was already paused for sink {sink!r} since {_cell(paused['paused_at'])} by "
+                f"{paused['paused_by']}" + (f" ({_cell(paused['reason'])})" if paused["reason"] else "")
+                + ": nothing changed")
+    _key_done(args, result, text)
+    return EXIT_OK
+
+
+def _key_resume(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+    key, sink = args.key, args.sink
+    _, rows = _rows(conn, "admin", "resume_key", {"sink": sink, "key": key})
+    if not rows:
+        result: dict[str, Any] = {"action": "resume", "sink": sink, "key": key, "was_paused": False}
+        _key_done(args, result, f"key {key!r} is not paused for sink {sink!r}: nothing to resume")
+        return EXIT_OK
+    bucket, paused_at, due = rows[0]
+    _rows(conn, "admin", "notify_parked", {"bucket": bucket})
+    result = {"action": "resume", "sink": sink, "key": key, "was_paused": True, "paused_at": paused_at,
+              "bucket": bucket, "now_due": due}
+    _key_done(args, result, f"resumed key {key!r} for sink {sink!r} (paused since {_cell(paused_at)}): its {due} "
+                            "parked event(s) are due now, in order")
+    return EXIT_OK
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run,
     "migrate": cmd_migrate,
     "status": cmd_status,
     "lag": cmd_lag,
     "dead-letters": cmd_dead_letters,
+    "keys": cmd_keys,
     "sinks": cmd_sinks,
     "rebuild": cmd_rebuild,
     "replay": cmd_replay,

@@ -55,6 +55,10 @@ _EVENT_TIMEOUTS = {"57014", "25P03", "25P04"}  # query_canceled, idle_in_transac
 # Classes of server errors that say nothing about the events: connection, resources, operator
 # intervention (shutdown, terminated backend), system errors.
 _INFRASTRUCTURE_CLASSES = {"08", "53", "57", "58"}
+# A notification on the events channel that says an operator changed a parked key in a bucket
+# (outbox-relay keys retry|skip|resume; sql/queries/admin.sql, notify_parked): "parked:<bucket>".
+# Its owner then looks at the park at once instead of at its next retry time.
+PARKED_NOTICE = "parked:"
 
 
 def points_at_events(exc: BaseException) -> bool:
@@ -247,6 +251,7 @@ class SinkRunner:
         self.fatal: SinkDropped | None = None  # why the runner stopped by itself (the worker stops too)
         self.listening: Callable[[], bool] = lambda: False  # whether notifications reach it (set by the worker)
         self.observer: Observer = NULL_OBSERVER
+        self.park_changed = threading.Event()  # set by the listener (PARKED_NOTICE), cleared by the runner
         # Runner thread only:
         self._cursors: dict[int, Cursor] = {}  # held bucket -> its cursor as written in outbox.cursors
         # Held buckets whose read cursor passed an empty delta (nothing to deliver there): written
@@ -313,6 +318,9 @@ class SinkRunner:
         self._forget_lost(held)
         if not held:
             return 0
+        if self.park_changed.is_set():
+            self.park_changed.clear()
+            self._check_parked_at = 0.0
         handled = 0
         normal = {}
         for b, fence in held.items():

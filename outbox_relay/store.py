@@ -91,6 +91,8 @@ class Checkpoint:
             "park_attempts": [a for _, a, _, _ in self.park],
             "park_delays": [d for _, _, d, _ in self.park],
             "park_errors": [err for *_, err in self.park],
+            # Read from the park: rescheduled in place, never parked anew (see ``checkpoint``).
+            "park_parked": [e.parked for e, *_ in self.park],
             "done_buckets": [e.bucket for e in self.done],
             "done_xids": [e.xid for e in self.done],
             "done_seqs": [e.seq for e in self.done],

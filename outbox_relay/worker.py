@@ -33,7 +33,7 @@ from .errors import ConfigurationError, OutboxError
 from .housekeeping import Housekeeping, application_name
 from .migrate import check_schema
 from .observer import NULL_OBSERVER, Observer
-from .relay import DeliveryGate, SinkRunner
+from .relay import PARKED_NOTICE, DeliveryGate, SinkRunner
 from .settings import RelaySettings
 from .sink import Sink
 from .store import Conn
@@ -274,19 +274,22 @@ class Worker:
 
     def _wake_all(self) -> None:
         for r in self.runners:
+            r.park_changed.set()  # a missed notification may have been an operator's (PARKED_NOTICE)
             r.wake.set()
 
     def _read_everything(self) -> None:
         """Notifications may have been missed (LISTEN connection lost): every runner reads all its buckets."""
         for r in self.runners:
             r.hints.everything()
+            r.park_changed.set()  # a missed notification may have been an operator's (PARKED_NOTICE)
             r.wake.set()
 
     def _wake_owners(self, payload: str) -> None:
         """Wake the runners that hold or want one of the buckets a commit wrote or a relay freed (all,
-        if the payload is not a list of buckets)."""
+        if the payload is not a list of buckets). An operator's PARKED_NOTICE also has them look at their park."""
+        parked = payload.startswith(PARKED_NOTICE)
         try:
-            buckets = [int(b) for b in payload.split(",")]
+            buckets = [int(b) for b in payload.removeprefix(PARKED_NOTICE).split(",")]
         except ValueError:
             self._read_everything()
             return
@@ -294,6 +297,8 @@ class Worker:
             desired = r.desired  # replaced whole by the membership thread, never mutated
             if r.leases.holds_any(buckets) or (desired is not None and not desired.isdisjoint(buckets)):
                 r.hints.add(buckets)
+                if parked:
+                    r.park_changed.set()
                 r.wake.set()
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:

@@ -167,6 +167,25 @@ CREATE TABLE outbox.dead_letters (
 CREATE INDEX dead_letters_key ON outbox.dead_letters (sink, partition_key);
 CREATE INDEX dead_letters_position ON outbox.dead_letters (bucket, xid, seq);
 
+-- 0008_paused_keys: keys an operator holds for one sink (outbox-relay keys pause); the relay parks
+-- their events and retries none of them until resumed (see the migration). bucket_has_work_v2 below
+-- ignores their parked events (its body names this table, so it comes first).
+CREATE TABLE outbox.paused_keys (
+    sink          text        NOT NULL,
+    partition_key text        NOT NULL,
+    -- The relay looks pauses up per leased bucket (fetch_events in sql/queries/relay.sql).
+    bucket        integer     NOT NULL GENERATED ALWAYS AS (outbox.bucket_v1(partition_key)) STORED,
+    paused_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- Who asked: what the command was told or found (user@host), and the database role it ran as.
+    paused_by     text        NOT NULL,
+    paused_role   text        NOT NULL DEFAULT session_user,
+    reason        text,
+    CONSTRAINT paused_keys_pkey PRIMARY KEY (sink, partition_key),
+    CONSTRAINT paused_keys_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
+);
+
+CREATE INDEX paused_keys_bucket ON outbox.paused_keys (sink, bucket);
+
 -- 0002_crash_isolation, 0007_snapshot_cursors: a lease lapse counts only when the bucket had work.
 -- Whether a sink's cursor has delivered an event (positions.Cursor.delivered).
 CREATE FUNCTION outbox.delivered_v1(xid xid8, seq bigint, snapshot pg_snapshot, target pg_snapshot,
@@ -177,8 +196,9 @@ CREATE FUNCTION outbox.delivered_v1(xid xid8, seq bigint, snapshot pg_snapshot, 
         OR (target IS NOT NULL AND pg_visible_in_snapshot(xid, target) AND (xid, seq) <= (after_xid, after_seq));
 
 -- Whether a bucket of a sink has something deliverable now (a lease lapse counts only then): a
--- committed event its cursor has not delivered, or a parked event whose retry is due. The two
--- probes are the two halves of a delta: transactions open at the cursor's snapshot, and later ones.
+-- committed event its cursor has not delivered, or a parked event whose retry is due (0008: of a key
+-- that is not paused). The two probes are the two halves of a delta: transactions open at the
+-- cursor's snapshot, and later ones.
 CREATE FUNCTION outbox.bucket_has_work_v2(sink text, bucket integer, snapshot pg_snapshot, target pg_snapshot,
                                           after_xid xid8, after_seq bigint)
     RETURNS boolean
@@ -191,7 +211,9 @@ CREATE FUNCTION outbox.bucket_has_work_v2(sink text, bucket integer, snapshot pg
                                                  bucket_has_work_v2.after_xid, bucket_has_work_v2.after_seq))
         OR EXISTS (SELECT 1 FROM outbox.parked p
                    WHERE p.sink = bucket_has_work_v2.sink AND p.bucket = bucket_has_work_v2.bucket
-                     AND p.available_at <= clock_timestamp());
+                     AND p.available_at <= clock_timestamp()
+                     AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
+                                     WHERE k.sink = p.sink AND k.partition_key = p.partition_key));
 
 -- 0003_rebuilds: projection rebuilds in progress (see the migration for the design).
 CREATE TABLE outbox.rebuilds (
@@ -330,4 +352,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (4, 'retention_index', NULL),
     (5, 'hardening', 5),
     (6, 'projection_guards', NULL),
-    (7, 'snapshot_cursors', 7);
+    (7, 'snapshot_cursors', 7),
+    (8, 'paused_keys', 8);

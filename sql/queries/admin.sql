@@ -165,7 +165,7 @@ SELECT (SELECT coalesce(sum(b.pending), 0)::bigint
        (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = %(sink)s) AS dead_letters;
 
 -- name: drop_sink
--- Tombstone a sink: its cursors, parked events, dead letters and a rebuild row naming it go; the
+-- Tombstone a sink: its cursors, parked events, dead letters, paused keys and a rebuild row naming it go; the
 -- row stays with dropped_at set, so a relay still running the sink stops instead of registering
 -- it again from the oldest retained event (which would apply that history a second time).
 WITH cursors AS (
@@ -177,6 +177,10 @@ parked AS (
 ),
 dead AS (
     DELETE FROM outbox.dead_letters WHERE sink = %(sink)s RETURNING event_id
+),
+paused AS (
+    -- A sink recreated later starts afresh, with no key held.
+    DELETE FROM outbox.paused_keys WHERE sink = %(sink)s
 ),
 rebuild AS (
     -- A rebuild whose own sink this is can not go on.
@@ -195,3 +199,142 @@ RETURNING s.dropped_at,
 -- Clear a sink's tombstone: the next relay that runs it registers it anew (new cursors at position
 -- zero: from the oldest retained event).
 UPDATE outbox.sinks SET dropped_at = NULL WHERE name = %(sink)s AND dropped_at IS NOT NULL RETURNING kind;
+
+-- name: share_sink
+-- A sink's kind and tombstone, locked against a concurrent `sinks drop` (which deletes the sink's
+-- pauses and parked events) until this transaction ends; relays registering or parking are not held up.
+SELECT kind, dropped_at FROM outbox.sinks WHERE name = %(sink)s FOR SHARE;
+
+-- name: key_state
+-- One partition key per sink (all live sinks, or one): its bucket's owner and lease, its parked head
+-- and how many events are parked, its committed events the sink's cursor has not passed, its dead
+-- letters and its pause.
+WITH k AS (
+    -- The key and its bucket (the function that fills outbox.events.bucket).
+    SELECT %(key)s::text AS key, outbox.bucket_v1(%(key)s::text) AS bucket
+)
+SELECT s.name AS sink, s.kind, k.bucket, c.owner, c.fence, c.lease_expires_at,
+       round(extract(epoch FROM c.lease_expires_at - clock_timestamp())::numeric, 1) AS lease_seconds_left,
+       h.event_id AS head_event_id, h.type AS head_type, h.attempts AS head_attempts,
+       h.available_at AS head_next_retry,
+       round(extract(epoch FROM h.available_at - clock_timestamp())::numeric, 1) AS head_retry_in_seconds,
+       h.last_error AS head_last_error, h.parked_at AS head_parked_at,
+       q.parked, u.unread, u.oldest_unread, d.dead_letters, d.last_dead_at,
+       pk.paused_at, pk.paused_by, pk.paused_role, pk.reason AS pause_reason
+FROM outbox.sinks s
+CROSS JOIN k
+JOIN outbox.cursors c ON c.sink = s.name AND c.bucket = k.bucket
+LEFT JOIN LATERAL (
+    -- The head: the key's oldest parked event (the first entry of index parked_key), and its type.
+    SELECT p.event_id, e.type, p.attempts, p.available_at, p.last_error, p.parked_at
+    FROM outbox.parked p
+    LEFT JOIN outbox.events e ON e.bucket = p.bucket AND e.xid = p.xid AND e.seq = p.seq
+    WHERE p.sink = s.name AND p.bucket = k.bucket AND p.partition_key = k.key
+    ORDER BY p.xid, p.seq
+    LIMIT 1
+) h ON true
+CROSS JOIN LATERAL (
+    -- Every parked event of the key: the head and the events queued behind it.
+    SELECT count(*) AS parked
+    FROM outbox.parked p
+    WHERE p.sink = s.name AND p.bucket = k.bucket AND p.partition_key = k.key
+) q
+CROSS JOIN LATERAL (
+    -- Committed events of the key the cursor has not delivered (the bucket's index range from the
+    -- oldest transaction the cursor has not seen, then the key).
+    SELECT count(*) AS unread, min(e.created_at) AS oldest_unread
+    FROM outbox.events e
+    WHERE e.bucket = k.bucket AND e.xid >= pg_snapshot_xmin(c.snapshot) AND e.partition_key = k.key
+      AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq)
+) u
+CROSS JOIN LATERAL (
+    -- Dead letters of the key (index dead_letters_key).
+    SELECT count(*) AS dead_letters, max(x.dead_at) AS last_dead_at
+    FROM outbox.dead_letters x
+    WHERE x.sink = s.name AND x.partition_key = k.key
+) d
+LEFT JOIN outbox.paused_keys pk ON pk.sink = s.name AND pk.partition_key = k.key
+WHERE s.dropped_at IS NULL AND (%(sink)s::text IS NULL OR s.name = %(sink)s)
+ORDER BY s.name;
+
+-- name: lock_key_head
+-- A key's parked head for one sink, locked: a relay rescheduling or finishing it waits until we
+-- commit. Also how many events of the key are parked in all.
+SELECT p.event_id, p.bucket, p.xid::text AS xid, p.seq, p.attempts, p.last_error, p.available_at, e.type,
+       (SELECT count(*) FROM outbox.parked q
+        WHERE q.sink = p.sink AND q.bucket = p.bucket AND q.partition_key = p.partition_key) AS parked
+FROM outbox.parked p
+LEFT JOIN outbox.events e ON e.bucket = p.bucket AND e.xid = p.xid AND e.seq = p.seq
+WHERE p.sink = %(sink)s AND p.bucket = outbox.bucket_v1(%(key)s::text) AND p.partition_key = %(key)s
+ORDER BY p.xid, p.seq
+LIMIT 1
+FOR UPDATE OF p;
+
+-- name: retry_key_head
+-- The locked head (lock_key_head) due now; the events behind it follow it as usual.
+UPDATE outbox.parked
+SET available_at = clock_timestamp()
+WHERE sink = %(sink)s AND bucket = %(bucket)s AND xid = %(xid)s::xid8 AND seq = %(seq)s
+RETURNING event_id;
+
+-- name: skip_key_head
+-- The locked head (lock_key_head) to dead letters with the operator's reason; the key's events queued
+-- behind it become due, so the key moves on.
+WITH head AS (
+    DELETE FROM outbox.parked p
+    WHERE p.sink = %(sink)s AND p.bucket = %(bucket)s AND p.xid = %(xid)s::xid8 AND p.seq = %(seq)s
+    RETURNING p.*
+),
+dead AS (
+    -- As the relay records a dead letter (checkpoint in relay.sql).
+    INSERT INTO outbox.dead_letters (sink, event_id, bucket, xid, seq, partition_key, attempts, last_error)
+    SELECT h.sink, h.event_id, h.bucket, h.xid, h.seq, h.partition_key, h.attempts, %(error)s FROM head h
+    ON CONFLICT (sink, event_id) DO UPDATE
+        SET attempts = EXCLUDED.attempts, last_error = EXCLUDED.last_error, dead_at = clock_timestamp()
+    RETURNING event_id
+),
+behind AS (
+    -- The rest of the key's queue: every other parked event of the key lies behind the head.
+    UPDATE outbox.parked q
+    SET available_at = least(q.available_at, clock_timestamp())
+    FROM head h
+    WHERE q.sink = h.sink AND q.bucket = h.bucket AND q.partition_key = h.partition_key
+      AND (q.xid, q.seq) > (h.xid, h.seq)
+    RETURNING q.event_id
+)
+SELECT (SELECT count(*) FROM dead) AS dead_lettered, (SELECT count(*) FROM behind) AS behind;
+
+-- name: paused_key
+-- A key's pause for one sink (no row: not paused).
+SELECT paused_at, paused_by, paused_role, reason
+FROM outbox.paused_keys
+WHERE sink = %(sink)s AND partition_key = %(key)s;
+
+-- name: pause_key
+-- Hold a key for one sink (nothing if it is held already): from its next read on the relay parks the
+-- key's events and retries none of them.
+INSERT INTO outbox.paused_keys (sink, partition_key, paused_by, reason)
+VALUES (%(sink)s, %(key)s, %(by)s, %(reason)s)
+ON CONFLICT (sink, partition_key) DO NOTHING
+RETURNING paused_at;
+
+-- name: resume_key
+-- Let a paused key go: its parked events become due at once (a failed head's remaining backoff too).
+WITH resumed AS (
+    DELETE FROM outbox.paused_keys
+    WHERE sink = %(sink)s AND partition_key = %(key)s
+    RETURNING sink, partition_key, bucket, paused_at
+),
+due AS (
+    UPDATE outbox.parked p
+    SET available_at = clock_timestamp()
+    FROM resumed r
+    WHERE p.sink = r.sink AND p.bucket = r.bucket AND p.partition_key = r.partition_key
+    RETURNING p.event_id
+)
+SELECT r.bucket, r.paused_at, (SELECT count(*) FROM due) AS due FROM resumed r;
+
+-- name: notify_parked
+-- Tell the relay that holds a bucket that a parked key there changed (relay.PARKED_NOTICE), so that
+-- it looks at its park now rather than at its next retry time; sent when the transaction commits.
+SELECT pg_notify('outbox_events_v2', 'parked:' || %(bucket)s::int);

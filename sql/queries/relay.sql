@@ -46,10 +46,15 @@ wanted AS (
     CROSS JOIN now n
 ),
 blocked AS (
-    -- Keys with parked events: newer events of these keys queue behind them.
-    SELECT DISTINCT p.partition_key
+    -- Keys with parked events, and keys an operator paused for this sink (outbox-relay keys pause):
+    -- newer events of these keys queue behind them, in the park.
+    SELECT p.partition_key
     FROM outbox.parked p
     WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
+    UNION
+    SELECT k.partition_key
+    FROM outbox.paused_keys k
+    WHERE k.sink = %(sink)s AND k.bucket = ANY(%(buckets)s::int[])
 )
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
        e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
@@ -98,7 +103,8 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, N
        (SELECT snapshot::text FROM now), NULL;
 
 -- name: fetch_parked
--- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it.
+-- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it;
+-- none of a paused key.
 WITH heads AS (
     -- The oldest parked event of each key decides when the key may move again.
     SELECT DISTINCT ON (p.bucket, p.partition_key) p.bucket, p.partition_key, p.available_at
@@ -107,8 +113,10 @@ WITH heads AS (
     ORDER BY p.bucket, p.partition_key, p.xid, p.seq
 ),
 due AS (
-    SELECT bucket, partition_key FROM heads
-    WHERE available_at <= clock_timestamp()
+    -- Heads whose retry time has come, of keys that are not paused (those wait for keys resume).
+    SELECT h.bucket, h.partition_key FROM heads h
+    WHERE h.available_at <= clock_timestamp()
+      AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k WHERE k.sink = %(sink)s AND k.partition_key = h.partition_key)
     LIMIT %(keys)s
 )
 SELECT q.bucket, q.xid::text::bigint AS xid, q.seq, e.id, e.partition_key, e.topic, e.type,
@@ -130,14 +138,25 @@ ORDER BY q.bucket, q.partition_key, q.xid, q.seq;
 
 -- name: next_parked_retry
 -- Seconds until the next parked retry of these buckets is due (NULL: nothing parked): the runner sleeps
--- until then instead of polling the park.
-SELECT extract(epoch FROM min(p.available_at) - clock_timestamp())::float8
-FROM outbox.parked p
-WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[]);
+-- until then instead of polling the park. Only a key's head has a retry time (the events queued behind
+-- it, parked due at once, wait for it: counting them had an idle runner poll the park every few
+-- milliseconds while a head waited for its retry), and a paused key's events are not retried.
+SELECT extract(epoch FROM min(h.available_at) - clock_timestamp())::float8
+FROM (
+    -- The oldest parked event of each key (index parked_key), as in fetch_parked.
+    SELECT DISTINCT ON (p.bucket, p.partition_key) p.partition_key, p.available_at
+    FROM outbox.parked p
+    WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
+    ORDER BY p.bucket, p.partition_key, p.xid, p.seq
+) h
+WHERE NOT EXISTS (SELECT 1 FROM outbox.paused_keys k WHERE k.sink = %(sink)s AND k.partition_key = h.partition_key);
 
 -- name: has_parked
--- Whether any event of a bucket is parked (due or not).
-SELECT EXISTS (SELECT 1 FROM outbox.parked WHERE sink = %(sink)s AND bucket = %(bucket)s);
+-- Whether any event of a bucket is parked (due or not) that a retry will come for (not a paused key's).
+SELECT EXISTS (SELECT 1 FROM outbox.parked p
+               WHERE p.sink = %(sink)s AND p.bucket = %(bucket)s
+                 AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
+                                 WHERE k.sink = p.sink AND k.partition_key = p.partition_key));
 
 -- name: checkpoint
 -- Commit one batch's outcome, fenced: for the buckets still leased under the same token, advance
@@ -161,18 +180,32 @@ WITH fenced AS (
       AND c.lease_expires_at > clock_timestamp()
     RETURNING c.bucket
 ),
+parking AS (
+    -- Events to park or reschedule; ``parked``: read from the park (its row should still be there).
+    SELECT p.*
+    FROM unnest(%(park_buckets)s::int[], %(park_xids)s::bigint[], %(park_seqs)s::bigint[],
+                %(park_keys)s::text[], %(park_ids)s::uuid[], %(park_attempts)s::int[],
+                %(park_delays)s::float8[], %(park_errors)s::text[], %(park_parked)s::boolean[])
+         AS p(bucket, xid, seq, partition_key, event_id, attempts, delay, error, parked)
+    WHERE p.bucket IN (SELECT bucket FROM fenced)
+),
 park AS (
-    -- New parked events, and new retry times for parked heads that failed again.
+    -- New parked events.
     INSERT INTO outbox.parked (sink, bucket, xid, seq, partition_key, event_id, attempts, available_at, last_error)
     SELECT %(sink)s, p.bucket, p.xid::text::xid8, p.seq, p.partition_key, p.event_id, p.attempts,
            clock_timestamp() + make_interval(secs => p.delay), p.error
-    FROM unnest(%(park_buckets)s::int[], %(park_xids)s::bigint[], %(park_seqs)s::bigint[],
-                %(park_keys)s::text[], %(park_ids)s::uuid[], %(park_attempts)s::int[],
-                %(park_delays)s::float8[], %(park_errors)s::text[])
-         AS p(bucket, xid, seq, partition_key, event_id, attempts, delay, error)
-    WHERE p.bucket IN (SELECT bucket FROM fenced)
+    FROM parking p
+    WHERE NOT p.parked
     ON CONFLICT (sink, bucket, xid, seq) DO UPDATE
         SET attempts = EXCLUDED.attempts, available_at = EXCLUDED.available_at, last_error = EXCLUDED.last_error
+),
+repark AS (
+    -- New retry times for parked heads that failed again: an update, never an insert, so that a
+    -- head an operator took out of the park while it was being retried (keys skip) stays out.
+    UPDATE outbox.parked q
+    SET attempts = p.attempts, available_at = clock_timestamp() + make_interval(secs => p.delay), last_error = p.error
+    FROM parking p
+    WHERE p.parked AND q.sink = %(sink)s AND q.bucket = p.bucket AND q.xid = p.xid::text::xid8 AND q.seq = p.seq
 ),
 unpark AS (
     -- Parked events that were delivered or dead-lettered.
