@@ -50,7 +50,6 @@ from typing import Any
 warnings.filterwarnings("ignore", module="platformdirs")
 
 import psycopg  # noqa: E402
-from outbox_relay.ring import Ring  # noqa: E402
 from servers import Postgres, busy_fraction, free_port, machine  # noqa: E402
 
 from outbox_relay import Outbox, migrate  # noqa: E402
@@ -60,44 +59,49 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SINK = "kafka"
 PARTITIONS = 8
-VNODES = 64  # the relay's default
 RECREATED = "recreating the producer"  # the Kafka sink's warning when it replaces its producer
 
 CURSOR_LOG = """
 CREATE TABLE public.bench_cursor_log (
-    bucket  int         NOT NULL,
-    old_xid bigint      NOT NULL,
-    old_seq bigint      NOT NULL,
-    new_xid bigint      NOT NULL,
-    new_seq bigint      NOT NULL,
-    at      timestamptz NOT NULL
+    bucket     int         NOT NULL,
+    old_snap   pg_snapshot NOT NULL,
+    old_target pg_snapshot,
+    old_xid    xid8,
+    old_seq    bigint,
+    new_snap   pg_snapshot NOT NULL,
+    new_target pg_snapshot,
+    new_xid    xid8,
+    new_seq    bigint,
+    at         timestamptz NOT NULL
 );
 CREATE FUNCTION public.bench_log_cursor() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NEW.sink = 'kafka' AND (NEW.position_xid, NEW.position_seq) > (OLD.position_xid, OLD.position_seq) THEN
+    IF NEW.sink = 'kafka' AND (NEW.snapshot::text, NEW.target::text, NEW.after_xid, NEW.after_seq)
+                              IS DISTINCT FROM (OLD.snapshot::text, OLD.target::text, OLD.after_xid, OLD.after_seq) THEN
         INSERT INTO public.bench_cursor_log
-        VALUES (NEW.bucket, OLD.position_xid::text::bigint, OLD.position_seq,
-                NEW.position_xid::text::bigint, NEW.position_seq, clock_timestamp());
+        VALUES (NEW.bucket, OLD.snapshot, OLD.target, OLD.after_xid, OLD.after_seq,
+                NEW.snapshot, NEW.target, NEW.after_xid, NEW.after_seq, clock_timestamp());
     END IF;
     RETURN NULL;
 END $$;
 CREATE TRIGGER bench_cursor_log AFTER UPDATE ON outbox.cursors FOR EACH ROW EXECUTE FUNCTION public.bench_log_cursor();
 """
 
-# The first logged cursor move after `back_up` that passed at least one event.
+# The first logged cursor move after `back_up` that delivered at least one event.
 FIRST_ACK = """
 SELECT min(l.at) FROM public.bench_cursor_log l
 WHERE l.at > %(back_up)s
   AND EXISTS (SELECT 1 FROM outbox.events e
-              WHERE e.bucket = l.bucket
-                AND (e.xid, e.seq) > (l.old_xid::text::xid8, l.old_seq)
-                AND (e.xid, e.seq) <= (l.new_xid::text::xid8, l.new_seq))
+              WHERE e.bucket = l.bucket AND e.xid >= pg_snapshot_xmin(l.old_snap)
+                AND outbox.delivered_v1(e.xid, e.seq, l.new_snap, l.new_target, l.new_xid, l.new_seq)
+                AND NOT outbox.delivered_v1(e.xid, e.seq, l.old_snap, l.old_target, l.old_xid, l.old_seq))
 """
 
-# Per bucket, the first logged move that reached the bucket's last event committed before back up.
+# Per bucket, the first logged move that delivered the bucket's last event committed before back up.
 DRAINED = """
 SELECT max((SELECT min(l.at) FROM public.bench_cursor_log l
-            WHERE l.bucket = t.bucket AND (l.new_xid, l.new_seq) >= (t.xid, t.seq)))
+            WHERE l.bucket = t.bucket
+              AND outbox.delivered_v1(t.xid::text::xid8, t.seq, l.new_snap, l.new_target, l.new_xid, l.new_seq)))
 FROM unnest(%(buckets)s::int[], %(xids)s::bigint[], %(seqs)s::bigint[]) AS t(bucket, xid, seq)
 """
 
@@ -109,7 +113,8 @@ SELECT DISTINCT ON (bucket) bucket, xid::text::bigint, seq FROM outbox.events OR
 BEHIND = """
 SELECT count(*) FROM outbox.cursors c
 JOIN unnest(%(buckets)s::int[], %(xids)s::bigint[], %(seqs)s::bigint[]) AS t(bucket, xid, seq) ON t.bucket = c.bucket
-WHERE c.sink = 'kafka' AND (c.position_xid, c.position_seq) < (t.xid::text::xid8, t.seq)
+WHERE c.sink = 'kafka'
+  AND NOT outbox.delivered_v1(t.xid::text::xid8, t.seq, c.snapshot, c.target, c.after_xid, c.after_seq)
 """
 
 
@@ -253,12 +258,14 @@ def check_alive(relays: list[tuple[str, subprocess.Popen[bytes], Path]]) -> None
 
 def wait_ring(conn: psycopg.Connection[Any], relays: list[tuple[str, subprocess.Popen[bytes], Path]],
               timeout: float = 60.0) -> None:
-    want = Ring([wid for wid, _, _ in relays], VNODES).assignment()
+    ids = sorted(wid for wid, _, _ in relays)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         check_alive(relays)
+        stored = conn.execute("SELECT members, owners FROM outbox.assignments WHERE sink = %s", (SINK,)).fetchone()
         rows = conn.execute("SELECT bucket, owner FROM outbox.cursors WHERE sink = %s", (SINK,)).fetchall()
-        if len(rows) == len(want) and all(want[b] == o for b, o in rows):
+        if (stored is not None and list(stored[0]) == ids and len(rows) == len(stored[1])
+                and all(stored[1][b] == o for b, o in rows)):
             return
         time.sleep(0.1)
     raise RuntimeError("the relays did not settle on the ring")

@@ -46,7 +46,6 @@ from servers import Servers, busy_fraction, machine  # noqa: E402
 from outbox_relay import Outbox, migrate  # noqa: E402
 from outbox_relay import store as relay_store  # noqa: E402
 from outbox_relay.housekeeping import RETENTION_SECONDS_PER_PASS  # noqa: E402
-from outbox_relay.ring import Ring  # noqa: E402
 from outbox_relay.settings import RelaySettings  # noqa: E402
 from outbox_relay.sqlfiles import query  # noqa: E402
 
@@ -55,7 +54,6 @@ RESULTS = HERE / "results"
 PROCS = HERE / "procs.py"
 SINK = "kafka"
 PARTITIONS = 8
-VNODES = 64  # the relay's default
 
 
 def log(msg: str) -> None:
@@ -140,15 +138,17 @@ class Bench:
     @staticmethod
     def wait_ring(conn: psycopg.Connection[Any], ids: list[str], relays: list[Any], timeout: float = 60.0,
                   sink: str = SINK) -> float:
-        """Wait until every bucket of the sink is leased by the owner the ring gives it (a settled group)."""
-        want = Ring(ids, VNODES).assignment()
+        """Wait until the sink's stored assignment is made for exactly these relays and every bucket is
+        leased by the owner it gives (a settled group)."""
         start = time.monotonic()
         while time.monotonic() - start < timeout:
             for wid, p in relays:
                 if p.poll() is not None:
                     raise RuntimeError(f"relay {wid} exited with {p.returncode} while starting")
+            stored = conn.execute("SELECT members, owners FROM outbox.assignments WHERE sink = %s", (sink,)).fetchone()
             rows = conn.execute("SELECT bucket, owner FROM outbox.cursors WHERE sink = %s", (sink,)).fetchall()
-            if len(rows) == len(want) and all(want[b] == o for b, o in rows):
+            if (stored is not None and list(stored[0]) == sorted(ids) and len(rows) == len(stored[1])
+                    and all(stored[1][b] == o for b, o in rows)):
                 return time.monotonic() - start
             time.sleep(0.05)
         raise RuntimeError(f"relays {ids} did not settle on the ring within {timeout:.0f}s")

@@ -42,7 +42,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from .dsn import redact_kafka_config
 from .errors import ConfigurationError
 from .observer import NULL_OBSERVER, Observer
-from .sink import Aborted, Commit, Failure, Outcomes
+from .sink import Aborted, Commit, Failure, KeyHold, Outcomes
 from .store import EventFilter, StoredEvent
 
 log = logging.getLogger("outbox_relay.kafka")
@@ -312,11 +312,11 @@ class KafkaSink:
         todo = messages
         while todo:
             flight = _Flight(outcomes, self._session)
-            # A key whose event failed in this batch is parked at that event: what follows it
-            # waits (not attempted), or it could land before the retried event.
-            held = {m.event.key for m in messages
-                    if (failure := outcomes.get(m.event.id)) is not None and failure.retriable}
-            self._produce(todo, held, flight, abort)
+            # A key whose event failed in this batch is parked at that event: what follows it waits.
+            hold = KeyHold()
+            for m in messages:
+                hold.record(m.event, outcomes.get(m.event.id))
+            self._produce(todo, hold, flight, abort)
             # Wait for every delivery report. With no message timeout this waits out a broker
             # outage; the membership thread keeps renewing our leases meanwhile.
             reason = self._wait(flight, abort)
@@ -374,12 +374,12 @@ class KafkaSink:
                 return Failure(f"the event's header {name!r} can not be encoded as UTF-8: {exc}", retriable=False)
         return own
 
-    def _produce(self, todo: list[_Message], held: set[str], flight: _Flight, abort: threading.Event) -> None:
-        """Hand ``todo`` to the producer in order, except keys in ``held`` (grows with failures);
+    def _produce(self, todo: list[_Message], hold: KeyHold, flight: _Flight, abort: threading.Event) -> None:
+        """Hand ``todo`` to the producer in order, except keys ``hold`` holds (it grows with failures);
         stops early if the producer is wedged."""
         outcomes = flight.outcomes
         for m in todo:
-            if m.event.key in held:
+            if not hold.allows(m.event):
                 continue
             while True:
                 try:
@@ -397,8 +397,7 @@ class KafkaSink:
                         self._session.fatal = self._session.fatal or _describe(err)
                         return
                     failure = outcomes[m.event.id] = _failure(err)
-                    if failure.retriable:
-                        held.add(m.event.key)
+                    hold.record(m.event, failure)
                     break
                 except (TypeError, ValueError) as exc:  # the client refused the message's shape
                     outcomes[m.event.id] = Failure(f"kafka: the message can not be produced: {exc}", retriable=False)

@@ -143,6 +143,11 @@ class Outbox:
         params = self._params(batch)
         rows = yield query("publish", "publish"), params
         for e, row in zip(batch, rows, strict=True):
+            if row[3]:
+                raise InvalidEvent(
+                    f"invalid event: id: an event with the id {e.id} is already stored; ids are unique (leave id out "
+                    "for a new one; to publish an event again, give it the same idempotency_key); nothing of this "
+                    "call was written")
             if row[2]:
                 raise IdempotencyConflict(
                     e.idempotency_key or "", e.topic,

@@ -36,7 +36,7 @@ from .errors import CheckpointFailed, LeaseLost, SinkDropped, describe_error
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor
 from .settings import RelaySettings
-from .sink import Aborted, AsyncConn, Outcomes, Sink
+from .sink import Aborted, AsyncConn, KeyHold, Outcomes, Sink
 from .store import Checkpoint, Conn, StoredEvent
 
 log = logging.getLogger("outbox_relay.relay")
@@ -102,6 +102,35 @@ class Leases:
                     self._fences.pop(b, None)
 
 
+class Hints:
+    """Buckets that notifications said were written since the runner last read them: the listener
+    thread adds, the runner takes. Until something says otherwise (start, a lost LISTEN connection,
+    a payload that names no buckets), every bucket counts as written."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buckets: set[int] = set()
+        self._everything = True
+
+    def add(self, buckets: Iterable[int]) -> None:
+        with self._lock:
+            self._buckets.update(buckets)
+
+    def everything(self) -> None:
+        with self._lock:
+            self._everything = True
+
+    def take(self) -> set[int] | None:
+        """The hinted buckets, cleared; None: read every bucket."""
+        with self._lock:
+            if self._everything:
+                self._everything = False
+                self._buckets.clear()
+                return None
+            taken, self._buckets = self._buckets, set()
+            return taken
+
+
 class DeliveryGate:
     """Admission to delivery, shared by every runner of a process. Batches share it; an
     isolation probe holds it alone, so that a crash during a probe can only be the probed
@@ -150,6 +179,20 @@ class DeliveryGate:
         self._cond.wait(0.1)
 
 
+def read_limits(buckets: Iterable[int], saturated: set[int], batch_size: int, rotation: int) -> dict[int, int]:
+    """Per-bucket read limits, in an order that rotates with ``rotation`` (the first buckets of a read
+    are served first when the batch fills): the batch budget spread over the buckets, at least
+    MIN_BUCKET_LIMIT each, and the buckets whose last read was full share it when that is more."""
+    order = sorted(buckets)
+    if not order:
+        return {}
+    base = max(MIN_BUCKET_LIMIT, batch_size // len(order))
+    busy = saturated.intersection(order)
+    hot = max(base, batch_size // max(1, len(busy)))
+    start = rotation % len(order)
+    return {b: hot if b in busy else base for b in order[start:] + order[:start]}
+
+
 def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int, int], *,
              max_attempts: int, backoff: Backoff) -> Checkpoint:
     """Turn per-event outcomes into a checkpoint that keeps per-key order.
@@ -160,10 +203,10 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
     the park stay there unless delivered or dead-lettered.
     """
     cp = Checkpoint(fences=fences)
-    stuck: set[str] = set()  # keys whose head is parked in this batch
+    hold = KeyHold()  # keys whose head is parked in this batch (the sink followed the same rule)
     for e in events:
-        if e.blocked or e.key in stuck or e.id not in outcomes:
-            stuck.add(e.key)
+        if e.blocked or not hold.allows(e) or e.id not in outcomes:
+            hold.hold(e.key)
             if not e.parked:
                 cp.park.append((e, e.attempts, 0.0, None))
             continue
@@ -180,7 +223,7 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
                 cp.done.append(e)
         else:
             cp.park.append((e, attempts, backoff.delay(attempts), outcome.error))
-            stuck.add(e.key)
+            hold.hold(e.key)
     return cp
 
 
@@ -197,6 +240,7 @@ class SinkRunner:
         self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
         self.gate = gate or DeliveryGate()
         self.leases = Leases()
+        self.hints = Hints()  # buckets notifications said were written (the worker's listener adds)
         self.desired: set[int] | None = None  # None until the first ring is known
         self.draining = threading.Event()  # stop claiming, finish the batch, release, exit
         self.abort = threading.Event()  # hard stop: drop the batch in flight
@@ -211,6 +255,7 @@ class SinkRunner:
         self._flushed_at = time.monotonic()
         self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
         self._saturated: set[int] = set()
+        self._full_read_at = 0.0  # monotonic time of the next read of every held bucket (the safety net)
         self._check_parked_at = 0.0
         self._rotation = 0
 
@@ -326,6 +371,7 @@ class SinkRunner:
                     # a dropped sink looks like (its cursors are gone). Never idle silently on one.
                     store.check_sink(self.sink.name, store.sink_state(conn, self.sink.name))
                 if acquired:
+                    self.hints.add(acquired)  # they may come with a backlog
                     self.observer.leases(self.sink.name, acquired=len(acquired))
                     self.leases.add({b: a.fence for b, a in acquired.items()})
                     self._cursors.update({b: a.cursor for b, a in acquired.items()})
@@ -373,16 +419,20 @@ class SinkRunner:
         return max(MIN_BUCKET_LIMIT, self.settings.batch_size // max(1, buckets))
 
     def _limits(self, held: dict[int, int]) -> dict[int, int]:
-        """Per-bucket read limits, in a rotating order: busy buckets share the batch budget."""
-        base = self._bucket_limit(len(held))
-        busy = self._saturated & held.keys()
-        hot = max(base, self.settings.batch_size // max(1, len(busy)))
-        order = sorted(held)
-        self._rotation = (self._rotation + 1) % len(order)
-        order = order[self._rotation:] + order[: self._rotation]
-        return {b: hot if b in busy else base for b in order}
+        self._rotation = (self._rotation + 1) % len(held)
+        return read_limits(held, self._saturated, self.settings.batch_size, self._rotation)
 
     def _deliver_new(self, held: dict[int, int]) -> int:
+        # Read the buckets notifications named (and those whose last read was full); every held bucket
+        # now and then, and always while notifications do not reach this relay.
+        hinted = self.hints.take()
+        now = time.monotonic()
+        if hinted is None or now >= self._full_read_at or not self.listening():
+            self._full_read_at = now + self._idle_poll()
+        else:
+            held = {b: f for b, f in held.items() if b in hinted or b in self._saturated}
+            if not held:
+                return 0
         reads = {b: (limit, self._read_cursor(b)) for b, limit in self._limits(held).items()}
         with self.pool.connection() as conn:
             read = store.fetch_events(conn, self.sink.name, self.worker, reads, self.sink.event_filter)

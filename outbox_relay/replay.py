@@ -27,7 +27,7 @@ from .progressline import ProgressLine
 from .settings import RelaySettings
 from .sink import AsyncConn, Outcomes
 from .sqlfiles import query
-from .store import Conn, StoredEvent, stored_event
+from .store import Conn, StoredEvent, event_reader
 
 REPLAY_HEADER = ("outbox_replay", b"true")
 
@@ -107,7 +107,8 @@ def _one(conn: Conn, name: str, params: dict[str, Any]) -> Any:
 def _page(conn: Conn, filters: dict[str, Any], positions: dict[int, tuple[int, int]],
           limit: int) -> Sequence[StoredEvent]:
     buckets = sorted(positions)
-    rows = conn.execute(query("replay", "page"), {
+    cur = conn.execute(query("replay", "page"), {
         **filters, "limit": limit, "buckets": buckets,
-        "xids": [positions[b][0] for b in buckets], "seqs": [positions[b][1] for b in buckets]}).fetchall()
-    return [stored_event(r) for r in rows]
+        "xids": [positions[b][0] for b in buckets], "seqs": [positions[b][1] for b in buckets]})
+    event, _ = event_reader(cur)
+    return [event(r) for r in cur.fetchall()]

@@ -25,6 +25,26 @@ class Failure:
 Outcomes = dict[uuid.UUID, Failure | None]
 
 
+class KeyHold:
+    """The per-key rule of a batch, the same for every sink and for the checkpoint that follows
+    (relay.classify): once an event of a key has failed and will be retried, the key's later events
+    are not attempted, or they could land before it. A failure that is never retried (dead letter)
+    lets the key move on."""
+
+    def __init__(self) -> None:
+        self._held: set[str] = set()
+
+    def allows(self, e: StoredEvent) -> bool:
+        return e.key not in self._held
+
+    def hold(self, key: str) -> None:
+        self._held.add(key)
+
+    def record(self, e: StoredEvent, outcome: Failure | None) -> None:
+        if outcome is not None and outcome.retriable:
+            self._held.add(e.key)
+
+
 class Commit(Protocol):
     """Writes a batch's checkpoint and returns the buckets whose fence held.
 
@@ -60,4 +80,4 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["Aborted", "AsyncConn", "Checkpoint", "Commit", "Failure", "Outcomes", "Sink"]
+__all__ = ["Aborted", "AsyncConn", "Checkpoint", "Commit", "Failure", "KeyHold", "Outcomes", "Sink"]

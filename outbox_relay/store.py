@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -170,19 +170,21 @@ def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int,
          **(wanted or EventFilter()).params()},
     )
     rows = cur.fetchall()
-    now = Snapshot.parse(rows[-1][11])  # the last row always carries it
-    # Per bucket in (xid, seq) order: the delta's delivery order (positions.py).
-    events = sorted((stored_event(r, blocked=r[10], stored_at=r[12]) for r in rows if r[3] is not None),
-                    key=lambda e: (e.bucket, e.xid, e.seq))
+    event, column = event_reader(cur)
+    now = Snapshot.parse(rows[-1][column["now"]])  # the last row always carries it
+    # Per bucket in (xid, seq) order: the delta's delivery order (positions.py). A row without an id
+    # is the one that only carries the snapshot.
+    events = sorted((event(r) for r in rows if r[column["id"]] is not None), key=lambda e: (e.bucket, e.xid, e.seq))
     return Read(events, now)
 
 
 def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:
-    rows = conn.execute(
+    cur = conn.execute(
         query("relay", "fetch_parked"),
         {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key},
-    ).fetchall()
-    return [stored_event(r, attempts=r[10], parked=True, last_error=r[11], stored_at=r[12]) for r in rows]
+    )
+    event, _ = event_reader(cur)
+    return [event(r, parked=True) for r in cur.fetchall()]
 
 
 def next_parked_retry(conn: Conn, sink: str, buckets: Sequence[int]) -> float | None:
@@ -296,9 +298,31 @@ def announce_buckets(conn: Conn, buckets: Iterable[int]) -> None:
     conn.execute(query("membership", "announce_buckets"), {"buckets": ",".join(str(b) for b in sorted(buckets))})
 
 
+# Query column -> StoredEvent field: every query that reads events names its columns so.
+EVENT_COLUMNS = {"bucket": "bucket", "xid": "xid", "seq": "seq", "id": "id", "partition_key": "key", "topic": "topic",
+                 "type": "type", "payload": "payload_text", "headers": "headers_text", "time": "time",
+                 "blocked": "blocked", "attempts": "attempts", "last_error": "last_error", "stored_at": "stored_at"}
+
+
+def event_reader(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> tuple[
+        Callable[..., StoredEvent], dict[str, int]]:
+    """A function that turns one of ``cur``'s rows into a StoredEvent by column name (extra keyword
+    arguments set more fields), and the index of every column by name."""
+    column = {d.name: i for i, d in enumerate(cur.description or [])}
+    picks = [(i, EVENT_COLUMNS[name]) for name, i in column.items() if name in EVENT_COLUMNS]
+
+    def event(row: Sequence[Any], **extra: Any) -> StoredEvent:
+        fields = {field: row[i] for i, field in picks}
+        fields.update(extra)
+        return StoredEvent(**fields)
+
+    return event, column
+
+
 def stored_event(row: Sequence[Any], **extra: Any) -> StoredEvent:
     """A StoredEvent from a row that starts with: bucket, xid, seq, id, partition_key, topic, type,
-    payload, headers, time (the queries select payload and headers as text)."""
+    payload, headers, time (for rows without a cursor's description, e.g. through SQLAlchemy: the
+    testing kit; the relay's own reads use ``event_reader``)."""
     payload = row[7] if isinstance(row[7], str) else json.dumps(row[7])
     headers = row[8] if isinstance(row[8], str) else json.dumps(row[8])
     return StoredEvent(row[0], row[1], row[2], row[3], row[4], row[5], row[6], payload, headers, row[9], **extra)

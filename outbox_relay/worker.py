@@ -11,6 +11,7 @@ exit); a second one stops hard (drop the batch in flight; the next owner redeliv
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
 from .assignment import buckets_of, rebalance
+from .backoff import Backoff
 from .dsn import connection_problem, probe_connection, redact
 from .errors import ConfigurationError, OutboxError
 from .housekeeping import Housekeeping, application_name
@@ -46,6 +48,7 @@ class Service(Protocol):
 
     def close(self) -> None: ...
 
+RECONNECT = Backoff(1.0, 30.0)  # waiting for the database: to start, and to listen again
 NOTIFY_CHANNEL = "outbox_events_v2"  # payload: the buckets a statement wrote, comma-separated
 MEMBERSHIP_CHANNEL = "outbox_membership_v1"  # payload: a sink whose assignment changed
 VERSION = "0.1.0"
@@ -118,8 +121,7 @@ class Worker:
         """Check the schema and register the sinks, riding out a connection lost meanwhile (a database
         restart, a terminated backend); False if asked to stop first."""
         assert self.pool is not None
-        delay = 1.0
-        while True:
+        for attempt in itertools.count(1):
             try:
                 with self.pool.connection() as conn:
                     check_schema(conn)
@@ -127,18 +129,21 @@ class Worker:
                         store.register_sink(conn, sink.name, sink.kind)
                 return True
             except (psycopg.OperationalError, PoolTimeout) as exc:
+                delay = RECONNECT.delay(attempt)
                 log.warning("starting: %s; retrying in %.0fs", connection_problem(exc), delay)
             if self.stopping.wait(delay):
                 return False
-            delay = min(delay * 2, 30.0)
+        raise AssertionError("unreachable")
 
     def _open_pool(self, dsn: str, max_size: int) -> ConnectionPool[Conn] | None:
         """Wait for the database (a relay started before it is normal in a deploy).
 
         None if asked to stop first. A pool whose opening timed out is closed by psycopg_pool
         and can not be reopened, so each attempt makes a new one."""
-        delay = 1.0
-        while not self.stopping.is_set():
+        for attempt in itertools.count(1):
+            if self.stopping.is_set():
+                return None
+            delay = RECONNECT.delay(attempt)
             pool: ConnectionPool[Conn] = ConnectionPool(
                 dsn, min_size=1, max_size=max_size, open=False, configure=_configure,
                 kwargs={"autocommit": True, "application_name": application_name(self.id)},
@@ -153,8 +158,7 @@ class Worker:
             reason = probe_connection(dsn) or "the connection pool could not open a connection in time"
             log.warning("database %s is unavailable (%s); retrying in %.0fs", redact(dsn), reason, delay)
             self.stopping.wait(delay)
-            delay = min(delay * 2, 30.0)
-        return None
+        raise AssertionError("unreachable")
 
     def run(self, install_signals: bool = True) -> None:
         """Start, then block until drained or stopped. Check ``fatal`` afterwards: set if the worker
@@ -272,17 +276,24 @@ class Worker:
         for r in self.runners:
             r.wake.set()
 
+    def _read_everything(self) -> None:
+        """Notifications may have been missed (LISTEN connection lost): every runner reads all its buckets."""
+        for r in self.runners:
+            r.hints.everything()
+            r.wake.set()
+
     def _wake_owners(self, payload: str) -> None:
         """Wake the runners that hold or want one of the buckets a commit wrote or a relay freed (all,
         if the payload is not a list of buckets)."""
         try:
             buckets = [int(b) for b in payload.split(",")]
         except ValueError:
-            self._wake_all()
+            self._read_everything()
             return
         for r in self.runners:
             desired = r.desired  # replaced whole by the membership thread, never mutated
             if r.leases.holds_any(buckets) or (desired is not None and not desired.isdisjoint(buckets)):
+                r.hints.add(buckets)
                 r.wake.set()
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
@@ -367,13 +378,15 @@ class Worker:
 
     def _listen_loop(self) -> None:
         dsn = self.settings.dsn.get_secret_value()
+        failures = 0
         while not self.stopped.is_set():
             try:
                 with psycopg.connect(dsn, autocommit=True, application_name=application_name(self.id)) as conn:
                     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     conn.execute(f"LISTEN {MEMBERSHIP_CHANNEL}")
                     self.listening = True
-                    self._wake_all()  # we may have missed notifications while disconnected
+                    failures = 0
+                    self._read_everything()  # notifications may have been missed while disconnected
                     self.membership_changed.set()
                     while not self.stopped.is_set():
                         for note in conn.notifies(timeout=1.0, stop_after=1):
@@ -385,6 +398,9 @@ class Worker:
                 self.listening = False
                 if self.stopped.is_set():
                     return
-                log.warning("listener: %s: %s; polling until it reconnects", type(exc).__name__, redact(str(exc)))
-                self.stopped.wait(2.0)
+                failures += 1
+                delay = RECONNECT.delay(failures)
+                log.warning("listener: %s: %s; polling until it reconnects (in %.0fs)", type(exc).__name__,
+                            redact(str(exc)), delay)
+                self.stopped.wait(delay)
 

@@ -44,7 +44,7 @@ from outbox_relay.positions import Cursor
 from outbox_relay.progressline import ProgressLine
 from outbox_relay.settings import RelaySettings
 from outbox_relay.sqlfiles import query
-from outbox_relay.store import StoredEvent, stored_event
+from outbox_relay.store import StoredEvent, event_reader
 from outbox_relay.worker import Worker
 
 from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, describe, reserved_schema
@@ -466,7 +466,8 @@ async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
             if cursor is None:
                 raise RebuildError(f"projection {projection.name!r} has never run against this database")
             cur = await conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
-            events = [stored_event(r) for r in await cur.fetchall()]
+            read, _ = event_reader(cur)
+            events = [read(r) for r in await cur.fetchall()]
             await projection.clear_key(key, conn)
             for event in _replayed(projection, cursor, events):
                 await projection.handler(event, conn)
@@ -485,8 +486,9 @@ def _key_history(conn: psycopg.Connection[Any], projection: Projection,
     cursor = conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key}).fetchone()
     if cursor is None:
         raise RebuildError(f"projection {projection.name!r} has never run against this database")
-    rows = conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor)).fetchall()
-    return cursor, [stored_event(r) for r in rows]
+    cur = conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
+    event, _ = event_reader(cur)
+    return cursor, [event(r) for r in cur.fetchall()]
 
 
 def _replayed(projection: Projection, cursor: Sequence[Any],

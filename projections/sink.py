@@ -34,7 +34,7 @@ from psycopg import pq
 
 from outbox_relay.errors import NonRetriableDelivery, OutboxError
 from outbox_relay.observer import NULL_OBSERVER, Observer
-from outbox_relay.sink import Aborted, AsyncConn, Commit, Failure, Outcomes
+from outbox_relay.sink import Aborted, AsyncConn, Commit, Failure, KeyHold, Outcomes
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import Conn, EventFilter, StoredEvent
 
@@ -107,7 +107,7 @@ class _Batch:
         self.known = known or {}  # failures an earlier run of this batch pinned on events: not called again
         self.outcomes: Outcomes = {}
         self.token = secrets.token_hex(8)  # this run's transaction-local token (the commit guard's)
-        self._stuck: set[str] = set()
+        self._hold = KeyHold()
 
     def todo(self, abort: threading.Event) -> Iterator[tuple[StoredEvent, ProjectionEvent[Any]]]:
         """The events for the handler; the caller ``settle``s each before asking for the next."""
@@ -115,7 +115,7 @@ class _Batch:
         for i, e in enumerate(self.events):
             if i % ABORT_CHECK_EVERY == 0 and abort.is_set():
                 raise Aborted()
-            if e.key in self._stuck:
+            if not self._hold.allows(e):
                 continue
             prepared = self.known.get(e.id) or self._prepare(p, e)
             if isinstance(prepared, ProjectionEvent):
@@ -152,8 +152,7 @@ class _Batch:
 
     def record(self, e: StoredEvent, outcome: Failure | None) -> None:
         self.outcomes[e.id] = outcome
-        if outcome is not None and outcome.retriable:
-            self._stuck.add(e.key)
+        self._hold.record(e, outcome)
 
 
 def _redo_known(events: Sequence[StoredEvent], known: dict[Any, Failure] | None, redo: _Redo) -> dict[Any, Failure]:

@@ -51,13 +51,23 @@ conflicts AS (
     WHERE known_differs
        OR (uses > 1 AND (coalesce(topic, ''), idempotency_key) IN (SELECT scope, idempotency_key FROM shared))
 ),
+taken AS (
+    -- Inputs whose id a stored event has, other than the stored event its idempotency key stands for
+    -- (a retry of the same event): inserting them would fail on the primary key and abort the
+    -- caller's transaction. One primary-key probe per input.
+    SELECT c.ord
+    FROM checked c
+    WHERE c.known_id IS DISTINCT FROM c.id
+      AND EXISTS (SELECT FROM outbox.events e WHERE e.id = c.id)
+),
 inserted AS (
     -- Positions (seq) follow the caller's order; a known idempotency key inserts nothing, and one
-    -- conflict inserts nothing at all, so the caller's transaction holds none of the batch and stays usable.
+    -- conflict or taken id inserts nothing at all, so the caller's transaction holds none of the batch
+    -- and stays usable.
     INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at)
     SELECT id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at
     FROM checked
-    WHERE NOT EXISTS (SELECT FROM conflicts)
+    WHERE NOT EXISTS (SELECT FROM conflicts) AND NOT EXISTS (SELECT FROM taken)
     ORDER BY ord
     ON CONFLICT ((coalesce(topic, '')), idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id
@@ -69,7 +79,8 @@ SELECT CASE WHEN i.id IN (SELECT id FROM inserted) THEN i.id
             WHEN i.idempotency_key IS NOT NULL AND i.first_id IN (SELECT id FROM inserted) THEN i.first_id
             ELSE i.known_id END AS id,
        i.id IN (SELECT id FROM inserted) AS created,
-       i.ord IN (SELECT ord FROM conflicts) AS conflict
+       i.ord IN (SELECT ord FROM conflicts) AS conflict,
+       i.ord IN (SELECT ord FROM taken) AS id_taken
 FROM checked i
 ORDER BY i.ord;
 

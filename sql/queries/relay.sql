@@ -107,8 +107,8 @@ due AS (
     LIMIT %(keys)s
 )
 SELECT q.bucket, q.xid::text::bigint AS xid, q.seq, e.id, e.partition_key, e.topic, e.type,
-       e.payload::text, e.headers::text, coalesce(e.occurred_at, e.created_at), q.attempts, q.last_error,
-       e.created_at AS stored_at
+       e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
+       q.attempts, q.last_error, e.created_at AS stored_at
 FROM due d
 CROSS JOIN LATERAL (
     SELECT * FROM outbox.parked q

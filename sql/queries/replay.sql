@@ -18,7 +18,7 @@ WHERE e.bucket = ANY(%(buckets)s::int[])
 -- The next events of each bucket after the replay's position there, in position order (so per
 -- key in publish order): one index range per bucket, filtered.
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
-       e.payload::text, e.headers::text, coalesce(e.occurred_at, e.created_at)
+       e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time
 FROM unnest(%(buckets)s::int[], %(xids)s::bigint[], %(seqs)s::bigint[]) AS b(bucket, xid, seq)
 CROSS JOIN LATERAL (
     SELECT *

@@ -26,7 +26,7 @@ from outbox_relay.positions import Cursor
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import SinkRunner
 from outbox_relay.settings import RelaySettings
-from outbox_relay.sink import Aborted, Commit, Failure, Outcomes
+from outbox_relay.sink import Aborted, Commit, Failure, KeyHold, Outcomes
 from outbox_relay.store import StoredEvent
 
 SINK = "recorder"
@@ -128,9 +128,9 @@ class RecordingSink:
                 if abort.is_set():
                     raise Aborted()
         outcomes: Outcomes = {}
-        failed_keys: set[str] = set()
+        hold = KeyHold()
         for e in events:
-            if e.key in failed_keys:
+            if not hold.allows(e):
                 continue
             with self.lock:
                 n = self._seen[e.id]
@@ -140,8 +140,7 @@ class RecordingSink:
             with self.lock:
                 self.attempts.append(Attempt(self.worker, e.id, e.key, e.bucket, fences[e.bucket], e.position,
                                              outcome.error if outcome else None))
-            if outcome is not None:
-                failed_keys.add(e.key)
+            hold.record(e, outcome)
         if self.hold:
             time.sleep(self.hold)
         ok = commit(outcomes, None)

@@ -70,3 +70,35 @@ def test_an_idle_relay_retries_a_parked_event_when_its_retry_is_due_not_at_its_n
     finally:
         worker.drain()
         waiter.join(20)
+
+
+def test_a_woken_relay_reads_the_buckets_the_commit_wrote_not_all_it_holds(
+        dsn: str, monkeypatch: Any) -> None:
+    """One relay holds all 256 buckets; a single-event commit costs a read of its one bucket."""
+    from outbox_relay import store
+
+    reads: list[set[int]] = []
+    real = store.fetch_events
+
+    def recording(conn: Any, sink: str, worker: str, wanted: dict[int, Any], *args: Any) -> Any:
+        reads.append(set(wanted))
+        return real(conn, sink, worker, wanted, *args)
+
+    monkeypatch.setattr(store, "fetch_events", recording)
+    sink = RecordingSink("relay-a")
+    worker = Worker(make_settings(dsn, "relay-a", listen=True, poll_seconds=30.0, listen_poll_seconds=30.0),
+                    sinks=[sink])
+    assert worker.start()
+    waiter = threading.Thread(target=worker.wait)
+    waiter.start()
+    try:
+        wait_until(lambda: settled(dsn, ["relay-a"]) and worker.listening, 15, message="the relay to settle")
+        bucket = 77
+        keys = keys_in_bucket(dsn, bucket, 5)
+        reads.clear()
+        ids = [publish(dsn, [(k, "t", {})])[0] for k in keys]
+        wait_until(lambda: sink.delivered_ids() == set(ids), 10, message="the events to be delivered")
+        assert reads and all(r == {bucket} for r in reads), reads
+    finally:
+        worker.drain()
+        waiter.join(20)
