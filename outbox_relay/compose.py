@@ -9,18 +9,22 @@ from __future__ import annotations
 
 from .housekeeping import application_name
 from .kafka_sink import KafkaSink
+from .observer import NULL_OBSERVER, Observer, Observers
 from .settings import RelaySettings
 from .sink import Sink
 from .worker import Worker
 
 
-def default_sinks(settings: RelaySettings) -> list[Sink]:
-    """The Kafka sink (unless ``kafka`` is off) and each ``projection`` named in the settings."""
+def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER) -> list[Sink]:
+    """The Kafka sink (unless ``kafka`` is off) and each ``projection`` named in the settings, reporting
+    to ``observer`` (producer replacements; a projection's handler calls, for tracing)."""
     s = settings
     sinks: list[Sink] = []
     if s.kafka:
-        sinks.append(KafkaSink(s.kafka_sink, s.kafka_producer_config(), s.default_topic, s.source,
-                               stall_seconds=s.kafka_stall_seconds))
+        kafka = KafkaSink(s.kafka_sink, s.kafka_producer_config(), s.default_topic, s.source,
+                          stall_seconds=s.kafka_stall_seconds)
+        kafka.observer = observer
+        sinks.append(kafka)
     if s.projection:
         from projections.declare import load_registry
         from projections.sink import ProjectionSink
@@ -28,29 +32,38 @@ def default_sinks(settings: RelaySettings) -> list[Sink]:
         assert s.projections is not None  # settings validation
         registry = load_registry(s.projections)
         dsn = s.dsn.get_secret_value()
-        sinks.extend(ProjectionSink(registry.get(name), dsn, lease_seconds=s.lease_seconds,
-                                    application_name=application_name(s.worker_id))
-                     for name in s.projection)
+        for name in s.projection:
+            sink = ProjectionSink(registry.get(name), dsn, lease_seconds=s.lease_seconds,
+                                  application_name=application_name(s.worker_id))
+            sink.observer = observer
+            sinks.append(sink)
     return sinks
 
 
 def build_worker(settings: RelaySettings) -> Worker:
-    """A relay process's worker with the sinks its settings name, and its metrics server when
-    ``metrics_port`` is set: what ``outbox-relay run`` runs."""
-    if settings.metrics_port is None:
-        return Worker(settings, default_sinks(settings))
-    from prometheus_client import CollectorRegistry
+    """A relay process's worker with the sinks its settings name, its metrics server when
+    ``metrics_port`` is set and its spans when ``tracing`` is on: what ``outbox-relay run`` runs."""
+    observers: list[Observer] = []
+    metrics = None
+    if settings.metrics_port is not None:
+        from prometheus_client import CollectorRegistry
 
-    from .metrics import MetricsServer, PrometheusObserver
+        from .metrics import PrometheusObserver
 
-    registry = CollectorRegistry()
-    observer = PrometheusObserver(registry)
-    sinks = default_sinks(settings)
-    observer.sinks(s.name for s in sinks)
-    for sink in sinks:
-        if isinstance(sink, KafkaSink):
-            sink.observer = observer
+        metrics = CollectorRegistry()
+        prometheus = PrometheusObserver(metrics)
+        observers.append(prometheus)
+    if settings.tracing:
+        from .tracing import relay_observer
+
+        observers.append(relay_observer())
+    observer = observers[0] if len(observers) == 1 else Observers(*observers) if observers else NULL_OBSERVER
+    sinks = default_sinks(settings, observer)
     worker = Worker(settings, sinks, observer)
-    worker.services.append(MetricsServer(worker, registry, settings.metrics_host, settings.metrics_port,
-                                         settings.metrics_refresh_seconds))
+    if metrics is not None and settings.metrics_port is not None:
+        from .metrics import MetricsServer
+
+        prometheus.sinks(s.name for s in sinks)  # every sink's series exist from the first scrape
+        worker.services.append(MetricsServer(worker, metrics, settings.metrics_host, settings.metrics_port,
+                                             settings.metrics_refresh_seconds))
     return worker

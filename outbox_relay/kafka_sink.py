@@ -46,6 +46,11 @@ from .sink import Aborted, Commit, Failure, KeyHold, Outcomes
 from .store import EventFilter, StoredEvent
 
 log = logging.getLogger("outbox_relay.kafka")
+# librdkafka's own lines (a broker that refuses connections, TLS and SASL errors, its debug contexts
+# when the `debug` option is set) through the relay's logging, so that --log-json and redaction cover
+# them; librdkafka's levels map to Python's (its errors are ERROR). confluent-kafka hands them over in
+# poll(), on the sink's thread.
+LIBRDKAFKA_LOG = logging.getLogger("outbox_relay.librdkafka")
 
 PRODUCER_DEFAULTS: dict[str, Any] = {
     "enable.idempotence": True,
@@ -269,7 +274,7 @@ class KafkaSink:
             raise ConfigurationError(f"Kafka options refused by librdkafka: {err.str()}") from None
 
     def _new_producer(self, session: _Session) -> Producer:
-        return Producer({**self._config, "error_cb": session.on_error})
+        return Producer({**self._config, "error_cb": session.on_error, "logger": LIBRDKAFKA_LOG})
 
     def problem(self, timeout: float = 2.0) -> str | None:
         """Why the sink can not deliver now (for /readyz), or None: its brokers answer a metadata request.

@@ -20,6 +20,7 @@ from typing import Any
 from .errors import IdempotencyConflict, InvalidEvent, NoTransaction, OutboxError
 from .event import Event, make_event
 from .sqlfiles import query
+from .tracing import with_trace
 
 # libpq's PQTransactionStatus (psycopg 3 and psycopg2 both report it): no transaction open.
 _IDLE = 0
@@ -65,6 +66,10 @@ class Outbox:
     def _event(self, fields: dict[str, Any]) -> Event:
         if fields.get("topic") is None:
             fields["topic"] = self.default_topic
+        # The caller's span (OpenTelemetry), if one is current: consumers continue its trace.
+        headers = with_trace(fields.get("headers"))
+        if headers is not None:
+            fields["headers"] = headers
         event = make_event(**fields)
         if event.topic is None:
             raise InvalidEvent(
@@ -79,7 +84,8 @@ class Outbox:
             elif e.topic is None:
                 out.append(self._event(e.model_dump()))
             else:
-                out.append(e)
+                headers = with_trace(e.headers)
+                out.append(e if headers is e.headers else e.model_copy(update={"headers": headers}))
         if not out:
             raise InvalidEvent("publish_many needs at least one event")
         return out

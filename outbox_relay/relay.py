@@ -481,8 +481,10 @@ class SinkRunner:
         commit = _BatchCommit(self, events, fences, advance, resets)
         to_send = [e for e in events if not e.blocked]
         try:
-            with (self.gate.exclusive if alone else self.gate.shared)(self.abort):
+            with (self.gate.exclusive if alone else self.gate.shared)(self.abort), \
+                    self.observer.delivering(self.sink, to_send) as observed:  # tracing hook: a span per batch
                 ok = self.sink.deliver(to_send, fences, commit, self.abort)
+                observed.landed(commit.checkpoint, ok)
         except LeaseLost:
             return set()  # the sink's transaction rolled back: nothing of this batch landed
         except Exception as exc:

@@ -80,6 +80,9 @@ class RelaySettings(BaseSettings):
     metrics_host: str = Field("0.0.0.0", min_length=1, description="address the metrics port listens on")
     metrics_refresh_seconds: float = Field(
         15.0, ge=1, le=3600, description="how often the outbox-wide gauges (backlog, lagging keys) are read")
+    tracing: bool = Field(
+        False, description="OpenTelemetry spans per batch and per projection handler call, to the tracer provider "
+                           "the OTEL_* variables set up (run under opentelemetry-instrument; needs the otel extra)")
 
     # batching and leases
     batch_size: int = Field(1000, ge=1, le=100_000, description="events read per fetch")

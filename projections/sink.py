@@ -33,6 +33,7 @@ import psycopg
 from psycopg import pq
 
 from outbox_relay.errors import NonRetriableDelivery, OutboxError
+from outbox_relay.observer import NULL_OBSERVER, Observer
 from outbox_relay.sink import Aborted, AsyncConn, Commit, Failure, KeyHold, Outcomes
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import Conn, EventFilter, StoredEvent
@@ -201,6 +202,7 @@ class ProjectionSink:
         self._aconn: AsyncConn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.fatal: OutboxError | None = None  # set when a rebuild must stop (see _refuse_outside_writes)
+        self.observer: Observer = NULL_OBSERVER  # set by the composition root (tracing: a span per handler call)
 
     def _refuse_outside_writes(self, tables: list[str]) -> None:
         """A rebuild's batch wrote tables outside its shadow schema: it rolls back, and the rebuild stops."""
@@ -241,7 +243,7 @@ class ProjectionSink:
         """One transaction: fast (``known`` None: pipelined, all or nothing) or careful (a savepoint
         per event; ``known`` holds failures already pinned on events)."""
         batch = _Batch(self, events, fences, known)
-        handler = self.projection.handler
+        handler = self.observer.handler(self.name, self.projection.handler)  # tracing hook
         with conn.transaction():  # BEGIN READ WRITE (the session's default is read-only)
             if known is None:
                 try:
@@ -338,7 +340,7 @@ class ProjectionSink:
                       commit: Commit, abort: threading.Event, known: dict[Any, Failure] | None) -> set[int]:
         """``_apply`` for async handlers (not pipelined: a failing statement is known at once)."""
         batch = _Batch(self, events, fences, known)
-        handler = self.projection.handler
+        handler = self.observer.handler(self.name, self.projection.handler)  # tracing hook
         async with conn.transaction():
             await conn.execute(query("projections", "begin_batch"), {**self._begin, "token": batch.token})
             for e, event in batch.todo(abort):
