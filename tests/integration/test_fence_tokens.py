@@ -20,6 +20,7 @@ from outbox_relay import store
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import SinkRunner
 from projections import FenceToken, Projection, ProjectionEvent, fenced_upsert, projection
+from projections.rebuild import Rebuild, rebuild_key
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     TOPIC,
@@ -202,3 +203,54 @@ def test_tokens_grow_per_key_through_overlap_retry_failed_batch_and_owner_change
     f1, f2 = tokens[0].fence, tokens[-1].fence
     assert {t.fence for t in tokens[:-1]} == {f1} and f2 > f1 and tokens[-1].read == 1
 
+
+def test_rebuild_and_key_rebuild_tokens_grow_in_the_order_they_apply_and_live_outranks_them_after(
+        dsn: str, pool: ConnectionPool[Any], other: psycopg.Connection[Any]) -> None:
+    """A rebuild replays history in (xid, seq) order; its tokens grow in that order, and after the
+    switch the live projection's tokens are above every token of the rebuild, however often the
+    rebuild's buckets changed hands (a resumed rebuild, several rebuild processes)."""
+    bucket = 42
+    (k,) = keys_in_bucket(dsn, bucket, 1)
+    live = runner(remote_projection(other), dsn, pool, "live", {bucket})
+    publish(dsn, [(k, "t", {"n": "1"})])
+    publish_overlapping(dsn, k, "2", "3", lambda: run_until(live, lambda: len(landed(dsn, k)) == 2))
+    publish(dsn, [(k, "t", {"n": "4"})])
+    run_until(live, lambda: len(landed(dsn, k)) == 4)
+    live_tokens = [t for _, t, _ in landed(dsn, k)]
+    assert [n for n, _, _ in landed(dsn, k)] == ["1", "2", "3", "4"] and increasing(live_tokens)
+
+    # A key rebuild replays under the live fence with read 0: in (xid, seq) order, increasing, and
+    # below what live processing wrote to the other store (which keeps it).
+    assert rebuild_key(remote_projection(other), dsn, k) == 4
+    replayed = landed(dsn, k)
+    assert [n for n, _, _ in replayed] == ["1", "3", "2", "4"] and all(r for _, _, r in replayed)
+    assert increasing([t for _, t, _ in replayed]) and {(t.fence, t.read) for _, t, _ in replayed} == {
+        (live_tokens[-1].fence, 0)}
+    assert max(t for _, t, _ in replayed) < live_tokens[0]
+    assert remote(dsn)[k] == ("4", live_tokens[-1])
+
+    stolen: list[int] = []
+
+    def steal(event: ProjectionEvent[Any], tx: Any) -> None:
+        """The rebuild's bucket changes hands under it (as when a rebuild is resumed, or rebuild
+        processes share the work): its batch is fenced out, and it takes the bucket up again."""
+        if len(stolen) < 3:
+            stolen.append(event.token.fence)
+            with psycopg.connect(dsn, autocommit=True) as thief:
+                thief.execute("UPDATE outbox.cursors SET fence = fence + 1 WHERE sink = 'remote.rebuild' "
+                              "AND bucket = %s", (bucket,))
+
+    settings = make_settings(dsn, "rebuilder", batch_size=200)
+    result = Rebuild(remote_projection(other, before=steal), settings, progress=None).run()
+    assert result is not None and result.events == 4 and len(stolen) == 3
+    rebuilt = landed(dsn, k)
+    assert [n for n, _, _ in rebuilt] == ["1", "3", "2", "4"] and all(r for _, _, r in rebuilt)
+    assert increasing([t for _, t, _ in rebuilt]), rebuilt
+    assert rebuilt[0][1].fence > live_tokens[-1].fence + 2, "the case to check: the rebuild's fences went past"
+
+    publish(dsn, [(k, "t", {"n": "5"})])
+    run_until(live, lambda: len(landed(dsn, k)) == 5)  # fenced out by the switch, it takes the bucket again
+    after = landed(dsn, k)
+    assert after[-1][0] == "5" and not after[-1][2]
+    assert remote(dsn)[k][0] == "5", "the live write after the switch was refused"
+    assert increasing([t for _, t, _ in after]), after
