@@ -40,7 +40,8 @@ class FenceToken:
     version writes only under a fence it acquired itself, and every acquisition sets the bucket's
     fence to one more than any fence issued for it before (``acquire_leases`` in
     sql/queries/membership.sql), so above the fence of every token an older relay wrote. Equal
-    fences can not meet across versions: one fence is one acquisition by one process.
+    fences can not meet across versions: one fence is one acquisition by one process. (Not across
+    a sink dropped and recreated: its new cursors start from fence 0 again.)
     """
 
     fence: int
