@@ -79,6 +79,7 @@ WITH moved AS (
 )
 INSERT INTO outbox.parked (sink, bucket, xid, seq, partition_key, event_id, attempts, available_at, last_error)
 SELECT sink, bucket, xid, seq, partition_key, event_id, 0, clock_timestamp(), last_error FROM moved
+ORDER BY bucket, partition_key, xid, seq  -- a key's retried dead letters queue in position order
 ON CONFLICT DO NOTHING
 RETURNING event_id;
 
@@ -225,12 +226,12 @@ FROM outbox.sinks s
 CROSS JOIN k
 JOIN outbox.cursors c ON c.sink = s.name AND c.bucket = k.bucket
 LEFT JOIN LATERAL (
-    -- The head: the key's oldest parked event (the first entry of index parked_key), and its type.
+    -- The head: the key's first parked event in chain order (the first entry of index parked_key), and its type.
     SELECT p.event_id, e.type, p.attempts, p.available_at, p.last_error, p.parked_at
     FROM outbox.parked p
     LEFT JOIN outbox.events e ON e.bucket = p.bucket AND e.xid = p.xid AND e.seq = p.seq
     WHERE p.sink = s.name AND p.bucket = k.bucket AND p.partition_key = k.key
-    ORDER BY p.xid, p.seq
+    ORDER BY p.place
     LIMIT 1
 ) h ON true
 CROSS JOIN LATERAL (
@@ -266,7 +267,7 @@ SELECT p.event_id, p.bucket, p.xid::text AS xid, p.seq, p.attempts, p.last_error
 FROM outbox.parked p
 LEFT JOIN outbox.events e ON e.bucket = p.bucket AND e.xid = p.xid AND e.seq = p.seq
 WHERE p.sink = %(sink)s AND p.bucket = outbox.bucket_v1(%(key)s::text) AND p.partition_key = %(key)s
-ORDER BY p.xid, p.seq
+ORDER BY p.place
 LIMIT 1
 FOR UPDATE OF p;
 
@@ -299,7 +300,7 @@ behind AS (
     SET available_at = least(q.available_at, clock_timestamp())
     FROM head h
     WHERE q.sink = h.sink AND q.bucket = h.bucket AND q.partition_key = h.partition_key
-      AND (q.xid, q.seq) > (h.xid, h.seq)
+      AND q.place > h.place
     RETURNING q.event_id
 )
 SELECT (SELECT count(*) FROM dead) AS dead_lettered, (SELECT count(*) FROM behind) AS behind;

@@ -37,11 +37,11 @@ LEFT JOIN LATERAL (
 ) d ON true
 LEFT JOIN LATERAL (
     -- An event parked behind its key's failing head has no error of its own: report the head's
-    -- (the oldest parked event of the key, first entry of index parked_key).
+    -- (the key's first parked event in chain order, first entry of index parked_key).
     SELECT q.last_error
     FROM outbox.parked q
     WHERE p.seq IS NOT NULL AND p.last_error IS NULL
       AND q.sink = p.sink AND q.bucket = p.bucket AND q.partition_key = p.partition_key
-    ORDER BY q.xid, q.seq
+    ORDER BY q.place
     LIMIT 1
 ) h ON true;

@@ -106,11 +106,12 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, N
 -- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it;
 -- none of a paused key.
 WITH heads AS (
-    -- The oldest parked event of each key decides when the key may move again.
+    -- The first parked event of each key (chain order: the order they were parked in, 0009) decides
+    -- when the key may move again.
     SELECT DISTINCT ON (p.bucket, p.partition_key) p.bucket, p.partition_key, p.available_at
     FROM outbox.parked p
     WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
-    ORDER BY p.bucket, p.partition_key, p.xid, p.seq
+    ORDER BY p.bucket, p.partition_key, p.place
 ),
 due AS (
     -- Heads whose retry time has come, of keys that are not paused (those wait for keys resume).
@@ -130,11 +131,11 @@ FROM due d
 CROSS JOIN LATERAL (
     SELECT * FROM outbox.parked q
     WHERE q.sink = %(sink)s AND q.bucket = d.bucket AND q.partition_key = d.partition_key
-    ORDER BY q.xid, q.seq
+    ORDER BY q.place
     LIMIT %(per_key)s
 ) q
 JOIN outbox.events e ON e.bucket = q.bucket AND e.xid = q.xid AND e.seq = q.seq
-ORDER BY q.bucket, q.partition_key, q.xid, q.seq;
+ORDER BY q.bucket, q.partition_key, q.place;
 
 -- name: next_parked_retry
 -- Seconds until the next parked retry of these buckets is due (NULL: nothing parked): the runner sleeps
@@ -143,11 +144,11 @@ ORDER BY q.bucket, q.partition_key, q.xid, q.seq;
 -- milliseconds while a head waited for its retry), and a paused key's events are not retried.
 SELECT extract(epoch FROM min(h.available_at) - clock_timestamp())::float8
 FROM (
-    -- The oldest parked event of each key (index parked_key), as in fetch_parked.
+    -- The head of each key (index parked_key), as in fetch_parked.
     SELECT DISTINCT ON (p.bucket, p.partition_key) p.partition_key, p.available_at
     FROM outbox.parked p
     WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
-    ORDER BY p.bucket, p.partition_key, p.xid, p.seq
+    ORDER BY p.bucket, p.partition_key, p.place
 ) h
 WHERE NOT EXISTS (SELECT 1 FROM outbox.paused_keys k WHERE k.sink = %(sink)s AND k.partition_key = h.partition_key);
 
@@ -186,16 +187,17 @@ parking AS (
     FROM unnest(%(park_buckets)s::int[], %(park_xids)s::bigint[], %(park_seqs)s::bigint[],
                 %(park_keys)s::text[], %(park_ids)s::uuid[], %(park_attempts)s::int[],
                 %(park_delays)s::float8[], %(park_errors)s::text[], %(park_parked)s::boolean[])
-         AS p(bucket, xid, seq, partition_key, event_id, attempts, delay, error, parked)
+         WITH ORDINALITY AS p(bucket, xid, seq, partition_key, event_id, attempts, delay, error, parked, ord)
     WHERE p.bucket IN (SELECT bucket FROM fenced)
 ),
 park AS (
-    -- New parked events.
+    -- New parked events, numbered (place) in the order the batch delivered them: a key's chain order.
     INSERT INTO outbox.parked (sink, bucket, xid, seq, partition_key, event_id, attempts, available_at, last_error)
     SELECT %(sink)s, p.bucket, p.xid::text::xid8, p.seq, p.partition_key, p.event_id, p.attempts,
            clock_timestamp() + make_interval(secs => p.delay), p.error
     FROM parking p
     WHERE NOT p.parked
+    ORDER BY p.ord
     ON CONFLICT (sink, bucket, xid, seq) DO UPDATE
         SET attempts = EXCLUDED.attempts, available_at = EXCLUDED.available_at, last_error = EXCLUDED.last_error
 ),

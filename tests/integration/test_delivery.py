@@ -8,6 +8,7 @@ reads below the snapshot xmin, so a transaction that commits late is never skipp
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import psycopg
@@ -116,6 +117,34 @@ def test_late_commit_same_key_goes_in_the_order_the_transactions_became_visible(
     run_until(runner, lambda: sink.delivered_ids() == {a, b})
     assert [x.event_id for x in sink.attempts] == [b, a]
     assert cursor_row(dsn, bucket)["cursor"].delivered(*_position(dsn, a))
+
+
+def test_a_late_commit_queues_behind_its_key_s_failed_head_and_waits_for_its_retry(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """b (larger id) became visible first, failed and was parked for 3 s; then a (smaller id) commits.
+    a is queued behind b: b's retry comes first, after its backoff, then a. Ordered by (xid, seq), the
+    park made a the head, due at once: a went out before b and b was retried with no backoff."""
+    bucket = 35
+    (k,) = keys_in_bucket(dsn, bucket, 1)
+    names: dict[Any, str] = {}
+    sink = RecordingSink("w", fail=lambda e, n: Failure("b fails once") if names.get(e.id) == "b" and n == 0
+                         else None)
+    runner = runner_for(sink, pool, make_settings(dsn, "w", backoff_base_seconds=3.0, backoff_max_seconds=3.0),
+                        {bucket})
+    with psycopg.connect(dsn) as t1:
+        a = Outbox(default_topic=TOPIC).publish(t1, type="t", key=k, payload={"n": "a"}).id  # smaller id, open
+        names[a] = "a"
+        (b,) = publish(dsn, [(k, "t", {"n": "b"})])
+        names[b] = "b"
+        run_until(runner, lambda: len(sink.attempts) == 1)  # b attempted, failed, parked for 1.5-3 s
+        failed_at = time.monotonic()
+    # a committed: read, and queued behind b.
+    run_until(runner, lambda: len(sink.attempts) >= 2)
+    next_attempt_after = time.monotonic() - failed_at
+    run_until(runner, lambda: sink.delivered_ids() == {a, b})
+    attempts = [(names[x.event_id], x.ok) for x in sink.attempts]
+    assert attempts == [("b", False), ("b", True), ("a", True)], attempts
+    assert next_attempt_after >= 1.4, f"b was retried {next_attempt_after:.2f}s after failing (backoff >= 1.5 s)"
 
 
 def test_event_of_a_transaction_that_commits_late_is_not_skipped(dsn: str, pool: ConnectionPool[Any]) -> None:
