@@ -123,8 +123,8 @@ def _check_idle(status: pq.TransactionStatus) -> None:
     if status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR):
         raise OpenTransaction(
             "wait_for needs a connection outside any transaction: events are invisible to the relays until "
-            "their transaction commits, and an open writing transaction holds back delivery of every later "
-            "event. Commit first (or use an autocommit connection)."
+            "their transaction commits, so a wait inside it could only time out, and a snapshot held across "
+            "polls would never see the sink's progress. Commit first (or use an autocommit connection)."
         )
 
 

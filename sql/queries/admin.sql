@@ -30,8 +30,10 @@ GROUP BY s.name, s.kind
 ORDER BY s.name;
 
 -- name: horizon_holder
--- The oldest open writing transaction, a session's or a prepared one: relays read nothing newer
--- until it ends. No query text: it may show other roles' data (and secrets in literals).
+-- The oldest open writing transaction, a session's or a prepared one (for `status`; the name is from
+-- before migration 0007). It delays only its own events now (snapshot cursors), but it holds back
+-- vacuum, and the backlog counts read each bucket from its id on. No query text: it may show other
+-- roles' data (and secrets in literals).
 WITH holders AS (
     -- Sessions whose transaction has written (only those have a transaction id).
     SELECT pid, usename::text AS role, datname::text AS database, application_name AS application, state,
