@@ -298,6 +298,19 @@ class KafkaSink:
             return f"the Kafka brokers do not answer: {_describe(err)}"
         return None
 
+    def idle(self) -> None:
+        """While the runner waits with nothing to deliver (``sink.wait_idle``, on the thread that calls
+        ``deliver``): serve what librdkafka queued meanwhile, its log lines (logger
+        outbox_relay.librdkafka) and error callbacks, which confluent-kafka hands over only inside
+        ``poll()``. Without it an idle relay's broker problems would show only with its next batch."""
+        try:
+            self._producer.poll(0)
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            if not err.fatal():
+                raise
+            self._session.fatal = _describe(err)  # the producer is replaced before the next batch
+
     def close(self) -> None:
         with contextlib.suppress(KafkaException):  # a fatal producer raises from flush()
             self._producer.purge()

@@ -36,7 +36,7 @@ from .errors import CheckpointFailed, LeaseLost, SinkDropped, describe_error
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor
 from .settings import RelaySettings
-from .sink import Aborted, AsyncConn, KeyHold, Outcomes, Sink
+from .sink import Aborted, AsyncConn, KeyHold, Outcomes, Sink, wait_idle
 from .store import Checkpoint, Conn, StoredEvent
 
 log = logging.getLogger("outbox_relay.relay")
@@ -291,7 +291,7 @@ class SinkRunner:
             if n == 0:
                 jitter = 0.8 + 0.4 * (time.monotonic() % 1)
                 until_retry = max(0.0, self._check_parked_at - time.monotonic())
-                self.wake.wait(min(self._idle_poll() * jitter, until_retry + 0.001))
+                wait_idle(self.sink, self.wake, min(self._idle_poll() * jitter, until_retry + 0.001))
         self._release_all()
 
     def _idle_poll(self) -> float:
