@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     _dsn_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = sub.add_parser("lag", help="per sink: events not yet delivered, the oldest one's age, retrying, dead")
+    p = sub.add_parser("lag", help="per sink: events not yet delivered, the oldest one's age, retrying, paused, "
+                                   "dead")
     _dsn_arg(p)
     p.add_argument("--sink", default=None, help="only this sink")
     p.add_argument("--json", action="store_true", help="machine-readable output")
