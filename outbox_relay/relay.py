@@ -259,6 +259,8 @@ class SinkRunner:
         self._ahead: dict[int, Cursor] = {}
         self._flushed_at = time.monotonic()
         self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
+        # Held bucket -> (fence, reads of it numbered under that fence): see ``_number_read``.
+        self._reads: dict[int, tuple[int, int]] = {}
         self._saturated: set[int] = set()
         self._full_read_at = 0.0  # monotonic time of the next read of every held bucket (the safety net)
         self._check_parked_at = 0.0
@@ -340,6 +342,26 @@ class SinkRunner:
         for b in set(self._cursors) - held.keys():
             del self._cursors[b]
             self._ahead.pop(b, None)
+        for b in set(self._reads) - held.keys():
+            del self._reads[b]
+
+    def _number_read(self, events: Sequence[StoredEvent], fences: dict[int, int]) -> None:
+        """Stamp the events of one read (a page of new events, or a fetch of parked ones) with their
+        bucket's next read number under its fence: the ``read`` of their projection fence tokens
+        (projections/event.py), numbered from 1 again under each new fence.
+
+        A bucket's batches go out one after another in the order they were read, and one read gives
+        each key's events in (xid, seq) order, so (fence, read, xid, seq) grows in delivery order per
+        key, also where that is not (xid, seq) order, and for a batch read again after it failed."""
+        numbered: dict[int, int] = {}
+        for e in events:
+            n = numbered.get(e.bucket)
+            if n is None:
+                fence = fences[e.bucket]
+                last_fence, last = self._reads.get(e.bucket, (fence, 0))
+                n = numbered[e.bucket] = last + 1 if last_fence == fence else 1
+                self._reads[e.bucket] = (fence, n)
+            e.read = n
 
     def _read_cursor(self, bucket: int) -> Cursor:
         return self._ahead.get(bucket) or self._cursors[bucket]
@@ -458,6 +480,7 @@ class SinkRunner:
         if any(e.blocked for e in read.events):
             self._check_parked_at = 0.0
         fences = {b: held[b] for b in advance}
+        self._number_read(read.events, fences)
         self._run_batch(read.events, fences, advance, resets=set(fences))
         return len(read.events)
 
@@ -470,6 +493,7 @@ class SinkRunner:
                 self._check_parked_at = time.monotonic() + (self._idle_poll() if due_in is None else max(0.0, due_in))
                 return 0
         fences = {e.bucket: held[e.bucket] for e in events}
+        self._number_read(events, fences)
         self._run_batch(events, fences, {}, resets=set(fences))
         return len(events)
 
@@ -514,6 +538,8 @@ class SinkRunner:
         if not parked and not new:
             return self._probe_idle(bucket, fence, cursor.after_read(read.now, None, full=False))
         advance = {bucket: cursor.after_read(read.now, new[-1].position, full=len(new) >= size)} if new else {}
+        self._number_read(parked, {bucket: fence})  # delivered first: the earlier read
+        self._number_read(new, {bucket: fence})
         healthy = size * 2 > self._bucket_limit(held)
         ok = self._run_batch([*parked, *new], {bucket: fence}, advance, resets={bucket} if healthy else set())
         if bucket in ok:
@@ -535,6 +561,7 @@ class SinkRunner:
                 events = read.events
                 if not events:
                     return self._probe_idle(bucket, fence, cursor.after_read(read.now, None, full=False))
+            self._number_read(events, fences)
             e = events[0]
             advance = {} if read is None else {bucket: cursor.after_read(read.now, e.position, full=True)}
             cp = Checkpoint(fences=fences, advance=advance)

@@ -37,6 +37,9 @@ class StoredEvent:
     attempts: int = 0  # failed attempts so far (parked events)
     blocked: bool = False  # an older event of this key is parked
     parked: bool = False  # read from outbox.parked (a retry), not from past the cursor
+    # Which read of its bucket under the runner's fence returned it (1, 2, ...: SinkRunner._number_read);
+    # 0: not read by a runner (a key rebuild, the testing kit). The ``read`` of a projection's FenceToken.
+    read: int = 0
     last_error: str | None = None  # parked events: why the last attempt failed
     stored_at: datetime | None = None  # created_at: when its transaction stored it (the database's clock)
     # The Kafka sink's header values, formatted by the read query (None: formatted in Python).

@@ -393,8 +393,8 @@ def apply_projection(conn: Any, projection: Projection, events: EventRef | Itera
     ``outbox.events`` (an id the connection can not see raises ``UnknownEvent``) and applied as the
     relay does: in position order, only the types and topics the projection takes, each payload
     decoded or validated into the declared model, ``replay=False``, ``attempt=1``,
-    ``token=FenceToken(fence, xid, seq)``, each event under a savepoint, so that a failing handler's
-    writes are undone alone.
+    ``token=FenceToken(fence, 1, xid, seq)`` (as from a relay's first read of a bucket it just took),
+    each event under a savepoint, so that a failing handler's writes are undone alone.
 
     The handler gets the connection itself (a SQLAlchemy one's psycopg driver connection), so its
     writes are part of the test's transaction. A connection with no transaction open (autocommit)
@@ -578,7 +578,7 @@ def _event_id(ref: Any) -> uuid.UUID:
 def _select(projection: Projection, rows: Iterable[Sequence[Any]], ids: list[uuid.UUID] | None, key: str | None,
             topic: str | None) -> list[StoredEvent]:
     """The events the relay would hand this projection, in position order."""
-    stored = [stored_event(_with_uuid(r)) for r in rows]
+    stored = [stored_event(_with_uuid(r), read=1) for r in rows]  # all in one read, as a relay's first
     if ids is not None:
         found = {e.id for e in stored}
         missing = [i for i in ids if i not in found]

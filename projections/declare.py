@@ -101,7 +101,7 @@ class Projection:
                 return Failure(describe(exc), retriable=False)
         return ProjectionEvent(
             id=e.id, type=e.type, key=e.key, topic=e.topic, payload=payload, headers=headers, time=e.time,
-            position=e.position, token=FenceToken(fence, e.xid, e.seq), attempt=e.attempts + 1, replay=replay)
+            position=e.position, token=FenceToken(fence, e.read, e.xid, e.seq), attempt=e.attempts + 1, replay=replay)
 
     def __call__(self, event: ProjectionEvent[Any], tx: Any) -> Any:
         """Call the handler directly (in tests of the handler itself)."""

@@ -12,25 +12,58 @@ P = TypeVar("P")
 
 @dataclass(frozen=True, order=True)
 class FenceToken:
-    """Orders the writes of one partition key across owners: (bucket fence, xid, seq).
+    """Orders the writes of one partition key in the order the relay delivers them:
+    (bucket fence, read, xid, seq).
 
-    The fence grows with every change of a bucket's owner and the position grows with
-    publish order, so a write carrying a larger token is newer, and a write from a worker
-    that lost its lease carries a smaller one than its successor's. ``str(token)`` sorts
-    the same way as the tuple (zero-padded), for stores that only compare strings.
+    - ``fence`` grows with every acquisition of the key's bucket (a change of owner, or the same
+      relay taking it up again), so every token of a newer owner is larger, and a write from a
+      worker that lost its lease carries a smaller token than its successor's.
+    - ``read`` numbers the reads of the bucket under that fence (1, 2, ...; the relay counts them in
+      memory): every page of new events and every fetch of parked retries is a new read, and so is
+      reading a batch again after it failed. A bucket's batches go out one after another in the
+      order they were read.
+    - ``(xid, seq)``: the order within one read, which is the order a read delivers one key's events
+      in (a delta in (xid, seq) order; parked events per key in (xid, seq) order).
+
+    So a larger token is a later delivery of the key, even where delivery order is not ``(xid,
+    seq)`` order (overlapping transactions of one key: docs/architecture.md, "What order one key
+    gets"). An event delivered again gets a new, larger token than its first delivery.
+
+    ``read`` 0: not from a relay's read. A key rebuild (``rebuild --key``) replays under the live
+    cursor's fence with read 0, so in a store outside the transaction it never outranks what live
+    processing wrote under that fence; tokens written before reads were numbered (the three-part
+    ``FENCE-XID-SEQ``) parse with read 0.
+
+    ``str(token)`` is the four numbers zero-padded to 20 digits and joined by ``-``; it sorts like
+    the token, for stores that only compare strings. A stored old three-part string never outranks
+    a new four-part one of the same key: both start with the 20-digit fence, and a relay of this
+    version writes only under a fence it acquired itself, and every acquisition sets the bucket's
+    fence to one more than any fence issued for it before (``acquire_leases`` in
+    sql/queries/membership.sql), so above the fence of every token an older relay wrote. Equal
+    fences can not meet across versions: one fence is one acquisition by one process. (Not across
+    a sink dropped and recreated: its new cursors start from fence 0 again.)
     """
 
     fence: int
+    read: int
     xid: int
     seq: int
 
     def __str__(self) -> str:
-        return f"{self.fence:020d}-{self.xid:020d}-{self.seq:020d}"
+        return f"{self.fence:020d}-{self.read:020d}-{self.xid:020d}-{self.seq:020d}"
 
     @classmethod
     def parse(cls, text: str) -> FenceToken:
-        fence, xid, seq = (int(part) for part in text.split("-"))
-        return cls(fence, xid, seq)
+        """A token from ``str(token)``: ``FENCE-READ-XID-SEQ``, or the older ``FENCE-XID-SEQ`` (read 0)."""
+        parts = text.split("-") if isinstance(text, str) else []
+        if len(parts) not in (3, 4) or not all(p.isascii() and p.isdigit() for p in parts):
+            raise ValueError(f"not a fence token: {text!r} (expected FENCE-READ-XID-SEQ, or FENCE-XID-SEQ as "
+                             "written before reads were numbered: non-negative integers joined by '-')")
+        numbers = [int(p) for p in parts]
+        if len(numbers) == 3:
+            numbers.insert(1, 0)
+        fence, read, xid, seq = numbers
+        return cls(fence, read, xid, seq)
 
 
 @dataclass(frozen=True)
@@ -45,7 +78,9 @@ class ProjectionEvent(Generic[P]):
     payload: P
     headers: dict[str, str]
     time: datetime
-    position: tuple[int, int]  # (xid, seq): publish order per key
+    # (xid, seq): where the event is stored. Publish order within its transaction; across
+    # transactions of one key not always the delivery order (``token`` follows that).
+    position: tuple[int, int]
     token: FenceToken
     attempt: int  # 1 on first delivery
     replay: bool  # True while a rebuild replays history

@@ -493,11 +493,15 @@ def _key_history(conn: psycopg.Connection[Any], projection: Projection,
 
 def _replayed(projection: Projection, cursor: Sequence[Any],
               events: Sequence[StoredEvent]) -> list[ProjectionEvent[Any]]:
-    """The events as the handler sees them in a replay; one that no longer prepares is an error."""
+    """The events as the handler sees them in a replay; one that no longer prepares is an error.
+
+    Their tokens are (live fence, 0, xid, seq): increasing in the (xid, seq) order they are applied
+    in, and below every token the live owner of that fence gave (its reads are numbered from 1), so
+    a store outside the transaction (``fenced_upsert``) keeps what live processing wrote there."""
     out = []
     for e in events:
         try:
-            prepared = projection.prepare(e, int(cursor[2]), replay=True)
+            prepared = projection.prepare(e, int(cursor[2]), replay=True)  # e.read is 0: not a relay's read
         except Exception as exc:
             raise RebuildError(f"event {e.id} of key {e.key!r} could not be prepared for the handler: "
                                f"{describe(exc)}") from exc

@@ -198,10 +198,12 @@ FOR UPDATE;
 -- name: adopt_cursors
 -- The live projection continues from where the rebuild got to. The fence bump fences out the
 -- batches relays have in flight on its buckets (they roll back); the owners keep their
--- leases and take the buckets up again under a new fence at once.
+-- leases and take the buckets up again under a new fence at once. The new fence is above the
+-- rebuild's too, so that the live projection's fence tokens outrank every token the rebuild gave
+-- (a store outside the transaction that the rebuild wrote keeps taking live writes).
 UPDATE outbox.cursors l
 SET snapshot = r.snapshot, target = r.target, after_xid = r.after_xid, after_seq = r.after_seq,
-    fence = l.fence + 1, lapses = 0, advanced_at = clock_timestamp()
+    fence = greatest(l.fence, r.fence) + 1, lapses = 0, advanced_at = clock_timestamp()
 FROM outbox.cursors r
 WHERE l.sink = %(live)s AND r.sink = %(rebuild)s AND r.bucket = l.bucket;
 

@@ -397,16 +397,23 @@ def test_per_key_order_and_exactly_once_hold_while_buckets_move_between_workers(
 def test_fenced_upsert_writes_only_over_an_older_token(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE remote_view (id text PRIMARY KEY, status text, fence_token text NOT NULL)")
-        old, new = FenceToken(3, 900, 2), FenceToken(4, 800, 1)  # a new owner: larger fence wins
+        # A new owner (larger fence) wins whatever its read and position; then later reads, then positions.
+        old, new = FenceToken(3, 7, 900, 2), FenceToken(4, 1, 800, 1)
         assert fenced_upsert(conn, "public.remote_view", {"id": "o1"}, {"status": "paid"}, new)
         assert not fenced_upsert(conn, "remote_view", {"id": "o1"}, {"status": "stale"}, old)
         assert not fenced_upsert(conn, "remote_view", {"id": "o1"}, {"status": "again"}, new), "same token: no-op"
-        assert fenced_upsert(conn, "remote_view", {"id": "o1"}, {"status": "shipped"}, FenceToken(4, 800, 2))
+        assert fenced_upsert(conn, "remote_view", {"id": "o1"}, {"status": "packed"}, FenceToken(4, 2, 700, 1))
+        assert not fenced_upsert(conn, "remote_view", {"id": "o1"}, {"status": "late"}, FenceToken(4, 1, 900, 9))
+        assert fenced_upsert(conn, "remote_view", {"id": "o1"}, {"status": "shipped"}, FenceToken(4, 2, 700, 2))
         rows = conn.execute("SELECT id, status, fence_token FROM remote_view").fetchall()
-    assert rows == [("o1", "shipped", str(FenceToken(4, 800, 2)))]
-    assert FenceToken.parse(str(FenceToken(4, 800, 2))) == FenceToken(4, 800, 2)
-    assert sorted([str(FenceToken(10, 1, 1)), str(FenceToken(9, 99, 99))]) == [str(FenceToken(9, 99, 99)),
-                                                                              str(FenceToken(10, 1, 1))]
+        assert rows == [("o1", "shipped", str(FenceToken(4, 2, 700, 2)))]
+        # A row written before reads were numbered (FENCE-XID-SEQ) is overwritten by the next owner's
+        # token, compared in the database's own collation, and refuses nothing it should not.
+        conn.execute("INSERT INTO remote_view VALUES ('o2', 'old relay', %s)",
+                     (f"{5:020d}-{99999:020d}-{9:020d}",))
+        assert not fenced_upsert(conn, "remote_view", {"id": "o2"}, {"status": "stale"}, FenceToken(4, 9, 99999, 9))
+        assert fenced_upsert(conn, "remote_view", {"id": "o2"}, {"status": "upgraded"}, FenceToken(6, 1, 3, 1))
+        assert conn.execute("SELECT status FROM remote_view WHERE id = 'o2'").fetchone() == ("upgraded",)
 
 
 # -- events the relay can not turn into a handler call -------------------------------------------

@@ -377,7 +377,7 @@ def test_apply_projection_hands_over_what_the_relay_hands_over(shop: str, pool: 
     assert [e.type for e in got["kit"]] == ["OrderPlaced", "OrderPaid", "OrderPlaced", "OrderPaid"]
     first = got["kit"][0]
     assert first.payload == Placed(customer="c1") and first.headers == {"h": "v"} and first.time == when
-    assert first.token == FenceToken(fence[0][0], *first.position) and not first.replay and first.attempt == 1
+    assert first.token == FenceToken(fence[0][0], 1, *first.position) and not first.replay and first.attempt == 1
 
 
 def test_a_failing_handler_fails_alone_as_in_the_relays_first_attempt(conn: psycopg.Connection[Any]) -> None:

@@ -156,7 +156,7 @@ def test_batch_span_ends_with_failures_lost_buckets_and_exceptions(exporter: InM
 
 def projection_event(headers: dict[str, str]) -> ProjectionEvent[Any]:
     return ProjectionEvent(id=uuid.uuid4(), type="OrderPlaced", key="k", topic="orders", payload={},
-                           headers=headers, time=datetime.now(UTC), position=(1, 2), token=FenceToken(1, 1, 2),
+                           headers=headers, time=datetime.now(UTC), position=(1, 2), token=FenceToken(1, 1, 1, 2),
                            attempt=1, replay=False)
 
 
