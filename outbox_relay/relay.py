@@ -240,12 +240,12 @@ class SinkRunner:
         self.pool = pool
         self.settings = settings
         self.worker = settings.worker_id
-        self.wake = threading.Event()  # set by the listener, ring changes and stop requests
+        self.wake = threading.Event()  # set by the listener, assignment changes and stop requests
         self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
         self.gate = gate or DeliveryGate()
         self.leases = Leases()
         self.hints = Hints()  # buckets notifications said were written (the worker's listener adds)
-        self.desired: set[int] | None = None  # None until the first ring is known
+        self.desired: set[int] | None = None  # None until the first assignment is known
         self.draining = threading.Event()  # stop claiming, finish the batch, release, exit
         self.abort = threading.Event()  # hard stop: drop the batch in flight
         self.fatal: SinkDropped | None = None  # why the runner stopped by itself (the worker stops too)
