@@ -268,7 +268,7 @@ def wait_ring(conn: psycopg.Connection[Any], relays: list[tuple[str, subprocess.
                 and all(stored[1][b] == o for b, o in rows)):
             return
         time.sleep(0.1)
-    raise RuntimeError("the relays did not settle on the ring")
+    raise RuntimeError("the relays did not settle on the stored assignment")
 
 
 def targets(conn: psycopg.Connection[Any]) -> dict[str, list[int]]:

@@ -145,7 +145,7 @@ def ref_worker(args: argparse.Namespace) -> None:
 # BY) and marks them delivered, RETURNING them; the rows are produced, and the transaction commits
 # once the broker acknowledged all of them. Its row locks are the lease: a crash or a failed batch
 # rolls back and the rows are pending again. One row update per event, one statement per batch; no
-# ring, no per-key order, no retries or dead letters. (Claiming with SELECT ... FOR UPDATE and
+# bucket assignment, no per-key order, no retries or dead letters. (Claiming with SELECT ... FOR UPDATE and
 # completing with a second UPDATE writes every row twice and drained at half the rate here.)
 
 TUNED_SCHEMA = """

@@ -175,7 +175,7 @@ class Bench:
                     and all(stored[1][b] == o for b, o in rows)):
                 return time.monotonic() - start
             time.sleep(0.05)
-        raise RuntimeError(f"relays {ids} did not settle on the ring within {timeout:.0f}s")
+        raise RuntimeError(f"relays {ids} did not settle on the stored assignment within {timeout:.0f}s")
 
     @staticmethod
     def targets(conn: psycopg.Connection[Any]) -> tuple[list[int], list[int], list[int]]:
@@ -284,7 +284,7 @@ class Bench:
         Relays read every committed event whatever else is open on the server, so a backlog can no
         longer be held back by an open transaction; a stopped process reads nothing. The pause is
         only the publishing time, well under the lease and the worker TTL, so no lease expires and
-        no relay drops out of the others' rings; notifications sent meanwhile wait in the listener's
+        no relay drops out of the assignment's live members; notifications sent meanwhile wait in the listener's
         socket and wake the relays as they resume, as do their overdue polls."""
         pids = [p.pid for _, p in relays]
         for pid in pids:
@@ -320,7 +320,7 @@ class Bench:
         try:
             with psycopg.connect(dsn, autocommit=True) as poll:
                 if mode == "warm":
-                    # Relays up and settled on the ring, producers warmed up; then the backlog is
+                    # Relays up and settled on the stored assignment, producers warmed up; then the backlog is
                     # published while they are stopped, and released by letting them go on.
                     relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}")
                     out["settle_seconds"] = self.wait_ring(poll, [w for w, _ in relays], relays)
@@ -910,7 +910,7 @@ class Bench:
         return buckets, max(8, self.args.batch_size // len(buckets))
 
     def publish_pending(self, conn: psycopg.Connection[Any], pending: int, topic: str) -> None:
-        """Pending events, committed (so below the read horizon), in transactions of 500."""
+        """Pending events, committed (so in the relays' next delta), in transactions of 500."""
         outbox = Outbox(default_topic=topic)
         for lo in range(0, pending, 500):
             with conn.transaction():
@@ -1409,7 +1409,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="diagnostic: each single-event commit also notifies every relay (checks that the wake-up "
                         "count sees wake-ups)")
     p.add_argument("--fleet-settle-seconds", type=float, default=None,
-                   help="wait after the ring settled, before measuring (default 10, --quick 5)")
+                   help="wait after the assignment settled, before measuring (default 10, --quick 5)")
     p.add_argument("--fleet-start-timeout", type=float, default=300.0)
     p.add_argument("--latency-tick-ms", type=float, default=10.0,
                    help="the producer commits the events due every tick in one transaction")

@@ -296,7 +296,7 @@ def main() -> int:
             if any(r.proc.poll() is not None for r in relays):
                 say("a relay exited at start")
                 return 1
-            # The ring settles once both relays have seen each other's heartbeat.
+            # The stored assignment splits the buckets once both relays have seen each other's heartbeat.
             with psycopg.connect(pg.dsn, autocommit=True) as conn:
                 def split() -> bool:
                     rows = conn.execute("SELECT owner, count(*) FROM outbox.cursors WHERE owner IS NOT NULL "
@@ -330,7 +330,7 @@ def main() -> int:
             ok = ok and out.returncode == 0
             ok = show_metrics(relays[0]) and ok
         finally:
-            say("\nSIGTERM to the relays (they drain: leave the ring, finish the batch, release, exit)")
+            say("\nSIGTERM to the relays (they drain: leave the assignment, finish the batch, release, exit)")
             for r in relays:
                 r.terminate()
             for r in relays:

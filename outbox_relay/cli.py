@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     _dsn_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = sub.add_parser("lag", help="per sink: events not yet delivered, the oldest one's age, retrying, dead")
+    p = sub.add_parser("lag", help="per sink: events not yet delivered, the oldest one's age, retrying, paused, "
+                                   "dead")
     _dsn_arg(p)
     p.add_argument("--sink", default=None, help="only this sink")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -285,7 +286,7 @@ def _key_args(parser: argparse.ArgumentParser, sink_required: bool = True) -> No
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-# What `rebuild` reads of the relay settings (the rest is about Kafka and the ring).
+# What `rebuild` reads of the relay settings (the rest is about Kafka, membership and wake-ups).
 REBUILD_SETTINGS = ("dsn", "projections", "worker_id", "batch_size", "lease_seconds", "max_attempts",
                     "backoff_base_seconds", "backoff_max_seconds")
 
@@ -432,7 +433,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             # JSON key, title, rows
             "workers": ("workers", _rows(conn, "admin", "workers")),
             "backlog": ("backlog", _rows(conn, "admin", "backlog")),
-            "oldest_open_transaction": ("oldest open transaction (holds back delivery)",
+            "oldest_open_transaction": ("oldest open writing transaction (delays only its own events; holds back "
+                                        "vacuum)",
                                         _rows(conn, "admin", "horizon_holder")),
             "dead_letters_by_key": ("dead letters by key",
                                     _rows(conn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20})),

@@ -88,17 +88,21 @@ class EventDeadLettered(OutboxError):
 
 class WaitTimeout(OutboxError, TimeoutError):
     """The awaited events were not all applied in time; ``pending`` were not attempted yet, ``retrying`` failed
-    at least once (or wait behind a failed event of their key) and are parked for another attempt."""
+    at least once (or wait behind a failed event of their key) and are parked for another attempt, ``paused``
+    belong to a key an operator paused for the sink (``outbox-relay keys pause``): held until it is resumed."""
 
     def __init__(self, sink: str, timeout: float, pending: Sequence[uuid.UUID], retrying: Sequence[uuid.UUID],
-                 last_error: str | None, hints: Sequence[str] = ()) -> None:
+                 last_error: str | None, hints: Sequence[str] = (), *, paused: Sequence[uuid.UUID] = ()) -> None:
         self.sink = sink
         self.timeout = timeout
         self.pending = tuple(pending)
         self.retrying = tuple(retrying)
+        self.paused = tuple(paused)
         self.last_error = last_error
-        message = (f"sink {sink!r} did not apply {len(self.pending) + len(self.retrying)} event(s) within "
-                   f"{timeout:g}s: {len(self.pending)} pending, {len(self.retrying)} retrying")
+        message = (f"sink {sink!r} did not apply {len(self.pending) + len(self.retrying) + len(self.paused)} "
+                   f"event(s) within {timeout:g}s: {len(self.pending)} pending, {len(self.retrying)} retrying")
+        if self.paused:
+            message += f", {len(self.paused)} paused"
         if last_error is not None:
             message += f" (last error: {last_error})"
         for hint in hints:

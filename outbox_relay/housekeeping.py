@@ -6,10 +6,10 @@ so one relay per interval does the work however many run, and any relay can see 
 last ran and warn when it has not for a long time. Only roles allowed to update that row take
 part; no other role can stop housekeeping (an advisory lock can be held by any role).
 
-A pass: workers that stopped heartbeating leave the ring; expired leases and the leases of dead
-workers are freed (the owners' connections still inside a transaction older than the lease are
-terminated, so that their row locks do not outlive the lease); old delivered events are deleted
-in short slices.
+A pass: workers that stopped heartbeating are marked dead (they already left the stored
+assignment, which counts only live members); expired leases and the leases of dead workers are
+freed (the owners' connections still inside a transaction older than the lease are terminated, so
+that their row locks do not outlive the lease); old delivered events are deleted in short slices.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ class Housekeeping:
             with self.pool.connection() as conn:
                 conn.execute(query("housekeeping", "finish"), {"worker": s.worker_id})
         if dead:
-            log.warning("housekeeping: workers %s stopped heartbeating; they left the ring", [r[0] for r in dead])
+            log.warning("housekeeping: workers %s stopped heartbeating; marked dead, their leases freed",
+                        [r[0] for r in dead])
         if expired:
             log.warning("housekeeping: %d expired leases returned (owners %s)", len(expired), owners)
         if deleted:

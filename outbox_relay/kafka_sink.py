@@ -134,6 +134,10 @@ def check_config(config: Mapping[str, Any]) -> None:
       ``--kafka-stall-seconds``, its messages sent again without counting an attempt.
     - ``acks=0``: the broker acknowledges nothing, so no delivery report carries an offset and
       no event could ever count as delivered.
+    - ``enable.idempotence`` other than true: without the idempotent producer, a request that
+      librdkafka retries can land after a later request to the same partition (several are in
+      flight), so a key's messages arrive reordered; replacing a producer and re-sending its
+      unacknowledged messages in order (``_resend``) relies on it too.
     """
     for name in ("message.timeout.ms", "delivery.timeout.ms"):
         if name in config and str(config[name]).strip() != "0":
@@ -146,6 +150,12 @@ def check_config(config: Mapping[str, Any]) -> None:
             raise ConfigurationError(
                 f"Kafka option {name}=0 is not supported: an event counts as delivered only once the broker "
                 "acknowledged it with an offset, which acks=0 never does (leave the option out: acks=all)")
+    value = config.get("enable.idempotence", True)
+    if str(value).strip().lower() not in ("true", "1", "t"):  # what librdkafka reads as true
+        raise ConfigurationError(
+            f"Kafka option enable.idempotence={value} is not supported: without the idempotent producer a "
+            "request librdkafka retries can land after a later one to the same partition, so a key's messages "
+            "would arrive out of order (leave the option out: enable.idempotence=true)")
 
 
 def _json_type(value: Any) -> str:
@@ -287,6 +297,19 @@ class KafkaSink:
             err: KafkaError = exc.args[0]
             return f"the Kafka brokers do not answer: {_describe(err)}"
         return None
+
+    def idle(self) -> None:
+        """While the runner waits with nothing to deliver (``sink.wait_idle``, on the thread that calls
+        ``deliver``): serve what librdkafka queued meanwhile, its log lines (logger
+        outbox_relay.librdkafka) and error callbacks, which confluent-kafka hands over only inside
+        ``poll()``. Without it an idle relay's broker problems would show only with its next batch."""
+        try:
+            self._producer.poll(0)
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            if not err.fatal():
+                raise
+            self._session.fatal = _describe(err)  # the producer is replaced before the next batch
 
     def close(self) -> None:
         with contextlib.suppress(KafkaException):  # a fatal producer raises from flush()

@@ -248,7 +248,10 @@ class MetricsServer:
 
     def close(self) -> None:
         self.gauges.stop()
-        self.server.shutdown()
+        # shutdown() waits until serve_forever() has noticed it: with no serving thread (start() never
+        # ran, e.g. the worker was refused before starting) it would wait forever.
+        if self._thread.is_alive():
+            self.server.shutdown()
         self.server.server_close()
 
 

@@ -73,7 +73,8 @@ def wait_for(conn: psycopg.Connection[Any], event_ids: EventRef | Iterable[Event
 
     Applied means the sink's cursor is past the event and it is neither parked nor dead-lettered: it was
     published (Kafka acknowledged it) or projected, or the sink does not take it (a projection that
-    subscribes to other event types).
+    subscribes to other event types). An event of a key paused for the sink (``outbox-relay keys
+    pause``) waits until the key is resumed; a timeout reports it as paused and names the pause.
 
     ``event_ids``: one id or ``Published`` (what ``Outbox.publish`` returns), or an iterable of them.
     ``conn`` must not be inside a transaction (``OpenTransaction``); each poll is its own
@@ -123,8 +124,8 @@ def _check_idle(status: pq.TransactionStatus) -> None:
     if status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR):
         raise OpenTransaction(
             "wait_for needs a connection outside any transaction: events are invisible to the relays until "
-            "their transaction commits, and an open writing transaction holds back delivery of every later "
-            "event. Commit first (or use an autocommit connection)."
+            "their transaction commits, so a wait inside it could only time out, and a snapshot held across "
+            "polls would never see the sink's progress. Commit first (or use an autocommit connection)."
         )
 
 
@@ -196,18 +197,32 @@ class _Wait:
 @dataclass(frozen=True)
 class _Row:
     id: uuid.UUID
-    state: str  # done, pending, parked, dead, unknown
+    state: str  # done, pending, parked, paused, dead, unknown
     attempts: int | None
     last_error: str | None
     leased: bool | None  # a live relay holds the event's bucket
+    key: str | None
+    paused_by: str | None  # the key is paused for the sink (outbox-relay keys pause): by whom
+    pause_reason: str | None
+
+
+PAUSED_KEYS_NAMED = 3  # a timeout names at most this many paused keys
 
 
 def _timeout(sink: str, timeout: float, outstanding: Sequence[_Row]) -> WaitTimeout:
     pending = [e for e in outstanding if e.state == "pending"]
     retrying = [e for e in outstanding if e.state == "parked"]
+    paused = [e for e in outstanding if e.state == "paused"]
     last_error = next((e.last_error for e in retrying if e.last_error), None)
     hints = []
     if any(not e.leased for e in outstanding):
         hints.append(f"no live relay holds the bucket of some of them (is a relay running sink {sink!r}?)")
+    pauses = {e.key: e for e in paused}  # one line per key, in the caller's order
+    for key, e in list(pauses.items())[:PAUSED_KEYS_NAMED]:
+        why = f": {e.pause_reason}" if e.pause_reason else ""
+        hints.append(f"key {key!r} is paused for sink {sink!r} by {e.paused_by}{why}; its events are held until "
+                     f"`outbox-relay keys resume {key} --sink {sink}`")
+    if len(pauses) > PAUSED_KEYS_NAMED:
+        hints.append(f"and {len(pauses) - PAUSED_KEYS_NAMED} more paused key(s)")
     return WaitTimeout(sink, timeout, tuple(e.id for e in pending), tuple(e.id for e in retrying), last_error,
-                       hints)
+                       hints, paused=tuple(e.id for e in paused))

@@ -36,7 +36,7 @@ from .errors import CheckpointFailed, LeaseLost, SinkDropped, describe_error
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor
 from .settings import RelaySettings
-from .sink import Aborted, AsyncConn, KeyHold, Outcomes, Sink
+from .sink import Aborted, AsyncConn, KeyHold, Outcomes, Sink, wait_idle
 from .store import Checkpoint, Conn, StoredEvent
 
 log = logging.getLogger("outbox_relay.relay")
@@ -240,12 +240,12 @@ class SinkRunner:
         self.pool = pool
         self.settings = settings
         self.worker = settings.worker_id
-        self.wake = threading.Event()  # set by the listener, ring changes and stop requests
+        self.wake = threading.Event()  # set by the listener, assignment changes and stop requests
         self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
         self.gate = gate or DeliveryGate()
         self.leases = Leases()
         self.hints = Hints()  # buckets notifications said were written (the worker's listener adds)
-        self.desired: set[int] | None = None  # None until the first ring is known
+        self.desired: set[int] | None = None  # None until the first assignment is known
         self.draining = threading.Event()  # stop claiming, finish the batch, release, exit
         self.abort = threading.Event()  # hard stop: drop the batch in flight
         self.fatal: SinkDropped | None = None  # why the runner stopped by itself (the worker stops too)
@@ -293,7 +293,7 @@ class SinkRunner:
             if n == 0:
                 jitter = 0.8 + 0.4 * (time.monotonic() % 1)
                 until_retry = max(0.0, self._check_parked_at - time.monotonic())
-                self.wake.wait(min(self._idle_poll() * jitter, until_retry + 0.001))
+                wait_idle(self.sink, self.wake, min(self._idle_poll() * jitter, until_retry + 0.001))
         self._release_all()
 
     def _idle_poll(self) -> float:

@@ -1,9 +1,11 @@
 """Re-publish stored events to Kafka: a topic's events in a time range, or one key's.
 
 Not a sink: a replay has no cursors or leases and does not touch the live Kafka sink's
-progress. It reads each bucket's events in position order (so each key's in publish order),
-stops at the read horizon it found when it started, and produces them with the live headers
-plus ``outbox_replay: true`` (consumers that keep state can tell), to their own topic or to
+progress. It reads each bucket's events in (xid, seq) order (per key the live order, except for
+two overlapping transactions of one key: docs/architecture.md, "What order one key gets"), only
+those of transactions that had ended when it started (``horizon`` in sql/queries/replay.sql: its
+own stopping point, below the oldest transaction open then), and produces them with the live
+headers plus ``outbox_replay: true`` (consumers that keep state can tell), to their own topic or to
 ``to_topic``. Kafka ordering holds per key as for live delivery; a replayed event may of
 course arrive after later live events of its key.
 """

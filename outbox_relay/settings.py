@@ -88,8 +88,12 @@ class RelaySettings(BaseSettings):
     batch_size: int = Field(1000, ge=1, le=100_000, description="events read per fetch")
     lease_seconds: float = Field(30.0, ge=0.1, le=3600, description="bucket lease; renewed every third of it")
     heartbeat_seconds: float = Field(2.0, ge=0.01, le=600,
-                                     description="registry heartbeat and ring refresh interval")
-    worker_ttl_seconds: float = Field(10.0, ge=0.02, le=3600, description="a worker silent this long leaves the ring")
+                                     description="registry heartbeat interval; each heartbeat also reads the stored "
+                                                 "assignment (and stores a new one when members changed)")
+    worker_ttl_seconds: float = Field(
+        10.0, ge=0.02, le=3600,
+        description="a worker silent this long is no longer a live member (its buckets are reassigned) and "
+                    "housekeeping frees its leases")
     poll_seconds: float = Field(
         1.0, ge=0.01, le=3600, description="idle poll interval while the LISTEN connection is down")
     listen_poll_seconds: float = Field(
@@ -98,7 +102,7 @@ class RelaySettings(BaseSettings):
                     "polling is the safety net)")
     listen: bool = Field(True, description="use LISTEN/NOTIFY to wake idle workers")
     housekeeping_seconds: float = Field(5.0, ge=0.01, le=3600,
-                                        description="housekeeping interval (one worker at a time)")
+                                        description="housekeeping interval (one pass per interval across all relays)")
 
     # failures
     max_attempts: int = Field(10, ge=1, le=1000, description="attempts before an event is dead-lettered")

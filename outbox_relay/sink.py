@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import psycopg
 
+from .errors import describe_error
 from .store import Checkpoint, Conn, EventFilter, StoredEvent
 
+log = logging.getLogger("outbox_relay.sink")
+
 AsyncConn = psycopg.AsyncConnection[Any]
+IDLE_CALL_SECONDS = 1.0  # how often a waiting runner calls its sink's ``idle()``
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,15 @@ class Aborted(Exception):
 
 
 class Sink(Protocol):
+    """A destination the relay delivers to.
+
+    Optional hook: ``idle() -> None``. A sink that has it is called on its runner's thread (the one
+    that calls ``deliver``) whenever the runner waits with nothing to do, at once and then every
+    ``IDLE_CALL_SECONDS`` until it is woken (``wait_idle``): for work a client library does only when
+    called, such as the Kafka sink serving librdkafka's log lines and error callbacks. It must not
+    block; what it raises is logged.
+    """
+
     name: str
     kind: str
     # The events it wants (a projection's types and topics); None: all. The others are skipped
@@ -80,4 +95,23 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["Aborted", "AsyncConn", "Checkpoint", "Commit", "Failure", "KeyHold", "Outcomes", "Sink"]
+def wait_idle(sink: Sink, wake: threading.Event, seconds: float) -> bool:
+    """Wait for ``wake`` at most ``seconds``, calling the sink's ``idle()`` (if it has one) at once and
+    then every ``IDLE_CALL_SECONDS``. True if woken."""
+    idle: Callable[[], None] | None = getattr(sink, "idle", None)
+    if idle is None:
+        return wake.wait(seconds)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            idle()
+        except Exception as exc:  # the runner's loop goes on: one failure never kills the worker
+            log.warning("sink %s: idle call failed: %s", sink.name, describe_error(exc))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if wake.wait(min(left, IDLE_CALL_SECONDS)):
+            return True
+
+
+__all__ = ["Aborted", "AsyncConn", "Checkpoint", "Commit", "Failure", "KeyHold", "Outcomes", "Sink", "wait_idle"]

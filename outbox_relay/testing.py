@@ -73,7 +73,8 @@ _PAYLOAD_CHARS = 300
 class PublishedEvent:
     """One published event as a test sees it. ``payload`` and ``headers`` are decoded JSON, as a
     consumer gets them; ``time`` is what the producer passed (None if nothing); ``position`` is
-    ``(xid, seq)``, the order the relays deliver in (publish order per key); a ``FakeOutbox``
+    ``(xid, seq)``, per key the order the relays deliver in (except for two overlapping
+    transactions of one key: docs/architecture.md, "What order one key gets"); a ``FakeOutbox``
     numbers its events ``(0, 1)``, ``(0, 2)``, ... in publish order."""
 
     id: uuid.UUID
@@ -218,9 +219,10 @@ def assert_published(source: Source, expected: Iterable[Any], *, key: str | None
     """Assert that the events of ``key``/``type``/``topic`` (all events if none is given) are exactly
     ``expected``, in this order, and return them.
 
-    Order is position order, the relay's: per key, publish order. Without ``key`` the list is all
-    matching events in position order, which in a test that publishes from one thread is the order
-    of its publish calls; across keys that is more than the relay promises, so prefer ``key=``.
+    Order is ``(xid, seq)``, per key the relay's (but for overlapping transactions of one key, see
+    ``PublishedEvent``). Without ``key`` the list is all matching events in ``(xid, seq)`` order,
+    which in a test that publishes from one thread is the order of its publish calls; across keys
+    that is more than the relay promises, so prefer ``key=``.
 
     Each expected event is a type name (``"OrderPaid"``), a ``(type, payload)`` pair, or a dict of
     the fields to compare (``type``, ``key``, ``topic``, ``payload``, ``headers``,

@@ -1,11 +1,13 @@
-"""A relay process: registry heartbeat and ring, one thread per sink, housekeeping, LISTEN.
+"""A relay process: registry heartbeat and stored assignment, one thread per sink, housekeeping, LISTEN.
 
 Threads and who owns what:
-- membership: heartbeat, ring -> each runner's ``desired`` buckets, lease renewal.
+- membership: heartbeat, each sink's stored assignment (a new one when its live members changed)
+  -> each runner's ``desired`` buckets, lease renewal.
 - one SinkRunner per sink: acquires/releases its own leases, delivers, checkpoints.
-- housekeeping: every few seconds, if it wins the advisory lock.
-- listener: LISTEN outbox_events_v1, sets ``wake`` (polling stays the baseline).
-First SIGTERM/SIGINT drains (leave the ring, stop claiming, finish the batch, release,
+- housekeeping: every few seconds, a pass if it claims this interval's (outbox.housekeeping).
+- listener: LISTEN outbox_events_v2 and outbox_membership_v1; wakes the runners that hold or want
+  the notified buckets, with hints (polling stays the baseline).
+First SIGTERM/SIGINT drains (leave the assignment, stop claiming, finish the batch, release,
 exit); a second one stops hard (drop the batch in flight; the next owner redelivers).
 """
 
@@ -181,7 +183,7 @@ class Worker:
         signal.signal(signal.SIGINT, handler)
 
     def drain(self) -> None:
-        """Leave the ring, stop claiming, finish the batch in flight, release, exit."""
+        """Leave the assignment (heartbeats say draining), stop claiming, finish the batch in flight, release, exit."""
         self.stopping.set()
         for r in self.runners:
             r.draining.set()

@@ -6,8 +6,8 @@
 2. Replay: an ordinary relay ``Worker`` runs that sink with ``replay=True`` and the shadow
    schema first on the search path, so the handler's unqualified table names land in the
    copies. It has its own leases, retries and dead letters; several ``rebuild`` processes share
-   the work through the ring; an interrupted rebuild resumes from its cursors. A guard refuses
-   any batch that wrote to the live tables.
+   the work through the stored assignment; an interrupted rebuild resumes from its cursors. A
+   guard refuses any batch that wrote to the live tables.
 3. Switch, once caught up, in one transaction: lock the live tables, move them out and the
    copies in (grants and owner carried over), give the live projection the rebuild's cursors,
    parked events and dead letters, bump its fences (relays holding its buckets are fenced out

@@ -34,8 +34,9 @@ CREATE FUNCTION outbox.bucket_v1(partition_key text) RETURNS integer
 
 CREATE TABLE outbox.events (
     id              uuid        NOT NULL DEFAULT gen_random_uuid(),
-    -- Position: top-level transaction id, then insertion order. Relays read in this
-    -- order, so two transactions racing on one key are ordered by xid (first writer).
+    -- Position: top-level transaction id, then insertion order. Relays read deltas of
+    -- snapshot cursors (0007): a key's transactions in the order they became visible,
+    -- those that became visible between the same two reads in this order.
     xid             xid8        NOT NULL DEFAULT pg_current_xact_id(),
     seq             bigint      NOT NULL GENERATED ALWAYS AS IDENTITY,
     partition_key   text        NOT NULL
@@ -55,8 +56,8 @@ CREATE TABLE outbox.events (
     CONSTRAINT events_pkey PRIMARY KEY (id)
 );
 
--- The claim path: one index range per owned bucket, starting at the cursor. Delivered
--- history sits to the left of every cursor and is never scanned.
+-- The read path (fetch_events): per held bucket, index probes for the cursor's xip ids that
+-- ended and one range from its xmax. Delivered history sits before every cursor and is never scanned.
 CREATE UNIQUE INDEX events_position ON outbox.events (bucket, xid, seq);
 -- Producer idempotency: one event per key and topic for as long as the event is retained (0005:
 -- per topic; events without a topic share one scope).
@@ -110,8 +111,9 @@ CREATE TABLE outbox.cursors (
     -- Fencing token: bumped on every acquisition; every state change names it.
     fence            bigint      NOT NULL DEFAULT 0,
     lease_expires_at timestamptz,
-    -- Leases that expired (owner died or stalled) without the position moving;
-    -- reset when it moves. Drives crash-loop isolation of a poison event.
+    -- Leases lost (expired, or freed from a dead owner) while the bucket had work
+    -- (bucket_has_work_v2); reset once the bucket delivers normal batches again. Drives crash-loop
+    -- isolation of a poison event (max_lapses: its events are then probed one at a time).
     lapses           integer     NOT NULL DEFAULT 0,
     advanced_at      timestamptz,
     -- 0007: what was delivered (positions.Cursor): every event of a transaction visible in snapshot,

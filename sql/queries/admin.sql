@@ -8,11 +8,21 @@ FROM outbox.workers w
 ORDER BY w.id;
 
 -- name: backlog
--- Per sink: events not yet delivered, the age of the oldest, parked (retrying) and dead letters.
+-- Per sink: events not yet delivered, the age of the oldest, parked (retrying), held by paused keys,
+-- and dead letters.
 SELECT s.name AS sink, s.kind,
        coalesce(sum(b.pending), 0)::bigint AS pending,
        round(extract(epoch FROM clock_timestamp() - min(b.oldest))::numeric, 1) AS oldest_pending_seconds,
-       (SELECT count(*) FROM outbox.parked p WHERE p.sink = s.name) AS parked,
+       -- Parked events split by whether their key is paused (outbox-relay keys pause): those of a
+       -- paused key wait for an operator, not for a retry.
+       (SELECT count(*) FROM outbox.parked p
+        WHERE p.sink = s.name
+          AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
+                          WHERE k.sink = p.sink AND k.partition_key = p.partition_key)) AS parked,
+       (SELECT count(*) FROM outbox.parked p
+        JOIN outbox.paused_keys k ON k.sink = p.sink AND k.partition_key = p.partition_key
+        WHERE p.sink = s.name) AS paused,
+       (SELECT count(*) FROM outbox.paused_keys k WHERE k.sink = s.name) AS paused_keys,
        (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = s.name) AS dead_letters,
        count(c.owner) AS leased_buckets,
        count(*) FILTER (WHERE c.owner IS NOT NULL AND c.lease_expires_at < clock_timestamp()) AS expired_leases
@@ -30,8 +40,10 @@ GROUP BY s.name, s.kind
 ORDER BY s.name;
 
 -- name: horizon_holder
--- The oldest open writing transaction, a session's or a prepared one: relays read nothing newer
--- until it ends. No query text: it may show other roles' data (and secrets in literals).
+-- The oldest open writing transaction, a session's or a prepared one (for `status`; the name is from
+-- before migration 0007). It delays only its own events now (snapshot cursors), but it holds back
+-- vacuum, and the backlog counts read each bucket from its id on. No query text: it may show other
+-- roles' data (and secrets in literals).
 WITH holders AS (
     -- Sessions whose transaction has written (only those have a transaction id).
     SELECT pid, usename::text AS role, datname::text AS database, application_name AS application, state,

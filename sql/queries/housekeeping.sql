@@ -26,7 +26,8 @@ SELECT CASE WHEN finished_at = '-infinity' THEN 'Infinity'::float8
 FROM outbox.housekeeping;
 
 -- name: mark_dead_workers
--- Workers not heard from within the TTL leave the ring. Only while the housekeeper's own heartbeats
+-- Workers not heard from within the TTL are marked dead, so that expire_leases frees their leases now
+-- rather than at expiry (they already left the assignments' live members: heartbeat). Only while the housekeeper's own heartbeats
 -- got through: when they did not either, the database (or the way to it) was down, every worker looks
 -- silent, and declaring them all dead would only move every bucket; wait until heartbeats resume.
 UPDATE outbox.workers

@@ -88,7 +88,7 @@ WHERE c.sink = %(sink)s AND c.bucket = v.bucket
 RETURNING c.bucket;
 
 -- name: release_leases
--- Hand buckets back without waiting for expiry (ring change, drain).
+-- Hand buckets back without waiting for expiry (a changed assignment, drain).
 UPDATE outbox.cursors c
 SET owner = NULL, lease_expires_at = NULL
 FROM unnest(%(buckets)s::int[], %(fences)s::bigint[]) AS v(bucket, fence)

@@ -1,5 +1,5 @@
 -- name: event_progress
--- Where each given event stands for one sink (done, pending, parked, dead or unknown), by index probes only.
+-- Where each given event stands for one sink (done, pending, parked, paused, dead or unknown), by index probes only.
 WITH sink AS (
     -- Exactly one row, so the result always answers for the sink (event columns NULL when no ids are
     -- given). A registered sink has one cursor row per bucket; none at all means the name is unknown.
@@ -12,22 +12,28 @@ wanted AS (
 SELECT s.known,
        w.id,
        -- A parked row means another attempt will come, so it wins over an (older) dead letter; an id with
-       -- no event row was never committed, rolled back, or was already removed by retention.
-       CASE WHEN p.seq IS NOT NULL THEN 'parked'
+       -- no event row was never committed, rolled back, or was already removed by retention. An event of
+       -- a key an operator paused for the sink is held, parked or about to be, until the key is resumed:
+       -- no attempt comes before that.
+       CASE WHEN p.seq IS NOT NULL AND k.partition_key IS NOT NULL THEN 'paused'
+            WHEN p.seq IS NOT NULL THEN 'parked'
             WHEN d.event_id IS NOT NULL THEN 'dead'
             WHEN e.id IS NULL THEN 'unknown'
             WHEN outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) THEN 'done'
+            WHEN k.partition_key IS NOT NULL THEN 'paused'
             ELSE 'pending' END AS state,
        coalesce(p.attempts, d.attempts) AS attempts,
        coalesce(p.last_error, h.last_error, d.last_error) AS last_error,
-       -- Diagnostics for a timeout: is a relay holding the event's bucket.
-       c.owner IS NOT NULL AND c.lease_expires_at > clock_timestamp() AS leased
+       -- Diagnostics for a timeout: is a relay holding the event's bucket, and the key's pause.
+       c.owner IS NOT NULL AND c.lease_expires_at > clock_timestamp() AS leased,
+       e.partition_key AS key, k.paused_by, k.reason AS pause_reason
 FROM sink s
 LEFT JOIN wanted w ON true
 -- One primary-key probe per id in each of the tables below.
 LEFT JOIN outbox.events e ON e.id = w.id
 LEFT JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = e.bucket
 LEFT JOIN outbox.parked p ON p.sink = %(sink)s AND p.bucket = e.bucket AND p.xid = e.xid AND p.seq = e.seq
+LEFT JOIN outbox.paused_keys k ON k.sink = %(sink)s AND k.partition_key = e.partition_key
 LEFT JOIN LATERAL (
     -- LIMIT keeps this a probe per id (a plain join may be planned as a scan of all the sink's dead letters).
     SELECT d.event_id, d.attempts, d.last_error

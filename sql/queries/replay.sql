@@ -15,8 +15,8 @@ WHERE e.bucket = ANY(%(buckets)s::int[])
   AND (%(key)s::text IS NULL OR e.partition_key = %(key)s::text);
 
 -- name: page
--- The next events of each bucket after the replay's position there, in position order (so per
--- key in publish order): one index range per bucket, filtered.
+-- The next events of each bucket after the replay's position there, in (xid, seq) order (per key
+-- the live order but for overlapping transactions, see replay.py): one index range per bucket, filtered.
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
        e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
        -- Ready-made header values for the Kafka sink (formatting in SQL costs less than in Python).

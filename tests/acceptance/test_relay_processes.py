@@ -37,7 +37,7 @@ from tests.servers import PgServer, consume_all, free_port, wait_until
 pytestmark = pytest.mark.slow
 
 SINK = "kafka"
-# Fast knobs (docs/design-brief.md): leases expire in 3 s, a silent worker leaves the ring after 2 s.
+# Fast knobs (docs/design-brief.md): leases expire in 3 s, a silent worker leaves the assignment after 2 s.
 FAST = [
     "--lease-seconds", "3", "--heartbeat-seconds", "0.5", "--worker-ttl-seconds", "2",
     "--housekeeping-seconds", "0.5", "--poll-seconds", "0.2",
@@ -398,7 +398,7 @@ def test_four_relays_survive_kill_stop_and_join(dsn: str, kafka_bootstrap: str, 
     record_property("duplicates", duplicates)
     print(f"published {total} in {publish_seconds:.1f}s, consumed {len(records)}, duplicates {duplicates}")
 
-    # The chaos did what it should: r0 and r1 left the ring and housekeeping took their leases back;
+    # The chaos did what it should: r0 and r1 left the assignment and housekeeping took their leases back;
     # r1 noticed it had been fenced out when it woke up.
     logs = relays.logs()
     left = [line for line in logs.splitlines() if "stopped heartbeating" in line]
@@ -440,7 +440,7 @@ def test_rolling_deploy_expires_no_lease(dsn: str, kafka_bootstrap: str, kafka_t
         old = current[i]
         assert old.terminate() == 0, f"{old.worker_id} exited with {old.proc.returncode}"
         current[i] = relays.start(f"{name}1", dsn, kafka_bootstrap, kafka_topic)
-        # Ready when the new relay holds its share of the ring (a rolling deploy waits for readiness).
+        # Ready when the new relay holds its share of the buckets (a rolling deploy waits for readiness).
         wait_until(shared_by(*(r.worker_id for r in current)), 30, 0.2, f"{current[i].worker_id} taking buckets")
         time.sleep(1.0)
     stop.set()

@@ -296,7 +296,7 @@ def register(dsn: str, sink: str = SINK, kind: str = "projection") -> None:
 
 def runner_for(sink: Any, pool: ConnectionPool[Any], settings: RelaySettings,
                buckets: Iterable[int] = ALL_BUCKETS) -> SinkRunner:
-    """A SinkRunner that wants ``buckets`` (what the membership thread would compute from the ring)."""
+    """A SinkRunner that wants ``buckets`` (what the membership thread would take from the assignment)."""
     with pool.connection() as conn:
         store.register_sink(conn, sink.name, sink.kind)
     runner = SinkRunner(sink, pool, settings)

@@ -1,7 +1,7 @@
 """Claims, leases and fencing against a real PostgreSQL (G2, G4, G5, G9, G11 and part 8's five).
 
 Leases are taken with ``store.acquire_leases`` or by a ``SinkRunner`` whose ``desired`` buckets the
-test sets (what the membership thread would compute from the ring); no membership thread runs, so
+test sets (what the membership thread would take from the stored assignment); no membership thread runs, so
 nothing renews a lease unless the test does.
 """
 

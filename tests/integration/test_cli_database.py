@@ -1,6 +1,6 @@
 """Every command that reads the database, against databases in the states an operator meets: not
 migrated (one line: run `outbox-relay migrate`, exit 2), a role without rights (one line, exit 2),
-and `status` naming the transaction that holds delivery back without showing its SQL."""
+and `status` naming the oldest open writing transaction without showing its SQL."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Per-key order (G6) against a real PostgreSQL: failing heads, retries, transactions that commit late.
 
-Order is position order: (xid of the writing transaction, seq). Two transactions racing on one
-key are ordered by which one wrote first (took its xid first), not by commit time; the relay only
-reads below the snapshot xmin, so a transaction that commits late is never skipped.
+Order per key: the events of one transaction in publish order, transactions in the order they became
+visible to the relay's reads (snapshot cursors, positions.py), those visible between the same two reads
+in (xid, seq) order. A transaction that commits late is read in the next delta, never skipped, and an
+open one holds back only its own events (docs/architecture.md, "What order one key gets").
 """
 
 from __future__ import annotations

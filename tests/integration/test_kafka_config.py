@@ -3,7 +3,8 @@
 A message timeout (``message.timeout.ms`` or its alias ``delivery.timeout.ms``) turns every broker
 outage longer than the timeout into failed deliveries: one attempt burned per event and outage,
 dead letters after ``--max-attempts`` of them, and stall detection replaced by something blunter.
-``acks=0`` gives no acknowledgement, so nothing could ever count as delivered. The relay says so at
+``acks=0`` gives no acknowledgement, so nothing could ever count as delivered. Without
+``enable.idempotence`` librdkafka's retries can reorder a key's messages. The relay says so at
 start, before it touches the database, instead of misbehaving during the next outage. Options
 librdkafka itself refuses (unknown, or contradicting idempotence) are the same kind of error.
 """
@@ -27,6 +28,9 @@ NOWHERE = "127.0.0.1:1"  # no broker is needed: the check comes first
     ("delivery.timeout.ms", 120000, "delivery.timeout.ms=120000"),
     ("acks", "0", "acks=0"),  # with enable.idempotence=false librdkafka would take it
     ("request.required.acks", 0, "request.required.acks=0"),
+    ("enable.idempotence", "false", "enable.idempotence=false"),  # librdkafka would take it
+    ("enable.idempotence", False, "enable.idempotence=False"),
+    ("enable.idempotence", "0", "enable.idempotence=0"),
 ])
 def test_settings_that_defeat_the_sink_are_refused_by_name(option: str, value: object, named: str) -> None:
     with pytest.raises(ConfigurationError) as refused:
@@ -34,6 +38,8 @@ def test_settings_that_defeat_the_sink_are_refused_by_name(option: str, value: o
     assert named in str(refused.value)
     if "timeout" in option:
         assert "--kafka-stall-seconds" in str(refused.value), "the message says what to use instead"
+    if option == "enable.idempotence":
+        assert "out of order" in str(refused.value), "the message says why"
 
 
 @pytest.mark.parametrize("option, value, named", [
@@ -47,13 +53,15 @@ def test_settings_librdkafka_refuses_are_a_configuration_error(option: str, valu
 
 
 @pytest.mark.parametrize("option, value", [("message.timeout.ms", "0"), ("delivery.timeout.ms", 0), ("acks", "all"),
-                                           ("acks", "-1"), ("linger.ms", "5")])
+                                           ("acks", "-1"), ("linger.ms", "5"), ("enable.idempotence", "true"),
+                                           ("enable.idempotence", True)])
 def test_settings_that_keep_the_promise_are_accepted(option: str, value: str) -> None:
     KafkaSink("kafka", {"bootstrap.servers": NOWHERE, option: value}, "t", "urn:test").close()
 
 
 @pytest.mark.parametrize("option, message", [
     ("message.timeout.ms=5000", "Kafka option message.timeout.ms=5000 is not supported"),
+    ("enable.idempotence=false", "Kafka option enable.idempotence=false is not supported"),
     ("no.such.option=1", 'Kafka options refused by librdkafka: No such configuration property: "no.such.option"'),
 ])
 def test_the_relay_refuses_them_at_start(option: str, message: str) -> None:

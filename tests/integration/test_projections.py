@@ -377,7 +377,7 @@ def test_per_key_order_and_exactly_once_hold_while_buckets_move_between_workers(
     half = set(range(0, 256, 2))
     a.desired, b.desired = set(ALL_BUCKETS), set()
     for step in range(400):
-        if step % 3 == 0:  # the ring changes: buckets move back and forth
+        if step % 3 == 0:  # the assignment changes: buckets move back and forth
             a.desired, b.desired = (half, ALL_BUCKETS - half) if step % 6 == 0 else (ALL_BUCKETS - half, half)
         a.run_once()
         b.run_once()

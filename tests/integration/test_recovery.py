@@ -195,7 +195,7 @@ def test_ring_handover_moves_few_buckets_and_never_runs_a_bucket_twice(dsn: str,
     assert_no_concurrent_processing(all_batches(sinks))
     assert all(bt.committed == bt.buckets for bt in all_batches(sinks)), "a graceful hand-over fenced a batch out"
     assert dedup_per_key(merged_attempts(sinks)) == dict(producer.published)
-    assert lapses_total(dsn) == 0, "a ring hand-over must not let leases expire"
+    assert lapses_total(dsn) == 0, "a hand-over of the assignment must not let leases expire"
 
 
 # -- G10: graceful drain -----------------------------------------------------------------------
@@ -484,7 +484,7 @@ def test_retention_deletes_only_what_every_sink_passed_and_keeps_parked_and_dead
 
 
 def test_retention_deletes_in_slices_each_its_own_transaction(dsn: str, pool: ConnectionPool[Any]) -> None:
-    """A writing transaction holds back every relay's read horizon while it is open, so retention
+    """A writing transaction holds back vacuum (and the backlog counts) while it is open, so retention
     must commit slice by slice: each DELETE statement runs in a transaction of its own."""
     register(dsn)
     publish(dsn, [(f"k{i}", "t", {}) for i in range(50)])

@@ -89,7 +89,8 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
 def test_retention_walks_events_created_at_and_stops_at_its_limit(dsn: str) -> None:
     """Retention must find the oldest deletable events through events_created_at and stop at its
     slice limit: no scan of the events table, no sort of all old events; and a pass with nothing to
-    delete is an index probe. It runs as a writing transaction, which holds back every relay."""
+    delete is an index probe. Each slice is a writing transaction, which holds back vacuum and the
+    backlog counts while it lasts (no longer delivery: snapshot cursors), so it must stay short."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         store.register_sink(conn, SINK, "projection")
         store.register_sink(conn, "second", "projection")
