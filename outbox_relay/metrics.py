@@ -125,7 +125,7 @@ class OutboxGauges(Collector):
         self.dsn = dsn
         self.refresh_seconds = refresh_seconds
         self._lock = threading.Lock()
-        self._sinks: list[tuple[str, int, float | None, int, int]] = []
+        self._sinks: list[tuple[str, int, float | None, int, int, int, int]] = []
         self._keys: list[tuple[str, str, int, float]] = []
         self._cluster: tuple[float | None, float | None] = (None, None)
         self._refreshed: float | None = None  # monotonic time of the last good refresh
@@ -155,7 +155,7 @@ class OutboxGauges(Collector):
             with psycopg.connect(self.dsn, autocommit=True, connect_timeout=10,
                                  application_name="outbox-relay metrics") as conn:
                 conn.execute("SET statement_timeout = '30s'")
-                sinks = [(r[0], int(r[1]), r[2], int(r[3]), int(r[4]))
+                sinks = [(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), int(r[5]), int(r[6]))
                          for r in conn.execute(query("metrics", "sinks")).fetchall()]
                 keys = [(r[0], r[1], int(r[2]), float(r[3]))
                         for r in conn.execute(query("metrics", "key_lag"), {"top": TOP_KEYS}).fetchall()]
@@ -195,14 +195,19 @@ class OutboxGauges(Collector):
         oldest = GaugeMetricFamily(f"{PREFIX}_oldest_pending_age_seconds",
                                    "Age of the oldest committed event a sink has not delivered yet", labels=["sink"])
         parked = GaugeMetricFamily(f"{PREFIX}_parked_events", "Events waiting for a retry, or behind one of their "
-                                   "key", labels=["sink"])
+                                   "key (not those of paused keys)", labels=["sink"])
+        paused = GaugeMetricFamily(f"{PREFIX}_paused_events", "Events held by paused keys (outbox-relay keys pause)",
+                                   labels=["sink"])
+        paused_keys = GaugeMetricFamily(f"{PREFIX}_paused_keys", "Keys an operator paused", labels=["sink"])
         dead = GaugeMetricFamily(f"{PREFIX}_dead_letters", "Dead letters", labels=["sink"])
-        for name, n, age_s, n_parked, n_dead in sinks:
+        for name, n, age_s, n_parked, n_paused, n_paused_keys, n_dead in sinks:
             pending.add_metric([name], n)
             oldest.add_metric([name], age_s or 0.0)
             parked.add_metric([name], n_parked)
+            paused.add_metric([name], n_paused)
+            paused_keys.add_metric([name], n_paused_keys)
             dead.add_metric([name], n_dead)
-        yield from (pending, oldest, parked, dead)
+        yield from (pending, oldest, parked, paused, paused_keys, dead)
         key_pending = GaugeMetricFamily(f"{PREFIX}_key_pending_events", f"Undelivered events of the {TOP_KEYS} "
                                         "keys with most, and of the keys that wait longest, per sink",
                                         labels=["sink", "key"])

@@ -2,11 +2,18 @@
 -- --metrics-refresh-seconds on a connection of their own, never on a scrape or a relay's path.
 
 -- name: sinks
--- Per live sink: committed events not yet delivered, the age of the oldest, parked and dead-lettered.
+-- Per live sink: committed events not yet delivered, the age of the oldest, parked (waiting for a
+-- retry), held by paused keys (waiting for an operator), paused keys, dead-lettered.
 SELECT s.name,
        coalesce(sum(b.pending), 0)::bigint,
        extract(epoch FROM clock_timestamp() - min(b.oldest))::float8,
-       (SELECT count(*) FROM outbox.parked p WHERE p.sink = s.name),
+       (SELECT count(*) FROM outbox.parked p WHERE p.sink = s.name
+          AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
+                          WHERE k.sink = p.sink AND k.partition_key = p.partition_key)),
+       (SELECT count(*) FROM outbox.parked p
+        JOIN outbox.paused_keys k ON k.sink = p.sink AND k.partition_key = p.partition_key
+        WHERE p.sink = s.name),
+       (SELECT count(*) FROM outbox.paused_keys k WHERE k.sink = s.name),
        (SELECT count(*) FROM outbox.dead_letters d WHERE d.sink = s.name)
 FROM outbox.sinks s
 JOIN outbox.cursors c ON c.sink = s.name

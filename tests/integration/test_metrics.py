@@ -119,6 +119,31 @@ def test_the_keys_that_lag_are_named(dsn: str, kafka_topic: str, relay: tuple[Wo
     assert value(samples, "outbox_relay_key_pending_events", sink="kafka", key="hot") is None, "kafka keeps up"
 
 
+def test_a_paused_key_s_events_are_counted_apart_from_retrying_ones(dsn: str, relay: tuple[Worker, int]) -> None:
+    """Events held by a paused key wait for an operator, not for a retry: their own gauge, not parked."""
+    _, port = relay
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        from outbox_relay import store
+
+        store.register_sink(conn, "held", "projection")
+    with psycopg.connect(dsn) as conn:
+        Outbox(default_topic="t").publish_many(conn, [{"type": "t", "key": k, "payload": {}}
+                                                      for k in ("paused", "paused", "retrying")])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox.paused_keys (sink, partition_key, paused_by) VALUES ('held', 'paused', 't')")
+        conn.execute("INSERT INTO outbox.parked (sink, bucket, xid, seq, partition_key, event_id) "
+                     "SELECT 'held', bucket, xid, seq, partition_key, id FROM outbox.events "
+                     "WHERE partition_key IN ('paused', 'retrying')")
+
+    def counted() -> Any:
+        s = scrape(port)
+        return value(s, "outbox_relay_paused_events", sink="held") == 2 and s
+
+    samples = wait_until(counted, 15, message="the paused key's events to show")
+    assert value(samples, "outbox_relay_parked_events", sink="held") == 1
+    assert value(samples, "outbox_relay_paused_keys", sink="held") == 1
+
+
 def test_readiness_follows_the_broker(kafka_server: KafkaServer, relay: tuple[Worker, int]) -> None:
     require_restartable(kafka_server)
     _, port = relay
