@@ -465,6 +465,9 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
             raise ConfigurationError(f"dead-letters {args.action} needs --event, --key or --all")
         name = "retry_dead_letters" if args.action == "retry" else "discard_dead_letters"
         _, rows = _rows(conn, "admin", name, {"sink": args.sink, "event_ids": args.events, "key": args.key})
+        if args.action == "retry":  # the buckets' owners look at their park now, not at their next check
+            for bucket in sorted({r[1] for r in rows}):
+                _rows(conn, "admin", "notify_parked", {"bucket": bucket})
     verb = "queued for retry" if args.action == "retry" else "discarded"
     print(f"{len(rows)} dead letters {verb}")
     return EXIT_OK

@@ -59,6 +59,14 @@ _INFRASTRUCTURE_CLASSES = {"08", "53", "57", "58"}
 # (outbox-relay keys retry|skip|resume; sql/queries/admin.sql, notify_parked): "parked:<bucket>".
 # Its owner then looks at the park at once instead of at its next retry time.
 PARKED_NOTICE = "parked:"
+# With nothing parked and notifications arriving, how often a runner looks at the park anyway. What
+# parks an event tells the runner (its own checkpoint, a bucket acquired, a blocked read, an operator's
+# PARKED_NOTICE); this is the safety net for a park changed by hand without one.
+PARK_CHECK_IDLE_SECONDS = 60.0
+# How often read cursors that passed only empty deltas are written. A sink that gets every event (Kafka)
+# passes no event that way, so a next owner rereads nothing by their lag: once a minute (and on release).
+# A sink that filters (a projection) passes events it skips, which retention waits for: every 5 heartbeats.
+AHEAD_FLUSH_UNFILTERED_SECONDS = 60.0
 
 
 def points_at_events(exc: BaseException) -> bool:
@@ -334,7 +342,7 @@ class SinkRunner:
             if time.monotonic() >= self._check_parked_at:
                 handled += self._retry_parked(normal)
             handled += self._deliver_new(normal)
-        if self._ahead and time.monotonic() - self._flushed_at >= max(1.0, 5 * self.settings.heartbeat_seconds):
+        if self._ahead and time.monotonic() - self._flushed_at >= self._flush_every():
             self._flush_ahead(held)
         return handled
 
@@ -362,6 +370,11 @@ class SinkRunner:
                 n = numbered[e.bucket] = last + 1 if last_fence == fence else 1
                 self._reads[e.bucket] = (fence, n)
             e.read = n
+
+    def _flush_every(self) -> float:
+        if self.sink.event_filter is None:
+            return AHEAD_FLUSH_UNFILTERED_SECONDS
+        return max(1.0, 5 * self.settings.heartbeat_seconds)
 
     def _read_cursor(self, bucket: int) -> Cursor:
         return self._ahead.get(bucket) or self._cursors[bucket]
@@ -490,7 +503,9 @@ class SinkRunner:
             if not events:
                 # Nothing due: look again when the next retry is (the idle wait ends then too).
                 due_in = store.next_parked_retry(conn, self.sink.name, list(held))
-                self._check_parked_at = time.monotonic() + (self._idle_poll() if due_in is None else max(0.0, due_in))
+                if due_in is None:  # nothing parked: whatever parks an event says so (PARK_CHECK_IDLE_SECONDS)
+                    due_in = PARK_CHECK_IDLE_SECONDS if self.listening() else self._idle_poll()
+                self._check_parked_at = time.monotonic() + max(0.0, due_in)
                 return 0
         fences = {e.bucket: held[e.bucket] for e in events}
         self._number_read(events, fences)

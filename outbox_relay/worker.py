@@ -53,6 +53,7 @@ class Service(Protocol):
 RECONNECT = Backoff(1.0, 30.0)  # waiting for the database: to start, and to listen again
 NOTIFY_CHANNEL = "outbox_events_v2"  # payload: the buckets a statement wrote, comma-separated
 MEMBERSHIP_CHANNEL = "outbox_membership_v1"  # payload: a sink whose assignment changed
+HOUSEKEEPING_STANDBY = 6  # intervals between claim attempts of a relay that is no sink's first live member
 VERSION = "0.1.0"
 
 
@@ -82,6 +83,9 @@ class Worker:
         self.membership_changed = threading.Event()  # another relay stored a new assignment
         self.services: list[Service] = []  # started with the worker, closed after it (metrics server)
         self._beat_ok_at: float | None = None  # monotonic time of the last heartbeat that reached the database
+        # Whether this relay comes first among the live members of one of its sinks (heartbeat): that relay
+        # tries to claim every housekeeping pass, the others only now and then (HOUSEKEEPING_STANDBY).
+        self.first_member = True
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -343,6 +347,7 @@ class Worker:
         with self.pool.connection() as conn:
             memberships = store.heartbeat(conn, self.id, status, list(by_sink), meta, self.settings.worker_ttl_seconds)
             self._beat_ok_at = time.monotonic()
+            self.first_member = not memberships or any(m.live and min(m.live) == self.id for m in memberships)
             for m in memberships:
                 owners = m.owners
                 if m.live != m.members:
@@ -368,12 +373,23 @@ class Worker:
             log.warning("could not leave the registry (%s); housekeeping will mark this worker dead", exc)
 
     def _housekeeping_loop(self) -> None:
+        """Claim a housekeeping pass every interval if this relay is a sink's first live member. The others
+        are standbys: every HOUSEKEEPING_STANDBY intervals they claim a pass if none finished for
+        HOUSEKEEPING_STANDBY - 1 intervals (the first member's role may not claim, or it hangs). So one
+        claim attempt per interval across the cluster, not one per relay. When the first member dies, the
+        next one is first from the heartbeat that no longer counts it live (the same TTL after which a
+        pass declares it dead), and claims at once."""
         assert self.pool is not None
         hk = Housekeeping(self.pool, self.settings)
         interval = self.settings.housekeeping_seconds
+        last_try = time.monotonic()
         while not self.stopping.wait(interval * (0.75 + 0.5 * (time.monotonic() % 1))):
+            first = self.first_member
+            if not first and time.monotonic() - last_try < HOUSEKEEPING_STANDBY * interval:
+                continue
+            last_try = time.monotonic()
             try:
-                result = hk.run_once(min_gap_seconds=interval)
+                result = hk.run_once(min_gap_seconds=interval if first else (HOUSEKEEPING_STANDBY - 1) * interval)
                 if result.ran:
                     self.observer.housekeeping(seconds=result.seconds, dead_workers=result.dead_workers,
                                                expired_leases=result.expired_leases,

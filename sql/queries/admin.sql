@@ -93,7 +93,7 @@ INSERT INTO outbox.parked (sink, bucket, xid, seq, partition_key, event_id, atte
 SELECT sink, bucket, xid, seq, partition_key, event_id, 0, clock_timestamp(), last_error FROM moved
 ORDER BY bucket, partition_key, xid, seq  -- a key's retried dead letters queue in position order
 ON CONFLICT DO NOTHING
-RETURNING event_id;
+RETURNING event_id, bucket;
 
 -- name: discard_dead_letters
 -- Forget dead letters for good (the events themselves age out with retention).

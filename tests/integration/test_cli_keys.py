@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -185,6 +186,32 @@ def test_retry_makes_the_head_due_and_wakes_its_idle_relay(dsn: str, capsys: pyt
         waiter.join(20)
     assert dedup_per_key(sink.attempts)["order:1"] == ids
     assert parked_ids(dsn) == set()
+
+
+def test_dead_letters_retry_wakes_the_idle_relay_at_once(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dead letter sent back by `dead-letters retry` is delivered at once by its relay (idle, with nothing
+    parked, so looking at its park only once a minute), because the command tells it so (notify_parked)."""
+    broken = threading.Event()
+    broken.set()
+    sink = RecordingSink("relay-a", fail=lambda e, _n: Failure("no", retriable=False) if broken.is_set() else None)
+    worker = Worker(make_settings(dsn, "relay-a", listen=True, poll_seconds=30.0, listen_poll_seconds=30.0),
+                    sinks=[sink])
+    assert worker.start()
+    waiter = threading.Thread(target=worker.wait)
+    waiter.start()
+    try:
+        wait_until(lambda: settled(dsn, ["relay-a"]), 15, message="the relay to hold every bucket")
+        ids = publish(dsn, [("order:9", "a", {})])
+        wait_until(lambda: fetch_all(dsn, "SELECT count(*) FROM outbox.dead_letters") == [(1,)], 15,
+                   message="the event to be dead-lettered")
+        broken.clear()
+        time.sleep(0.5)  # the runner has looked at its (empty) park since, and idles
+        code = cli.main(["dead-letters", "retry", "--dsn", dsn, "--sink", SINK, "--key", "order:9"])
+        assert code == cli.EXIT_OK, capsys.readouterr().err
+        wait_until(lambda: sink.delivered_ids() == set(ids), 10, message="the retried dead letter, at once")
+    finally:
+        worker.drain()
+        waiter.join(20)
 
 
 def test_retry_refuses_a_key_with_nothing_parked_or_paused(dsn: str, pool: ConnectionPool[Any],

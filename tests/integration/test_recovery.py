@@ -376,6 +376,39 @@ def test_one_pass_per_interval_however_many_relays_try(dsn: str, pool: Connectio
     assert sum(p.ran for p in passes) == 1
 
 
+def _passes(dsn: str, seconds: float) -> list[str]:
+    """Who ran each housekeeping pass that finished in the next ``seconds``."""
+    seen: dict[Any, str] = {}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for run_by, finished in fetch_all(dsn, "SELECT run_by, finished_at FROM outbox.housekeeping "
+                                               "WHERE finished_at >= started_at"):
+            seen.setdefault(finished, run_by)
+        time.sleep(0.02)
+    return list(seen.values())
+
+
+def test_the_first_live_member_runs_housekeeping_and_the_next_takes_over(workers: Workers, dsn: str) -> None:
+    """Only a sink's first live member tries to claim every pass (one claim attempt per interval across the
+    cluster, not one per relay); the others only take a pass that is several intervals overdue. When it
+    leaves, the next member runs the passes."""
+    workers.start("hk-b", housekeeping_seconds=0.3)  # started first: its tries come first
+    workers.start("hk-a", housekeeping_seconds=0.3)
+    wait_until(lambda: fetch_all(dsn, "SELECT count(*) FROM outbox.workers WHERE status = 'alive'") == [(2,)], 10,
+               message="both relays registered")
+    time.sleep(0.5)  # both heartbeats have seen both members
+    ran = _passes(dsn, 4.0)  # 13 intervals, 2 or 3 standby attempts by hk-b
+    assert len(ran) >= 5, ran
+    assert set(ran) == {"hk-a"}, f"passes by {ran}: hk-b claimed passes although hk-a is the first member"
+    workers.drain("hk-a")
+
+    def only_hk_b() -> bool:
+        ran = _passes(dsn, 1.5)
+        return bool(ran) and set(ran) == {"hk-b"}
+
+    wait_until(only_hk_b, 15, message="hk-b to run the passes once hk-a left")
+
+
 def test_a_role_holding_the_old_advisory_lock_does_not_stop_housekeeping(
         dsn: str, pool: ConnectionPool[Any]) -> None:
     """Any role can take any advisory lock; the claim row can only be updated by roles granted it."""
