@@ -389,7 +389,9 @@ class Worker:
                 continue
             last_try = time.monotonic()
             try:
-                result = hk.run_once(min_gap_seconds=interval if first else (HOUSEKEEPING_STANDBY - 1) * interval)
+                # The first member's own timer paces its passes (an interval, jittered); the gap only keeps
+                # two relays that both think they are first (a moment of changing members) from doubling up.
+                result = hk.run_once(min_gap_seconds=interval / 2 if first else (HOUSEKEEPING_STANDBY - 1) * interval)
                 if result.ran:
                     self.observer.housekeeping(seconds=result.seconds, dead_workers=result.dead_workers,
                                                expired_leases=result.expired_leases,
