@@ -504,3 +504,51 @@ def test_the_example_test_of_the_order_service_passes(dsn: str) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"\b[1-9]\d* passed\b", result.stdout), result.stdout
+
+
+# -- RecordingSink: a real relay, no Kafka ------------------------------------------------------------
+
+
+def test_a_recording_sink_gets_what_a_real_relay_delivers_in_order_with_retries_and_dead_letters(dsn: str) -> None:
+    """A Worker delivers to a RecordingSink as to Kafka: per key in order, a failed attempt retried (the
+    key waits behind it), a non-retriable one dead-lettered, each attempt counted as the relay counts it."""
+    from outbox_relay.sink import Failure as SinkFailure
+    from outbox_relay.testing import RecordingSink
+    from outbox_relay.worker import Worker
+
+    def fail(event: Any, attempt: int) -> Any:
+        if event.type == "Flaky" and attempt == 1:
+            return "the broker said no"
+        if event.type == "Poison":
+            return SinkFailure("can never be sent", retriable=False)
+        return None
+
+    sink = RecordingSink("kafka", fail=fail)
+    worker = Worker(make_settings(dsn, "kit-relay"), sinks=[sink])
+    assert worker.start()
+    try:
+        outbox = Outbox(default_topic="orders")
+        with psycopg.connect(dsn) as conn:
+            outbox.publish_many(conn, [{"type": t, "key": "order:7", "payload": {}}
+                                       for t in ("Placed", "Flaky", "Paid")]
+                                + [{"type": "Poison", "key": "order:8", "payload": {}},
+                                   {"type": "Placed", "key": "order:8", "payload": {}}])
+        sink.wait_for(4)
+    finally:
+        worker.drain()
+        worker.wait()
+    assert [e.type for e in sink.delivered(key="order:7")] == ["Placed", "Flaky", "Paid"]
+    assert [e.type for e in sink.delivered(key="order:8")] == ["Placed"]
+    flaky = [(d.attempt, d.error) for d in sink.deliveries if d.event.type == "Flaky"]
+    assert flaky == [(1, "the broker said no"), (2, None)]
+    assert [(d.attempt, d.error) for d in sink.deliveries if d.event.type == "Poison"] == [(1, "can never be sent")]
+    assert fetch_all(dsn, "SELECT count(*) FROM outbox.dead_letters WHERE sink = 'kafka'") == [(1,)]
+    with pytest.raises(AssertionError, match=r"4 of 5 events delivered within 0.1s; failed attempts: .*Flaky"):
+        sink.wait_for(5, timeout=0.1)
+
+
+def test_a_recording_sink_refuses_a_kind_the_database_does_not_know() -> None:
+    from outbox_relay.testing import RecordingSink
+
+    with pytest.raises(ValueError, match="kind must be 'kafka' or 'projection'"):
+        RecordingSink("x", kind="webhook")
