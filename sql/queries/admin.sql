@@ -1,7 +1,9 @@
 -- name: workers
--- The registry with each worker's leased buckets per sink.
+-- The registry with each worker's leased buckets per sink, and whether its LISTEN connection is up
+-- (false: it only polls, so new events wait up to --poll-seconds; NULL: it runs with --no-listen).
 SELECT w.id, w.status, w.sinks,
        round(extract(epoch FROM clock_timestamp() - w.last_seen_at)::numeric, 1) AS seen_seconds_ago,
+       (w.metadata ->> 'listening')::boolean AS listening,
        coalesce((SELECT jsonb_object_agg(sink, n) FROM (
            SELECT c.sink, count(*) AS n FROM outbox.cursors c WHERE c.owner = w.id GROUP BY c.sink) s), '{}') AS buckets
 FROM outbox.workers w

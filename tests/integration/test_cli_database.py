@@ -117,7 +117,7 @@ def test_json_has_numbers_times_and_snake_case_keys_and_tables_no_reprs(dsn: str
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         store.register_sink(conn, "kafka", "kafka")
-        store.heartbeat(conn, "relay-a", "alive", ["kafka"], {})
+        store.heartbeat(conn, "relay-a", "alive", ["kafka"], {"listening": False})
         store.acquire_leases(conn, "kafka", "relay-a", range(0, 7), 30.0)
     publish(dsn, [("k", "t", {})])
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -133,6 +133,7 @@ def test_json_has_numbers_times_and_snake_case_keys_and_tables_no_reprs(dsn: str
     worker = status["workers"][0]
     assert worker["sinks"] == ["kafka"] and worker["buckets"] == {"kafka": 7}, worker
     assert isinstance(worker["seen_seconds_ago"], int | float), worker
+    assert worker["listening"] is False, "a relay that only polls must show as such"
     backlog = status["backlog"][0]
     assert backlog["pending"] == 1 and backlog["leased_buckets"] == 7 and backlog["dead_letters"] == 1, backlog
     assert isinstance(backlog["oldest_pending_seconds"], int | float), backlog
