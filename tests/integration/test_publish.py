@@ -377,6 +377,31 @@ def test_sql_producers_can_not_set_what_the_database_owns(dsn: str, column: str,
     assert stored(dsn) == []
 
 
+@pytest.mark.parametrize(("topic", "headers", "error"), [
+    ("orders", '["a"]', r"headers must be a JSON object of strings, not a JSON array"),
+    ("orders", '"a"', r"headers must be a JSON object of strings, not a JSON string"),
+    ("orders", '{"retry": 1}', r"headers: the value of 'retry' is a JSON number, not a string"),
+    ("orders", '{"trace": {"id": "x"}}', r"headers: the value of 'trace' is a JSON object, not a string"),
+    ("orders", '{"ce_id": "forged"}', r"headers: 'ce_id' is reserved for the relay"),
+    ("..", "{}", r"topic '\.\.' is not a Kafka topic name"),
+    ("orders/eu", "{}", r"topic 'orders/eu' is not a Kafka topic name"),
+    ("x" * 250, "{}", r"is not a Kafka topic name"),
+])
+def test_sql_producers_can_not_store_what_no_relay_could_deliver(dsn: str, topic: str, headers: str,
+                                                                  error: str) -> None:
+    """The database refuses, at INSERT, an event whose headers or topic Kafka could not take: it would
+    otherwise be stored, and fail (or be dead-lettered) only at delivery time."""
+    with psycopg.connect(dsn) as conn:
+        with pytest.raises(psycopg.errors.CheckViolation, match=error):
+            conn.execute("INSERT INTO outbox.events (topic, partition_key, type, payload, headers) "
+                         "VALUES (%s, 'k', 't', '{}', %s::jsonb)", (topic, headers))
+        conn.rollback()
+        conn.execute("INSERT INTO outbox.events (topic, partition_key, type, payload, headers) "
+                     "VALUES ('orders.eu-1_a', 'k', 't', '{}', '{\"trace\": \"x\"}')")  # and what is fine is fine
+        conn.commit()
+    assert [e["topic"] for e in stored(dsn)] == ["orders.eu-1_a"]
+
+
 # -- G2: one idempotency key, one event, and the caller learns which -------------------------
 
 
