@@ -118,7 +118,11 @@ def _failure(err: KafkaError) -> Failure:
 
 
 def sequence(xid: int, seq: int) -> str:
-    """CloudEvents ``sequence``: compared as strings, increases with position (so per key)."""
+    """CloudEvents ``sequence``: the event's position, sortable as a string.
+
+    Not a per-key counter: a key's events are delivered in the order their transactions became
+    visible, which can put a larger position first (README, "The order one key gets").
+    """
     return f"{xid:020d}-{seq:020d}"
 
 
