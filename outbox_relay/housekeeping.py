@@ -8,8 +8,9 @@ part; no other role can stop housekeeping (an advisory lock can be held by any r
 
 A pass: workers that stopped heartbeating are marked dead (they already left the stored
 assignment, which counts only live members); expired leases and the leases of dead workers are
-freed (the owners' connections still inside a transaction older than the lease are terminated, so
-that their row locks do not outlive the lease); old delivered events are deleted in short slices.
+freed, and the transactions their owners still hold are terminated (every one of a dead relay, those
+older than the lease of a live one), so that row locks do not outlive the lease; old delivered events
+are deleted in short slices.
 """
 
 from __future__ import annotations
@@ -85,11 +86,14 @@ class Housekeeping:
                                     {"ttl": s.worker_ttl_seconds, "worker": s.worker_id}).fetchall()
                 expired = conn.execute(query("housekeeping", "expire_leases")).fetchall()
                 conn.execute(query("housekeeping", "forget_dead_workers"), {"forget_after": FORGET_DEAD_AFTER_SECONDS})
+            # Owners whose leases were just taken back, and relays just declared dead (their leases may
+            # have expired in an earlier pass, while they still looked alive).
             owners = sorted({r[2] for r in expired})
+            stalled = sorted(set(owners) | {r[0] for r in dead})
             with self.pool.connection() as conn:
                 if expired:
                     store.announce_buckets(conn, {r[1] for r in expired})
-                terminated = self._terminate_stalled(conn, owners) if owners else 0
+                terminated = self._terminate_stalled(conn, stalled) if stalled else 0
             deleted = self._apply_retention()
         finally:
             with self.pool.connection() as conn:
@@ -124,7 +128,7 @@ class Housekeeping:
             return 0
         try:
             rows = conn.execute(query("housekeeping", "terminate_stalled"), {
-                "application_names": [application_name(o) for o in owners],
+                "owners": owners, "application_names": [application_name(o) for o in owners],
                 "lease_seconds": self.settings.lease_seconds}).fetchall()
         except psycopg.errors.InsufficientPrivilege as exc:
             self._may_terminate = False
@@ -134,8 +138,8 @@ class Housekeeping:
             return 0
         done = [r for r in rows if r[2]]
         if done:
-            log.warning("housekeeping: terminated %d connections of stalled relays (%s): their transactions were "
-                        "older than the lease they lost", len(done), sorted({r[1] for r in done}))
+            log.warning("housekeeping: terminated %d connections of stalled relays (%s): their transactions "
+                        "outlived the leases they lost", len(done), sorted({r[1] for r in done}))
         return len(done)
 
     def _warn_if_overdue(self, conn: Conn) -> None:

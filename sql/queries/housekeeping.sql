@@ -61,14 +61,23 @@ WHERE c.sink = x.sink AND c.bucket = x.bucket
 RETURNING c.sink, c.bucket, x.owner;
 
 -- name: terminate_stalled
--- Connections of relays whose leases were just taken back, still inside a transaction older than the
--- lease: a stalled relay (stopped, partitioned) whose row locks would otherwise outlive its lease and
--- block the bucket's next owner. Relays name their connections 'outbox-relay <worker id>'.
+-- Connections of relays whose leases were just taken back, still inside a transaction: a stalled relay
+-- (stopped, partitioned) whose row locks would otherwise outlive its lease and block the bucket's next
+-- owner (a pipelined projection batch is never synced, so idle_in_transaction_session_timeout does not
+-- end it). Every transaction of an owner declared dead (it can not checkpoint any more: fenced); of a
+-- live owner, only one older than the lease (it may be busy with another sink). Relays name their
+-- connections 'outbox-relay <worker id>'.
+WITH owners AS (
+    SELECT o.app, coalesce(w.status = 'dead', true) AS dead
+    FROM unnest(%(owners)s::text[], %(application_names)s::text[]) AS o(id, app)
+    LEFT JOIN outbox.workers w ON w.id = o.id
+)
 SELECT a.pid, a.application_name, pg_terminate_backend(a.pid)
 FROM pg_stat_activity a
+JOIN owners o ON o.app = a.application_name
 WHERE a.datname = current_database()
-  AND a.application_name = ANY(%(application_names)s::text[])
-  AND a.xact_start < clock_timestamp() - make_interval(secs => %(lease_seconds)s)
+  AND a.xact_start IS NOT NULL
+  AND (o.dead OR a.xact_start < clock_timestamp() - make_interval(secs => %(lease_seconds)s))
   AND a.pid <> pg_backend_pid();
 
 -- name: forget_dead_workers

@@ -4,12 +4,17 @@ exit status 2, and nothing started or written."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import psycopg
 import pytest
 
+from outbox_relay.compose import build_worker
+from outbox_relay.settings import RelaySettings
 from tests.integration.relay_helpers import fetch_all, publish
 from tests.servers import wait_until
 
@@ -86,3 +91,81 @@ def test_a_rebuild_cancelled_from_another_terminal_exits_non_zero_and_says_so(ds
     assert "was cancelled while it ran" in err and "rebuilt" not in out, out + err
     assert "Traceback" not in err
     assert fetch_all(dsn, "SELECT count(*) FROM order_totals") == [(0,)], "the (empty) live table was replaced"
+
+
+def test_a_relay_whose_sink_is_dropped_under_it_exits_with_status_4(dsn: str) -> None:
+    """README, exit codes: `run` stops by itself with 4 when its sink is dropped (`sinks drop --force`),
+    instead of idling as if it still delivered."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE order_totals (customer text PRIMARY KEY, orders int NOT NULL, "
+                     "paid_cents bigint NOT NULL)")
+    publish(dsn, [(f"c{i % 5}", "OrderPlaced", {"customer": f"c{i % 5}"}) for i in range(20)])
+    relay = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run", "--no-kafka", "--worker-id", "cli-w",
+                              "--projections", "tests.integration.projection_app", "--projection", "order_totals",
+                              "--heartbeat-seconds", "0.2", "--poll-seconds", "0.1"],
+                             env=env_for(dsn), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: fetch_all(dsn, "SELECT coalesce(sum(orders), 0) FROM order_totals") == [(20,)], 60, 0.1,
+                   "the relay applying the first events")
+        dropped = run(dsn, "sinks", "drop", "order_totals", "--force")
+        assert dropped.returncode == 0, dropped.stdout + dropped.stderr
+        out, err = relay.communicate(timeout=60)
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.communicate()
+    assert relay.returncode == 4, (relay.returncode, out, err[-2000:])
+    assert "dropped" in err and "Traceback" not in err, err[-2000:]
+    assert fetch_all(dsn, "SELECT count(*) FROM outbox.cursors WHERE sink = 'order_totals'") == [(0,)]
+
+
+def test_a_relay_stopped_inside_its_transaction_does_not_hold_the_next_owner_back(dsn: str) -> None:
+    """Issue 7, item 8: a relay process stopped (SIGSTOP: paused, partitioned) in the middle of a pipelined
+    projection batch holds row locks in an open transaction, and a pipeline that is never synced is not
+    cut off by idle_in_transaction_session_timeout. Once its lease runs out, the housekeeper that takes
+    the lease back ends that transaction, so the next owner, which must write the same rows, gets on
+    and every event lands exactly once."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE order_totals (customer text PRIMARY KEY, orders int NOT NULL, "
+                     "paid_cents bigint NOT NULL)")
+    customers = 4
+    publish(dsn, [(f"c{i % customers}", "OrderPlaced", {"customer": f"c{i % customers}"}) for i in range(400)])
+    stalled = subprocess.Popen(
+        [sys.executable, "-m", "outbox_relay.cli", "run", "--no-kafka", "--worker-id", "to-stop",
+         "--projections", "tests.integration.projection_app", "--projection", "order_totals",
+         "--batch-size", "40", "--lease-seconds", "2", "--heartbeat-seconds", "0.3", "--worker-ttl-seconds", "2"],
+        env=env_for(dsn, OUTBOX_TEST_APPLY_SECONDS="0.02"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, stdin=subprocess.DEVNULL)
+    holding_locks = ("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay to-stop' "
+                     "AND backend_xid IS NOT NULL")
+    worker, running = None, None
+    try:
+        wait_until(lambda: fetch_all(dsn, "SELECT coalesce(sum(orders), 0) FROM order_totals")[0][0] > 0, 60, 0.05,
+                   "the first relay applying events")
+        for _ in range(100):  # stop it while a batch that wrote rows is open
+            stalled.send_signal(signal.SIGSTOP)
+            if fetch_all(dsn, holding_locks) == [(1,)]:
+                break
+            stalled.send_signal(signal.SIGCONT)
+            time.sleep(0.01)
+        else:
+            raise AssertionError("never caught the relay inside a batch that wrote")
+        worker = build_worker(RelaySettings(
+            dsn=dsn, worker_id="next-owner", kafka=False, projections="tests.integration.projection_app",
+            projection=["order_totals"], heartbeat_seconds=0.3, worker_ttl_seconds=2, lease_seconds=2,
+            housekeeping_seconds=0.5))
+        running = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+        running.start()
+        wait_until(lambda: fetch_all(dsn, "SELECT sum(orders) FROM order_totals") == [(400,)], 60, 0.1,
+                   "the next owner applying every event while the stopped relay still holds its transaction")
+        assert fetch_all(dsn, holding_locks) == [(0,)], "the stopped relay's transaction was ended"
+        # (without that, the next owner waits for the stopped relay's row locks: the wait above times out)
+        assert fetch_all(dsn, "SELECT customer, orders FROM order_totals ORDER BY customer") == [
+            (f"c{i}", 400 // customers) for i in range(customers)], "each event exactly once"
+    finally:
+        stalled.kill()
+        stalled.communicate()
+        if worker is not None and running is not None:
+            worker.drain()
+            running.join(30)

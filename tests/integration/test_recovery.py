@@ -435,19 +435,23 @@ def test_a_stalled_owners_open_transaction_is_terminated_with_its_lease(
         store.acquire_leases(conn, SINK, "stalled", [4], 1.0)
     stalled = psycopg.connect(dsn, application_name=application_name("stalled"))
     bystander = psycopg.connect(dsn, application_name="someone else")
+    busy = psycopg.connect(dsn, application_name=application_name("stalled"))
     try:
         for conn in (stalled, bystander):  # both inside a transaction, holding a row lock
             conn.execute("SELECT 1 FROM outbox.sinks WHERE name = %s FOR SHARE", (SINK,))
         time.sleep(1.2)  # the lease (1 s) runs out; the transactions are now older than it
+        busy.execute("SELECT 1")  # a transaction of the same (live) relay, younger than the lease
         settings = make_settings(dsn, "hk", lease_seconds=1.0, worker_ttl_seconds=60.0)
         result = Housekeeping(pool, settings).run_once()
         assert result.expired_leases == 1 and result.terminated_connections == 1
         with pytest.raises(psycopg.OperationalError):
             stalled.execute("SELECT 1")
         assert bystander.execute("SELECT 1").fetchone() == (1,), "only the stalled relay's connections"
+        assert busy.execute("SELECT 1").fetchone() == (1,), "a live relay's younger transaction goes on"
     finally:
         stalled.close()
         bystander.close()
+        busy.close()
 
 
 def test_housekeeping_that_has_not_run_for_long_is_reported(
