@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -97,6 +98,52 @@ def test_a_scrape_shows_what_the_relay_did_and_the_probes_say_it_is_ready(
     assert status == 503 and "draining" in body["problems"]
 
 
+def test_readiness_waits_for_buckets_another_relay_still_holds(dsn: str, kafka_bootstrap: str,
+                                                              kafka_topic: str) -> None:
+    """/readyz answers 503 while buckets assigned to the relay are still leased by a relay that does not
+    let go (alive, not releasing), and 200 once that relay is gone and its leases are taken back."""
+    from outbox_relay import store
+
+    stop = threading.Event()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        store.register_sink(conn, "kafka", "kafka")
+        store.heartbeat(conn, "ghost", "alive", ["kafka"], {}, ttl=2.0)
+        assert len(store.acquire_leases(conn, "kafka", "ghost", range(256), 600.0)) == 256
+
+    def beat() -> None:  # alive, but never releases what is no longer assigned to it
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not stop.wait(0.2):
+                store.heartbeat(conn, "ghost", "alive", ["kafka"], {}, ttl=2.0)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    port = free_port()
+    worker = build_worker(RelaySettings(
+        dsn=dsn, worker_id="metered", kafka_bootstrap_servers=kafka_bootstrap, default_topic=kafka_topic,
+        metrics_port=port, metrics_host="127.0.0.1", heartbeat_seconds=0.2, worker_ttl_seconds=2,
+        housekeeping_seconds=0.5, lease_seconds=5))
+    running = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    running.start()
+    try:
+        def waiting() -> Any:
+            reply = _try_probe(port, "/readyz")
+            return reply is not None and reply[0] == 503 and any(
+                "buckets not leased yet" in p for p in reply[1]["problems"]) and reply[1]
+
+        body = wait_until(waiting, 20, message="/readyz to say which buckets it waits for")
+        [problem] = [p for p in body["problems"] if "not leased yet" in p]
+        assert re.fullmatch(r"sink kafka: (\d+) of its \1 buckets not leased yet", problem), problem
+        stop.set()  # the ghost stops heartbeating: housekeeping declares it dead and frees its leases
+        beating.join(10)
+        wait_until(lambda: probe(port, "/readyz")[0] == 200, 30, message="/readyz once the buckets are leased")
+        assert value(scrape(port), "outbox_relay_buckets_held", sink="kafka") == 256
+    finally:
+        stop.set()
+        beating.join(10)
+        worker.drain()
+        running.join(30)
+
+
 def test_the_keys_that_lag_are_named(dsn: str, kafka_topic: str, relay: tuple[Worker, int]) -> None:
     """A second sink that no relay runs lags on every key: the top keys show up with their counts."""
     _, port = relay
@@ -180,3 +227,67 @@ def _try_probe(port: int, path: str) -> tuple[int, dict[str, Any]] | None:
         return probe(port, path)
     except OSError:
         return None
+
+
+def test_the_counters_count_what_the_relay_did(dsn: str) -> None:
+    """Each counter and histogram against a known history, through a real relay and a real scrape: a
+    retry that then succeeds, an event dead-lettered after its attempts, an expired lease taken back by
+    this relay's housekeeping, and a writing transaction left open on the server."""
+    from prometheus_client import CollectorRegistry
+
+    from outbox_relay import store
+    from outbox_relay.metrics import MetricsServer, PrometheusObserver
+    from outbox_relay.testing import RecordingSink
+    from tests.integration.relay_helpers import make_settings, publish
+
+    def fail(event: Any, attempt: int) -> str | None:
+        if event.key == "bad" or (event.key == "flaky" and attempt == 1):
+            return f"refused {event.key} at attempt {attempt}"
+        return None
+
+    ids = publish(dsn, [("flaky", "t", {}), ("bad", "t", {}), *[(f"ok-{i}", "t", {}) for i in range(10)]])
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a relay declared dead, its lease not expired
+        store.register_sink(conn, "kafka", "kafka")
+        store.heartbeat(conn, "gone", "alive", ["kafka"], {}, ttl=60.0)
+        store.acquire_leases(conn, "kafka", "gone", [7], 600.0)
+        conn.execute("UPDATE outbox.workers SET status = 'dead' WHERE id = 'gone'")  # its lease is freed now
+    writer = psycopg.connect(dsn)  # a writing transaction that stays open
+    writer.execute("CREATE TABLE scratch (n int)")
+    sink = RecordingSink("kafka", fail=fail)
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry)
+    observer.sinks(["kafka"])
+    port = free_port()
+    worker = Worker(make_settings(dsn, "counted", max_attempts=2, lease_seconds=5.0), [sink], observer)
+    worker.services.append(MetricsServer(worker, registry, "127.0.0.1", port, 0.5))
+    running = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    running.start()
+    try:
+        sink.wait_for(11, timeout=30)
+        samples = wait_until(lambda: (s := scrape(port)) and value(s, "outbox_relay_events_dead_lettered_total",
+                                                                    sink="kafka") == 1 and s, 20,
+                             message="the dead letter to be counted")
+        assert value(samples, "outbox_relay_events_delivered_total", sink="kafka") == 11
+        assert value(samples, "outbox_relay_events_retried_total", sink="kafka") == 2, "flaky once, bad once"
+        assert value(samples, "outbox_relay_delivery_latency_seconds_count", sink="kafka") == 11
+        batches = value(samples, "outbox_relay_batch_size_events_count", sink="kafka") or 0
+        assert batches >= 2 and value(samples, "outbox_relay_batch_size_events_sum", sink="kafka") >= len(ids)
+        assert value(samples, "outbox_relay_cycle_failures_total", sink="kafka") == 0
+        expired = wait_until(lambda: value(scrape(port), "outbox_relay_leases_expired_total") or 0, 20,
+                             message="housekeeping to take the gone relay's lease back")
+        assert expired == 1
+        assert (value(scrape(port), "outbox_relay_housekeeping_duration_seconds_count") or 0) >= 1
+        open_for = wait_until(lambda: (value(scrape(port), "outbox_relay_oldest_writing_transaction_age_seconds")
+                                       or 0) >= 1 and value(scrape(port),
+                                                            "outbox_relay_oldest_writing_transaction_age_seconds"),
+                              20, message="the open writing transaction's age")
+        assert open_for >= 1
+        writer.rollback()
+        wait_until(lambda: value(scrape(port), "outbox_relay_oldest_writing_transaction_age_seconds") == 0, 20,
+                   message="the age to fall back to 0 once the transaction ended")
+        assert value(scrape(port), "outbox_relay_buckets_held", sink="kafka") == 256
+    finally:
+        writer.close()
+        worker.drain()
+        running.join(30)
+    assert dead_letters(dsn, "kafka")[ids[1]][0] == 2

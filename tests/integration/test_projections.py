@@ -37,6 +37,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     run_until,
     undelivered,
 )
+from tests.servers import wait_until
 
 TOTALS = """
 CREATE TABLE order_totals (customer text PRIMARY KEY, orders int NOT NULL, paid_cents bigint NOT NULL);
@@ -575,3 +576,70 @@ def test_a_handler_that_swallows_a_failed_statement_is_charged_with_it(
     assert sorted(e for e, _ in log) == sorted(ids[1:]), "every other event exactly once"
     attempts, error = dead_letters(dsn, "order_totals")[ids[0]]
     assert attempts == 2 and "went on" in error, error
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync-savepoint-walk", "async"])
+def test_a_handler_slower_than_the_lease_is_charged_with_it_and_its_key_moves_on(
+        dsn: str, pool: ConnectionPool[Any], is_async: bool) -> None:
+    """Issue 7, item 5: where every statement is synced (async handlers; the event-by-event walk with a
+    savepoint per event that redoes a batch after a failure), a handler that keeps the relay's
+    transaction idle longer than the lease is cut off by the server: idle_in_transaction_session_timeout
+    ends the connection. That failure is the event's: it is retried alone, each attempt counted, while
+    the rest of the batch and its key's next event land, and the sink never wedges.
+
+    The async handler is slow on every attempt: dead-lettered after max attempts. The sync handler is cut
+    off only in the walk: retried alone, in one pipelined transaction (nothing is synced until it ends, so
+    the server's idle timer does not run and a slow handler is only slow, its lease renewed by the
+    membership thread; a relay stopped there is ended by housekeeping, test_cli_projections.py), it lands."""
+    setup_tables(dsn)
+    ids = publish(dsn, [("slow", "OrderPlaced", {"customer": "slow"}), ("slow", "OrderPlaced", {"customer": "slow"}),
+                        *[(f"ok-{i}", "OrderPlaced", {"customer": f"ok-{i}"}) for i in range(10)]])
+    log_sql = "INSERT INTO applied_log (event_id, key, worker, replay) VALUES (%s, %s, 'w', false)"
+    calls: list[int] = []
+
+    def sync_handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        if event.id == ids[-1] and event.attempt == 1:
+            raise RuntimeError("fails once, so the batch is redone event by event")
+        if event.id == ids[0]:
+            calls.append(event.attempt)
+            tx.execute("SELECT 1")
+            threading.Event().wait(1.5)  # three times the server's idle cut-off
+        tx.execute(log_sql, (event.id, event.key))
+
+    async def async_handler(event: ProjectionEvent[Any], tx: psycopg.AsyncConnection[Any]) -> None:
+        if event.id == ids[0]:
+            calls.append(event.attempt)
+            await asyncio.sleep(1.5)
+        await tx.execute(log_sql, (event.id, event.key))
+
+    p = projection("order_totals", events=["OrderPlaced"])(async_handler if is_async else sync_handler)
+    # The idle cut-off is the sink's lease (0.5 s); the relay's lease (30 s) stands in for one its
+    # membership thread keeps renewing, as it does while a handler runs.
+    sink = ProjectionSink(p, dsn, lease_seconds=0.5)
+    _open_sinks.append(sink)
+    with pool.connection() as conn:
+        store.register_sink(conn, sink.name, sink.kind)
+    r = SinkRunner(sink, pool, make_settings(dsn, "w", max_attempts=2))
+    r.desired = set(ALL_BUCKETS)
+    expected = ids[1:] if is_async else ids
+    loop = threading.Thread(target=r.run)  # the runner's own loop: a failed cycle backs off and goes on
+    loop.start()
+    try:
+        wait_until(lambda: len(applied(dsn)) == len(expected) and (not is_async or dead_letters(dsn, "order_totals")),
+                   30, 0.05, "every event applied or dead-lettered")
+    finally:
+        r.draining.set()
+        loop.join(30)
+    assert sorted(e for e, _ in applied(dsn)) == sorted(expected), "each event once; the slow key moved on"
+    assert parked_ids(dsn, "order_totals") == set()
+    if is_async:
+        attempts, error = dead_letters(dsn, "order_totals")[ids[0]]
+        assert attempts == 2 and "idle-in-transaction timeout" in error, error
+        # One call per counted attempt, and maybe one more in the batch that failed as a whole.
+        assert calls[-1] == 2 and len(calls) <= 3, calls
+    else:
+        assert dead_letters(dsn, "order_totals") == {}
+        # The pipelined batch; the walk, cut off (a failure of the whole batch, charged to no event);
+        # then alone, its attempt counted before it is made, where it lands.
+        assert calls[-1] == 1 and len(calls) <= 3, calls
+        assert fetch_all(dsn, "SELECT count(*) FROM applied_log WHERE event_id = %s", (ids[0],)) == [(1,)]
