@@ -68,7 +68,7 @@ RETURNING c.sink, c.bucket, x.owner;
 -- live owner, only one older than the lease (it may be busy with another sink). Relays name their
 -- connections 'outbox-relay <worker id>'.
 WITH owners AS (
-    SELECT o.app, coalesce(w.status = 'dead', true) AS dead
+    SELECT o.app, coalesce(w.status = 'dead', false) AS dead  -- no row: unknown, judged like a live one
     FROM unnest(%(owners)s::text[], %(application_names)s::text[]) AS o(id, app)
     LEFT JOIN outbox.workers w ON w.id = o.id
 )

@@ -180,12 +180,18 @@ def test_rebuild_while_live_events_keep_arriving(dsn: str, live: Any, pool: Conn
         while not stop.is_set():
             published.extend(publish(dsn, orders(40, 1, start=i)))
             i += 1
-            time.sleep(0.02)
+            # 80 events at most every 0.1 s: below what a rebuild replays even on a busy CI machine,
+            # so it catches up with its moving target (at 0.02 s it could chase it for minutes).
+            time.sleep(0.1)
 
     def keep_applying() -> None:
+        renewed = time.monotonic()
         try:
             while not stop.is_set():
                 runner.run_once()
+                if time.monotonic() - renewed > 1.0:  # as the membership thread does: no lease runs out
+                    runner.renew()
+                    renewed = time.monotonic()
                 time.sleep(0.005)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
