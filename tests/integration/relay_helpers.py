@@ -8,6 +8,7 @@ events it is told to fail.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -28,6 +29,7 @@ from outbox_relay.relay import SinkRunner
 from outbox_relay.settings import RelaySettings
 from outbox_relay.sink import Aborted, Commit, Failure, KeyHold, Outcomes
 from outbox_relay.store import StoredEvent
+from outbox_relay.worker import Worker
 
 SINK = "recorder"
 TOPIC = "relay-test"
@@ -318,3 +320,16 @@ def run_until(runner: SinkRunner, predicate: Callable[[], Any], timeout: float =
             raise AssertionError(f"timed out after {timeout:.1f}s ({cycles} cycles) waiting for "
                                  f"{getattr(predicate, '__name__', predicate)!r}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def running(worker: Worker) -> Iterator[Worker]:
+    """``worker.run()`` on a thread for the block (as `outbox-relay run`, without signal handlers);
+    drained and joined afterwards."""
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.drain()
+        thread.join(30)

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import psycopg
@@ -15,7 +14,7 @@ import pytest
 
 from outbox_relay.compose import build_worker
 from outbox_relay.settings import RelaySettings
-from tests.integration.relay_helpers import fetch_all, publish
+from tests.integration.relay_helpers import fetch_all, publish, running
 from tests.servers import wait_until
 
 
@@ -142,7 +141,6 @@ def test_a_relay_stopped_inside_its_transaction_does_not_hold_the_next_owner_bac
     holding_locks = ("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
                      "WHERE a.application_name = 'outbox-relay to-stop' "
                      "AND l.relation = 'order_totals'::regclass AND l.mode = 'RowExclusiveLock'")
-    worker, running = None, None
     try:
         wait_until(lambda: fetch_all(dsn, "SELECT coalesce(sum(orders), 0) FROM order_totals")[0][0] > 0, 60, 0.05,
                    "the first relay applying events")
@@ -158,10 +156,9 @@ def test_a_relay_stopped_inside_its_transaction_does_not_hold_the_next_owner_bac
             dsn=dsn, worker_id="next-owner", kafka=False, projections="tests.integration.projection_app",
             projection=["order_totals"], heartbeat_seconds=0.3, worker_ttl_seconds=2, lease_seconds=2,
             housekeeping_seconds=0.5))
-        running = threading.Thread(target=worker.run, kwargs={"install_signals": False})
-        running.start()
-        wait_until(lambda: fetch_all(dsn, "SELECT sum(orders) FROM order_totals") == [(400,)], 60, 0.1,
-                   "the next owner applying every event while the stopped relay still holds its transaction")
+        with running(worker):
+            wait_until(lambda: fetch_all(dsn, "SELECT sum(orders) FROM order_totals") == [(400,)], 60, 0.1,
+                       "the next owner applying every event while the stopped relay still holds its transaction")
         assert fetch_all(dsn, holding_locks) == [(0,)], "the stopped relay's transaction was ended"
         # (without that, the next owner waits for the stopped relay's row locks: the wait above times out)
         assert fetch_all(dsn, "SELECT customer, orders FROM order_totals ORDER BY customer") == [
@@ -169,6 +166,3 @@ def test_a_relay_stopped_inside_its_transaction_does_not_hold_the_next_owner_bac
     finally:
         stalled.kill()
         stalled.communicate()
-        if worker is not None and running is not None:
-            worker.drain()
-            running.join(30)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +26,7 @@ from outbox_relay import Outbox, store
 from outbox_relay.compose import build_worker
 from outbox_relay.settings import RelaySettings
 from outbox_relay.worker import Worker
+from tests.integration.relay_helpers import running
 from tests.servers import free_port, wait_until
 from tests.unit.test_dashboards import (
     ALERTS,
@@ -76,14 +76,8 @@ def relay(dsn: str, kafka_bootstrap: str, kafka_topic: str) -> Iterator[tuple[Wo
                              default_topic=kafka_topic, metrics_port=port, metrics_host="127.0.0.1",
                              metrics_refresh_seconds=1, heartbeat_seconds=0.2, worker_ttl_seconds=2,
                              housekeeping_seconds=0.5, lease_seconds=5, kafka_stall_seconds=5)
-    worker = build_worker(settings)
-    waiter = threading.Thread(target=worker.run, kwargs={"install_signals": False})
-    waiter.start()
-    try:
+    with running(build_worker(settings)) as worker:
         yield worker, port
-    finally:
-        worker.drain()
-        waiter.join(30)
 
 
 @pytest.fixture

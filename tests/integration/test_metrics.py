@@ -18,7 +18,7 @@ from outbox_relay import Outbox
 from outbox_relay.compose import build_worker
 from outbox_relay.settings import RelaySettings
 from outbox_relay.worker import Worker
-from tests.integration.relay_helpers import dead_letters
+from tests.integration.relay_helpers import dead_letters, make_settings, publish, running
 from tests.servers import KafkaServer, free_port, require_restartable, wait_until
 
 
@@ -49,14 +49,8 @@ def relay(dsn: str, kafka_bootstrap: str, kafka_topic: str) -> Iterator[tuple[Wo
                              default_topic=kafka_topic, metrics_port=port, metrics_host="127.0.0.1",
                              metrics_refresh_seconds=1, heartbeat_seconds=0.2, worker_ttl_seconds=2,
                              housekeeping_seconds=0.5, lease_seconds=5, listen=True, kafka_stall_seconds=5)
-    worker = build_worker(settings)
-    waiter = threading.Thread(target=worker.run, kwargs={"install_signals": False})
-    waiter.start()
-    try:
+    with running(build_worker(settings)) as worker:
         yield worker, port
-    finally:
-        worker.drain()
-        waiter.join(30)
 
 
 def test_a_scrape_shows_what_the_relay_did_and_the_probes_say_it_is_ready(
@@ -122,26 +116,23 @@ def test_readiness_waits_for_buckets_another_relay_still_holds(dsn: str, kafka_b
         dsn=dsn, worker_id="metered", kafka_bootstrap_servers=kafka_bootstrap, default_topic=kafka_topic,
         metrics_port=port, metrics_host="127.0.0.1", heartbeat_seconds=0.2, worker_ttl_seconds=2,
         housekeeping_seconds=0.5, lease_seconds=5))
-    running = threading.Thread(target=worker.run, kwargs={"install_signals": False})
-    running.start()
     try:
-        def waiting() -> Any:
-            reply = _try_probe(port, "/readyz")
-            return reply is not None and reply[0] == 503 and any(
-                "buckets not leased yet" in p for p in reply[1]["problems"]) and reply[1]
+        with running(worker):
+            def waiting() -> Any:
+                reply = _try_probe(port, "/readyz")
+                return reply is not None and reply[0] == 503 and any(
+                    "buckets not leased yet" in p for p in reply[1]["problems"]) and reply[1]
 
-        body = wait_until(waiting, 20, message="/readyz to say which buckets it waits for")
-        [problem] = [p for p in body["problems"] if "not leased yet" in p]
-        assert re.fullmatch(r"sink kafka: (\d+) of its \1 buckets not leased yet", problem), problem
-        stop.set()  # the ghost stops heartbeating: housekeeping declares it dead and frees its leases
-        beating.join(10)
-        wait_until(lambda: probe(port, "/readyz")[0] == 200, 30, message="/readyz once the buckets are leased")
-        assert value(scrape(port), "outbox_relay_buckets_held", sink="kafka") == 256
+            body = wait_until(waiting, 20, message="/readyz to say which buckets it waits for")
+            [problem] = [p for p in body["problems"] if "not leased yet" in p]
+            assert re.fullmatch(r"sink kafka: (\d+) of its \1 buckets not leased yet", problem), problem
+            stop.set()  # the ghost stops heartbeating: housekeeping declares it dead and frees its leases
+            beating.join(10)
+            wait_until(lambda: probe(port, "/readyz")[0] == 200, 30, message="/readyz once the buckets are leased")
+            assert value(scrape(port), "outbox_relay_buckets_held", sink="kafka") == 256
     finally:
         stop.set()
         beating.join(10)
-        worker.drain()
-        running.join(30)
 
 
 def test_the_keys_that_lag_are_named(dsn: str, kafka_topic: str, relay: tuple[Worker, int]) -> None:
@@ -210,16 +201,10 @@ def test_the_health_endpoint_answers_while_the_database_is_away(kafka_bootstrap:
     port = free_port()
     settings = RelaySettings(dsn="postgresql://nobody@127.0.0.1:1/none?connect_timeout=1", worker_id="early",
                              kafka_bootstrap_servers=kafka_bootstrap, metrics_port=port, metrics_host="127.0.0.1")
-    worker = build_worker(settings)
-    waiter = threading.Thread(target=worker.run, kwargs={"install_signals": False})
-    waiter.start()
-    try:
+    with running(build_worker(settings)):
         status, body = wait_until(lambda: (r := _try_probe(port, "/healthz")) and r, 10,
                                   message="the health endpoint to answer")
         assert status == 503 and "waiting for the database" in body["problems"][0]
-    finally:
-        worker.drain()
-        waiter.join(30)
 
 
 def _try_probe(port: int, path: str) -> tuple[int, dict[str, Any]] | None:
@@ -238,7 +223,6 @@ def test_the_counters_count_what_the_relay_did(dsn: str) -> None:
     from outbox_relay import store
     from outbox_relay.metrics import MetricsServer, PrometheusObserver
     from outbox_relay.testing import RecordingSink
-    from tests.integration.relay_helpers import make_settings, publish
 
     def fail(event: Any, attempt: int) -> str | None:
         if event.key == "bad" or (event.key == "flaky" and attempt == 1):
@@ -260,34 +244,30 @@ def test_the_counters_count_what_the_relay_did(dsn: str) -> None:
     port = free_port()
     worker = Worker(make_settings(dsn, "counted", max_attempts=2, lease_seconds=5.0), [sink], observer)
     worker.services.append(MetricsServer(worker, registry, "127.0.0.1", port, 0.5))
-    running = threading.Thread(target=worker.run, kwargs={"install_signals": False})
-    running.start()
     try:
-        sink.wait_for(11, timeout=30)
-        samples = wait_until(lambda: (s := scrape(port)) and value(s, "outbox_relay_events_dead_lettered_total",
-                                                                    sink="kafka") == 1 and s, 20,
-                             message="the dead letter to be counted")
-        assert value(samples, "outbox_relay_events_delivered_total", sink="kafka") == 11
-        assert value(samples, "outbox_relay_events_retried_total", sink="kafka") == 2, "flaky once, bad once"
-        assert value(samples, "outbox_relay_delivery_latency_seconds_count", sink="kafka") == 11
-        batches = value(samples, "outbox_relay_batch_size_events_count", sink="kafka") or 0
-        assert batches >= 2 and value(samples, "outbox_relay_batch_size_events_sum", sink="kafka") >= len(ids)
-        assert value(samples, "outbox_relay_cycle_failures_total", sink="kafka") == 0
-        expired = wait_until(lambda: value(scrape(port), "outbox_relay_leases_expired_total") or 0, 20,
-                             message="housekeeping to take the gone relay's lease back")
-        assert expired == 1
-        assert (value(scrape(port), "outbox_relay_housekeeping_duration_seconds_count") or 0) >= 1
-        open_for = wait_until(lambda: (value(scrape(port), "outbox_relay_oldest_writing_transaction_age_seconds")
-                                       or 0) >= 1 and value(scrape(port),
-                                                            "outbox_relay_oldest_writing_transaction_age_seconds"),
-                              20, message="the open writing transaction's age")
-        assert open_for >= 1
-        writer.rollback()
-        wait_until(lambda: value(scrape(port), "outbox_relay_oldest_writing_transaction_age_seconds") == 0, 20,
-                   message="the age to fall back to 0 once the transaction ended")
-        assert value(scrape(port), "outbox_relay_buckets_held", sink="kafka") == 256
+        with running(worker):
+            sink.wait_for(11, timeout=30)
+            samples = wait_until(lambda: (s := scrape(port)) and value(s, "outbox_relay_events_dead_lettered_total",
+                                                                        sink="kafka") == 1 and s, 20,
+                                 message="the dead letter to be counted")
+            assert value(samples, "outbox_relay_events_delivered_total", sink="kafka") == 11
+            assert value(samples, "outbox_relay_events_retried_total", sink="kafka") == 2, "flaky once, bad once"
+            assert value(samples, "outbox_relay_delivery_latency_seconds_count", sink="kafka") == 11
+            batches = value(samples, "outbox_relay_batch_size_events_count", sink="kafka") or 0
+            assert batches >= 2 and value(samples, "outbox_relay_batch_size_events_sum", sink="kafka") >= len(ids)
+            assert value(samples, "outbox_relay_cycle_failures_total", sink="kafka") == 0
+            expired = wait_until(lambda: value(scrape(port), "outbox_relay_leases_expired_total") or 0, 20,
+                                 message="housekeeping to take the gone relay's lease back")
+            assert expired == 1
+            assert (value(scrape(port), "outbox_relay_housekeeping_duration_seconds_count") or 0) >= 1
+            oldest_tx = "outbox_relay_oldest_writing_transaction_age_seconds"
+            open_for = wait_until(lambda: (age := value(scrape(port), oldest_tx) or 0) >= 1 and age, 20,
+                                  message="the open writing transaction's age")
+            assert open_for >= 1
+            writer.rollback()
+            wait_until(lambda: value(scrape(port), oldest_tx) == 0, 20,
+                       message="the age to fall back to 0 once the transaction ended")
+            assert value(scrape(port), "outbox_relay_buckets_held", sink="kafka") == 256
     finally:
         writer.close()
-        worker.drain()
-        running.join(30)
     assert dead_letters(dsn, "kafka")[ids[1]][0] == 2
