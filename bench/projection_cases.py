@@ -263,7 +263,7 @@ def history_once(bench: Bench, run: int) -> dict[str, Any]:
     out: dict[str, Any] = {"run": run, "events": n, "retention_batch": settings.retention_batch}
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("SET plan_cache_mode = force_custom_plan")  # what the relay's pool sets
+            conn.execute("SET plan_cache_mode = force_custom_plan")  # a retention pass's first plans
             t = time.monotonic()
             bench.load_events(conn, 1, n, type_="bench.history", topic="bench-history",
                               payload_sql=bench.ORDER_PAYLOAD, age="8 days")  # older than the 7-day retention

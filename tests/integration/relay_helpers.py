@@ -57,7 +57,7 @@ def make_settings(dsn: str, worker_id: str, **overrides: Any) -> RelaySettings:
 
 
 def _configure(conn: psycopg.Connection[Any]) -> None:
-    conn.execute("SET plan_cache_mode = force_custom_plan")  # as the relay's own pool does
+    conn.execute("SET plan_cache_mode = auto")  # as the relay's own pool does
 
 
 @pytest.fixture(name="pool")

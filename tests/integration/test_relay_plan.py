@@ -2,12 +2,16 @@
 
 With a couple of hundred thousand stored events, most of them delivered history to the left of the
 cursors, the read must walk ``events_position`` from each cursor (no sequential scan, no sort, no
-bitmap scan of the whole bucket), with the custom plans the relay's connections use.
+bitmap scan of the whole bucket), with the custom plan of its first executions and with the generic
+plan Postgres may switch to once psycopg has prepared it (the relay's connections leave
+``plan_cache_mode`` at ``auto``, worker._configure): GUIDE section 4's trap is a generic plan many
+times slower than the custom one.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,8 +35,36 @@ def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from nodes(child)
 
 
+def explain(conn: psycopg.Connection[Any], sql: str, params: dict[str, Any], plan: str) -> dict[str, Any]:
+    """EXPLAIN (ANALYZE, BUFFERS) of ``sql`` as Postgres runs it with a custom plan (the parameters'
+    values known at planning), or with the generic plan of the prepared statement (planned once for
+    any values: what a prepared statement may switch to after five executions)."""
+    if plan == "custom":
+        conn.execute("SET plan_cache_mode = force_custom_plan")
+        row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchone()
+    else:
+        # PREPARE with $n in order of first use (as psycopg numbers them), values passed as literals.
+        names: list[str] = []
+        for name in re.findall(r"%\((\w+)\)s", sql):
+            if name not in names:
+                names.append(name)
+        body = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m.group(1)) + 1}", sql).replace("%%", "%")
+        conn.execute("DEALLOCATE ALL")
+        conn.execute("PREPARE planned AS " + body)
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        args = ", ".join(f"%({n})s" for n in names)
+        row = psycopg.ClientCursor(conn).execute(
+            f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE planned({args})", params).fetchone()
+    conn.execute("RESET plan_cache_mode")
+    assert row is not None
+    doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
+    return dict(doc[0]["Plan"])
+
+
+@pytest.mark.parametrize("plan", ["custom", "generic"])
 @pytest.mark.parametrize("wanted", [None, store.EventFilter(types=("bulk", "other"))], ids=["all", "by-type"])
-def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: store.EventFilter | None) -> None:
+def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: store.EventFilter | None,
+                                                             plan: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for start in range(0, ROWS, 20_000):  # 10 transactions: 10 distinct xids
             conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "
@@ -50,7 +82,6 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
                   FROM outbox.events) s
             WHERE s.after = %s""", (PENDING_PER_BUCKET,)).fetchall()
         cursors = {b: Cursor.at((int(x), int(s) + 1)) for b, x, s in starts}
-        conn.execute("SET plan_cache_mode = force_custom_plan")  # as the relay's pool does
         reads = {b: (LIMIT, cursors[b]) for b in LEASED}
         params = {"sink": SINK, "worker": "w", "buckets": LEASED, "limits": [LIMIT] * len(LEASED),
                   "seen": [cursors[b].params()[0] for b in LEASED],
@@ -58,11 +89,7 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
                   "after_xids": [cursors[b].params()[2] for b in LEASED],
                   "after_seqs": [cursors[b].params()[3] for b in LEASED],
                   "types": list(wanted.types) if wanted and wanted.types else None, "topics": None}
-        sql = query("relay", "fetch_events")
-        row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchone()
-        assert row is not None
-        doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
-        root = doc[0]["Plan"]
+        root = explain(conn, query("relay", "fetch_events"), params, plan)
         # The same statement as the relay runs it returns what the plan promises.
         events = store.fetch_events(conn, SINK, "w", reads, wanted).events
 
@@ -86,7 +113,8 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
     assert touched < 40 * len(LEASED), f"{touched} buffers for {len(events)} rows: the read is not a range scan"
 
 
-def test_retention_walks_events_created_at_and_stops_at_its_limit(dsn: str) -> None:
+@pytest.mark.parametrize("plan", ["custom", "generic"])
+def test_retention_walks_events_created_at_and_stops_at_its_limit(dsn: str, plan: str) -> None:
     """Retention must find the oldest deletable events through events_created_at and stop at its
     slice limit: no scan of the events table, no sort of all old events; and a pass with nothing to
     delete is an index probe. Each slice is a writing transaction, which holds back vacuum and the
@@ -109,29 +137,25 @@ def test_retention_walks_events_created_at_and_stops_at_its_limit(dsn: str) -> N
                      "SELECT 'second', bucket, xid, seq, partition_key, id FROM outbox.events "
                      "ORDER BY created_at LIMIT 50")
         conn.execute("VACUUM ANALYZE outbox.events")
-        conn.execute("SET plan_cache_mode = force_custom_plan")
 
-        def explain(retention_days: float) -> dict[str, Any]:
+        def explain_retention(retention_days: float) -> dict[str, Any]:
             """EXPLAIN ANALYZE runs the DELETE: roll it back so both plans see the same table."""
             conn.execute("BEGIN")
             try:
-                sql = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("housekeeping", "apply_retention")
-                row = conn.execute(sql, {"retention": retention_days * 86400, "limit": 2000}).fetchone()
+                return explain(conn, query("housekeeping", "apply_retention"),
+                               {"retention": retention_days * 86400, "limit": 2000}, plan)
             finally:
                 conn.execute("ROLLBACK")
-            assert row is not None
-            doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
-            return dict(doc[0]["Plan"])
 
-        plan = {"slice": explain(7.0), "nothing": explain(60.0)}
-        for label, root in plan.items():
+        plans = {"slice": explain_retention(7.0), "nothing": explain_retention(60.0)}
+        for label, root in plans.items():
             all_nodes = list(nodes(root))
             on_events = [n for n in all_nodes if n.get("Relation Name") == "events"]
             assert not [n for n in on_events if n["Node Type"] in ("Seq Scan", "Bitmap Heap Scan")], \
                 f"{label}: retention scans the events table: {json.dumps(root, indent=1)}"
             assert not [n for n in all_nodes if n["Node Type"] in ("Sort", "Incremental Sort")], f"{label}: sorts"
             assert any(n.get("Index Name") == "events_created_at" for n in on_events), label
-        touched = plan["nothing"].get("Shared Hit Blocks", 0) + plan["nothing"].get("Shared Read Blocks", 0)
+        touched = plans["nothing"].get("Shared Hit Blocks", 0) + plans["nothing"].get("Shared Read Blocks", 0)
         assert touched < 50, f"a pass with nothing to delete touched {touched} buffers"
-        scanned = next(n for n in nodes(plan["slice"]) if n.get("Index Name") == "events_created_at")
+        scanned = next(n for n in nodes(plans["slice"]) if n.get("Index Name") == "events_created_at")
         assert scanned["Actual Rows"] <= 2000 + 50, "the slice read past its limit"
