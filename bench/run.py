@@ -974,7 +974,7 @@ class Bench:
         sizes = []
         try:
             with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute("SET plan_cache_mode = force_custom_plan")  # a read's first plans (generic: test_relay_plan.py)
+                conn.execute("SET plan_cache_mode = force_custom_plan")  # a read's first plans
                 buckets, limit = self.lease_to(conn, owner)
                 stored = 0
                 for target in self.args.claim_sizes:
