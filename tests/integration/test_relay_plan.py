@@ -109,7 +109,9 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
     assert scan.get("Rows Removed by Filter", 0) <= len(LEASED), "history before the cursor must not be read"
     assert len(events) == LIMIT * len(LEASED)
     assert root["Actual Rows"] == len(events) + 1, "the rows, and the one that carries the snapshot"
-    touched = root.get("Shared Hit Blocks", 0) + root.get("Shared Read Blocks", 0)
+    # Buffers of the events table and its index only (on PostgreSQL 15 a generic plan probes the empty
+    # park's index once per leased bucket: a few hits each, not the trap this is about).
+    touched = sum(n.get("Shared Hit Blocks", 0) + n.get("Shared Read Blocks", 0) for n in on_events)
     assert touched < 40 * len(LEASED), f"{touched} buffers for {len(events)} rows: the read is not a range scan"
 
 
