@@ -194,11 +194,11 @@ def tuned_worker(args: argparse.Namespace) -> None:
 
     producer = Producer({**PRODUCER_DEFAULTS, "bootstrap.servers": args.bootstrap})
     producer.list_topics(args.topic, timeout=10)  # metadata fetched before the clock starts
-    conn = psycopg.connect(args.dsn)  # not autocommit: the claim commits after the acks
+    conn = psycopg.connect(args.dsn, application_name="bench-tuned")  # not autocommit: the claim commits after the acks
     listener = None
     stop = threading.Event()
     if args.serve:
-        listener = psycopg.connect(args.dsn, autocommit=True)
+        listener = psycopg.connect(args.dsn, autocommit=True, application_name="bench-tuned")
         listener.execute("LISTEN tuned_outbox")
     failures: list[str] = []
 
@@ -255,7 +255,7 @@ def latency_producer(args: argparse.Namespace) -> None:
     from outbox_relay import Outbox
 
     outbox = Outbox(default_topic=args.topic)
-    conn = psycopg.connect(args.dsn)
+    conn = psycopg.connect(args.dsn, application_name="bench-producer")
 
     def publish(batch: list[dict[str, Any]]) -> list[str]:
         if args.target == "outbox":

@@ -45,6 +45,7 @@ from typing import Any
 
 warnings.filterwarnings("ignore", module="platformdirs")
 
+import cpu  # noqa: E402
 import fleet  # noqa: E402
 import issue8  # noqa: E402
 import projection_cases  # noqa: E402
@@ -605,6 +606,31 @@ class Bench:
                 raise RuntimeError("latency producer failed to start")
             producer.stdin.write("go\n")
             producer.stdin.flush()
+            # Where the CPU goes while events flow (stopped before the producer exits: its time counts).
+            postmaster = cpu.postmaster_pid(self.pg.dir)
+            serving = [p.pid for _, p in relays] + [w.pid for w in workers]
+            clients = [producer.pid, consumer.pid]
+            with psycopg.connect(self.pg.admin_dsn, autocommit=True) as conn:  # backend pid -> who it serves
+                apps = dict(conn.execute("SELECT pid, application_name FROM pg_stat_activity").fetchall())
+
+            def backends(of: str) -> list[int]:
+                pids = [postmaster, *cpu.children(postmaster)] if postmaster else []
+                mine = {"relays": ("outbox-relay", "bench-tuned"), "producer": ("bench-producer",)}
+                if of == "rest":
+                    return [p for p in pids if not str(apps.get(p, "")).startswith(("outbox-relay", "bench-"))]
+                return [p for p in pids if str(apps.get(p, "")).startswith(mine[of])]
+
+            window = cpu.CpuWindow({
+                "relays": lambda: serving,
+                "postgres for relays": lambda: backends("relays"),
+                "postgres for producer": lambda: backends("producer"),
+                "postgres other": lambda: backends("rest"),
+                "broker": lambda: [self.kafka.proc.pid],
+                "bench clients": lambda: clients,
+            })
+            window.start()
+            time.sleep(max(0.5, seconds - 1.0))
+            out["cpu"] = window.stop()
             pstdout, _ = producer.communicate(timeout=seconds + 60)
             sent = json.loads(pstdout.strip().splitlines()[-1])
             consumer.stdin.write(f"expect {sent['sent'] + warmups}\n")
@@ -786,7 +812,8 @@ class Bench:
                 f"commit->produce p50/p99 {f(r['pickup_p50_ms'])}/{f(r['pickup_p99_ms'])} ms; commit->consumer "
                 f"p50/p99 {f(r['p50_ms'])}/{f(r['p99_ms'])} ms ({r['received']}/{r['sent']} received, "
                 f"{r['ack_measured']} acked, {r['achieved_rate']:.0f} ev/s achieved)"
-                + (f"; acked while held {r['acked_while_held']}, held {r['held_seconds']:.0f}s" if r["longtx"] else ""))
+                + (f"; acked while held {r['acked_while_held']}, held {r['held_seconds']:.0f}s" if r["longtx"] else "")
+                + "; cpu (cores) " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("cpu", {}).items()))
 
     def case_latency(self) -> None:
         runs = []
@@ -1179,6 +1206,11 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                          ("p99_ms", "commit -> consumer receive p99 ms"),
                          ("max_ms", "commit -> consumer receive max ms")):
             row(case, label, "ms", [r[k] for r in rs])
+        for group in ("relays", "postgres for relays", "postgres for producer", "postgres other", "broker",
+                      "bench clients", "machine"):
+            if all(group in r.get("cpu", {}) for r in rs):
+                what = "all cores busy" if group == "machine" else group
+                row(case, f"CPU while publishing: {what}, cores", "cores", [r["cpu"][group] for r in rs])
         lost = sum(r["missing"] for r in rs)
         if lost:
             found = sum((r.get("missing_diagnosis") or {}).get("missing_found_by_second_consumer", 0) for r in rs)
