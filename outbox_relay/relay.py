@@ -396,6 +396,8 @@ class SinkRunner:
             return
         held = self.leases.snapshot()
         surplus = {b: f for b, f in held.items() if b not in desired}
+        if not surplus and (self.draining.is_set() or desired <= held.keys()):
+            return  # the usual cycle: nothing to hand over or take
         if surplus:
             self._flush_ahead(surplus)
         # One connection at a time per thread (the pool may hold just one): nothing below checks out another.

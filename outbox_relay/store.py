@@ -73,10 +73,19 @@ class Checkpoint:
     delivered: list[StoredEvent] = field(default_factory=list)  # what the sink delivered (for observers)
     landed_at: datetime | None = None  # the database's clock when the checkpoint was written (set by it)
 
+    @property
+    def moves_only(self) -> bool:
+        """Whether it only moves cursors (nothing parked, unparked or dead-lettered): most batches."""
+        return not (self.park or self.done or self.dead)
+
+    def statement(self) -> str:
+        """What writes it: ``relay.advance`` (cursors only) or the whole ``relay.checkpoint``."""
+        return query("relay", "advance" if self.moves_only else "checkpoint")
+
     def params(self, sink: str, worker: str) -> dict[str, Any]:
         buckets = sorted(self.fences)
         cursors = [self.advance[b].params() if b in self.advance else (None, None, None, None) for b in buckets]
-        return {
+        moves = {
             "sink": sink,
             "worker": worker,
             "buckets": buckets,
@@ -86,6 +95,11 @@ class Checkpoint:
             "after_xids": [c[2] for c in cursors],
             "after_seqs": [c[3] for c in cursors],
             "resets": [b in self.resets for b in buckets],
+        }
+        if self.moves_only:
+            return moves
+        return {
+            **moves,
             "park_buckets": [e.bucket for e, *_ in self.park],
             "park_xids": [e.xid for e, *_ in self.park],
             "park_seqs": [e.seq for e, *_ in self.park],
@@ -212,7 +226,7 @@ def checkpoint(conn: Conn, sink: str, worker: str, cp: Checkpoint) -> set[int]:
     """Write the batch outcome; returns the buckets whose fence held (the others were lost)."""
     if not cp.fences:
         return set()
-    rows = conn.execute(query("relay", "checkpoint"), cp.params(sink, worker)).fetchall()
+    rows = conn.execute(cp.statement(), cp.params(sink, worker)).fetchall()
     cp.landed_at = rows[0][1] if rows else None
     return {r[0] for r in rows}
 
@@ -221,7 +235,7 @@ async def acheckpoint(conn: psycopg.AsyncConnection[Any], sink: str, worker: str
     """``checkpoint`` on an async connection (an async projection's own transaction)."""
     if not cp.fences:
         return set()
-    cur = await conn.execute(query("relay", "checkpoint"), cp.params(sink, worker))
+    cur = await conn.execute(cp.statement(), cp.params(sink, worker))
     rows = await cur.fetchall()
     cp.landed_at = rows[0][1] if rows else None
     return {r[0] for r in rows}

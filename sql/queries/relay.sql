@@ -159,6 +159,25 @@ SELECT EXISTS (SELECT 1 FROM outbox.parked p
                  AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
                                  WHERE k.sink = p.sink AND k.partition_key = p.partition_key));
 
+-- name: advance
+-- Commit one batch's outcome that only moves cursors (nothing to park, unpark or dead-letter: most
+-- batches), fenced as in checkpoint below, whose first step this is; the caller learns which buckets
+-- made it. A statement of its own: the whole checkpoint opens the park and the dead letters every time.
+UPDATE outbox.cursors c
+SET snapshot    = coalesce(v.seen::pg_snapshot, c.snapshot),
+    target      = CASE WHEN v.seen IS NULL THEN c.target ELSE v.target::pg_snapshot END,
+    after_xid   = CASE WHEN v.seen IS NULL THEN c.after_xid ELSE v.after_xid::xid8 END,
+    after_seq   = CASE WHEN v.seen IS NULL THEN c.after_seq ELSE v.after_seq END,
+    lapses      = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
+    advanced_at = clock_timestamp()
+FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(seen)s::text[], %(targets)s::text[],
+            %(after_xids)s::text[], %(after_seqs)s::bigint[], %(resets)s::boolean[])
+     AS v(bucket, fence, seen, target, after_xid, after_seq, reset)
+WHERE c.sink = %(sink)s AND c.bucket = v.bucket
+  AND c.owner = %(worker)s AND c.fence = v.fence
+  AND c.lease_expires_at > clock_timestamp()
+RETURNING c.bucket, clock_timestamp();
+
 -- name: checkpoint
 -- Commit one batch's outcome, fenced: for the buckets still leased under the same token, advance
 -- cursors, park or reschedule failures, drop finished parked rows and record dead letters.

@@ -28,3 +28,15 @@ def test_every_named_query_fits_psycopg_s_query_cache() -> None:
     for path in sorted((sql_dir() / "queries").glob("*.sql")):
         for name, sql in queries(path.stem).items():
             assert len(sql.encode()) <= limit, f"{path.stem}.{name}: {len(sql.encode())} bytes"
+
+
+def test_the_cursor_only_checkpoint_is_the_first_step_of_the_whole_one() -> None:
+    # store.Checkpoint.statement picks relay.advance for a batch that only moves cursors: the same
+    # fenced UPDATE as the whole checkpoint's first step, or the two would fence differently.
+    def words(sql: str) -> str:
+        return " ".join(sql.split("\n", 1)[1].split())  # without the purpose line
+
+    advance = words(queries("relay")["advance"])
+    checkpoint = words(queries("relay")["checkpoint"])
+    fenced = checkpoint.split("WITH fenced AS ( ", 1)[1].split(" RETURNING c.bucket", 1)[0]
+    assert advance.split(" RETURNING c.bucket", 1)[0] == fenced
