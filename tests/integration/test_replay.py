@@ -88,3 +88,25 @@ def test_replay_events_without_topic_by_default_topic_and_bad_ranges(
     bad = main([*common, "--topic", "orders", "--from-time", "2026-01-02T00:00:00+00:00",
                 "--to-time", "2026-01-01T00:00:00+00:00"])
     assert bad.returncode == 2 and "--from-time must be before --to-time" in bad.stderr
+
+
+def test_replay_exits_1_and_names_the_events_it_could_not_send(
+        dsn: str, kafka_bootstrap: str, kafka_topic: str) -> None:
+    """Exit code 1 (README, exit codes): the replay ran, sent what it could, and says which events
+    failed and why; the others still go out in order."""
+    register(dsn, "kafka", "kafka")
+    outbox = Outbox()
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        sent = outbox.publish_many(conn, [
+            {"type": "t", "key": "k", "topic": "orders", "payload": {"n": 0}},
+            {"type": "t", "key": "k", "topic": "orders", "payload": {"n": 1, "blob": "x" * 5000}},  # too large
+            {"type": "t", "key": "k", "topic": "orders", "payload": {"n": 2}},
+        ])
+    too_large = str(sent[1].id)
+    result = main(["replay", "--dsn", dsn, "--kafka-bootstrap-servers", kafka_bootstrap, "--topic", "orders",
+                   "--to-topic", kafka_topic, "--kafka-option", "message.max.bytes=2000"])
+    assert result.returncode == 1, result.stderr
+    assert f"failed: {too_large}: kafka: MSG_SIZE_TOO_LARGE" in result.stderr, result.stderr
+    assert "replayed 2 events; 1 failed" in result.stdout
+    assert by_key(consume_all(kafka_bootstrap, kafka_topic, 2, timeout=30, settle=0.5)) == {
+        "k": [str(sent[0].id), str(sent[2].id)]}
