@@ -12,6 +12,7 @@ import getpass
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import date, datetime
 from decimal import Decimal
 from types import FrameType
-from typing import Any
+from typing import Any, TextIO
 
 import psycopg
 from confluent_kafka import KafkaException
@@ -403,8 +404,30 @@ def _records(cols: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[dict[st
     return [dict(zip(cols, r, strict=True)) for r in rows]
 
 
+# What a terminal would act on rather than show: C0 controls but tab and newline (ESC, BEL, CR, ...), DEL,
+# C1 controls, and the bidirectional overrides and isolates (text that reads other than it is stored).
+_UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    c = ord(match.group())
+    return f"\\x{c:02x}" if c <= 0xFF else f"\\u{c:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on escaped (``\\x1b``, ``\\u202e``): producers
+    write keys, types, topics, headers and errors, and an operator's terminal must only show them.
+    Tabs and newlines stay (table cells fold them into spaces)."""
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def _say(text: str, file: TextIO | None = None, end: str = "\n") -> None:
+    """Print plain text (every line a command prints, but JSON, goes through here)."""
+    print(printable(text), file=file, end=end)
+
+
 def _cell(value: Any) -> str:
-    """A table cell: no Python reprs (lists and mappings as plain text)."""
+    """A table cell: no Python reprs (lists and mappings as plain text), nothing a terminal acts on."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -415,16 +438,16 @@ def _cell(value: Any) -> str:
         return ", ".join(f"{k}: {_cell(v)}" for k, v in value.items())
     if isinstance(value, list | tuple):
         return ", ".join(_cell(v) for v in value)
-    return " ".join(str(value).split())  # one line per row
+    return " ".join(printable(str(value)).split())  # one line per row
 
 
 def _print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
     cells = [[str(h) for h in headers]] + [[_cell(v) for v in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for i, r in enumerate(cells):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        _say("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         if i == 0:
-            print("  ".join("-" * w for w in widths))
+            _say("  ".join("-" * w for w in widths))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -444,20 +467,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print_json({key: _records(cols, rows) for key, (_, (cols, rows)) in sections.items()})
         return EXIT_OK
     for title, (cols, rows) in sections.values():
-        print(f"\n{title}:")
-        _print_table(rows, cols) if rows else print("  (none)")
+        _say(f"\n{title}:")
+        _print_table(rows, cols) if rows else _say("  (none)")
     return EXIT_OK
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
-    with _database(_dsn(args)) as conn:
+    with _database(_dsn(args)) as conn, conn.transaction():
+        if args.sink:  # like `keys` and `lag`: a misspelt sink is an error, not "0 dead letters"
+            _live_sink(conn, args.sink)
         if args.action == "list":
             params = {"sink": args.sink, "key": args.key, "limit": args.limit}
             cols, rows = _rows(conn, "admin", "dead_letters", params)
             if args.json:
                 _print_json(_records(cols, rows))
             else:
-                _print_table(rows, cols) if rows else print("no dead letters")
+                _print_table(rows, cols) if rows else _say("no dead letters")
             return EXIT_OK
         if not args.sink:
             raise ConfigurationError(f"dead-letters {args.action} needs --sink")
@@ -469,7 +494,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
             for bucket in sorted({r[1] for r in rows}):
                 _rows(conn, "admin", "notify_parked", {"bucket": bucket})
     verb = "queued for retry" if args.action == "retry" else "discarded"
-    print(f"{len(rows)} dead letters {verb}")
+    _say(f"{len(rows)} dead letters {verb}")
     return EXIT_OK
 
 
@@ -483,7 +508,7 @@ def cmd_lag(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(_records(cols, rows))
     else:
-        _print_table(rows, cols) if rows else print("no sinks")
+        _print_table(rows, cols) if rows else _say("no sinks")
     return EXIT_OK
 
 
@@ -502,7 +527,7 @@ def cmd_sinks(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(_records(cols, rows))
         else:
-            _print_table(rows, cols) if rows else print("no sinks")
+            _print_table(rows, cols) if rows else _say("no sinks")
         return EXIT_OK
     if not args.name:
         raise ConfigurationError(f"sinks {args.action} needs the sink's name")
@@ -535,7 +560,7 @@ def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float
         raise OutboxError(f"no sink named {name!r}")
     kind, dropped_at = found[0]
     if dropped_at is not None:
-        print(f"sink {name!r} was already dropped at {dropped_at:%Y-%m-%d %H:%M:%S%z}")
+        _say(f"sink {name!r} was already dropped at {dropped_at:%Y-%m-%d %H:%M:%S%z}")
         return EXIT_OK
     _rows(conn, "admin", "lock_sink_cursors", params)
     _, workers = _rows(conn, "admin", "sink_workers", params)
@@ -555,12 +580,12 @@ def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float
     _, parked, dead, rebuild_of, shadow = dropped[0]
     cost = (f"{pending} pending event(s) never reach it, {parked} parked event(s) and {dead} dead letter(s) "
             "deleted")
-    print(f"dropped sink {name!r} ({kind}): {cost}" + (f"; it was in use ({'; '.join(users)}): a relay still "
+    _say(f"dropped sink {name!r} ({kind}): {cost}" + (f"; it was in use ({'; '.join(users)}): a relay still "
                                                         "running it stops" if users else ""))
     if rebuild_of is not None:
-        print(f"the rebuild of {rebuild_of!r} it belonged to is abandoned; its copies stay in schema {shadow!r} "
+        _say(f"the rebuild of {rebuild_of!r} it belonged to is abandoned; its copies stay in schema {shadow!r} "
               "until the next rebuild of it")
-    print(f"`outbox-relay sinks recreate {name}` lets a relay register it again, from the oldest retained event")
+    _say(f"`outbox-relay sinks recreate {name}` lets a relay register it again, from the oldest retained event")
     return EXIT_OK
 
 
@@ -571,7 +596,7 @@ def _recreate_sink(conn: psycopg.Connection[Any], name: str) -> int:
     if found[0][1] is None:
         raise OutboxError(f"sink {name!r} is not dropped: nothing to recreate")
     _rows(conn, "admin", "recreate_sink", {"sink": name})
-    print(f"sink {name!r} ({found[0][0]}) recreated: the next relay that runs it registers it anew and delivers to "
+    _say(f"sink {name!r} ({found[0][0]}) recreated: the next relay that runs it registers it anew and delivers to "
           "it from the oldest retained event")
     return EXIT_OK
 
@@ -613,7 +638,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     applied = migrate(_dsn(args))
-    print(f"applied {len(applied)} migrations" + (": " + ", ".join(f"{m.version:04d}_{m.name}" for m in applied)
+    _say(f"applied {len(applied)} migrations" + (": " + ", ".join(f"{m.version:04d}_{m.name}" for m in applied)
                                                  if applied else " (schema up to date)"))
     return EXIT_OK
 
@@ -630,12 +655,12 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         pass
     if args.key is not None:
         n = rebuild_key(projection, dsn, args.key)
-        print(f"rebuilt key {args.key!r} of {projection.name!r}: {n} events replayed")
+        _say(f"rebuilt key {args.key!r} of {projection.name!r}: {n} events replayed")
         return EXIT_OK
     rebuild = Rebuild(projection, settings, from_time=args.from_time, from_position=args.from_position,
                       restart=args.restart, keep_old=args.keep_old)
     if args.cancel:
-        print(f"rebuild of {projection.name!r} " + ("cancelled" if rebuild.cancel() else "was not in progress"))
+        _say(f"rebuild of {projection.name!r} " + ("cancelled" if rebuild.cancel() else "was not in progress"))
         return EXIT_OK
 
     def interrupted(signum: int, _frame: FrameType | None) -> None:
@@ -646,9 +671,9 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     result = rebuild.run()
     if result is None:
-        print(f"rebuild of {projection.name!r} interrupted; run the same command again to resume", file=sys.stderr)
+        _say(f"rebuild of {projection.name!r} interrupted; run the same command again to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(f"rebuilt {projection.name!r}: {result.events} events in {result.seconds:.1f}s"
+    _say(f"rebuilt {projection.name!r}: {result.events} events in {result.seconds:.1f}s"
           + (" (resumed)" if result.resumed else ""))
     return EXIT_OK
 
@@ -672,11 +697,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         result = replay(settings, args.topic, from_time=args.from_time, to_time=args.to_time, key=args.key,
                         to_topic=args.to_topic, abort=stop)
     except Aborted:
-        print("replay interrupted: what was acknowledged so far stays on the topic", file=sys.stderr)
+        _say("replay interrupted: what was acknowledged so far stays on the topic", file=sys.stderr)
         return EXIT_INTERRUPTED
     for event_id, error in result.failed[:20]:
-        print(f"failed: {event_id}: {redact(error)}", file=sys.stderr)
-    print(f"replayed {result.sent} events" + (f"; {len(result.failed)} failed" if result.failed else ""))
+        _say(f"failed: {event_id}: {redact(error)}", file=sys.stderr)
+    _say(f"replayed {result.sent} events" + (f"; {len(result.failed)} failed" if result.failed else ""))
     return EXIT_FAILED if result.failed else EXIT_OK
 
 
@@ -712,7 +737,7 @@ def _key_show(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     if not rows:
         if args.sink:
             _no_such_sink(conn, args.sink)
-        print("no sinks")  # nothing registered yet: no relay ran
+        _say("no sinks")  # nothing registered yet: no relay ran
         return EXIT_OK
     sinks = []
     for state in _records(cols, rows):
@@ -723,9 +748,9 @@ def _key_show(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"key": args.key, "bucket": bucket, "max_attempts": max_attempts, "sinks": sinks})
         return EXIT_OK
-    print(f"key {args.key!r} (bucket {bucket})")
+    _say(f"key {args.key!r} (bucket {bucket})")
     for r in sinks:
-        print(f"  {r['sink']}: {r['summary']}")
+        _say(f"  {r['sink']}: {r['summary']}")
     for r in sinks:
         _print_key_report(r)
     return EXIT_OK
@@ -804,34 +829,34 @@ def _key_summary(r: dict[str, Any], max_attempts: int) -> tuple[str, str]:
 
 
 def _print_key_report(r: dict[str, Any]) -> None:
-    print(f"\nsink {r['sink']} ({r['kind']}): {r['state']}")
+    _say(f"\nsink {r['sink']} ({r['kind']}): {r['state']}")
     if r["owner"]:
-        print(f"  bucket {r['bucket']}: held by {r['owner']} (fence {r['fence']}, lease {r['lease_seconds_left']} s "
+        _say(f"  bucket {r['bucket']}: held by {r['owner']} (fence {r['fence']}, lease {r['lease_seconds_left']} s "
               "left)")
     else:
-        print(f"  bucket {r['bucket']}: held by no relay")
+        _say(f"  bucket {r['bucket']}: held by no relay")
     if r["paused"] is not None:
         p = r["paused"]
-        print(f"  paused since {_cell(p['since'])} by {p['by']} (role {p['role']})"
+        _say(f"  paused since {_cell(p['since'])} by {p['by']} (role {p['role']})"
               + (f": {_cell(p['reason'])}" if p["reason"] else ""))
     head = r["head"]
     if head is None:
-        print("  parked: nothing")
+        _say("  parked: nothing")
     else:
         wait = head["retry_in_seconds"]
         when = ("when resumed" if r["paused"] is not None else
                 f"{_cell(head['next_retry'])} (in {wait:.0f} s)" if wait is not None and wait > 0 else "due now")
-        print(f"  parked head: event {head['event_id']} ({head['type']}), {head['attempts']} failed attempt(s), "
+        _say(f"  parked head: event {head['event_id']} ({_cell(head['type'])}), {head['attempts']} failed attempt(s), "
               f"parked since {_cell(head['parked_at'])}, next retry {when}")
         if head["last_error"] is not None:
-            print(f"    last error: {_cell(head['last_error'])}")
-        print(f"  queued behind it: {r['queued_behind']} event(s)")
-    print(f"  not read by the sink yet: {r['unread']} event(s)"
+            _say(f"    last error: {_cell(head['last_error'])}")
+        _say(f"  queued behind it: {r['queued_behind']} event(s)")
+    _say(f"  not read by the sink yet: {r['unread']} event(s)"
           + (f", the oldest stored {_cell(r['oldest_unread'])}" if r["oldest_unread"] else ""))
     dead = r["dead_letters"]
-    print(f"  dead letters: {dead['count']}" + (f" (newest {len(dead['recent'])}):" if dead["count"] else ""))
+    _say(f"  dead letters: {dead['count']}" + (f" (newest {len(dead['recent'])}):" if dead["count"] else ""))
     for d in dead["recent"]:
-        print(f"    {d['event_id']} ({d['type']}) after {d['attempts']} attempt(s) at {_cell(d['dead_at'])}: "
+        _say(f"    {d['event_id']} ({_cell(d['type'])}) after {d['attempts']} attempt(s) at {_cell(d['dead_at'])}: "
               f"{_cell(d['last_error'])}")
 
 
@@ -886,7 +911,7 @@ def _key_done(args: argparse.Namespace, result: dict[str, Any], text: str) -> No
     if args.json:
         _print_json(result)
     else:
-        print(text)
+        _say(text)
 
 
 def _operator() -> str:
@@ -953,7 +978,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def _error(message: str) -> None:
-    print(f"outbox-relay: {one_line(message)}", file=sys.stderr)
+    _say(f"outbox-relay: {one_line(message)}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -979,7 +1004,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as exc:
         if args.log_level == "debug":
-            print(redact(traceback.format_exc()), file=sys.stderr, end="")
+            _say(redact(traceback.format_exc()), file=sys.stderr, end="")
         _error(f"unexpected error: {type(exc).__name__}: {exc}"
                + ("" if args.log_level == "debug" else " (--log-level debug prints the traceback)"))
         return EXIT_INTERNAL
