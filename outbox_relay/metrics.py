@@ -219,7 +219,8 @@ class OutboxGauges(Collector):
         yield key_pending
         yield key_oldest
         open_tx = GaugeMetricFamily(f"{PREFIX}_oldest_writing_transaction_age_seconds",
-                                    "Age of the oldest open writing transaction on the server (0: none)")
+                                    "Age of the oldest open writing transaction on the server, a session's or "
+                                    "a prepared one (0: none)")
         open_tx.add_metric([], cluster[0] or 0.0)
         yield open_tx
         housekeeping = GaugeMetricFamily(f"{PREFIX}_housekeeping_last_finished_age_seconds",

@@ -48,10 +48,17 @@ FROM ranked
 WHERE by_count <= %(top)s OR by_age <= %(top)s;
 
 -- name: cluster
--- The oldest open writing transaction on the server (seconds; NULL: none), and seconds since
--- housekeeping last finished.
-SELECT (SELECT extract(epoch FROM clock_timestamp() - min(xact_start))::float8
-        FROM pg_stat_activity WHERE backend_xid IS NOT NULL),
+-- The oldest open writing transaction on the server (seconds; NULL: none), a session's or a prepared
+-- one (as `status` shows: admin.sql horizon_holder), and seconds since housekeeping last finished.
+SELECT (SELECT extract(epoch FROM clock_timestamp() - min(since))::float8
+        FROM (
+            -- Sessions whose transaction has written (only those have a transaction id).
+            SELECT xact_start AS since FROM pg_stat_activity WHERE backend_xid IS NOT NULL
+            UNION ALL
+            -- Prepared (two-phase) transactions: no session left, they hold the horizon until
+            -- COMMIT/ROLLBACK PREPARED.
+            SELECT prepared FROM pg_prepared_xacts
+        ) holders),
        (SELECT CASE WHEN finished_at = '-infinity' THEN NULL
                     ELSE extract(epoch FROM clock_timestamp() - finished_at)::float8 END
         FROM outbox.housekeeping);

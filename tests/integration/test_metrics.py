@@ -7,10 +7,12 @@ import re
 import threading
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+import psycopg.sql
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -271,3 +273,33 @@ def test_the_counters_count_what_the_relay_did(dsn: str) -> None:
     finally:
         writer.close()
     assert dead_letters(dsn, "kafka")[ids[1]][0] == 2
+
+
+def test_a_prepared_transaction_is_the_oldest_writing_transaction(dsn: str) -> None:
+    """A prepared (two-phase) transaction has no session left in pg_stat_activity, but it holds the
+    vacuum horizon like an open one: the gauge (and its alert) counts it, as `status` does."""
+    from prometheus_client import CollectorRegistry
+
+    from outbox_relay.metrics import MetricsServer
+    from outbox_relay.testing import RecordingSink
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SHOW max_prepared_transactions").fetchone()
+        if row is None or int(row[0]) == 0:
+            pytest.skip("the server does not allow prepared transactions (max_prepared_transactions = 0)")
+        gid = f"outbox-test-{uuid.uuid4().hex}"
+        conn.execute("BEGIN")
+        conn.execute("CREATE TABLE held (n int)")
+        conn.execute(psycopg.sql.SQL("PREPARE TRANSACTION {}").format(psycopg.sql.Literal(gid)))
+    registry = CollectorRegistry()
+    port = free_port()
+    worker = Worker(make_settings(dsn, "horizon"), [RecordingSink("kafka")])
+    worker.services.append(MetricsServer(worker, registry, "127.0.0.1", port, 0.2))
+    try:
+        with running(worker):
+            # Its age grows by the second; the relay's own transactions last milliseconds.
+            wait_until(lambda: (value(scrape(port), "outbox_relay_oldest_writing_transaction_age_seconds")
+                                or 0) >= 1.0, 20, message="the gauge to count the prepared transaction")
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(psycopg.sql.SQL("ROLLBACK PREPARED {}").format(psycopg.sql.Literal(gid)))
