@@ -20,6 +20,8 @@ Cases (bench/README.md explains each one and its caveats):
     rebuild    `outbox-relay rebuild` of that projection over 1M stored events, 1 and 2 processes
     history    retention of 1M delivered events: sizes before/after and after VACUUM, deletion rate,
                longest retention transaction, then the claim cost on what is left
+    write      (not in the default set; also `python bench/write_path.py`) one-row business transactions
+               from 1/4/16/64 producers with and without the outbox write, bulk publish_many (write_path.py)
 Peak RSS of each relay process is read at the end of every drain and projection run.
 
 Prints a Markdown table and writes every raw figure as JSON to bench/results/.
@@ -50,6 +52,7 @@ import fleet  # noqa: E402
 import issue8  # noqa: E402
 import projection_cases  # noqa: E402
 import psycopg  # noqa: E402
+import write_path  # noqa: E402
 from servers import Servers, busy_fraction, machine  # noqa: E402
 
 from outbox_relay import Outbox, migrate, positions  # noqa: E402
@@ -1391,6 +1394,9 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
         lines.append("")
         for k, v in p["top"]["inclusive_pct"][:25]:
             lines.append(f"- {v:5.1f}%  {k}")
+    if "write" in results:
+        lines.append("")
+        lines.append(write_path.report(meta, results["write"]))
     return "\n".join(lines)
 
 
@@ -1399,8 +1405,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="about 2 minutes: fewer events, runs and sizes")
     p.add_argument("--cases", default="drain,tuned,projection,reference,latency,enqueue,claim,rebuild,history",
                    help="comma list of drain, tuned, projection, reference, latency, longtx, fleet, enqueue, claim, "
-                        "rebuild, history, profile; issue8 = drain,tuned,reference,latency,longtx,fleet and the "
-                        "issue's table")
+                        "rebuild, history, profile, write; issue8 = drain,tuned,reference,latency,longtx,fleet and "
+                        "the issue's table")
     p.add_argument("--events", type=int, default=None, help="N for drain and reference (default 20000)")
     p.add_argument("--runs", type=int, default=None, help="runs per case (default 3)")
     p.add_argument("--keys", type=int, default=1000)
@@ -1464,6 +1470,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="events per retention transaction (default: the relay's)")
     p.add_argument("--profile", action="store_true", help="also run one drain under py-spy (same as --cases +profile)")
     p.add_argument("--keep", action="store_true", help="keep the server directory under /tmp")
+    write_path.add_arguments(p)
     args = p.parse_args(argv)
     quick = args.quick
     args.cases = [c for c in args.cases.split(",") if c]
@@ -1502,6 +1509,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.drain_modes = [x for x in modes.split(",") if x]
     if args.profile and "profile" not in args.cases:
         args.cases.append("profile")
+    write_path.finish_arguments(args)
     return args
 
 
@@ -1534,7 +1542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 "claim": bench.case_claim, "profile": bench.case_profile,
                                                 "projection": lambda: projection_cases.case_projection(bench),
                                                 "rebuild": lambda: projection_cases.case_rebuild(bench),
-                                                "history": lambda: projection_cases.case_history(bench)}
+                                                "history": lambda: projection_cases.case_history(bench),
+                                                "write": lambda: write_path.case_write(bench)}
         for case in order:
             # Other work on the machine skews every figure: record how busy it was just before.
             busy = busy_fraction(1.0)
