@@ -36,6 +36,10 @@ class Published:
     created: bool  # False: the idempotency key was known; id is the event stored earlier
 
 
+# The array parameter of a batch statement for each field of a row (Outbox._rows).
+_ARRAYS = {"id": "ids", "topic": "topics", "key": "keys", "type": "types", "payload": "payloads",
+           "headers": "headers", "idempotency_key": "idempotency_keys", "time": "times"}
+
 # One statement to run and its parameters; the rows it returned are sent back.
 _Step = tuple[str, dict[str, Any]]
 _Plan = Generator[_Step, list[Any], list[Published]]
@@ -117,32 +121,56 @@ class Outbox:
         return out
 
     @staticmethod
-    def _params(events: Sequence[Event]) -> dict[str, Any]:
-        payloads = [e.payload_json() for e in events]  # raises before anything is sent
-        for e, payload in zip(events, payloads, strict=True):
+    def _rows(events: Sequence[Event]) -> list[dict[str, Any]]:
+        """Each event as the statements' text parameters; raises ``InvalidEvent`` before anything is sent."""
+        rows = []
+        for e in events:
+            payload = e.payload_json()
             _check_storable(e, payload)
-        return {
-            "ids": [str(e.id) for e in events],
-            "topics": [e.topic for e in events],
-            "keys": [e.key for e in events],
-            "types": [e.type for e in events],
-            "payloads": payloads,
-            "headers": [json.dumps(e.headers) for e in events],
-            "idempotency_keys": [e.idempotency_key for e in events],
-            "times": [e.time.isoformat() if e.time else None for e in events],
-        }
+            rows.append({"id": str(e.id), "topic": e.topic, "key": e.key, "type": e.type, "payload": payload,
+                         "headers": json.dumps(e.headers) if e.headers else "{}",
+                         "idempotency_key": e.idempotency_key, "time": e.time.isoformat() if e.time else None})
+        return rows
+
+    @staticmethod
+    def _arrays(rows: Sequence[dict[str, Any]], *, keys: bool = True) -> dict[str, list[Any]]:
+        """The rows as the array parameters of a batch statement (``ids``, ``topics``, ...)."""
+        names = _ARRAYS if keys else {k: v for k, v in _ARRAYS.items() if k != "idempotency_key"}
+        return {plural: [r[name] for r in rows] for name, plural in names.items()}
 
     def _plan(self, events: Iterable[Event | dict[str, Any]]) -> _Plan:
         """The statements of one publish call, for either driver loop (``_run`` / ``_arun``).
 
-        Normally one: the publish statement, which also finds idempotency conflicts with what it can
-        see and then inserts nothing. A key whose event a concurrent transaction committed after
-        that statement's snapshot comes back without an id; one more statement looks it up.
+        Normally one. Without idempotency keys, a plain INSERT (ids the caller chose are checked in it,
+        and one more statement names a stored one). With keys, the publish statement, which also finds
+        idempotency conflicts with what it can see and then inserts nothing. A key whose event a
+        concurrent transaction committed after that statement's snapshot comes back without an id;
+        one more statement looks it up.
         """
+        events = list(events)
+        # Events this call makes get a new UUIDv7 (``made``): nothing stored can have their ids.
+        made = not any(isinstance(e, Event) or "id" in e for e in events)
         batch, where = self._distinct(self._events(events))
-        params = self._params(batch)
-        rows = yield query("publish", "publish"), params
-        for e, row in zip(batch, rows, strict=True):
+        rows = self._rows(batch)
+        if not any(e.idempotency_key for e in batch):
+            # The common case, and what the SQL path of other languages writes: a plain INSERT (G2 costs
+            # nothing without a key). Ids the caller chose are checked in the same statement.
+            if made and len(rows) == 1:
+                yield query("publish", "insert_one"), rows[0]
+            elif made:
+                yield query("publish", "insert_many"), self._arrays(rows, keys=False)
+            else:
+                inserted = yield query("publish", "insert_checked"), self._arrays(rows, keys=False)
+                if not inserted:
+                    stored = yield query("publish", "stored_ids"), {"ids": [r["id"] for r in rows]}
+                    raise InvalidEvent(
+                        f"invalid event: id: an event with the id {stored[0][0] if stored else '?'} is already "
+                        "stored; ids are unique (leave id out for a new one; to publish an event again, give it the "
+                        "same idempotency_key); nothing of this call was written")
+            return self._expand([Published(e.id, True) for e in batch], where)
+        params = self._arrays(rows)
+        answers = yield query("publish", "publish"), params
+        for e, row in zip(batch, answers, strict=True):
             if row[3]:
                 raise InvalidEvent(
                     f"invalid event: id: an event with the id {e.id} is already stored; ids are unique (leave id out "
@@ -154,7 +182,7 @@ class Outbox:
                     "already stands for another event, stored or in this batch (type, key or payload differ): "
                     "a retry must publish the same event, a new event needs a new key; nothing of this call was "
                     "written")
-        results = [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in rows]
+        results = [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in answers]
         late = [i for i, r in enumerate(results) if r is None]
         if late:
             found = yield query("publish", "find_by_idempotency_keys"), {
@@ -298,14 +326,18 @@ def _executor(conn: Any) -> Callable[[str, dict[str, Any]], list[Any]]:
     if hasattr(conn, "exec_driver_sql") or (hasattr(conn, "get_bind") and hasattr(conn, "connection")):
         sa = conn if hasattr(conn, "exec_driver_sql") else conn.connection()  # Connection, or a Session's
         _require_transaction(sa.connection.driver_connection, conn)
-        return lambda sql, params: list(sa.exec_driver_sql(sql, params).fetchall())
+        def on_sqlalchemy(sql: str, params: dict[str, Any]) -> list[Any]:
+            result = sa.exec_driver_sql(sql, params)
+            return list(result.fetchall()) if result.returns_rows else []
+
+        return on_sqlalchemy
     if hasattr(conn, "cursor"):  # psycopg Connection
         _require_transaction(conn, conn)
 
         def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
             with conn.cursor() as cur:
                 cur.execute(sql, params)
-                return list(cur.fetchall())
+                return list(cur.fetchall()) if cur.description is not None else []
 
         return on_connection
     if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg Cursor
@@ -313,7 +345,7 @@ def _executor(conn: Any) -> Callable[[str, dict[str, Any]], list[Any]]:
 
         def on_cursor(sql: str, params: dict[str, Any]) -> list[Any]:
             conn.execute(sql, params)
-            return list(conn.fetchall())
+            return list(conn.fetchall()) if conn.description is not None else []
 
         return on_cursor
     raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg connection or cursor, "
@@ -327,7 +359,8 @@ async def _aexecutor(conn: Any) -> Callable[[str, dict[str, Any]], Awaitable[lis
         _require_transaction((await sa.get_raw_connection()).driver_connection, conn)
 
         async def on_sqlalchemy(sql: str, params: dict[str, Any]) -> list[Any]:
-            return list((await sa.exec_driver_sql(sql, params)).fetchall())
+            result = await sa.exec_driver_sql(sql, params)
+            return list(result.fetchall()) if result.returns_rows else []
 
         return on_sqlalchemy
     if hasattr(conn, "cursor"):  # psycopg AsyncConnection
@@ -336,7 +369,7 @@ async def _aexecutor(conn: Any) -> Callable[[str, dict[str, Any]], Awaitable[lis
         async def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
             async with conn.cursor() as cur:
                 await cur.execute(sql, params)
-                return list(await cur.fetchall())
+                return list(await cur.fetchall()) if cur.description is not None else []
 
         return on_connection
     if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg AsyncCursor
@@ -344,7 +377,7 @@ async def _aexecutor(conn: Any) -> Callable[[str, dict[str, Any]], Awaitable[lis
 
         async def on_cursor(sql: str, params: dict[str, Any]) -> list[Any]:
             await conn.execute(sql, params)
-            return list(await conn.fetchall())
+            return list(await conn.fetchall()) if conn.description is not None else []
 
         return on_cursor
     raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg AsyncConnection or cursor, "

@@ -101,6 +101,10 @@ class RelaySettings(BaseSettings):
         description="idle poll interval while LISTEN is connected (notifications wake a relay at once; "
                     "polling is the safety net)")
     listen: bool = Field(True, description="use LISTEN/NOTIFY to wake idle workers")
+    watch_interval_ms: float = Field(
+        1.0, ge=0.1, le=1000,
+        description="how often the one relay that watches for commits looks for new ones (milliseconds; it "
+                    "then wakes the owners of the buckets written)")
     housekeeping_seconds: float = Field(5.0, ge=0.01, le=3600,
                                         description="housekeeping interval (one pass per interval across all relays)")
 
@@ -111,8 +115,15 @@ class RelaySettings(BaseSettings):
     max_lapses: int = Field(
         3, ge=1, le=1000,
         description="leases lost with work pending before a bucket is delivered one event at a time")
-    drain_seconds: float = Field(30.0, ge=0.1, le=3600,
-                                 description="SIGTERM: time to finish in-flight work before releasing")
+    drain_seconds: float = Field(
+        30.0, ge=0.1, le=3600,
+        description="SIGTERM: time to finish in-flight work and release; then a hard stop, and the process "
+                    "exits at most HARD_STOP_SECONDS (5) later even if a sink is blocked (exit 5)")
+    handler_timeout_seconds: float = Field(
+        30.0, ge=0.1, le=3600,
+        description="a projection handler that has not returned after this long is abandoned (its transaction "
+                    "ended) and charged to its event as a failed attempt; a sink that has not checked its stop "
+                    "flag for this long counts as stuck: it gives its buckets up and /readyz says so")
 
     # history
     retention_seconds: float = Field(7 * DAY, ge=0, le=3650 * DAY, description="keep delivered events this long")

@@ -796,7 +796,7 @@ class FakeOutbox(Outbox):
         """What sql/queries/publish.sql does, in memory: one conflict refuses the whole call; a known
         idempotency key (stored, or earlier in the batch) yields that event, created=False."""
         batch, where = self._distinct(self._events(events))
-        payloads = self._params(batch)["payloads"]  # Outbox's checks: JSON, text PostgreSQL can store
+        payloads = [r["payload"] for r in self._rows(batch)]  # Outbox's checks: JSON, text PostgreSQL can store
         prints = [(e.type, e.key, _canonical(p)) for e, p in zip(batch, payloads, strict=True)]
         in_batch: dict[_Scope, set[_Fingerprint]] = {}
         for e, fp in zip(batch, prints, strict=True):

@@ -6,9 +6,12 @@ Threads and who owns what:
 - one SinkRunner per sink: acquires/releases its own leases, delivers, checkpoints.
 - housekeeping: every few seconds, a pass if it claims this interval's (outbox.housekeeping).
 - listener: LISTEN outbox_events_v2 and outbox_membership_v1; wakes the runners that hold or want
-  the notified buckets, with hints (polling stays the baseline).
+  the notified buckets, with hints (polling stays the baseline). On one relay per deployment it also
+  watches for commits and sends those notifications (wakeups.py).
 First SIGTERM/SIGINT drains (leave the assignment, stop claiming, finish the batch, release,
-exit); a second one stops hard (drop the batch in flight; the next owner redelivers).
+exit); a second one, or ``drain_seconds`` passing, stops hard (drop the batch in flight; the next
+owner redelivers). A sink thread that has not returned ``HARD_STOP_SECONDS`` after the hard stop is
+left behind: what can be released is, and the process exits with ``EXIT_HARD_STOP``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from .relay import PARKED_NOTICE, DeliveryGate, SinkRunner
 from .settings import RelaySettings
 from .sink import Sink
 from .store import Conn
+from .wakeups import MEMBERSHIP_CHANNEL, NOTIFY_CHANNEL, CommitWatcher
 
 log = logging.getLogger("outbox_relay.worker")
 
@@ -51,9 +55,11 @@ class Service(Protocol):
     def close(self) -> None: ...
 
 RECONNECT = Backoff(1.0, 30.0)  # waiting for the database: to start, and to listen again
-NOTIFY_CHANNEL = "outbox_events_v2"  # payload: the buckets a statement wrote, comma-separated
-MEMBERSHIP_CHANNEL = "outbox_membership_v1"  # payload: a sink whose assignment changed
 HOUSEKEEPING_STANDBY = 6  # intervals between claim attempts of a relay that is no sink's first live member
+# After a hard stop (second signal, or the drain deadline), how long the sink threads get to return
+# before the process exits without them (a sink blocked in a call that never returns).
+HARD_STOP_SECONDS = 5.0
+EXIT_HARD_STOP = 5  # `outbox-relay run`'s exit status when it had to leave a blocked sink thread behind
 VERSION = "0.1.0"
 
 
@@ -84,12 +90,17 @@ class Worker:
         self.fatal: OutboxError | None = None  # why the worker stopped by itself (a sink was dropped)
         # Written by the listener thread, read by heartbeats: `status` shows relays that only poll.
         self.listening = False
+        self.watching = False  # ... and whether this relay is the one watching for commits (wakeups.py)
         self.membership_changed = threading.Event()  # another relay stored a new assignment
         self.services: list[Service] = []  # started with the worker, closed after it (metrics server)
         self._beat_ok_at: float | None = None  # monotonic time of the last heartbeat that reached the database
         # Whether this relay comes first among the live members of one of its sinks (heartbeat): that relay
         # tries to claim every housekeeping pass, the others only now and then (HOUSEKEEPING_STANDBY).
         self.first_member = True
+        # Membership thread: since when its heartbeats have reached the database without a failure in between.
+        self._reachable_since: float | None = None
+        self._hard_deadline: float | None = None  # set by the hard stop: the sink threads' last moment
+        self._owns_process = False  # run() installed the signal handlers: it may end the process (EXIT_HARD_STOP)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -108,10 +119,13 @@ class Worker:
         self.pool = self._open_pool(dsn, max_size=max(1, len(sinks)))
         if self.pool is None or not self._register(sinks):
             return False
-        gate = DeliveryGate()  # one per process: crash-loop probes run alone across all sinks
+        # One per process: crash-loop probes run alone across all sinks; a batch in longer than the handler
+        # time limit (a stuck sink) stops counting, so it holds no other sink back.
+        gate = DeliveryGate(stale_seconds=s.handler_timeout_seconds)
         self.runners = [SinkRunner(sink, self.pool, s, gate=gate) for sink in sinks]
         for runner in self.runners:
             runner.listening = lambda: self.listening
+            runner.reachable_since = lambda: self._reachable_since
             runner.observer = self.observer
         try:
             self._beat()
@@ -175,6 +189,7 @@ class Worker:
         stopped by itself."""
         if install_signals:
             self.install_signal_handlers()
+            self._owns_process = True
         if self.start():
             self.wait()
 
@@ -204,6 +219,8 @@ class Worker:
             self.stop_hard()
 
     def stop_hard(self) -> None:
+        if self._hard_deadline is None:
+            self._hard_deadline = time.monotonic() + HARD_STOP_SECONDS
         self.stopping.set()
         for r in self.runners:
             r.abort.set()
@@ -235,7 +252,10 @@ class Worker:
                 problems.append(f"sink {r.sink.name}: no assignment yet")
                 continue
             missing = desired - r.leases.snapshot().keys()
-            if missing:
+            stuck = r.stuck()
+            if stuck:
+                problems.append(f"sink {r.sink.name}: stuck: {stuck}; its buckets were given up")
+            elif missing:
                 problems.append(f"sink {r.sink.name}: {len(missing)} of its {len(desired)} buckets not leased yet")
             check: Callable[[], str | None] | None = getattr(r.sink, "problem", None)
             problem = check() if check is not None else None
@@ -263,22 +283,55 @@ class Worker:
     def wait(self) -> None:
         while not self._sinks_done(0.5):
             self._check_fatal()
+            if self._hard_deadline is not None and time.monotonic() >= self._hard_deadline:
+                break
         self._check_fatal()
         self.stopped.set()
         self._wake_all()
+        blocked = [r for r, t in zip(self.runners, self._sink_threads(), strict=True) if t.is_alive()]
         try:
             # The membership thread first: a heartbeat of it still in flight would register us again.
             for t in self._threads:
-                t.join(5.0)
+                if not t.name.startswith("sink-"):
+                    t.join(5.0)
+            for r in blocked:
+                self._release_blocked(r)
             self._leave()
         finally:
             for r in self.runners:
-                r.sink.close()
+                if r not in blocked:  # a blocked sink's close could block too
+                    r.sink.close()
             if self.pool is not None:
-                self.pool.close()
+                self.pool.close(timeout=1.0 if blocked else 5.0)
             for service in self.services:
                 service.close()
+        if blocked:
+            names = ", ".join(r.sink.name for r in blocked)
+            log.error("worker %s stopped hard with sink %s still blocked %.0fs after the hard stop", self.id, names,
+                      HARD_STOP_SECONDS)
+            if self._owns_process:  # a thread can not be killed: end the process (exit status EXIT_HARD_STOP)
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
+                os._exit(EXIT_HARD_STOP)
+            return
         log.info("worker %s stopped", self.id)
+
+    def _sink_threads(self) -> list[threading.Thread]:
+        return [t for t in self._threads if t.name.startswith("sink-")]
+
+    def _release_blocked(self, runner: SinkRunner) -> None:
+        """Release the leases of a runner whose thread is blocked, so that the next owners need not wait for
+        them to expire; fenced, so whatever the thread still does lands nowhere."""
+        fences = runner.leases.snapshot()
+        if not fences or self.pool is None:
+            return
+        try:
+            with self.pool.connection(timeout=2.0) as conn:
+                store.announce_buckets(conn, store.release_leases(conn, runner.sink.name, self.id, fences))
+            runner.leases.drop(fences.keys(), fences)
+        except Exception as exc:
+            log.warning("sink %s: could not release the leases of its blocked runner (%s); they will expire",
+                        runner.sink.name, redact(str(exc)))
 
     # -- threads ---------------------------------------------------------------------------
 
@@ -334,10 +387,17 @@ class Worker:
                     next_renew = now + renew_every
                     for r in self.runners:
                         r.renew()
+                else:  # a runner that got stuck gives its buckets up now, not at the next renewal
+                    for r in self.runners:
+                        if r.stuck() is not None and r.leases.snapshot():
+                            r.renew()
                 if now >= next_beat:
                     next_beat = now + s.heartbeat_seconds
                     self._beat()
+                    if self._reachable_since is None:
+                        self._reachable_since = now
             except Exception as exc:
+                self._reachable_since = None
                 log.warning("membership: %s: %s", type(exc).__name__, redact(str(exc)))
 
     def _beat(self) -> None:
@@ -346,8 +406,8 @@ class Worker:
         assert self.pool is not None
         status = "draining" if self.stopping.is_set() else "alive"
         meta = {"version": VERSION, "host": socket.gethostname(), "pid": os.getpid(),
-                "listening": self.listening if self.settings.listen else None}
-        by_sink = {r.sink.name: r for r in self.runners}
+                "listening": self.listening if self.settings.listen else None, "watching": self.watching}
+        by_sink = {r.sink.name: r for r in self.runners if r.stuck() is None}  # a stuck runner leaves its sink
         with self.pool.connection() as conn:
             memberships = store.heartbeat(conn, self.id, status, list(by_sink), meta, self.settings.worker_ttl_seconds)
             self._beat_ok_at = time.monotonic()
@@ -406,6 +466,7 @@ class Worker:
                 log.warning("housekeeping: %s: %s", type(exc).__name__, redact(str(exc)))
 
     def _listen_loop(self) -> None:
+        """LISTEN for wake-ups; on the relay that watches for commits (wakeups.py), also watch."""
         dsn = self.settings.dsn.get_secret_value()
         failures = 0
         while not self.stopped.is_set():
@@ -417,14 +478,28 @@ class Worker:
                     failures = 0
                     self._read_everything()  # notifications may have been missed while disconnected
                     self.membership_changed.set()
+                    watcher = CommitWatcher(conn, self.settings.watch_interval_ms)
+                    own_pid = conn.info.backend_pid
                     while not self.stopped.is_set():
-                        for note in conn.notifies(timeout=1.0, stop_after=1):
+                        if self.stopping.is_set():
+                            watcher.step_down()  # a draining relay hands watching over
+                        if not self.stopping.is_set() and watcher.lead(self.first_member):
+                            self.watching = True
+                            buckets = watcher.watch()
+                            if buckets is not None:
+                                self._wake_owners(buckets)
+                            notes = conn.notifies(timeout=0)  # those that arrived meanwhile
+                        else:
+                            self.watching = False
+                            notes = conn.notifies(timeout=1.0, stop_after=1)
+                        for note in notes:
                             if note.channel == MEMBERSHIP_CHANNEL:
                                 self.membership_changed.set()
-                            else:
+                            elif note.pid != own_pid:  # our own watch's buckets were handled above
                                 self._wake_owners(note.payload)
             except Exception as exc:
                 self.listening = False
+                self.watching = False
                 if self.stopped.is_set():
                     return
                 failures += 1
@@ -432,4 +507,3 @@ class Worker:
                 log.warning("listener: %s: %s; polling until it reconnects (in %.0fs)", type(exc).__name__,
                             redact(str(exc)), delay)
                 self.stopped.wait(delay)
-

@@ -66,20 +66,8 @@ CREATE UNIQUE INDEX events_idempotency_key ON outbox.events ((coalesce(topic, ''
 -- Retention (oldest first) and time-based replay and rebuild (0004 replaced a BRIN index).
 CREATE INDEX events_created_at ON outbox.events (created_at);
 
--- Wake the relays that own a touched bucket (0007): one notification per statement, carrying the
--- buckets it wrote (Postgres folds identical notifications of one transaction). Polling stays the
--- baseline.
-CREATE FUNCTION outbox.notify_events_v2() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_notify('outbox_events_v2', (SELECT string_agg(DISTINCT n.bucket::text, ',') FROM new_events n));
-    RETURN NULL;
-END
-$$;
-
-CREATE TRIGGER events_notify AFTER INSERT ON outbox.events
-    REFERENCING NEW TABLE AS new_events
-    FOR EACH STATEMENT EXECUTE FUNCTION outbox.notify_events_v2();
+-- Commits since a snapshot (0010, outbox.watch_commits_v1): one range from its xmax, one probe per open id.
+CREATE INDEX events_xid ON outbox.events (xid);
 
 CREATE TABLE outbox.workers (
     id           text        NOT NULL,
@@ -288,8 +276,15 @@ BEGIN
 END
 $$;
 
+-- 0010: entered only for rows that need it; a plain event is checked by the WHEN clause alone.
 CREATE TRIGGER events_check BEFORE INSERT ON outbox.events
-    FOR EACH ROW EXECUTE FUNCTION outbox.check_event_v1();
+    FOR EACH ROW
+    WHEN (NEW.idempotency_key IS NOT NULL
+          OR NEW.headers <> '{}'::jsonb
+          OR NEW.xid IS DISTINCT FROM pg_current_xact_id()
+          OR NEW.created_at IS DISTINCT FROM now()
+          OR NEW.topic !~ '^[A-Za-z0-9._-]{1,249}$' OR NEW.topic IN ('.', '..'))
+    EXECUTE FUNCTION outbox.check_event_v1();
 
 -- One row: who runs housekeeping now and when it last finished. A relay claims a pass with one
 -- UPDATE (the interval has passed since the last one finished, or a claimed pass went stale), so
@@ -349,6 +344,43 @@ CREATE TABLE outbox.assignments (
     CONSTRAINT assignments_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
 );
 
+-- 0010_quiet_producers: producers notify nobody; one relay watches for commits and wakes the owners
+-- (see the migration for the design).
+-- Wait until events committed that `since` did not see, at most wait_ms, looking every interval_ms.
+-- Returns the snapshot of the last look and the buckets written (comma-separated, or '*' when more
+-- than 10,000 events arrived at once: every relay then reads all it holds), NULL if nothing came.
+-- It notifies outbox_events_v2 with the same payload. since NULL: returns the current snapshot at once.
+CREATE FUNCTION outbox.watch_commits_v1(since pg_snapshot, wait_ms integer, interval_ms double precision,
+                                        OUT snapshot pg_snapshot, OUT buckets text)
+    LANGUAGE plpgsql AS $$
+DECLARE
+    deadline timestamptz := clock_timestamp() + make_interval(secs => wait_ms / 1000.0);
+    seen     integer;
+BEGIN
+    LOOP
+        -- One statement, so that the snapshot returned is the one the scan saw.
+        SELECT pg_current_snapshot(), count(*)::integer, string_agg(DISTINCT n.bucket::text, ',')
+        INTO snapshot, seen, buckets
+        FROM (SELECT e.bucket
+              FROM outbox.events e
+              WHERE since IS NOT NULL
+                AND (e.xid >= pg_snapshot_xmax(since) OR e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(since))))
+                AND NOT pg_visible_in_snapshot(e.xid, since)
+              LIMIT 10001) n;
+        IF seen > 10000 THEN
+            buckets := '*';
+        END IF;
+        IF buckets IS NOT NULL THEN
+            PERFORM pg_notify('outbox_events_v2', buckets);
+            RETURN;
+        END IF;
+        EXIT WHEN since IS NULL OR clock_timestamp() >= deadline;
+        since := snapshot;
+        PERFORM pg_sleep(interval_ms / 1000.0);
+    END LOOP;
+END
+$$;
+
 -- The migrations this snapshot contains.
 INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (1, 'initial', NULL),
@@ -359,4 +391,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (6, 'projection_guards', NULL),
     (7, 'snapshot_cursors', 7),
     (8, 'paused_keys', 8),
-    (9, 'park_order', NULL);
+    (9, 'park_order', NULL),
+    (10, 'quiet_producers', NULL);

@@ -57,6 +57,7 @@ TEST_SETTINGS = {
     "synchronous_commit": "off",
     "full_page_writes": "off",
     "max_connections": "300",
+    "max_prepared_transactions": "10",  # PREPARE TRANSACTION after publish is tested (two-phase commit)
 }
 
 

@@ -742,7 +742,7 @@ def test_publish_statement_cost_grows_linearly(dsn: str, outbox: Outbox) -> None
         with psycopg.connect(dsn) as conn:
             conn.prepare_threshold = None  # the custom plan, as for the first executions of any client
             (plan,) = conn.execute("EXPLAIN (FORMAT JSON) " + query("publish", "publish"),
-                                   Outbox._params(events)).fetchone()  # type: ignore[misc]
+                                   Outbox._arrays(Outbox._rows(events))).fetchone()  # type: ignore[misc]
         return float(plan[0]["Plan"]["Total Cost"])
 
     small, large = cost(1000), cost(4000)

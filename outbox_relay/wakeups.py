@@ -1,0 +1,72 @@
+"""Wake-ups without producer NOTIFY: one relay per deployment watches for commits.
+
+Producers write plain INSERTs and notify nobody (migration 0010): a NOTIFY in the producer's
+transaction serialised every publishing commit on the server and ruled out PREPARE TRANSACTION.
+Instead, the relay that holds an advisory lock (``WATCH_LOCK``) on its LISTEN connection calls
+``outbox.watch_commits_v1`` in a loop. The function sleeps in the server, looks every
+``--watch-interval-ms`` for transactions that wrote events and have committed since its last look
+(a short index range on ``events.xid``), and returns with their buckets after sending the same
+``NOTIFY outbox_events_v2`` the trigger used to send, so every relay's listener wakes the owners as
+before. Idle, it costs one statement per ``WATCH_WAIT_MS`` on one relay.
+
+Who watches: whichever listening relay takes the lock first. The lock is session-level, so a relay
+that dies or loses its connection frees it at once; the first live member of a sink (the relay that
+also runs housekeeping) tries to take it every ``LEAD_RETRY_FIRST`` seconds, the others every
+``LEAD_RETRY_OTHERS``. Polling (``--listen-poll-seconds``) stays the safety net while nobody watches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .sqlfiles import query
+from .store import Conn
+
+log = logging.getLogger("outbox_relay.wakeups")
+
+NOTIFY_CHANNEL = "outbox_events_v2"  # payload: buckets written, comma-separated ("*": all)
+MEMBERSHIP_CHANNEL = "outbox_membership_v1"  # payload: a sink whose assignment changed
+WATCH_LOCK = 0x6F7574626F7877  # "outboxw": advisory lock of the relay that watches for commits
+WATCH_WAIT_MS = 1000  # one call returns after this long without a commit (then notifications are read)
+LEAD_RETRY_FIRST = 1.0  # seconds between tries to lead, for a sink's first live member
+LEAD_RETRY_OTHERS = 20.0  # ... for every other listening relay (a first member that does not listen)
+
+
+class CommitWatcher:
+    """The watching side of one relay's LISTEN connection; owned by the listener thread."""
+
+    def __init__(self, conn: Conn, interval_ms: float) -> None:
+        self.conn = conn
+        self.interval_ms = interval_ms
+        self.leading = False
+        self._since: str | None = None  # snapshot of the last look (text)
+        self._next_try = 0.0
+
+    def lead(self, first_member: bool) -> bool:
+        """Whether this relay watches now; tries to take the lock when it is due."""
+        if self.leading:
+            return True
+        now = time.monotonic()
+        if now >= self._next_try:
+            self._next_try = now + (LEAD_RETRY_FIRST if first_member else LEAD_RETRY_OTHERS)
+            row = self.conn.execute(query("wakeups", "lead"), {"lock": WATCH_LOCK}).fetchone()
+            self.leading = bool(row and row[0])
+            if self.leading:
+                self._since = None
+                log.info("watching for commits (this relay wakes the others)")
+        return self.leading
+
+    def step_down(self) -> None:
+        if self.leading:
+            self.conn.execute(query("wakeups", "step_down"), {"lock": WATCH_LOCK})
+            self.leading = False
+
+    def watch(self) -> str | None:
+        """Wait (at most WATCH_WAIT_MS) for commits since the last look; the buckets they wrote, or None."""
+        row = self.conn.execute(query("wakeups", "watch"), {
+            "since": self._since, "wait_ms": WATCH_WAIT_MS, "interval_ms": self.interval_ms}).fetchone()
+        if row is None:
+            return None
+        self._since = row[0]
+        return row[1]  # type: ignore[no-any-return]

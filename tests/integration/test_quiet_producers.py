@@ -1,0 +1,153 @@
+"""Producers notify nobody (migration 0010): one relay watches for commits and wakes the owners.
+
+A producer's transaction is a plain INSERT: no NOTIFY (which serialised publishing commits on the
+server), so two-phase commit works; relays still wake within milliseconds because the relay that
+holds the watch lock (wakeups.py) finds new commits and notifies for them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_relay import Outbox
+from outbox_relay.worker import Worker
+from tests.integration.relay_helpers import RecordingSink, keys_in_bucket, make_settings, publish, running, settled
+from tests.servers import wait_until
+
+TOPIC = "orders"
+
+
+def _listener(dsn: str) -> psycopg.Connection[Any]:
+    conn = psycopg.connect(dsn, autocommit=True)
+    conn.execute("LISTEN outbox_events_v2")
+    return conn
+
+
+def test_a_publishing_transaction_notifies_nobody(dsn: str) -> None:
+    """Neither publish nor the plain SQL path sends a notification: nothing in the producer's commit
+    takes PostgreSQL's server-wide notify lock."""
+    outbox = Outbox(default_topic=TOPIC)
+    with _listener(dsn) as listener:
+        with psycopg.connect(dsn) as conn:
+            outbox.publish(conn, type="order.created", key="o-1", payload={"n": 1})
+            outbox.publish_many(conn, [{"type": "order.paid", "key": f"o-{i}", "payload": {}} for i in range(3)])
+            outbox.publish(conn, type="order.created", key="o-9", payload={}, idempotency_key="idem-9")
+            conn.execute("INSERT INTO outbox.events (topic, partition_key, type, payload) "
+                         "VALUES ('orders', 'o-2', 'order.created', '{}')")
+        with psycopg.connect(dsn) as conn:
+            stored = conn.execute("SELECT count(*) FROM outbox.events").fetchone()
+        assert stored == (6,)
+        notes = list(listener.notifies(timeout=1.0))
+    assert notes == [], f"a producer's commit sent {notes}"
+
+
+def _prepared_transactions_enabled(dsn: str) -> bool:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
+    return bool(row and row[0] > 0)
+
+
+def test_a_transaction_that_published_can_be_prepared_and_its_event_is_delivered(dsn: str) -> None:
+    """Two-phase commit: PREPARE TRANSACTION after publish works (a NOTIFY made it fail), and the
+    relay wakes for the event when COMMIT PREPARED makes it visible, with polling every 30 s."""
+    if not _prepared_transactions_enabled(dsn):
+        pytest.skip("the server has max_prepared_transactions = 0")
+    sink = RecordingSink("relay-a")
+    worker = Worker(make_settings(dsn, "relay-a", listen=True, poll_seconds=30.0, listen_poll_seconds=30.0),
+                    sinks=[sink])
+    gid = f"outbox-test-{uuid.uuid4().hex[:8]}"
+    with running(worker):
+        wait_until(lambda: settled(dsn, ["relay-a"]) and worker.watching, 15,
+                   message="the relay to hold every bucket and watch for commits")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("BEGIN")
+            published = Outbox(default_topic=TOPIC).publish(conn, type="order.created", key="o-1", payload={})
+            conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+        wait_until(lambda: sink.delivered_ids() == {published.id}, 10,
+                   message="the prepared transaction's event to be delivered")
+
+
+def test_watch_commits_finds_a_transaction_that_was_open_at_the_last_look(dsn: str) -> None:
+    """A commit of a transaction that was already open when the watcher looked (its id is in that
+    snapshot's xip list, below xmax) is found as well as later ones; an empty look returns no buckets."""
+    watch = "SELECT snapshot::text, buckets FROM outbox.watch_commits_v1(%s::pg_snapshot, %s, 1)"
+    with psycopg.connect(dsn, autocommit=True) as watcher, psycopg.connect(dsn) as early, \
+            psycopg.connect(dsn) as late:
+        early.execute("SELECT pg_current_xact_id()")  # the early transaction has its id now
+        row = watcher.execute(watch, (None, 0)).fetchone()
+        assert row is not None and row[1] is None
+        since = row[0]
+        key_early, key_late = keys_in_bucket(dsn, 3, 1)[0], keys_in_bucket(dsn, 200, 1)[0]
+        late.execute("INSERT INTO outbox.events (topic, partition_key, type, payload) VALUES ('t', %s, 'x', '{}')",
+                     (key_late,))
+        late.commit()
+        row = watcher.execute(watch, (since, 2000)).fetchone()
+        assert row is not None and row[1] == "200"
+        since = row[0]
+        row = watcher.execute(watch, (since, 0)).fetchone()
+        assert row is not None and row[1] is None, "a look with no new commit named buckets"
+        since = row[0]
+        early.execute("INSERT INTO outbox.events (topic, partition_key, type, payload) VALUES ('t', %s, 'x', '{}')",
+                      (key_early,))
+        early.commit()
+        row = watcher.execute(watch, (since, 2000)).fetchone()
+        assert row is not None and row[1] == "3", "the transaction open at the last look was missed"
+
+
+def test_watch_commits_names_every_bucket_of_a_large_commit_as_all(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as watcher:
+        (since,) = watcher.execute("SELECT snapshot::text FROM outbox.watch_commits_v1(NULL, 0, 1)").fetchone()  # type: ignore[misc]
+        with psycopg.connect(dsn) as conn:
+            conn.execute("INSERT INTO outbox.events (topic, partition_key, type, payload) "
+                         "SELECT 't', 'k' || i, 'x', '{}' FROM generate_series(1, 10001) AS i")
+        row = watcher.execute("SELECT buckets FROM outbox.watch_commits_v1(%s::pg_snapshot, 2000, 1)",
+                              (since,)).fetchone()
+    assert row == ("*",)
+
+
+def test_one_relay_watches_and_another_takes_over_when_it_leaves(dsn: str) -> None:
+    """Exactly one of three relays watches; when it drains, another one watches, and a commit still
+    wakes its bucket's owner with polling every 30 s."""
+    names = ["relay-a", "relay-b", "relay-c"]
+    sinks = {n: RecordingSink(n) for n in names}
+    workers = {n: Worker(make_settings(dsn, n, listen=True, poll_seconds=30.0, listen_poll_seconds=30.0),
+                         sinks=[sinks[n]]) for n in names}
+    with running(workers["relay-a"]), running(workers["relay-b"]):
+        with running(workers["relay-c"]):
+            wait_until(lambda: settled(dsn, names), 15, message="the assignment to settle")
+            wait_until(lambda: sum(w.watching for w in workers.values()) == 1, 10,
+                       message="one relay to watch for commits")
+            watcher = next(n for n, w in workers.items() if w.watching)
+        if watcher != "relay-c":
+            workers[watcher].drain()
+        rest = [n for n in names if n not in (watcher, "relay-c")]
+        wait_until(lambda: settled(dsn, rest), 15, message="the assignment to settle on the rest")
+        wait_until(lambda: [n for n in rest if workers[n].watching] != [], 15,
+                   message="another relay to take over watching")
+        ids = publish(dsn, [(f"key-{i}", "t", {}) for i in range(20)])
+        wait_until(lambda: set().union(*(sinks[n].delivered_ids() for n in rest)) >= set(ids), 10,
+                   message="the remaining relays to be woken for the commit")
+
+
+@pytest.mark.parametrize(("columns", "values", "message"), [
+    ("xid, topic, partition_key, type, payload", "'1', 't', 'k', 'x', '{}'", "xid is set by the database"),
+    ("created_at, topic, partition_key, type, payload", "now() - interval '1 day', 't', 'k', 'x', '{}'",
+     "created_at is set by the database"),
+    ("topic, partition_key, type, payload", "'no spaces', 'k', 'x', '{}'", "is not a Kafka topic name"),
+    ("topic, partition_key, type, payload", "'..', 'k', 'x', '{}'", "is not a Kafka topic name"),
+    ("topic, partition_key, type, payload, headers", "'t', 'k', 'x', '{}', '{\"ce_id\": \"1\"}'",
+     "is reserved for the relay"),
+])
+def test_the_sql_path_still_refuses_what_no_relay_could_deliver(dsn: str, columns: str, values: str,
+                                                                 message: str) -> None:
+    """The check trigger runs only for rows its WHEN clause picks; a plain row with a bad field must
+    still be one of them."""
+    with psycopg.connect(dsn) as conn, pytest.raises(psycopg.errors.CheckViolation, match=message):
+        conn.execute(f"INSERT INTO outbox.events ({columns}) VALUES ({values})")  # type: ignore[arg-type]
