@@ -23,6 +23,12 @@ report carries no offset for the batch's first message, and made-up ones for the
 
 A replacement sends the batch's unacknowledged messages again, in their original order (duplicates
 are possible, reordering is not; see ``_resend``), and counts no attempt.
+
+A topic that does not exist (with auto-creation off) or that an ACL denies is a condition of the
+sink, not of its events (``TOPIC_CONDITIONS``): the topic is *held* (``TopicCondition``). Its events
+fail with ``Failure.hold_seconds`` (parked, no attempt counted, nothing dead-lettered) without being
+produced, ``problem()`` names it, and its metadata is asked for again after a backoff; once the broker
+answers for it, its events go out again. Events of other topics are not held back.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from .backoff import Backoff
 from .dsn import redact_kafka_config
 from .errors import ConfigurationError
 from .observer import NULL_OBSERVER, Observer
@@ -75,18 +82,27 @@ RESERVED_HEADERS = frozenset({
 })
 RESERVED_PREFIX = "outbox_"
 
-# Errors no retry can fix: dead-letter at once with the reason.
+# Errors no retry can fix: dead-letter at once with the reason. TOPIC_EXCEPTION is a topic name the
+# broker refuses outright, which no operator action on the cluster changes.
 NON_RETRIABLE = {
     KafkaError.MSG_SIZE_TOO_LARGE,
     KafkaError.INVALID_MSG,
     KafkaError.INVALID_RECORD,
     KafkaError.RECORD_LIST_TOO_LARGE,
-    KafkaError.UNKNOWN_TOPIC_OR_PART,
-    KafkaError._UNKNOWN_TOPIC,
-    KafkaError.TOPIC_AUTHORIZATION_FAILED,
     KafkaError.TOPIC_EXCEPTION,
     KafkaError._INVALID_ARG,
 }
+
+# Errors that say the topic can not be written by this producer now, whichever event it is: it does
+# not exist (yet: auto-creation is off and it is created late) or an ACL denies it. An operator fixes
+# them on the cluster; the events wait meanwhile (held), no attempt counted.
+TOPIC_CONDITIONS = {
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._UNKNOWN_TOPIC,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+}
+HOLD_BACKOFF = Backoff(1.0, 30.0)  # between checks of a held topic (by how many checks failed)
+METADATA_TIMEOUT_SECONDS = 5.0  # a topic's metadata request; no answer: produce and let the batch wait
 
 # Errors of the producer's idempotence session, not of the message: the broker forgot or
 # refused the producer id or its sequence, or librdkafka purged the message because the
@@ -115,6 +131,20 @@ def _describe(err: KafkaError) -> str:
 
 def _failure(err: KafkaError) -> Failure:
     return Failure(f"kafka: {_describe(err)}", retriable=err.code() not in NON_RETRIABLE)
+
+
+@dataclass
+class TopicCondition:
+    """Why a topic's events are held: the broker's answer, since when, how many checks found it."""
+
+    error: str
+    since: float  # monotonic time it was first seen
+    checks: int = 1  # answers that found the topic not writable (its backoff grows with them)
+    retry_at: float = 0.0  # monotonic time of the next check
+
+    def failure(self, topic: str, now: float) -> Failure:
+        return Failure(f"kafka: topic {topic}: {self.error} (a condition of the sink: the event waits, no attempt "
+                       "counted)", hold_seconds=max(0.0, self.retry_at - now))
 
 
 def sequence(xid: int, seq: int) -> str:
@@ -225,9 +255,10 @@ class _Flight:
     ``poll()`` on the calling thread.
     """
 
-    def __init__(self, outcomes: Outcomes, session: _Session) -> None:
+    def __init__(self, outcomes: Outcomes, session: _Session, batch: _Batch) -> None:
         self.outcomes = outcomes  # the batch's, shared by every flight of the batch
         self.session = session
+        self.batch = batch
         self.pending = 0
         self.last_report = time.monotonic()
         self.session_error: str | None = None
@@ -245,6 +276,8 @@ class _Flight:
             if err is not None:
                 if err.code() in SESSION_ERRORS or err.fatal():
                     self.session_error = self.session_error or _describe(err)  # sent again by the next producer
+                elif err.code() in TOPIC_CONDITIONS:
+                    self.outcomes[event_id] = self.batch.topic_failed(msg.topic(), event_id, err)
                 else:
                     self.outcomes[event_id] = _failure(err)
                 return
@@ -260,8 +293,24 @@ class _Flight:
                     "after losing its state)")
                 return
             self.outcomes[event_id] = None
+            self.batch.acknowledged.add(partition[0])
             self.session.acknowledged()
         return on_delivery
+
+
+class _Batch:
+    """Topic conditions one batch met, shared by its flights: events whose topic turned out not
+    writable (their outcomes are set once the batch is done) and topics something was acknowledged on."""
+
+    def __init__(self) -> None:
+        self.held: dict[uuid.UUID, str] = {}  # event id -> its topic
+        self.errors: dict[str, str] = {}  # topic -> the broker's or the client's answer
+        self.acknowledged: set[str] = set()
+
+    def topic_failed(self, topic: str, event_id: uuid.UUID, err: KafkaError) -> Failure:
+        self.held[event_id] = topic
+        self.errors.setdefault(topic, _describe(err))
+        return Failure(f"kafka: topic {topic}: {_describe(err)}", hold_seconds=0.0)  # replaced by ``_settle``
 
 
 class KafkaSink:
@@ -284,6 +333,12 @@ class KafkaSink:
         self._recreate_delay = FIRST_RECREATE_DELAY
         self._recreate_after = 0.0  # monotonic time before which the producer is not replaced again
         self._session = _Session()
+        self.hold_backoff = HOLD_BACKOFF
+        # Held topics: written by the thread that calls deliver(), read by problem() and the metrics on
+        # others (replaced under the lock, never changed in place).
+        self._conditions: dict[str, TopicCondition] = {}
+        self._conditions_lock = threading.Lock()
+        self._writable: set[str] = set()  # topics the broker answered for (deliver()'s thread only)
         self.observer: Observer = NULL_OBSERVER  # set by the composition root
         try:
             self._producer = self._new_producer(self._session)
@@ -304,7 +359,15 @@ class KafkaSink:
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
             return f"the Kafka brokers do not answer: {_describe(err)}"
-        return None
+        now = time.monotonic()
+        held = [f"topic {topic}: {c.error} for {now - c.since:.0f}s (its events wait)"
+                for topic, c in sorted(self.conditions().items())]
+        return "; ".join(held) or None
+
+    def conditions(self) -> dict[str, TopicCondition]:
+        """The held topics and why (a copy; safe from any thread)."""
+        with self._conditions_lock:
+            return dict(self._conditions)
 
     def idle(self) -> None:
         """While the runner waits with nothing to deliver (``sink.wait_idle``, on the thread that calls
@@ -340,9 +403,11 @@ class KafkaSink:
             messages.append(_Message(e, topic, headers))
         if messages:
             self._check_producer(abort)
+            messages = self._hold_back(messages, outcomes)
+        batch = _Batch()
         todo = messages
         while todo:
-            flight = _Flight(outcomes, self._session)
+            flight = _Flight(outcomes, self._session, batch)
             # A key whose event failed in this batch is parked at that event: what follows it waits.
             hold = KeyHold()
             for m in messages:
@@ -355,7 +420,81 @@ class KafkaSink:
                 self._recreate_delay = FIRST_RECREATE_DELAY
                 break
             todo = self._resend(messages, flight, reason)
+        self._settle(batch, outcomes)
         return commit(outcomes, None)
+
+    # -- topic conditions --------------------------------------------------------------------
+
+    def _hold_back(self, messages: list[_Message], outcomes: Outcomes) -> list[_Message]:
+        """The messages to produce: those of held topics fail at once (held), without a word to the broker
+        until their next check is due. A topic not seen before is looked up first, so that a missing one
+        does not hold the whole batch for librdkafka's ``topic.metadata.propagation.max.ms``."""
+        now = time.monotonic()
+        held: dict[str, TopicCondition] = {}
+        for topic in dict.fromkeys(m.topic for m in messages):
+            condition = self._conditions.get(topic)
+            if condition is not None and now < condition.retry_at:
+                held[topic] = condition
+            elif topic not in self._writable:
+                error = self._topic_error(topic)
+                if error is not None:
+                    held[topic] = self._hold(topic, error)
+                elif condition is None:
+                    self._writable.add(topic)
+                # else a held topic the broker now answers for: its messages go out, and the first
+                # acknowledgement ends the hold (_settle); an ACL may still deny writes.
+        if not held:
+            return messages
+        now = time.monotonic()
+        failures = {topic: c.failure(topic, now) for topic, c in held.items()}
+        for m in messages:
+            if m.topic in failures:
+                outcomes[m.event.id] = failures[m.topic]
+        return [m for m in messages if m.topic not in failures]
+
+    def _topic_error(self, topic: str) -> str | None:
+        """The broker's answer for ``topic`` if it says the topic can not be written (missing, denied)."""
+        try:
+            metadata = self._producer.list_topics(topic, timeout=METADATA_TIMEOUT_SECONDS)
+        except KafkaException:
+            return None  # no answer: produce, and the batch waits for the broker as in any outage
+        found = metadata.topics.get(topic)
+        err: KafkaError | None = None if found is None else found.error
+        if err is not None and err.code() in TOPIC_CONDITIONS:
+            return _describe(err)
+        return None
+
+    def _hold(self, topic: str, error: str) -> TopicCondition:
+        """Record that ``topic`` is not writable (again); one warning per check."""
+        now = time.monotonic()
+        old = self._conditions.get(topic)
+        checks = 1 if old is None else old.checks + 1
+        condition = TopicCondition(error, now if old is None else old.since, checks,
+                                   now + self.hold_backoff.delay(checks))
+        with self._conditions_lock:
+            self._conditions = {**self._conditions, topic: condition}
+        self._writable.discard(topic)
+        log.warning("kafka sink %s: topic %s: %s; its events wait (no attempt counted, nothing dead-lettered)%s, "
+                    "next check in %.1fs", self.name, topic, error,
+                    "" if old is None else f" for {now - condition.since:.0f}s", condition.retry_at - now)
+        return condition
+
+    def _settle(self, batch: _Batch, outcomes: Outcomes) -> None:
+        """After a batch: hold the topics it found not writable, end the holds of those it got acks from."""
+        resumed = [t for t in batch.acknowledged if t in self._conditions and t not in batch.errors]
+        for topic in resumed:
+            condition = self._conditions[topic]
+            with self._conditions_lock:
+                self._conditions = {t: c for t, c in self._conditions.items() if t != topic}
+            log.info("kafka sink %s: topic %s is writable again after %.0fs; delivery resumes", self.name, topic,
+                     time.monotonic() - condition.since)
+        self._writable.update(batch.acknowledged - batch.errors.keys())
+        if not batch.errors:
+            return
+        now = time.monotonic()
+        failures = {topic: self._hold(topic, error).failure(topic, now) for topic, error in batch.errors.items()}
+        for event_id, topic in batch.held.items():
+            outcomes[event_id] = failures[topic]
 
     def _headers(self, e: StoredEvent, fence: int) -> list[tuple[str, str | bytes | None]] | Failure:
         """The message's headers, or why the event's own headers can not be sent (non-retriable:
@@ -427,7 +566,10 @@ class KafkaSink:
                     if err.code() == KafkaError._FATAL or err.fatal():
                         self._session.fatal = self._session.fatal or _describe(err)
                         return
-                    failure = outcomes[m.event.id] = _failure(err)
+                    if err.code() in TOPIC_CONDITIONS:  # the client already knows the topic is not there
+                        failure = outcomes[m.event.id] = flight.batch.topic_failed(m.topic, m.event.id, err)
+                    else:
+                        failure = outcomes[m.event.id] = _failure(err)
                     hold.record(m.event, failure)
                     break
                 except (TypeError, ValueError) as exc:  # the client refused the message's shape

@@ -62,6 +62,8 @@ class PrometheusObserver(Observer):
                                  "offset, or applied by a projection)", ["sink"])
         self.retried = counter("events_retried_total", "Delivery attempts that failed and wait for a retry", ["sink"])
         self.dead = counter("events_dead_lettered_total", "Events given up on (dead letters)", ["sink"])
+        self.held_events = counter("events_held_total", "Events parked to wait for a condition of the sink (a Kafka topic "
+                                   "that does not exist or that an ACL denies), no attempt counted", ["sink"])
         self.lease_changes = counter("lease_changes_total", "Bucket leases acquired, lost (fenced out by "
                                      "another relay) or released by this relay", ["sink", "change"])
         self.cycle_failures = counter("cycle_failures_total", "Runner cycles that failed as a whole", ["sink"])
@@ -81,7 +83,8 @@ class PrometheusObserver(Observer):
     def sinks(self, names: Iterable[str]) -> None:
         """Create every sink's series at 0, so that ``increase()`` sees the first event of each."""
         for sink in names:
-            for metric in (self.delivered, self.retried, self.dead, self.cycle_failures, self.recreations):
+            for metric in (self.delivered, self.retried, self.dead, self.held_events, self.cycle_failures,
+                           self.recreations):
                 metric.labels(sink)
             for change in ("acquired", "lost", "released"):
                 self.lease_changes.labels(sink, change)
@@ -97,6 +100,9 @@ class PrometheusObserver(Observer):
         histogram = self.latency.labels(sink)
         for seconds in latencies:
             histogram.observe(max(0.0, seconds))
+
+    def held(self, sink: str, events: int) -> None:
+        self.held_events.labels(sink).inc(events)
 
     def leases(self, sink: str, *, acquired: int = 0, lost: int = 0, released: int = 0) -> None:
         for change, n in (("acquired", acquired), ("lost", lost), ("released", released)):
@@ -178,6 +184,16 @@ class OutboxGauges(Collector):
             wanted.add_metric([r.sink.name], len(r.desired or ()))
         yield held
         yield wanted
+        # A sink that can hold a destination (KafkaSink.conditions: a topic missing or denied) says which.
+        topics = GaugeMetricFamily(f"{PREFIX}_topic_held_seconds", "Seconds a topic's events have been waiting for "
+                                   "the topic to exist or for an ACL to allow it (present only while they wait)",
+                                   labels=["sink", "topic"])
+        now = time.monotonic()
+        for r in w.runners:
+            conditions = getattr(r.sink, "conditions", None)
+            for topic, condition in (conditions() if conditions is not None else {}).items():
+                topics.add_metric([r.sink.name, topic], now - condition.since)
+        yield topics
         yield GaugeMetricFamily(f"{PREFIX}_listening", "1 while the LISTEN connection is up (else the relay polls)",
                                 value=1.0 if w.listening else 0.0)
         yield GaugeMetricFamily(f"{PREFIX}_draining", "1 once the relay is draining", value=float(w.stopping.is_set()))

@@ -44,6 +44,10 @@ class Observer:
         (``latencies``: seconds from each one's storing to the checkpoint, by the database's clock),
         ``retried`` failed and wait for a retry, ``dead`` were dead-lettered."""
 
+    def held(self, sink: str, events: int) -> None:
+        """A checkpoint parked ``events`` events that wait for a condition of the sink (a Kafka topic that
+        does not exist yet or that an ACL denies), counting no attempt."""
+
     def leases(self, sink: str, *, acquired: int = 0, lost: int = 0, released: int = 0) -> None:
         """Buckets this relay leased, lost (fenced out: another relay took them over) or handed back."""
 
@@ -81,6 +85,10 @@ class Observers(Observer):
               latencies: Sequence[float]) -> None:
         for o in self.observers:
             o.batch(sink, size=size, delivered=delivered, retried=retried, dead=dead, latencies=latencies)
+
+    def held(self, sink: str, events: int) -> None:
+        for o in self.observers:
+            o.held(sink, events)
 
     def leases(self, sink: str, *, acquired: int = 0, lost: int = 0, released: int = 0) -> None:
         for o in self.observers:

@@ -211,7 +211,8 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
 
     Walks each key in position order: delivered events are done; the first failure parks the
     key (or dead-letters the event if it can never succeed or has no attempts left, which
-    unblocks the key); everything behind a parked head is parked behind it. Events read from
+    unblocks the key; a failure the sink holds, ``Failure.hold_seconds``, parks it without
+    counting an attempt); everything behind a parked head is parked behind it. Events read from
     the park stay there unless delivered or dead-lettered.
     """
     cp = Checkpoint(fences=fences)
@@ -227,6 +228,10 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
             cp.delivered.append(e)
             if e.parked:
                 cp.done.append(e)
+            continue
+        if outcome.hold_seconds is not None:  # the sink's condition, not the event's: no attempt counted
+            cp.park.append((e, e.attempts, outcome.hold_seconds, outcome.error))
+            hold.hold(e.key)
             continue
         attempts = e.attempts + 1
         if not outcome.retriable or attempts >= max_attempts:
@@ -669,7 +674,16 @@ class SinkRunner:
             log.error("sink %s: event %s (key %r, type %s) dead-lettered after %d attempts: %s",
                       self.sink.name, e.id, e.key, e.type, attempts, error)
         delivered = [e for e in cp.delivered if e.bucket in ok]
-        retried = sum(1 for e, _, _, error in cp.park if error is not None and e.bucket in ok)
+        # A parked event with an error but no attempt added waits for a condition of the sink (held).
+        retried = held = 0
+        for e, attempts, _, why in cp.park:
+            if why is not None and e.bucket in ok:
+                if attempts > e.attempts:
+                    retried += 1
+                else:
+                    held += 1
+        if held:
+            self.observer.held(self.sink.name, held)
         if delivered or retried or dead:
             at = cp.landed_at
             latencies = [(at - e.stored_at).total_seconds() for e in delivered if at and e.stored_at]

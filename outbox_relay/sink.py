@@ -25,6 +25,10 @@ IDLE_CALL_SECONDS = 1.0  # how often a waiting runner calls its sink's ``idle()`
 class Failure:
     error: str
     retriable: bool = True
+    # Set when the sink, not the event, is at fault (a Kafka topic that does not exist yet, an ACL
+    # that denies it): the event waits this many seconds, parked like a retry but counting no
+    # attempt, so a condition that lasts never dead-letters good events.
+    hold_seconds: float | None = None
 
 
 # Per event id: None = delivered, Failure = failed; an id that is absent was not attempted.
