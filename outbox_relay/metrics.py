@@ -62,8 +62,8 @@ class PrometheusObserver(Observer):
                                  "offset, or applied by a projection)", ["sink"])
         self.retried = counter("events_retried_total", "Delivery attempts that failed and wait for a retry", ["sink"])
         self.dead = counter("events_dead_lettered_total", "Events given up on (dead letters)", ["sink"])
-        self.held_events = counter("events_held_total", "Events parked to wait for a condition of the sink (a Kafka topic "
-                                   "that does not exist or that an ACL denies), no attempt counted", ["sink"])
+        self.held_events = counter("events_held_total", "Events parked to wait for a condition of the sink (a Kafka "
+                                   "topic that does not exist or that an ACL denies), no attempt counted", ["sink"])
         self.lease_changes = counter("lease_changes_total", "Bucket leases acquired, lost (fenced out by "
                                      "another relay) or released by this relay", ["sink", "change"])
         self.cycle_failures = counter("cycle_failures_total", "Runner cycles that failed as a whole", ["sink"])
