@@ -34,7 +34,8 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER) -
         dsn = s.dsn.get_secret_value()
         for name in s.projection:
             sink = ProjectionSink(registry.get(name), dsn, lease_seconds=s.lease_seconds,
-                                  application_name=application_name(s.worker_id))
+                                  application_name=application_name(s.worker_id),
+                                  handler_timeout_seconds=s.handler_timeout_seconds)
             sink.observer = observer
             sinks.append(sink)
     return sinks

@@ -56,6 +56,12 @@ class CheckpointFailed(OutboxError):
     """The relay's own bookkeeping statement failed (a database or privilege problem, not an event's)."""
 
 
+class SinkStuck(OutboxError):
+    """A sink's work did not return and can not be abandoned safely (its checkpoint hung, or too many
+    handlers that never returned are parked on abandoned threads): the relay stops by itself (exit 4)
+    and its buckets move; what it had in flight is redelivered from the last checkpoint."""
+
+
 class NonRetriableDelivery(OutboxError):
     """A sink says this event can never be delivered (e.g. too large): dead-letter at once."""
 

@@ -179,9 +179,13 @@ class OutboxGauges(Collector):
         held = GaugeMetricFamily(f"{PREFIX}_buckets_held", "Buckets this relay holds a lease on", labels=["sink"])
         wanted = GaugeMetricFamily(f"{PREFIX}_buckets_assigned", "Buckets the assignment gives this relay",
                                    labels=["sink"])
+        stuck = GaugeMetricFamily(f"{PREFIX}_sink_stuck", "1 while a sink's runner makes no progress (a call that "
+                                  "does not return, or every cycle failing) and has given its buckets up",
+                                  labels=["sink"])
         for r in w.runners:
             held.add_metric([r.sink.name], len(r.leases.snapshot()))
             wanted.add_metric([r.sink.name], len(r.desired or ()))
+            stuck.add_metric([r.sink.name], 0.0 if r.stuck() is None else 1.0)
         yield held
         yield wanted
         # A sink that can hold a destination (KafkaSink.conditions: a topic missing or denied) says which.
@@ -194,6 +198,7 @@ class OutboxGauges(Collector):
             for topic, condition in (conditions() if conditions is not None else {}).items():
                 topics.add_metric([r.sink.name, topic], now - condition.since)
         yield topics
+        yield stuck
         yield GaugeMetricFamily(f"{PREFIX}_listening", "1 while the LISTEN connection is up (else the relay polls)",
                                 value=1.0 if w.listening else 0.0)
         yield GaugeMetricFamily(f"{PREFIX}_draining", "1 once the relay is draining", value=float(w.stopping.is_set()))

@@ -17,11 +17,18 @@ A batch that fails as a whole with an exception (a sink bug, an event the sink c
 start on, a handler cut off by a timeout) is treated the same way, without waiting for lapses:
 its buckets become suspects at once, the probe finds the event that causes it and records the
 exception as that event's error. A failing cycle backs off; notifications do not cut it short.
+
+A runner that makes no progress (its sink has not checked the stop flag for
+``handler_timeout_seconds``, or its cycles keep failing for that long) is *stuck*: the membership
+thread stops renewing its leases and releases them, its heartbeats leave it out of the sink's live
+members (so the assignment moves its buckets to other relays), and /readyz says so. It rejoins by
+itself once it makes progress again; the fences keep whatever it still does from landing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -32,7 +39,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
 from .backoff import Backoff
-from .errors import CheckpointFailed, LeaseLost, SinkDropped, describe_error
+from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck, describe_error
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor
 from .settings import RelaySettings
@@ -42,7 +49,11 @@ from .store import Checkpoint, Conn, StoredEvent
 log = logging.getLogger("outbox_relay.relay")
 
 MIN_BUCKET_LIMIT = 8
-CYCLE_BACKOFF = Backoff(0.5, 30.0)  # between failed cycles of one runner
+# Between failed cycles of one runner: short, because what fails a whole cycle is mostly a lost
+# connection (a failover, a terminated backend), which a prompt retry on a new one fixes; an event
+# that fails a batch is found by the probe, not by waiting. Capped at seconds: a runner whose cycles
+# keep failing for ``handler_timeout_seconds`` counts as stuck and gives its buckets up instead.
+CYCLE_BACKOFF = Backoff(0.1, 2.0)
 PARKED_KEYS_PER_PASS = 256
 PARKED_PER_KEY = 100
 # Steps of one probe that deliver nothing (queueing behind a parked key, dead-lettering an
@@ -73,7 +84,7 @@ def points_at_events(exc: BaseException) -> bool:
     """Whether a batch that raised ``exc`` may have failed because of one of its events (so that
     retrying its events one at a time can find the culprit), rather than because the database or the
     relay's own bookkeeping failed."""
-    if isinstance(exc, CheckpointFailed | PoolTimeout | LeaseLost | SinkDropped):
+    if isinstance(exc, CheckpointFailed | PoolTimeout | LeaseLost | SinkDropped | SinkStuck):
         return False
     if isinstance(exc, psycopg.Error):
         if exc.sqlstate in _EVENT_TIMEOUTS:
@@ -146,25 +157,36 @@ class Hints:
 class DeliveryGate:
     """Admission to delivery, shared by every runner of a process. Batches share it; an
     isolation probe holds it alone, so that a crash during a probe can only be the probed
-    event's doing, whichever sink's runner made it. Waiting probes hold new batches back."""
+    event's doing, whichever sink's runner made it. Waiting probes hold new batches back.
 
-    def __init__(self) -> None:
+    A holder that has been in for ``stale_seconds`` (a stuck sink) no longer counts: one stuck sink
+    must not stop the others. A crash while a stale batch is still in would be charged to the probed
+    event, an innocent one's attempt counted at worst."""
+
+    def __init__(self, stale_seconds: float = float("inf")) -> None:
         self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
+        self.stale_seconds = stale_seconds
+        self._shared: dict[int, float] = {}  # holder -> when it came in
+        self._exclusive: float | None = None  # when the probe came in
         self._waiting = 0
+        self._ids = itertools.count()
+
+    def _live(self, since: float | None) -> bool:
+        return since is not None and time.monotonic() - since < self.stale_seconds
 
     @contextlib.contextmanager
     def shared(self, abort: threading.Event) -> Iterator[None]:
+        me = next(self._ids)
         with self._cond:
-            while self._exclusive or self._waiting:
+            since = time.monotonic()
+            while self._live(self._exclusive) or (self._waiting and time.monotonic() - since < self.stale_seconds):
                 self._wait(abort)
-            self._shared += 1
+            self._shared[me] = time.monotonic()
         try:
             yield
         finally:
             with self._cond:
-                self._shared -= 1
+                del self._shared[me]
                 self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -172,23 +194,37 @@ class DeliveryGate:
         with self._cond:
             self._waiting += 1
             try:
-                while self._exclusive or self._shared:
+                while self._live(self._exclusive) or any(self._live(t) for t in self._shared.values()):
                     self._wait(abort)
             finally:
                 self._waiting -= 1
                 self._cond.notify_all()
-            self._exclusive = True
+            self._exclusive = since = time.monotonic()
         try:
             yield
         finally:
             with self._cond:
-                self._exclusive = False
+                if self._exclusive == since:
+                    self._exclusive = None
                 self._cond.notify_all()
 
     def _wait(self, abort: threading.Event) -> None:
         if abort.is_set():
             raise Aborted()
         self._cond.wait(0.1)
+
+
+class Pulse(threading.Event):
+    """A runner's hard-stop flag. Sinks check it while they work (``Sink.deliver``), so each check also
+    says the runner's thread is alive: ``last`` is when it was last checked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = time.monotonic()
+
+    def is_set(self) -> bool:
+        self.last = time.monotonic()
+        return super().is_set()
 
 
 def read_limits(buckets: Iterable[int], saturated: set[int], batch_size: int, rotation: int) -> dict[int, int]:
@@ -260,9 +296,15 @@ class SinkRunner:
         self.hints = Hints()  # buckets notifications said were written (the worker's listener adds)
         self.desired: set[int] | None = None  # None until the first assignment is known
         self.draining = threading.Event()  # stop claiming, finish the batch, release, exit
-        self.abort = threading.Event()  # hard stop: drop the batch in flight
-        self.fatal: SinkDropped | None = None  # why the runner stopped by itself (the worker stops too)
+        self.abort = Pulse()  # hard stop: drop the batch in flight; each check of it is a sign of life
+        # Written by the runner thread, read by the membership thread and health checks:
+        self._idle = True  # waiting for work (or not running): never stuck
+        self._failing_since: float | None = None  # monotonic time of the first failed cycle in a row
+        self._gave_up = False  # the membership thread released the leases of this stuck runner
+        self.fatal: OutboxError | None = None  # why the runner stopped by itself (the worker stops too)
         self.listening: Callable[[], bool] = lambda: False  # whether notifications reach it (set by the worker)
+        # Since when the worker's heartbeats have been reaching the database without a failure (set by the worker).
+        self.reachable_since: Callable[[], float | None] = time.monotonic
         self.observer: Observer = NULL_OBSERVER
         self.park_changed = threading.Event()  # set by the listener (PARKED_NOTICE), cleared by the runner
         # Runner thread only:
@@ -286,17 +328,21 @@ class SinkRunner:
         while not self._stopping():
             # Cleared before reading, so that a notification arriving during the cycle is not lost.
             self.wake.clear()
+            self._idle = False
             try:
                 n = self.run_once()
                 failures = 0
+                self._failing_since = None
             except Aborted:
                 break
-            except SinkDropped as exc:
+            except (SinkDropped, SinkStuck) as exc:
                 self.fatal = exc
                 log.error("sink %s: %s; this relay stops", self.sink.name, exc)
                 break
             except Exception as exc:  # one failure never kills the worker
                 failures += 1
+                if self._failing_since is None:
+                    self._failing_since = time.monotonic()
                 delay = CYCLE_BACKOFF.delay(failures)
                 self.observer.cycle_failed(self.sink.name, describe_error(exc))
                 log.warning("sink %s: cycle failed (%s); retrying in %.1fs", self.sink.name, describe_error(exc),
@@ -306,8 +352,25 @@ class SinkRunner:
             if n == 0:
                 jitter = 0.8 + 0.4 * (time.monotonic() % 1)
                 until_retry = max(0.0, self._check_parked_at - time.monotonic())
+                self._idle = True
                 wait_idle(self.sink, self.wake, min(self._idle_poll() * jitter, until_retry + 0.001))
+        self._idle = True
         self._release_all()
+
+    def stuck(self) -> str | None:
+        """Why this runner counts as stuck (membership thread, health checks); None while it makes
+        progress or waits for work."""
+        limit = self.settings.handler_timeout_seconds
+        now = time.monotonic()
+        if not self._idle and now - self.abort.last > limit:
+            return f"no progress for {now - self.abort.last:.0f}s (its sink has not returned)"
+        failing = self._failing_since
+        # Only while the database answers the membership thread: in an outage every runner fails, and
+        # giving every bucket up would only move them all when it ends.
+        reachable = self.reachable_since()
+        if failing is not None and reachable is not None and now - max(failing, reachable) > limit:
+            return f"every cycle failed for {now - failing:.0f}s"
+        return None
 
     def _idle_poll(self) -> float:
         """How long an idle runner waits for a wake-up before it reads again: long while LISTEN is up
@@ -437,9 +500,26 @@ class SinkRunner:
                                     self.settings.max_lapses)
 
     def renew(self) -> None:
-        """Called by the membership thread: extend every lease, forget the lost ones."""
+        """Called by the membership thread: extend every lease, forget the lost ones. A stuck runner's
+        leases are released instead, so that other relays take its buckets now (fences keep what it
+        still does from landing)."""
         fences = self.leases.snapshot()
+        stuck = self.stuck()
+        if stuck is None:
+            if self._gave_up:
+                self._gave_up = False
+                log.warning("sink %s: the runner makes progress again; it takes buckets again", self.sink.name)
+        elif not self._gave_up:
+            self._gave_up = True
+            log.error("sink %s: the runner is stuck (%s); releasing its %d buckets so that other relays take them",
+                      self.sink.name, stuck, len(fences))
         if not fences:
+            return
+        if stuck is not None:
+            with self.pool.connection() as conn:
+                store.announce_buckets(conn, store.release_leases(conn, self.sink.name, self.worker, fences))
+            self.leases.drop(fences.keys(), fences)
+            self.observer.leases(self.sink.name, lost=len(fences))
             return
         with self.pool.connection() as conn:
             kept = store.renew_leases(conn, self.sink.name, self.worker, fences, self.settings.lease_seconds)

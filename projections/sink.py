@@ -18,11 +18,16 @@ right before the checkpoint, and its transactions are read-only unless begun by 
 nothing autocommits after a ROLLBACK either. The batch then fails; the savepoint walk finds the
 event whose handler ended the transaction (its savepoint is gone), and the batch is redone
 without it, the event dead-lettered with the reason.
+
+A handler that does not return within ``handler_timeout_seconds`` is abandoned (guard.py: the walk
+runs on a helper thread, its transaction is ended from outside and can never commit) and charged
+to its event as a failed attempt; the batch is redone without calling it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import threading
@@ -40,10 +45,12 @@ from outbox_relay.store import Conn, EventFilter, StoredEvent
 
 from .declare import Projection, describe
 from .event import ProjectionEvent
+from .guard import Abandoned, Guard, TimedOut, Walk
 
 log = logging.getLogger("outbox_relay.projections")
 
 ABORT_CHECK_EVERY = 64  # events between checks of the hard-stop flag
+END_WALK_WAIT_MS = 5000  # how long ending an abandoned walk's backend may take (pg_terminate_backend)
 
 ENDED_TRANSACTION = Failure(
     "the handler ended the relay's transaction (COMMIT, END or ROLLBACK through tx): nothing of its batch was "
@@ -174,6 +181,20 @@ def _max_runs(events: Sequence[StoredEvent]) -> int:
     return len(events) + 2
 
 
+def _timed_out(sink: str, out: TimedOut, known: dict[Any, Failure] | None) -> _Redo:
+    """What the next run of a batch starts from after its walk was abandoned (nothing of it landed)."""
+    if out.event is None:
+        if known is None:
+            return _Redo()  # pipelined: which handler's statement hung is unknown; the careful walk tells
+        raise OutboxError(f"sink {sink}: the relay's own statements of a batch made no progress for "
+                          f"{out.seconds:g}s; the batch was abandoned and is tried again")
+    e = out.event
+    log.warning("sink %s: the handler of event %s (key %r) did not return within %gs; abandoned, its transaction "
+                "ended, and the attempt counted", sink, e.id, e.key, out.seconds)
+    return _Redo({e.id: Failure(f"the handler did not return within {out.seconds:g}s (--handler-timeout-seconds); "
+                                "it was abandoned and its transaction ended")})
+
+
 def _restless(sink: str, events: Sequence[StoredEvent]) -> OutboxError:
     return OutboxError(f"sink {sink}: a batch of {len(events)} events was redone {_max_runs(events)} times, its "
                        "handlers ending the transaction differently each time; it is tried again later")
@@ -187,7 +208,7 @@ class ProjectionSink:
 
     def __init__(self, projection: Projection, dsn: str, *, lease_seconds: float = 30.0, name: str | None = None,
                  replay: bool = False, shadow_schema: str | None = None,
-                 application_name: str | None = None) -> None:
+                 application_name: str | None = None, handler_timeout_seconds: float = 30.0) -> None:
         self.projection = projection
         self.name = name or projection.name
         self.replay = replay
@@ -203,6 +224,7 @@ class ProjectionSink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.fatal: OutboxError | None = None  # set when a rebuild must stop (see _refuse_outside_writes)
         self.observer: Observer = NULL_OBSERVER  # set by the composition root (tracing: a span per handler call)
+        self._guard = Guard(self.name, handler_timeout_seconds, self._end_walk)
 
     def _refuse_outside_writes(self, tables: list[str]) -> None:
         """A rebuild's batch wrote tables outside its shadow schema: it rolls back, and the rebuild stops."""
@@ -222,23 +244,58 @@ class ProjectionSink:
                 abort: threading.Event) -> set[int]:
         if not events:
             return commit({}, None)  # only events queued behind parked keys: nothing to apply
-        if self.projection.is_async:
-            loop = self._loop = self._loop or asyncio.new_event_loop()
-            return loop.run_until_complete(self._adeliver(events, fences, commit, abort))
-        conn = self._connection()
         known: dict[Any, Failure] | None = None  # None: the fast path first
-        try:
-            for _ in range(_max_runs(events)):
-                try:
-                    return self._apply(conn, events, fences, commit, abort, known)
-                except _Redo as redo:
-                    known = _redo_known(events, known, redo)
-        except psycopg.OperationalError:
-            self._drop_connection()
-            raise
+        for _ in range(_max_runs(events)):
+            run = functools.partial(self._walk, events=events, fences=fences, commit=commit, abort=abort, known=known)
+            try:
+                result: set[int] = self._guard.run(run, abort)
+                return result
+            except _Redo as redo:
+                known = _redo_known(events, known, redo)
+            except TimedOut as out:
+                known = _redo_known(events, known, _timed_out(self.name, out, known))
         raise _restless(self.name, events)
 
-    def _apply(self, conn: Conn, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
+    def _walk(self, walk: Walk, *, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
+              abort: threading.Event, known: dict[Any, Failure] | None) -> set[int]:
+        """One run of the batch, on the guard's helper thread."""
+        if self.projection.is_async:
+            loop = self._loop = self._loop or asyncio.new_event_loop()
+            try:
+                return loop.run_until_complete(self._adeliver(walk, events, fences, commit, abort, known))
+            finally:
+                if self._loop is not loop:  # abandoned (``_end_walk``): this thread is the last to use it
+                    loop.close()
+        conn = self._connection()
+        walk.pid = conn.info.backend_pid
+        try:
+            return self._apply(walk, conn, events, fences, commit, abort, known)
+        except psycopg.OperationalError:
+            self._drop_connection(conn)
+            raise
+        finally:
+            if self._conn is not conn:  # abandoned (``_end_walk``), or dropped just now
+                conn.close()
+
+    def _end_walk(self, walk: Walk) -> None:
+        """The runner gave up on ``walk`` (guard.py): forget its connection, which its helper thread keeps,
+        and end its transaction from another one (it can not commit: ``Walk.may_commit``)."""
+        if self.projection.is_async:
+            self._aconn = None
+            self._loop = None  # still running on the abandoned thread
+        else:
+            self._conn = None
+        if walk.pid is None:
+            return
+        with psycopg.connect(self._dsn, autocommit=True, connect_timeout=10,
+                             application_name=self._application_name) as conn:
+            row = conn.execute(query("projections", "end_walk"),
+                               {"pid": walk.pid, "wait_ms": END_WALK_WAIT_MS}).fetchone()
+        if not (row and row[0]):
+            log.warning("sink %s: the abandoned batch's backend %d did not exit within %d ms", self.name, walk.pid,
+                        END_WALK_WAIT_MS)
+
+    def _apply(self, walk: Walk, conn: Conn, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                abort: threading.Event, known: dict[Any, Failure] | None) -> set[int]:
         """One transaction: fast (``known`` None: pipelined, all or nothing) or careful (a savepoint
         per event; ``known`` holds failures already pinned on events)."""
@@ -250,15 +307,17 @@ class ProjectionSink:
                     with conn.pipeline():
                         conn.execute(query("projections", "begin_batch"), {**self._begin, "token": batch.token})
                         for e, event in batch.todo(abort):
+                            walk.calling(e)
                             try:
                                 handler(event, conn)
                             except psycopg.Error:
                                 raise  # pipelined: which statement failed is only known at the next sync
                             except Exception as exc:  # the handler's own: attributed exactly
                                 raise _Redo({e.id: _failure(exc)}) from exc
+                            walk.returned()
                             batch.record(e, None)
                         conn.execute(query("projections", "end_batch"), {"token": batch.token})
-                except (Aborted, _Redo):
+                except (Aborted, _Redo, Abandoned):
                     raise
                 except Exception as exc:  # a statement failed (or the pipeline aborted after it)
                     if conn.broken:
@@ -269,16 +328,19 @@ class ProjectionSink:
                 for e, event in batch.todo(abort):
                     conn.execute(query("projections", "event_savepoint"))  # undo only this event's writes
                     error: Exception | None = None
+                    walk.calling(e)
                     try:
                         handler(event, conn)
                     except Exception as exc:
                         error = exc
+                    walk.returned()
                     state = self._close_savepoint(conn, error)
                     batch.settle(e, error, ended=state == "ended", undone=state == "undone")
                 conn.execute(query("projections", "end_batch"), {"token": batch.token})
             if self._shadow is not None:
                 rows = conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self._shadow}).fetchall()
                 self._refuse_outside_writes([r[0] for r in rows])
+            walk.may_commit()
             return commit(batch.outcomes, conn)
 
     @staticmethod
@@ -313,30 +375,32 @@ class ProjectionSink:
             self._conn = conn
         return self._conn
 
-    def _drop_connection(self) -> None:
-        conn, self._conn = self._conn, None
+    def _drop_connection(self, conn: Conn | None = None) -> None:
+        """Close ``conn`` (default: the current connection); forget it if it is the current one (an
+        abandoned walk's is not)."""
+        conn = conn or self._conn
+        if conn is self._conn:
+            self._conn = None
         if conn is not None:
             conn.close()
 
     # -- async --------------------------------------------------------------------------------
 
-    async def _adeliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
-                        abort: threading.Event) -> set[int]:
+    async def _adeliver(self, walk: Walk, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
+                        abort: threading.Event, known: dict[Any, Failure] | None) -> set[int]:
         conn = await self._aconnection()
-        known: dict[Any, Failure] | None = None
+        walk.pid = conn.info.backend_pid
         try:
-            for _ in range(_max_runs(events)):
-                try:
-                    return await self._aapply(conn, events, fences, commit, abort, known)
-                except _Redo as redo:
-                    known = _redo_known(events, known, redo)
+            return await self._aapply(walk, conn, events, fences, commit, abort, known)
         except psycopg.OperationalError:
-            self._aconn = None
-            await conn.close()
+            if self._aconn is conn:
+                self._aconn = None
             raise
-        raise _restless(self.name, events)
+        finally:
+            if self._aconn is not conn:  # abandoned (``_end_walk``), or dropped just now
+                await conn.close()
 
-    async def _aapply(self, conn: AsyncConn, events: Sequence[StoredEvent], fences: dict[int, int],
+    async def _aapply(self, walk: Walk, conn: AsyncConn, events: Sequence[StoredEvent], fences: dict[int, int],
                       commit: Commit, abort: threading.Event, known: dict[Any, Failure] | None) -> set[int]:
         """``_apply`` for async handlers (not pipelined: a failing statement is known at once)."""
         batch = _Batch(self, events, fences, known)
@@ -347,10 +411,12 @@ class ProjectionSink:
                 if known is not None:
                     await conn.execute(query("projections", "event_savepoint"))
                 error: Exception | None = None
+                walk.calling(e)
                 try:
                     await handler(event, conn)
                 except Exception as exc:
                     error = exc
+                walk.returned()
                 if known is None:
                     if conn.broken and error is not None:
                         raise error
@@ -367,6 +433,7 @@ class ProjectionSink:
             if self._shadow is not None:
                 cur = await conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self._shadow})
                 self._refuse_outside_writes([r[0] for r in await cur.fetchall()])
+            walk.may_commit()
             return await commit.in_async(batch.outcomes, conn)
 
     @staticmethod
@@ -400,6 +467,7 @@ class ProjectionSink:
         return self._aconn
 
     def close(self) -> None:
+        self._guard.close()
         self._drop_connection()
         if self._loop is not None:
             if self._aconn is not None:

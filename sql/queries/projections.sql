@@ -59,3 +59,9 @@ WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation' AND l.granted
   AND c.relpersistence <> 't'
   AND n.nspname NOT IN (%(shadow)s, 'pg_catalog', 'information_schema')
 ORDER BY 1;
+
+-- name: end_walk
+-- End the transaction of a batch walk the relay abandoned (a handler that never returned), on a
+-- connection of its own: its row locks and the vacuum horizon go, nothing of it can commit. Waits
+-- up to wait_ms for the backend to exit; false if it did not.
+SELECT pg_terminate_backend(%(pid)s, %(wait_ms)s);

@@ -121,3 +121,33 @@ def test_a_hard_stop_ends_a_wait_at_the_gate() -> None:
         abort.set()
         with pytest.raises(Aborted), gate.exclusive(abort):
             pass
+
+
+def test_a_stuck_batch_holds_the_gate_for_no_longer_than_its_stale_time() -> None:
+    """Issue 15: one stuck sink never stops another. A batch in the gate for longer than the stale time
+    (a sink that never returns) no longer keeps a probe out, nor the batches a waiting probe holds back."""
+    gate, abort = DeliveryGate(stale_seconds=0.3), threading.Event()
+    stuck_in, release = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        with gate.shared(abort):
+            stuck_in.set()
+            release.wait(30)
+
+    t = threading.Thread(target=stuck, daemon=True)
+    t.start()
+    assert stuck_in.wait(5)
+    probed = threading.Event()
+
+    def probe() -> None:
+        with gate.exclusive(abort):
+            probed.set()
+
+    p = threading.Thread(target=probe, daemon=True)
+    p.start()
+    with gate.shared(abort):  # another sink's batch gets in while the probe waits or once it ran
+        pass
+    assert probed.wait(10), "the probe ran although a stuck batch was still in"
+    release.set()
+    t.join(5)
+    p.join(5)

@@ -1,0 +1,151 @@
+"""Issue 15: a handler that never returns, a sink that stops checking in, connection storms.
+
+A handler that never returns is abandoned after ``--handler-timeout-seconds`` and charged to its
+event (an attempt, backoff, dead letter after max attempts) while every other key keeps flowing; a
+runner that stops making progress gives its buckets up and says so; a second sink in the same
+process is never held back by it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import ConnectionPool
+
+from outbox_relay import store
+from outbox_relay.relay import SinkRunner
+from outbox_relay.sink import Commit
+from outbox_relay.store import StoredEvent
+from outbox_relay.worker import Worker
+from projections import ProjectionEvent, projection
+from projections.sink import ProjectionSink
+from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
+    ALL_BUCKETS,
+    RecordingSink,
+    dead_letters,
+    fetch_all,
+    make_settings,
+    parked_ids,
+    pool_fixture,
+    publish,
+    register,
+    running,
+)
+from tests.servers import wait_until
+
+LOG = "CREATE TABLE applied_log (n bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL)"
+LOG_SQL = "INSERT INTO applied_log (event_id, key) VALUES (%s, %s)"
+
+
+@pytest.fixture(name="release")
+def release_fixture() -> Iterator[threading.Event]:
+    """Set at teardown: lets the abandoned handlers return (their work must then land nowhere)."""
+    released = threading.Event()
+    yield released
+    released.set()
+
+
+def applied(dsn: str) -> list[Any]:
+    return [r[0] for r in fetch_all(dsn, "SELECT event_id FROM applied_log ORDER BY n")]
+
+
+def start(sink: Any, pool: ConnectionPool[Any], dsn: str, **settings: Any) -> tuple[SinkRunner, threading.Thread]:
+    with pool.connection() as conn:
+        store.register_sink(conn, sink.name, sink.kind)
+    r = SinkRunner(sink, pool, make_settings(dsn, "w", **settings))
+    r.desired = set(ALL_BUCKETS)
+    loop = threading.Thread(target=r.run, daemon=True)
+    loop.start()
+    return r, loop
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_handler_that_never_returns_is_charged_to_its_event_and_other_keys_flow(
+        dsn: str, pool: ConnectionPool[Any], release: threading.Event, kind: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(LOG)
+    ids = publish(dsn, [("stuck", "OrderPlaced", {}), ("stuck", "OrderPlaced", {}),
+                        *[(f"ok-{i}", "OrderPlaced", {}) for i in range(30)]])
+    calls: list[int] = []
+
+    def sync_handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        if event.id == ids[0]:
+            calls.append(event.attempt)
+            tx.execute("SELECT 1")
+            release.wait()  # a socket without a timeout, a deadlock in a library...
+        tx.execute(LOG_SQL, (event.id, event.key))
+
+    async def async_handler(event: ProjectionEvent[Any], tx: psycopg.AsyncConnection[Any]) -> None:
+        if event.id == ids[0]:
+            calls.append(event.attempt)
+            await tx.execute("SELECT 1")
+            release.wait()  # blocks the event loop itself: no await can be cancelled
+        await tx.execute(LOG_SQL, (event.id, event.key))
+
+    p = projection("stuckable", events=["OrderPlaced"])(sync_handler if kind == "sync" else async_handler)
+    sink = ProjectionSink(p, dsn, handler_timeout_seconds=1.0)
+    r, loop = start(sink, pool, dsn, max_attempts=2, handler_timeout_seconds=1.0)
+    try:
+        # Every other key, and the stuck key's next event once its head is dead-lettered.
+        wait_until(lambda: len(applied(dsn)) == len(ids) - 1, 60, 0.05, "every event but the stuck one applied")
+        wait_until(lambda: ids[0] in dead_letters(dsn, "stuckable"), 30, 0.05, "the stuck event dead-lettered")
+        attempts, error = dead_letters(dsn, "stuckable")[ids[0]]
+        assert attempts == 2 and "did not return within 1s" in error, error
+        assert calls == [1, 2]
+        assert parked_ids(dsn, "stuckable") == set()
+        assert sorted(applied(dsn)) == sorted(ids[1:]), "each other event exactly once"
+        # The abandoned transactions were ended: nothing of theirs holds locks or the horizon.
+        assert fetch_all(dsn, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND "
+                              "state LIKE 'idle in transaction%%'") == [(0,)]
+    finally:
+        r.draining.set()
+        loop.join(30)
+    assert not loop.is_alive()
+    release.set()  # the abandoned handlers return: their batches must land nowhere
+    time.sleep(0.5)
+    assert sorted(applied(dsn)) == sorted(ids[1:])
+    sink.close()
+
+
+@dataclass
+class BlockingSink(RecordingSink):
+    """A sink written against the contract that blocks on key "block" without ever checking its stop flag."""
+
+    release: threading.Event = field(default_factory=threading.Event)
+    blocked: threading.Event = field(default_factory=threading.Event)
+
+    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
+                abort: threading.Event) -> set[int]:
+        if any(e.key == "block" for e in events):
+            self.blocked.set()
+            self.release.wait()
+            raise RuntimeError("released at teardown")
+        return super().deliver(events, fences, commit, abort)
+
+
+def test_a_stuck_sink_gives_its_buckets_up_says_so_and_holds_no_other_sink_back(
+        dsn: str, release: threading.Event) -> None:
+    """Issue 15: lease renewal depends on the runner making progress. Relay A's "blocky" sink blocks
+    forever in a call that never checks its stop flag; A's other sink delivers everything, A's
+    readiness says the sink is stuck, and relay B takes blocky's buckets over and delivers them."""
+    ids = set(publish(dsn, [("block", "T", {}), *[(f"k-{i}", "T", {}) for i in range(30)]]))
+    for name in ("blocky", "other"):
+        register(dsn, name)
+    knobs: dict[str, Any] = {"handler_timeout_seconds": 1.0, "drain_seconds": 1.0}
+    stuck = BlockingSink(worker="a", name="blocky", release=release)
+    other = RecordingSink(worker="a", name="other")
+    a = Worker(make_settings(dsn, "a", **knobs), [stuck, other])
+    taker = RecordingSink(worker="b", name="blocky")
+    with running(a):
+        wait_until(stuck.blocked.is_set, 30, 0.05, "A's blocky sink blocked")
+        wait_until(lambda: other.delivered_ids() >= ids, 30, 0.05, "A's other sink delivering everything")
+        wait_until(lambda: any("blocky: stuck" in p for p in a.readiness()), 30, 0.05, "A's readiness saying so")
+        with running(Worker(make_settings(dsn, "b", **knobs), [taker])):
+            wait_until(lambda: taker.delivered_ids() >= ids, 60, 0.05, "B delivering the stuck sink's events")
+        assert not a.runners[0].leases.snapshot(), "A holds none of blocky's buckets"
