@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from .errors import IdempotencyConflict, InvalidEvent, NoTransaction, OutboxError
-from .event import Event, make_event
+from .event import MAX_PAYLOAD_BYTES, Event, make_event
 from .sqlfiles import query
 from .tracing import with_trace
 
@@ -292,29 +292,43 @@ async def _arun(plan: _Plan, step: _Step,
 
 
 def _check_storable(event: Event, payload: str) -> None:
-    """Refuse text PostgreSQL would reject mid-statement, which would abort the caller's transaction."""
+    """Refuse text PostgreSQL would reject mid-statement, which would abort the caller's transaction.
+    Runs for every event published, so the common case (ASCII, no NUL) costs a few C-level scans."""
     fields: list[tuple[str, str | None]] = [
-        ("type", event.type), ("key", event.key), ("topic", event.topic), ("idempotency_key", event.idempotency_key),
-        *((f"headers name {name!r}", name) for name in event.headers),
-        *((f"headers.{name}", value) for name, value in event.headers.items()),
-    ]
+        ("type", event.type), ("key", event.key), ("topic", event.topic), ("idempotency_key", event.idempotency_key)]
+    if event.headers:
+        fields += [(f"headers name {name!r}", name) for name in event.headers]
+        fields += [(f"headers.{name}", value) for name, value in event.headers.items()]
     for field, value in fields:
         if value is None:
             continue
         if "\x00" in value:
             raise InvalidEvent(f"invalid event: {field}: contains a NUL character, which PostgreSQL can not store")
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            raise InvalidEvent(f"invalid event: {field}: is not valid Unicode (a lone surrogate)") from None
-    if _JSON_NUL.search(payload):
+        if not value.isascii() and not _encodable(value):
+            raise InvalidEvent(f"invalid event: {field}: is not valid Unicode (a lone surrogate)")
+    if "\\u0000" in payload and _JSON_NUL.search(payload):
         raise InvalidEvent(f"invalid event: payload of {event.type!r} event (key {event.key!r}) contains a NUL "
                            "character (\\u0000), which PostgreSQL jsonb can not store")
+    size = len(payload)
+    if not payload.isascii():
+        try:
+            size = len(payload.encode())
+        except UnicodeEncodeError:
+            raise InvalidEvent(f"invalid event: payload of {event.type!r} event (key {event.key!r}) is not valid "
+                               "Unicode (a lone surrogate)") from None
+    if size > MAX_PAYLOAD_BYTES:
+        raise InvalidEvent(f"invalid event: payload of {event.type!r} event (key {event.key!r}) is {size:,} bytes "
+                           f"as JSON; the limit is MAX_PAYLOAD_BYTES = {MAX_PAYLOAD_BYTES:,} (PostgreSQL's jsonb "
+                           "refuses values near 256 MB, and a sink's own limit is usually far lower: Kafka's "
+                           "default is 1 MB)")
+
+
+def _encodable(text: str) -> bool:
     try:
-        payload.encode()
+        text.encode()
     except UnicodeEncodeError:
-        raise InvalidEvent(f"invalid event: payload of {event.type!r} event (key {event.key!r}) is not valid "
-                           "Unicode (a lone surrogate)") from None
+        return False
+    return True
 
 
 def _uuid(value: Any) -> uuid.UUID:

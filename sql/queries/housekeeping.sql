@@ -65,8 +65,10 @@ RETURNING c.sink, c.bucket, x.owner;
 -- (stopped, partitioned) whose row locks would otherwise outlive its lease and block the bucket's next
 -- owner (a pipelined projection batch is never synced, so idle_in_transaction_session_timeout does not
 -- end it). Every transaction of an owner declared dead (it can not checkpoint any more: fenced); of a
--- live owner, only one older than the lease (it may be busy with another sink). Relays name their
--- connections 'outbox-relay <worker id>'.
+-- live owner, only one older than the lease (it may be busy with another sink). A dead owner's idle
+-- connections go too: its LISTEN connection may hold the lock of the relay that watches for commits
+-- (wakeups.py), which another relay takes over once it is free. Relays name their connections
+-- 'outbox-relay <worker id>'.
 WITH owners AS (
     SELECT o.app, coalesce(w.status = 'dead', false) AS dead  -- no row: unknown, judged like a live one
     FROM unnest(%(owners)s::text[], %(application_names)s::text[]) AS o(id, app)
@@ -76,7 +78,6 @@ SELECT a.pid, a.application_name, pg_terminate_backend(a.pid)
 FROM pg_stat_activity a
 JOIN owners o ON o.app = a.application_name
 WHERE a.datname = current_database()
-  AND a.xact_start IS NOT NULL
   AND (o.dead OR a.xact_start < clock_timestamp() - make_interval(secs => %(lease_seconds)s))
   AND a.pid <> pg_backend_pid();
 

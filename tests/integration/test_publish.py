@@ -30,7 +30,7 @@ from sqlalchemy.pool import NullPool
 
 from outbox_relay import IdempotencyConflict, InvalidEvent, Outbox, Published
 from outbox_relay.errors import NoTransaction
-from outbox_relay.event import MAX_PAYLOAD_DEPTH, RESERVED_HEADERS, make_event
+from outbox_relay.event import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, RESERVED_HEADERS, make_event
 from outbox_relay.sqlfiles import query
 from tests.servers import sqlalchemy_url, wait_until
 
@@ -774,6 +774,8 @@ BAD_INPUT: dict[str, tuple[dict[str, Any], str]] = {
     "payload nested one level too deep": ({"payload": nested(MAX_PAYLOAD_DEPTH + 1)}, "payload"),
     "payload nested 10,000 deep": ({"payload": nested(10_000)}, "payload"),
     "payload that contains itself": ({"payload": contains_itself()}, "payload"),
+    "payload over MAX_PAYLOAD_BYTES": ({"payload": "x" * MAX_PAYLOAD_BYTES}, "MAX_PAYLOAD_BYTES"),
+    "payload over MAX_PAYLOAD_BYTES in UTF-8": ({"payload": "é" * (MAX_PAYLOAD_BYTES // 2)}, "MAX_PAYLOAD_BYTES"),
     "empty key": ({"key": ""}, "key"),
     "key over 1024 bytes": ({"key": "é" * 513}, "key"),
     "key with a NUL": ({"key": "a\x00b"}, "key"),
@@ -844,6 +846,19 @@ def test_limits_agree_with_the_database(dsn: str, outbox: Outbox) -> None:
     assert first["partition_key"] == key
     assert first["payload"] == "\\u0000 is text here, not a NUL"
     assert second["id"] == deep.id and second["payload"] == nested(MAX_PAYLOAD_DEPTH)
+
+
+def test_the_largest_payload_is_stored_in_its_most_expanding_shape(dsn: str, outbox: Outbox) -> None:
+    """MAX_PAYLOAD_BYTES keeps jsonb below its 256 MB limit even for a payload whose binary form is
+    the largest for its text (an array of small numbers): publish must never let a payload through
+    that PostgreSQL then refuses mid-statement (ProgramLimitExceeded, an aborted transaction)."""
+    zeros = [0] * ((MAX_PAYLOAD_BYTES - 2) // 2)  # "[0,0,...,0]" is 2 bytes a number
+    with psycopg.connect(dsn) as conn:
+        published = outbox.publish(conn, type="t", key="k", payload=zeros)
+        row = conn.execute("SELECT pg_column_size(payload) FROM outbox.events WHERE id = %s",
+                           (published.id,)).fetchone()
+        conn.commit()
+    assert row is not None and row[0] < 256 * 1024 * 1024 // 2, f"jsonb took {row}: the margin is too thin"
 
 
 HEADER_NAMES = [*sorted(RESERVED_HEADERS), "CE_ID", "Ce_SpecVersion", "Content-Type", "outbox_fence", "OUTBOX_REPLAY",
