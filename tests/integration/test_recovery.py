@@ -24,6 +24,7 @@ from outbox_relay.housekeeping import Housekeeping, application_name
 from outbox_relay.publish import Outbox
 from outbox_relay.sink import Failure
 from outbox_relay.store import StoredEvent
+from outbox_relay.wakeups import WATCH_LOCK
 from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     ALL_BUCKETS,
@@ -630,3 +631,27 @@ def test_a_parked_event_that_crashes_the_worker_is_eventually_isolated(dsn: str,
                          done=lambda: poison in dead_letters(dsn), max_cycles=10)
     assert poison in dead_letters(dsn), "the crash loop on the parked event was never broken"
     assert later in {x.event_id for s in sinks for x in s.delivered()}
+
+
+def test_a_dead_relay_that_watched_for_commits_frees_watching_with_its_connections(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """A relay stopped (SIGSTOP, a partition) between two looks keeps an idle LISTEN connection that
+    holds the watch lock (wakeups.py); the housekeeper that declares it dead ends that connection,
+    so another relay can watch for commits."""
+    register(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _ghost(conn, "ghost", "30 seconds")
+        store.acquire_leases(conn, SINK, "ghost", [4], 3600.0)
+        store.heartbeat(conn, "hk", "alive", [SINK], {})  # the housekeeper's own heartbeats get through
+    listener = psycopg.connect(dsn, autocommit=True, application_name=application_name("ghost"))
+    try:
+        assert listener.execute("SELECT pg_try_advisory_lock(%s)", (WATCH_LOCK,)).fetchone() == (True,)
+        settings = make_settings(dsn, "hk", worker_ttl_seconds=2.0)
+        result = Housekeeping(pool, settings).run_once()
+        assert result.dead_workers == 1 and result.terminated_connections == 1
+        with pytest.raises(psycopg.OperationalError):
+            listener.execute("SELECT 1")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute("SELECT pg_try_advisory_lock(%s)", (WATCH_LOCK,)).fetchone() == (True,)
+    finally:
+        listener.close()
