@@ -72,9 +72,12 @@ class PrometheusObserver(Observer):
         self.housekeeping_runs = counter("housekeeping_runs_total", "Housekeeping passes this relay ran")
         self.expired = counter("leases_expired_total", "Leases found expired and freed by this relay's housekeeping")
         self.deleted = counter("retention_deleted_total", "Delivered events deleted by retention on this relay")
-        self.latency = Histogram(f"{PREFIX}_delivery_latency_seconds", "From an event's storing (its "
-                                 "transaction's start) to the checkpoint after its delivery, by the database's "
-                                 "clock", ["sink"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.latency = Histogram(f"{PREFIX}_delivery_latency_seconds", "From when an event became visible to the "
+                                 "relay (its commit, bounded by the last read that could not see it yet) to the "
+                                 "checkpoint after its delivery", ["sink"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.age = Histogram(f"{PREFIX}_event_age_seconds", "From an event's storing (its transaction's start) to "
+                             "the checkpoint after its delivery, by the database's clock: includes the time the "
+                             "producer's transaction stayed open", ["sink"], buckets=LATENCY_BUCKETS, registry=registry)
         self.batch_size = Histogram(f"{PREFIX}_batch_size_events", "Events per checkpointed batch", ["sink"],
                                     buckets=BATCH_BUCKETS, registry=registry)
         self.housekeeping_seconds = Histogram(f"{PREFIX}_housekeeping_duration_seconds",
@@ -100,6 +103,11 @@ class PrometheusObserver(Observer):
         histogram = self.latency.labels(sink)
         for seconds in latencies:
             histogram.observe(max(0.0, seconds))
+
+    def ages(self, sink: str, seconds: Sequence[float]) -> None:
+        histogram = self.age.labels(sink)
+        for s in seconds:
+            histogram.observe(max(0.0, s))
 
     def held(self, sink: str, events: int) -> None:
         self.held_events.labels(sink).inc(events)

@@ -41,8 +41,13 @@ class Observer:
     def batch(self, sink: str, *, size: int, delivered: int, retried: int, dead: int,
               latencies: Sequence[float]) -> None:
         """A batch's checkpoint landed: ``size`` events handled, of which ``delivered`` were delivered
-        (``latencies``: seconds from each one's storing to the checkpoint, by the database's clock),
+        (``latencies``: seconds from when each became visible to the relay to the checkpoint; at most
+        from the last read that could not see it, at most from its storing),
         ``retried`` failed and wait for a retry, ``dead`` were dead-lettered."""
+
+    def ages(self, sink: str, seconds: Sequence[float]) -> None:
+        """A checkpoint landed for delivered events stored ``seconds`` ago each (from their transaction's
+        start, by the database's clock); ``batch`` has the relay's own latency."""
 
     def held(self, sink: str, events: int) -> None:
         """A checkpoint parked ``events`` events that wait for a condition of the sink (a Kafka topic that
@@ -85,6 +90,10 @@ class Observers(Observer):
               latencies: Sequence[float]) -> None:
         for o in self.observers:
             o.batch(sink, size=size, delivered=delivered, retried=retried, dead=dead, latencies=latencies)
+
+    def ages(self, sink: str, seconds: Sequence[float]) -> None:
+        for o in self.observers:
+            o.ages(sink, seconds)
 
     def held(self, sink: str, events: int) -> None:
         for o in self.observers:

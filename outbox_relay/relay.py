@@ -41,7 +41,7 @@ from . import store
 from .backoff import Backoff
 from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck, describe_error
 from .observer import NULL_OBSERVER, Observer
-from .positions import Cursor
+from .positions import Cursor, Snapshot
 from .settings import RelaySettings
 from .sink import Aborted, AsyncConn, KeyHold, Outcomes, Sink, wait_idle
 from .store import Checkpoint, Conn, StoredEvent
@@ -317,6 +317,7 @@ class SinkRunner:
         # Held bucket -> (fence, reads of it numbered under that fence): see ``_number_read``.
         self._reads: dict[int, tuple[int, int]] = {}
         self._saturated: set[int] = set()
+        self._snapshots = _SnapshotTimes()  # when this runner's reads took their snapshots (delivery latency)
         self._full_read_at = 0.0  # monotonic time of the next read of every held bucket (the safety net)
         self._check_parked_at = 0.0
         self._rotation = 0
@@ -564,8 +565,12 @@ class SinkRunner:
             if not held:
                 return 0
         reads = {b: (limit, self._read_cursor(b)) for b, limit in self._limits(held).items()}
+        read_at = time.monotonic()
         with self.pool.connection() as conn:
             read = store.fetch_events(conn, self.sink.name, self.worker, reads, self.sink.event_filter)
+        self._snapshots.taken(read.now, read_at)
+        for e in read.events:  # a delta: not visible in the cursor's snapshot, so committed after it was taken
+            e.unseen_at = self._snapshots.at(reads[e.bucket][1].seen)
         by_bucket = read.by_bucket()
         self._saturated = {b for b, evs in by_bucket.items() if len(evs) >= reads[b][0]}
         for b, (_, cursor) in reads.items():
@@ -766,9 +771,38 @@ class SinkRunner:
             self.observer.held(self.sink.name, held)
         if delivered or retried or dead:
             at = cp.landed_at
-            latencies = [(at - e.stored_at).total_seconds() for e in delivered if at and e.stored_at]
+            ages = [(at - e.stored_at).total_seconds() for e in delivered if at and e.stored_at]
+            if ages:
+                self.observer.ages(self.sink.name, ages)
+            # From when it became visible to the relay: not before the last read that could not see it
+            # (nor before its storing), so a business transaction kept open is not counted as ours.
+            now = time.monotonic()
+            latencies = [min(age, now - e.unseen_at) if e.unseen_at is not None else age
+                         for e, age in zip((e for e in delivered if at and e.stored_at), ages, strict=True)]
             self.observer.batch(self.sink.name, size=len(delivered) + retried + len(dead), delivered=len(delivered),
                                 retried=retried, dead=len(dead), latencies=latencies)
+
+
+class _SnapshotTimes:
+    """Monotonic time each read snapshot was last taken, for the snapshots the runner's cursors may still
+    hold (runner thread only). Bounded: the oldest are forgotten, which only loses precision."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._at: dict[Snapshot, float] = {}
+
+    def taken(self, snapshot: Snapshot, at: float) -> None:
+        # A snapshot equal to an earlier one means no transaction ended in between: what it does not
+        # show was still invisible at the later read, so the later time is the tighter bound.
+        self._at.pop(snapshot, None)
+        if len(self._at) >= self.LIMIT:
+            for old in list(self._at)[: self.LIMIT // 2]:  # insertion order: the oldest first
+                del self._at[old]
+        self._at[snapshot] = at
+
+    def at(self, snapshot: Snapshot) -> float | None:
+        return self._at.get(snapshot)
 
 
 class _BatchCommit:

@@ -42,6 +42,9 @@ class StoredEvent:
     read: int = 0
     last_error: str | None = None  # parked events: why the last attempt failed
     stored_at: datetime | None = None  # created_at: when its transaction stored it (the database's clock)
+    # Monotonic time of the last read of its bucket that could not see it yet (SinkRunner): it became
+    # visible to the relay after that. None: not known (a retry, a probe, a bucket just acquired).
+    unseen_at: float | None = None
     # The Kafka sink's header values, formatted by the read query (None: formatted in Python).
     id_text: str | None = None
     time_text: str | None = None

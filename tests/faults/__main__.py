@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,6 +50,9 @@ def parse(argv: list[str] | None = None) -> Config:
                         help="extra argument for every `outbox-relay run`, e.g. --relay-option=--kafka-stall-seconds=5")
     parser.add_argument("--workdir", type=Path, default=None, help="logs go here (default: a new temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the test database at the end")
+    parser.add_argument("--cpu-hogs", type=int, default=0, metavar="N",
+                        help="N busy-looping processes for the whole run: CPU contention, as on a shared or "
+                             "overcommitted host, so relays miss renewals and lose leases (default 0)")
     args = parser.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in INJECTORS]
@@ -60,6 +64,8 @@ def parse(argv: list[str] | None = None) -> Config:
     command = ["python", "-m", "tests.faults", *(argv if argv is not None else sys.argv[1:])]
     if args.seed is None:
         command += ["--seed", str(seed)]
+    global CPU_HOGS
+    CPU_HOGS = max(0, args.cpu_hogs)
     return Config(seconds=args.seconds, faults=args.faults, relays=args.relays, seed=seed, report=args.report,
                   json_path=args.json_path, sabotage_lose=args.sabotage_lose,
                   rate=args.rate, keys=args.keys, producers=args.producers, producer_threads=args.producer_threads,
@@ -68,15 +74,23 @@ def parse(argv: list[str] | None = None) -> Config:
                   command=shlex.join(command))
 
 
+CPU_HOGS = 0  # set by parse()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="WARNING", stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     config = parse(argv)
     print(f"[faults] {config.command}", file=sys.stderr, flush=True)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(CPU_HOGS)]
     try:
         outcome = run(config)
     except Exception as exc:
         logging.getLogger("tests.faults").exception("the run could not be done: %s", exc)
         return 2
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     print(outcome.report)
     if config.report is not None:
         print(f"[faults] report written to {config.report}", file=sys.stderr)
