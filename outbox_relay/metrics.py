@@ -20,8 +20,13 @@ Each metric's name and help text is below; docs/observability.md lists them with
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
+import os
+import socket
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -48,6 +53,13 @@ READY_CACHE_SECONDS = 5.0  # the ready gauge re-runs the readiness checks at mos
 TOP_KEYS = 10  # per sink, the keys with most undelivered events and with the oldest one
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# The metrics port listens on every address by default, so whoever can reach it must not be able to take
+# the relay's descriptors or threads: at most this many connections at once (each its own thread; more
+# are closed at once), and each is closed this long after it was accepted, answered or not.
+MAX_CONNECTIONS = 32
+REQUEST_SECONDS = 5.0
+DESCRIPTORS_LOG_SECONDS = 60.0  # descriptor exhaustion is logged at most this often
+DESCRIPTORS_PAUSE_SECONDS = 0.2  # accepting again after EMFILE: without a pause the accept loop spins
 
 
 class PrometheusObserver(Observer):
@@ -268,8 +280,7 @@ class MetricsServer:
         self.registry = registry
         self.gauges = OutboxGauges(worker, worker.settings.dsn.get_secret_value(), refresh_seconds)
         registry.register(self.gauges)
-        self.server = ThreadingHTTPServer((host, port), _handler(self))
-        self.server.daemon_threads = True
+        self.server = BoundedHTTPServer((host, port), _handler(self))
         self._thread = threading.Thread(target=self.server.serve_forever, name="metrics-http", daemon=True)
 
     @property
@@ -290,8 +301,76 @@ class MetricsServer:
         self.server.server_close()
 
 
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server with bounds: ``MAX_CONNECTIONS`` open connections (one thread each), each
+    closed ``REQUEST_SECONDS`` after it was accepted; descriptor exhaustion is logged, not spun on; a
+    client that hangs up is not an error (no traceback on stderr, which --log-json keeps to JSON)."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._lock = threading.Lock()
+        # Open connections and when each must be closed (monotonic); the serving thread reaps them.
+        self._open: dict[socket.socket, float] = {}
+        self._exhausted_logged: float | None = None
+        self.refused = 0  # connections closed at once because MAX_CONNECTIONS were open
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        with self._lock:
+            if len(self._open) >= MAX_CONNECTIONS:
+                self.refused += 1
+                return False  # socketserver closes it
+            self._open[request] = time.monotonic() + REQUEST_SECONDS
+        return True
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:
+            self._open.pop(request, None)
+        super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        """Between accepts (every half second): cut connections past their time, idle or slow ones, so
+        that their threads return and their descriptors close."""
+        now = time.monotonic()
+        with self._lock:
+            late = [sock for sock, deadline in self._open.items() if deadline < now]
+        for sock in late:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on it; it closes the socket
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return self.socket.accept()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self._descriptors_exhausted(exc)
+            raise
+
+    def _descriptors_exhausted(self, exc: OSError) -> None:
+        now = time.monotonic()
+        if self._exhausted_logged is None or now - self._exhausted_logged >= DESCRIPTORS_LOG_SECONDS:
+            self._exhausted_logged = now
+            log.error("metrics: can not accept a connection: %s: the process is out of file descriptors "
+                      "(RLIMIT_NOFILE; the database and broker connections need them too). Raise LimitNOFILE "
+                      "(systemd) or the container's nofile limit, and look for what holds them (ls /proc/%d/fd)",
+                      exc.strerror, os.getpid())
+        # The listening socket stays readable until a descriptor frees up: wait instead of spinning.
+        time.sleep(DESCRIPTORS_PAUSE_SECONDS)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # the client hung up, reset, timed out, or was cut (service_actions)
+            log.debug("metrics: connection from %s ended: %s", client_address, exc)
+            return
+        log.warning("metrics: a request from %s failed", client_address, exc_info=True)
+
+
 def _handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_SECONDS  # each read and write on the connection (service_actions bounds the total)
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":

@@ -529,6 +529,18 @@ def test_the_unit_stops_after_the_drain_and_restarts_only_what_a_restart_can_fix
     assert cli.EXIT_INTERNAL not in prevented
 
 
+def test_the_unit_gives_the_relay_descriptors_to_spare() -> None:
+    """Database and broker connections, librdkafka's pipes, and the metrics port's connections
+    (metrics.MAX_CONNECTIONS) all take descriptors: systemd's default soft limit of 1,024 was used up
+    by idle clients of the metrics port once (issue 15); the unit sets a limit well above the sum."""
+    from outbox_relay import metrics
+
+    unit = Unit.parse(UNIT.read_text())
+    soft, _, hard = unit.value("Service", "LimitNOFILE").partition(":")
+    assert int(soft) >= 16 * 1024 and int(hard or soft) >= int(soft), unit.value("Service", "LimitNOFILE")
+    assert metrics.MAX_CONNECTIONS < int(soft) // 100
+
+
 def test_the_unit_is_hardened_and_keeps_secrets_out_of_its_own_text() -> None:
     unit = Unit.parse(UNIT.read_text())
     expected = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "PrivateTmp": "yes", "ProtectHome": "yes",
