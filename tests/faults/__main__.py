@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.faults.cluster import set_lease_seconds
 from tests.faults.faults import INJECTORS
 from tests.faults.run import Config, run
 
@@ -50,6 +51,9 @@ def parse(argv: list[str] | None = None) -> Config:
                         help="extra argument for every `outbox-relay run`, e.g. --relay-option=--kafka-stall-seconds=5")
     parser.add_argument("--workdir", type=Path, default=None, help="logs go here (default: a new temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the test database at the end")
+    parser.add_argument("--lease-seconds", type=float, default=None,
+                        help="the relays' --lease-seconds, also the length the lease-outlasting faults aim past "
+                             "(default 3)")
     parser.add_argument("--cpu-hogs", type=int, default=0, metavar="N",
                         help="N busy-looping processes for the whole run: CPU contention, as on a shared or "
                              "overcommitted host, so relays miss renewals and lose leases (default 0)")
@@ -66,6 +70,10 @@ def parse(argv: list[str] | None = None) -> Config:
         command += ["--seed", str(seed)]
     global CPU_HOGS
     CPU_HOGS = max(0, args.cpu_hogs)
+    if args.lease_seconds is not None:
+        if args.lease_seconds <= 0:
+            parser.error("--lease-seconds must be positive")
+        set_lease_seconds(args.lease_seconds)
     return Config(seconds=args.seconds, faults=args.faults, relays=args.relays, seed=seed, report=args.report,
                   json_path=args.json_path, sabotage_lose=args.sabotage_lose,
                   rate=args.rate, keys=args.keys, producers=args.producers, producer_threads=args.producer_threads,

@@ -189,6 +189,14 @@ LEASE_SECONDS = 3.0
 DRAIN_SECONDS = 10.0
 
 
+def set_lease_seconds(seconds: float) -> None:
+    """Run the relays with this lease (``--lease-seconds`` of ``python -m tests.faults``); the faults that
+    outlast a lease (relay_stop, db_stall) read it from here when they are injected."""
+    global LEASE_SECONDS
+    LEASE_SECONDS = seconds
+    RELAY_KNOBS[RELAY_KNOBS.index("--lease-seconds") + 1] = f"{seconds:g}"
+
+
 @dataclass
 class Relay:
     slot: int

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from tests.faults import cluster
 from tests.faults.cluster import (
     DRAIN_SECONDS,
-    LEASE_SECONDS,
     Broker,
     Database,
     Fleet,
@@ -91,11 +91,12 @@ def relay_kill(lab: Lab) -> tuple[str, str]:
 
 def relay_stop(lab: Lab) -> tuple[str, str]:
     slot, held = lab.pick_slot()
-    pause = LEASE_SECONDS + lab.rnd.uniform(1.0, 3.0)
+    pause = cluster.LEASE_SECONDS + lab.rnd.uniform(1.0, 3.0)
     relay = lab.fleet.signal(slot, signal.SIGSTOP)
     time.sleep(pause)
     lab.fleet.signal(slot, signal.SIGCONT)
-    return relay.worker_id, f"SIGSTOP for {pause:.1f}s (lease {LEASE_SECONDS:g}s; it held {held} buckets), SIGCONT"
+    return relay.worker_id, (f"SIGSTOP for {pause:.1f}s (lease {cluster.LEASE_SECONDS:g}s; it held {held} buckets), "
+                             "SIGCONT")
 
 
 def relay_term(lab: Lab) -> tuple[str, str]:
@@ -176,13 +177,13 @@ def db_cut(lab: Lab) -> tuple[str, str]:
 
 def db_stall(lab: Lab) -> tuple[str, str]:
     target, proxies = _proxies(lab)
-    pause = lab.rnd.uniform(1.0, LEASE_SECONDS + 2.0)
+    pause = lab.rnd.uniform(1.0, cluster.LEASE_SECONDS + 2.0)
     for p in proxies:
         p.stall()
     time.sleep(pause)
     for p in proxies:
         p.resume()
-    return target, f"PostgreSQL traffic stalled {pause:.1f}s (lease {LEASE_SECONDS:g}s)"
+    return target, f"PostgreSQL traffic stalled {pause:.1f}s (lease {cluster.LEASE_SECONDS:g}s)"
 
 
 def kafka_cut(lab: Lab) -> tuple[str, str]:
