@@ -41,15 +41,16 @@ class CommitWatcher:
         self.interval_ms = interval_ms
         self.leading = False
         self._since: str | None = None  # snapshot of the last look (text)
-        self._next_try = 0.0
+        self._last_try = -LEAD_RETRY_OTHERS  # monotonic time of the last try to lead (none yet)
 
     def lead(self, first_member: bool) -> bool:
         """Whether this relay watches now; tries to take the lock when it is due."""
         if self.leading:
             return True
         now = time.monotonic()
-        if now >= self._next_try:
-            self._next_try = now + (LEAD_RETRY_FIRST if first_member else LEAD_RETRY_OTHERS)
+        # Due by the relay's role now: one that has just become a first member tries within a second.
+        if now >= self._last_try + (LEAD_RETRY_FIRST if first_member else LEAD_RETRY_OTHERS):
+            self._last_try = now
             row = self.conn.execute(query("wakeups", "lead"), {"lock": WATCH_LOCK}).fetchone()
             self.leading = bool(row and row[0])
             if self.leading:
