@@ -843,13 +843,10 @@ class Bench:
 
     # -- case 4: enqueue rate ----------------------------------------------------------------------
 
-    def enqueue_once(self, per_tx: int, run: int, notify: bool = True) -> dict[str, Any]:
+    def enqueue_once(self, per_tx: int, run: int) -> dict[str, Any]:
         name, dsn = self.fresh_outbox_db()
         procs: list[subprocess.Popen[str]] = []
         try:
-            if not notify:  # diagnostic only: what the statement-level NOTIFY trigger costs producers
-                with psycopg.connect(dsn, autocommit=True) as conn:
-                    conn.execute("ALTER TABLE outbox.events DISABLE TRIGGER events_notify")
             for i in range(self.args.producers):
                 procs.append(subprocess.Popen(
                     [sys.executable, str(PROCS), "enqueue", "--dsn", dsn, "--topic", "bench-enqueue",
@@ -882,16 +879,15 @@ class Bench:
         if stored != events:
             raise RuntimeError(f"enqueue: producers reported {events} events, the table holds {stored}")
         txs = sum(r["transactions"] for r in reports)
-        return {"per_tx": per_tx, "run": run, "notify": notify, "producers": len(reports), "events": events,
+        return {"per_tx": per_tx, "run": run, "producers": len(reports), "events": events,
                 "seconds": seconds, "events_per_s": events / seconds, "transactions_per_s": txs / seconds}
 
     def case_enqueue(self) -> None:
         runs = []
         for run in range(self.args.runs):
-            variants = [(1, True), (100, True)] + ([(1, False)] if self.args.enqueue_no_notify else [])
-            for per_tx, notify in variants:
-                r = self.enqueue_once(per_tx, run, notify)
-                log(f"enqueue {per_tx}/tx{'' if notify else ' (NOTIFY trigger disabled)'} run {run + 1}: "
+            for per_tx in (1, 100):
+                r = self.enqueue_once(per_tx, run)
+                log(f"enqueue {per_tx}/tx run {run + 1}: "
                     f"{r['events_per_s']:,.0f} ev/s ({r['transactions_per_s']:,.0f} tx/s)")
                 runs.append(r)
         self.results["enqueue"] = runs
@@ -1286,11 +1282,11 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
             row(case, "hand-over: one relay leaves (SIGTERM -> every bucket with its new owner)", "s",
                 [r["handover"]["leave_s"] for r in rs])
     if "enqueue" in results:
-        for per_tx, notify in ((1, True), (100, True), (1, False)):
-            rs = [r for r in results["enqueue"] if r["per_tx"] == per_tx and r["notify"] == notify]
+        for per_tx in (1, 100):
+            rs = [r for r in results["enqueue"] if r["per_tx"] == per_tx]
             if rs:
                 row(f"enqueue, {a['producers']} producer processes, {per_tx} event{'s' if per_tx > 1 else ''}/"
-                    f"transaction{'' if notify else ' (diagnostic: NOTIFY trigger disabled)'}",
+                    "transaction",
                     "events/s", "ev/s", [r["events_per_s"] for r in rs])
     if "rebuild" in results:
         for procs in a["rebuild_procs"]:
@@ -1455,8 +1451,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="latency: no cursor-move trigger (so no commit -> checkpoint figures); to gauge its cost")
     p.add_argument("--producers", type=int, default=4, help="producer processes for the enqueue case")
     p.add_argument("--enqueue-seconds", type=float, default=None, help="default 5")
-    p.add_argument("--enqueue-no-notify", action="store_true",
-                   help="also measure 1 event/transaction with the NOTIFY trigger disabled (diagnostic)")
     p.add_argument("--claim-sizes", default=None, help="stored events, comma list (default 10000,1000000,5000000)")
     p.add_argument("--claim-buckets", type=int, default=64)
     p.add_argument("--claim-pending", type=int, default=4000,
