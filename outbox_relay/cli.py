@@ -875,6 +875,8 @@ def _pause(conn: psycopg.Connection[Any], sink: str, key: str) -> dict[str, Any]
 
 def _key_retry_or_skip(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     key, sink = args.key, args.sink
+    if args.action == "skip":  # an attempt of the head in flight must not land after it is dead-lettered
+        _rows(conn, "admin", "fence_key_bucket", {"sink": sink, "key": key})
     head = _locked_head(conn, sink, key, args.action)
     paused = _pause(conn, sink, key)
     where = {"sink": sink, "bucket": head["bucket"], "xid": head["xid"], "seq": head["seq"]}

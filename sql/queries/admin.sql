@@ -292,6 +292,14 @@ SET available_at = clock_timestamp()
 WHERE sink = %(sink)s AND bucket = %(bucket)s AND xid = %(xid)s::xid8 AND seq = %(seq)s
 RETURNING event_id;
 
+-- name: fence_key_bucket
+-- Before keys skip takes a head out of the park: a new fence for the key's bucket, so that an attempt
+-- of the head in flight lands nothing (its checkpoint is fenced out; the owner acquires the bucket
+-- again). The cursor row is locked before the park's rows, in the order the relay's checkpoint takes them.
+UPDATE outbox.cursors SET fence = fence + 1
+WHERE sink = %(sink)s AND bucket = outbox.bucket_v1(%(key)s::text)
+RETURNING fence;
+
 -- name: skip_key_head
 -- The locked head (lock_key_head) to dead letters with the operator's reason; the key's events queued
 -- behind it become due, so the key moves on.

@@ -8,6 +8,7 @@ process is never held back by it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -18,7 +19,7 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from outbox_relay import store
+from outbox_relay import cli, store
 from outbox_relay.relay import SinkRunner
 from outbox_relay.sink import Commit
 from outbox_relay.store import StoredEvent
@@ -35,12 +36,23 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     pool_fixture,
     publish,
     register,
+    run_until,
     running,
 )
 from tests.servers import wait_until
 
 LOG = "CREATE TABLE applied_log (n bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL)"
 LOG_SQL = "INSERT INTO applied_log (event_id, key) VALUES (%s, %s)"
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """cli.main sets up logging on the captured stderr: undo it."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(name="release")
@@ -149,3 +161,45 @@ def test_a_stuck_sink_gives_its_buckets_up_says_so_and_holds_no_other_sink_back(
         with running(Worker(make_settings(dsn, "b", **knobs), [taker])):
             wait_until(lambda: taker.delivered_ids() >= ids, 60, 0.05, "B delivering the stuck sink's events")
         assert not a.runners[0].leases.snapshot(), "A holds none of blocky's buckets"
+
+
+def test_a_head_skipped_while_an_attempt_of_it_lands_is_not_applied_twice_after_a_retry(
+        dsn: str, pool: ConnectionPool[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 15, probe 5: the relay is applying a parked head again (the attempt will succeed) when the
+    operator skips it; then `dead-letters retry --all` puts it back. Skipping fences the bucket, so the
+    attempt in flight lands nothing: the event's effect is applied exactly once."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(LOG)
+    ids = publish(dsn, [("k", "OrderPlaced", {}), ("k", "OrderPlaced", {})])
+    entered, go = threading.Event(), threading.Event()
+
+    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        if event.id == ids[0]:
+            if event.attempt == 1:
+                raise RuntimeError("fails once")
+            entered.set()
+            go.wait(30)  # the retry in flight: the operator skips the head now
+        tx.execute(LOG_SQL, (event.id, event.key))
+
+    sink = ProjectionSink(projection("skippable", events=["OrderPlaced"])(handler), dsn)
+    with pool.connection() as conn:
+        store.register_sink(conn, sink.name, sink.kind)
+    r = SinkRunner(sink, pool, make_settings(dsn, "w", backoff_base_seconds=0.01, backoff_max_seconds=0.01))
+    r.desired = set(ALL_BUCKETS)
+    in_flight = threading.Thread(target=lambda: run_until(r, entered.is_set, timeout=20), daemon=True)
+    in_flight.start()
+    try:
+        assert entered.wait(20), "the retry did not start"
+        assert cli.main(["keys", "skip", "k", "--dsn", dsn, "--sink", "skippable"]) == cli.EXIT_OK
+    finally:
+        go.set()
+        in_flight.join(20)
+    assert cli.main(["dead-letters", "retry", "--all", "--dsn", dsn, "--sink", "skippable"]) == cli.EXIT_OK
+    run_until(r, lambda: len(applied(dsn)) >= 2 and not parked_ids(dsn, "skippable"), timeout=20)
+    time.sleep(0.2)
+    r.run_once()
+    # Skipped, then retried: the key moved on without its head, which lands last; each effect once.
+    assert applied(dsn) == [ids[1], ids[0]], "the skipped head's effect landed twice"
+    assert dead_letters(dsn, "skippable") == {}
+    capsys.readouterr()
+    sink.close()
