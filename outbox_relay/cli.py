@@ -32,7 +32,7 @@ from confluent_kafka import KafkaException
 from pydantic.fields import FieldInfo
 
 from .dsn import check_dsn, connection_problem, one_line, redact, remember_dsn
-from .errors import ConfigurationError, OutboxError
+from .errors import ConfigurationError, OutboxError, WorkerIdInUse
 from .event import MAX_KEY_BYTES
 from .migrate import check_schema, migrate
 from .settings import RelaySettings, bounds, env_var, load_settings
@@ -632,7 +632,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     worker.run()
     if worker.fatal is not None:  # it stopped by itself (a sink was dropped): loudly, for the supervisor
         _error(f"error: {worker.fatal}")
-        return EXIT_STOPPED
+        # Another relay took this one's --worker-id while its heartbeats lapsed: a setting to fix.
+        return EXIT_ERROR if isinstance(worker.fatal, WorkerIdInUse) else EXIT_STOPPED
     return EXIT_OK
 
 

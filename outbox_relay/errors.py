@@ -40,6 +40,20 @@ class ConfigurationError(OutboxError, ValueError):
     """A setting, sink name or projection reference is not usable."""
 
 
+class WorkerIdInUse(ConfigurationError):
+    """Another relay process is registered under this worker id and its heartbeat is fresh."""
+
+    def __init__(self, worker: str, host: str | None, pid: int | None, seen_seconds_ago: float,
+                 seconds_left: float) -> None:
+        self.worker, self.host, self.pid = worker, host, pid
+        self.seen_seconds_ago, self.seconds_left = seen_seconds_ago, seconds_left
+        super().__init__(
+            f"worker id {worker!r} is in use by another relay (host {host or 'unknown'}, pid {pid or 'unknown'}, "
+            f"heard from {seen_seconds_ago:.1f}s ago): give each relay its own --worker-id (OUTBOX_WORKER_ID). "
+            f"If that relay is gone, its registration lapses within {max(seconds_left, 0.0):.0f}s (its "
+            "--worker-ttl-seconds): start this one again after that")
+
+
 class SchemaError(OutboxError):
     """The database schema is missing or newer than this version understands."""
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from .errors import ConfigurationError, SinkDropped
+from .errors import ConfigurationError, SinkDropped, WorkerIdInUse
 from .positions import Cursor, Snapshot
 from .sqlfiles import query
 
@@ -259,14 +259,30 @@ class Membership:
 
 
 def heartbeat(conn: Conn, worker: str, status: str, sinks: Sequence[str], metadata: dict[str, Any],
-              ttl: float = 10.0) -> list[Membership]:
+              ttl: float = 10.0, *, take_over: bool = False) -> list[Membership]:
     """Register or refresh the worker (a draining one is only refreshed, never registered again), and
-    read each of its sinks' assignment and live members."""
+    read each of its sinks' assignment and live members.
+
+    ``metadata`` names this relay process (``instance``, ``host``, ``pid``) and the TTL it is judged by
+    (``ttl_seconds``; ``ttl`` judges rows without one). WorkerIdInUse if another instance holds the id
+    with a fresh heartbeat, unless ``take_over`` (a crashed run's registration: worker.py decides)."""
     rows = conn.execute(
         query("membership", "heartbeat" if status == "alive" else "heartbeat_existing"),
-        {"worker": worker, "status": status, "sinks": list(sinks), "metadata": json.dumps(metadata), "ttl": ttl},
+        {"worker": worker, "status": status, "sinks": list(sinks), "metadata": json.dumps(metadata), "ttl": ttl,
+         "take_over": take_over},
     ).fetchall()
+    if rows and not rows[0][5]:
+        holder = rows[0][6] or {}
+        pid = holder.get("pid")
+        seen = float(holder.get("seen_seconds_ago") or 0.0)
+        raise WorkerIdInUse(worker, holder.get("host"), int(pid) if pid and str(pid).isdigit() else None, seen,
+                            float(holder.get("ttl_seconds") or ttl) - seen)
     return [Membership(r[0], r[1] or 0, list(r[2] or []), list(r[3] or []), list(r[4])) for r in rows]
+
+
+def record_clash(conn: Conn, worker: str, host: str, pid: int) -> None:
+    """Note on ``worker``'s registration that a relay on ``host`` (``pid``) was refused its id."""
+    conn.execute(query("membership", "record_clash"), {"worker": worker, "host": host, "pid": pid})
 
 
 def reassign(conn: Conn, sink: str, generation: int, members: Sequence[str], owners: Sequence[str | None]) -> bool:
@@ -276,8 +292,9 @@ def reassign(conn: Conn, sink: str, generation: int, members: Sequence[str], own
     return row is not None
 
 
-def leave(conn: Conn, worker: str) -> None:
-    conn.execute(query("membership", "leave"), {"worker": worker})
+def leave(conn: Conn, worker: str, instance: str | None = None) -> None:
+    """Remove the worker's registration (only ``instance``'s, when given: the id may be another's now)."""
+    conn.execute(query("membership", "leave"), {"worker": worker, "instance": instance})
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
@@ -34,7 +35,7 @@ from . import store
 from .assignment import buckets_of, rebalance
 from .backoff import Backoff
 from .dsn import connection_problem, probe_connection, redact
-from .errors import ConfigurationError, OutboxError
+from .errors import ConfigurationError, OutboxError, WorkerIdInUse
 from .housekeeping import Housekeeping, application_name
 from .migrate import check_schema
 from .observer import NULL_OBSERVER, Observer
@@ -97,6 +98,9 @@ class Worker:
         # Whether this relay comes first among the live members of one of its sinks (heartbeat): that relay
         # tries to claim every housekeeping pass, the others only now and then (HOUSEKEEPING_STANDBY).
         self.first_member = True
+        # This process's registration under self.id (workers.metadata): a second relay given the same
+        # --worker-id is told apart from this one, and from a previous run of this one (_claim_id).
+        self.instance = uuid.uuid4().hex
         # Membership thread: since when its heartbeats have reached the database without a failure in between.
         self._reachable_since: float | None = None
         self._hard_deadline: float | None = None  # set by the hard stop: the sink threads' last moment
@@ -117,8 +121,15 @@ class Worker:
         # hold it for one statement (a Kafka sink not while it waits for acks; a projection applies its
         # batch on a connection of its own); one more per further sink. Plus the LISTEN connection.
         self.pool = self._open_pool(dsn, max_size=max(1, len(sinks)))
-        if self.pool is None or not self._register(sinks):
-            return False
+        try:
+            if self.pool is None or not self._register(sinks):
+                return False
+        except WorkerIdInUse:  # refused before anything started: nothing of this relay stays behind
+            if self.pool is not None:
+                self.pool.close()
+            for service in self.services:
+                service.close()
+            raise
         # One per process: crash-loop probes run alone across all sinks; a batch in longer than the handler
         # time limit (a stuck sink) stops counting, so it holds no other sink back.
         gate = DeliveryGate(stale_seconds=s.handler_timeout_seconds)
@@ -151,6 +162,7 @@ class Worker:
                     check_schema(conn)
                     for sink in sinks:
                         store.register_sink(conn, sink.name, sink.kind)
+                    self._claim_id(conn, [sink.name for sink in sinks])
                 return True
             except (psycopg.OperationalError, PoolTimeout) as exc:
                 delay = RECONNECT.delay(attempt)
@@ -158,6 +170,29 @@ class Worker:
             if self.stopping.wait(delay):
                 return False
         raise AssertionError("unreachable")
+
+    def _metadata(self) -> dict[str, object]:
+        """What a heartbeat records: who this relay process is, and the TTL the others judge it by."""
+        return {"version": VERSION, "host": socket.gethostname(), "pid": os.getpid(), "instance": self.instance,
+                "ttl_seconds": self.settings.worker_ttl_seconds,
+                "listening": self.listening if self.settings.listen else None, "watching": self.watching}
+
+    def _claim_id(self, conn: Conn, sinks: list[str]) -> None:
+        """Register under self.id, or raise WorkerIdInUse: another relay process holds it with a fresh
+        heartbeat. A registration on this host whose pid is gone, or is this process's own pid (a
+        container's pid 1), is a previous run's (a crash, a restart): taken over at once."""
+        ttl = self.settings.worker_ttl_seconds
+        try:
+            store.heartbeat(conn, self.id, "alive", sinks, self._metadata(), ttl)
+            return
+        except WorkerIdInUse as exc:
+            if exc.host != socket.gethostname() or (exc.pid is not None and exc.pid != os.getpid()
+                                                    and _pid_alive(exc.pid)):
+                store.record_clash(conn, self.id, socket.gethostname(), os.getpid())
+                raise
+            log.warning("worker id %s: taking over the registration of a previous run on this host (pid %s, "
+                        "heard from %.1fs ago)", self.id, exc.pid, exc.seen_seconds_ago)
+        store.heartbeat(conn, self.id, "alive", sinks, self._metadata(), ttl, take_over=True)
 
     def _open_pool(self, dsn: str, max_size: int) -> ConnectionPool[Conn] | None:
         """Wait for the database (a relay started before it is normal in a deploy).
@@ -405,11 +440,15 @@ class Worker:
         (assignment.py), then hand each runner the buckets it should hold."""
         assert self.pool is not None
         status = "draining" if self.stopping.is_set() else "alive"
-        meta = {"version": VERSION, "host": socket.gethostname(), "pid": os.getpid(),
-                "listening": self.listening if self.settings.listen else None, "watching": self.watching}
+        meta = self._metadata()
         by_sink = {r.sink.name: r for r in self.runners if r.stuck() is None}  # a stuck runner leaves its sink
         with self.pool.connection() as conn:
-            memberships = store.heartbeat(conn, self.id, status, list(by_sink), meta, self.settings.worker_ttl_seconds)
+            try:
+                memberships = store.heartbeat(conn, self.id, status, list(by_sink), meta,
+                                              self.settings.worker_ttl_seconds)
+            except WorkerIdInUse as exc:  # another relay took the id while this one's heartbeats lapsed
+                self._lost_id(exc)
+                return
             self._beat_ok_at = time.monotonic()
             self.first_member = not memberships or any(m.live and min(m.live) == self.id for m in memberships)
             for m in memberships:
@@ -427,12 +466,18 @@ class Worker:
                     runner.desired = desired
                     runner.wake.set()
 
+    def _lost_id(self, exc: WorkerIdInUse) -> None:
+        if self.fatal is None:
+            log.error("%s; this relay stops (its leases are fenced out already)", exc)
+            self.fatal = exc
+            self.drain()
+
     def _leave(self) -> None:
         if self.pool is None:
             return
         try:
             with self.pool.connection(timeout=5.0) as conn:
-                store.leave(conn, self.id)
+                store.leave(conn, self.id, self.instance)
         except Exception as exc:
             log.warning("could not leave the registry (%s); housekeeping will mark this worker dead", exc)
 
@@ -507,3 +552,14 @@ class Worker:
                 log.warning("listener: %s: %s; polling until it reconnects (in %.0fs)", type(exc).__name__,
                             redact(str(exc)), delay)
                 self.stopped.wait(delay)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

@@ -1,9 +1,18 @@
 -- name: workers
 -- The registry with each worker's leased buckets per sink, and whether its LISTEN connection is up
 -- (false: it only polls, so new events wait up to --poll-seconds; NULL: it runs with --no-listen).
+-- Host and pid of the process that holds the id, the TTL it is judged by, and a second relay refused
+-- under the same id (clash).
 SELECT w.id, w.status, w.sinks,
        round(extract(epoch FROM clock_timestamp() - w.last_seen_at)::numeric, 1) AS seen_seconds_ago,
+       (w.metadata ->> 'ttl_seconds')::float8 AS ttl_seconds,
+       w.metadata ->> 'host' AS host, (w.metadata ->> 'pid')::int AS pid,
        (w.metadata ->> 'listening')::boolean AS listening,
+       CASE WHEN w.metadata ? 'clash'
+            THEN format('refused a second relay on host %%s (pid %%s) at %%s', w.metadata -> 'clash' ->> 'host',
+                        w.metadata -> 'clash' ->> 'pid',
+                        to_char((w.metadata -> 'clash' ->> 'at')::timestamptz, 'YYYY-MM-DD HH24:MI:SSOF'))
+       END AS clash,
        coalesce((SELECT jsonb_object_agg(sink, n) FROM (
            SELECT c.sink, count(*) AS n FROM outbox.cursors c WHERE c.owner = w.id GROUP BY c.sink) s), '{}') AS buckets
 FROM outbox.workers w
@@ -148,7 +157,8 @@ SELECT w.id, w.status, round(extract(epoch FROM clock_timestamp() - w.last_seen_
 FROM outbox.workers w
 WHERE %(sink)s = ANY(w.sinks)
   AND w.status <> 'dead'
-  AND w.last_seen_at > clock_timestamp() - make_interval(secs => %(ttl)s)
+  AND w.last_seen_at > clock_timestamp()
+                       - make_interval(secs => coalesce((w.metadata ->> 'ttl_seconds')::float8, %(ttl)s))
 ORDER BY w.id;
 
 -- name: sink_leases

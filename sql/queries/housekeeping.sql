@@ -10,7 +10,9 @@ WHERE (h.finished_at >= h.started_at
        AND (h.started_at < clock_timestamp() - make_interval(secs => %(stale)s)
             OR NOT EXISTS (SELECT 1 FROM outbox.workers w
                            WHERE w.id = h.run_by AND w.status <> 'dead'
-                             AND w.last_seen_at > clock_timestamp() - make_interval(secs => %(ttl)s))))
+                             -- by the TTL that worker declared (%(ttl)s: ours, for a row without one)
+                             AND w.last_seen_at > clock_timestamp() - make_interval(
+                                     secs => coalesce((w.metadata ->> 'ttl_seconds')::float8, %(ttl)s)))))
 RETURNING h.run_by;
 
 -- name: finish
@@ -26,7 +28,8 @@ SELECT CASE WHEN finished_at = '-infinity' THEN 'Infinity'::float8
 FROM outbox.housekeeping;
 
 -- name: mark_dead_workers
--- Workers not heard from within the TTL are marked dead, so that expire_leases frees their leases now
+-- Workers not heard from within the TTL each declared (metadata ttl_seconds; ours for a row without
+-- one: relays with different settings judge each other alike) are marked dead, so that expire_leases frees their leases now
 -- rather than at expiry (they already left the assignments' live members: heartbeat). Only while the housekeeper's own heartbeats
 -- got through: when they did not either, the database (or the way to it) was down, every worker looks
 -- silent, and declaring them all dead would only move every bucket; wait until heartbeats resume.
@@ -34,7 +37,7 @@ UPDATE outbox.workers
 SET status = 'dead'
 WHERE status <> 'dead'
   AND id <> %(worker)s
-  AND last_seen_at < clock_timestamp() - make_interval(secs => %(ttl)s)
+  AND last_seen_at < clock_timestamp() - make_interval(secs => coalesce((metadata ->> 'ttl_seconds')::float8, %(ttl)s))
   AND EXISTS (SELECT 1 FROM outbox.workers me
               WHERE me.id = %(worker)s AND me.last_seen_at >= clock_timestamp() - make_interval(secs => %(ttl)s))
 RETURNING id;

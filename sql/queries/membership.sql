@@ -1,44 +1,77 @@
 -- name: heartbeat
 -- Register this worker or refresh it, and read, for each of its sinks, the stored assignment and the
--- live members now (one round trip per heartbeat).
+-- live members now (one round trip per heartbeat). Each worker is judged live by the TTL it declared
+-- (metadata ttl_seconds; %(ttl)s for rows without one), so relays with different settings agree. A
+-- registration of this id by another relay process (another metadata instance) is left alone while
+-- its heartbeat is fresh: registered is false and holder says whose it is (worker.py refuses to run,
+-- or takes over a crashed run's registration with take_over).
 WITH beat AS (
-    INSERT INTO outbox.workers (id, status, sinks, metadata)
+    INSERT INTO outbox.workers AS w (id, status, sinks, metadata)
     VALUES (%(worker)s, %(status)s, %(sinks)s::text[], %(metadata)s::jsonb)
     ON CONFLICT (id) DO UPDATE
-        SET status = EXCLUDED.status, sinks = EXCLUDED.sinks, metadata = EXCLUDED.metadata,
+        SET status = EXCLUDED.status, sinks = EXCLUDED.sinks,
+            -- A second relay refused under this id (clash) stays on record while this one runs.
+            metadata = EXCLUDED.metadata
+                       || CASE WHEN w.metadata ->> 'instance' = EXCLUDED.metadata ->> 'instance' AND w.metadata ? 'clash'
+                               THEN jsonb_build_object('clash', w.metadata -> 'clash') ELSE '{}'::jsonb END,
             last_seen_at = clock_timestamp()
+        WHERE w.metadata ->> 'instance' IS NOT DISTINCT FROM EXCLUDED.metadata ->> 'instance'
+           OR w.status = 'dead'
+           OR w.last_seen_at <= clock_timestamp()
+                                - make_interval(secs => coalesce((w.metadata ->> 'ttl_seconds')::float8, %(ttl)s))
+           OR %(take_over)s
+    RETURNING w.id
 )
 SELECT s.sink, a.generation, a.members, a.owners,
        ARRAY(
-           -- Live: alive (not draining) and heard from within the TTL. This statement does not see its
+           -- Live: alive (not draining) and heard from within its own TTL. This statement does not see its
            -- own upsert, so this worker is added as the heartbeat says it is.
            SELECT m.id FROM (
                SELECT w.id FROM outbox.workers w
                WHERE w.id <> %(worker)s AND w.status = 'alive' AND s.sink = ANY(w.sinks)
-                 AND w.last_seen_at > clock_timestamp() - make_interval(secs => %(ttl)s)
+                 AND w.last_seen_at > clock_timestamp()
+                                      - make_interval(secs => coalesce((w.metadata ->> 'ttl_seconds')::float8, %(ttl)s))
                UNION ALL
                SELECT %(worker)s WHERE %(status)s = 'alive'
            ) m
-           ORDER BY m.id) AS live
+           ORDER BY m.id) AS live,
+       EXISTS (SELECT 1 FROM beat) AS registered,
+       -- The registration as it was before this statement: another relay's when registered is false.
+       (SELECT jsonb_build_object(
+                   'host', w.metadata ->> 'host', 'pid', w.metadata ->> 'pid',
+                   'seen_seconds_ago', extract(epoch FROM clock_timestamp() - w.last_seen_at)::float8,
+                   'ttl_seconds', coalesce((w.metadata ->> 'ttl_seconds')::float8, %(ttl)s))
+        FROM outbox.workers w WHERE w.id = %(worker)s) AS holder
 FROM unnest(%(sinks)s::text[]) AS s(sink)
 LEFT JOIN outbox.assignments a ON a.sink = s.sink;
 
 -- name: heartbeat_existing
--- Refresh a registered worker only (draining): a heartbeat that arrives after the worker left must not
--- bring its row back. Reads the assignments like heartbeat; a draining worker is not live.
+-- Refresh this registered worker only (draining): a heartbeat that arrives after the worker left must not
+-- bring its row back, nor touch another relay's registration of the id. Reads the assignments like
+-- heartbeat; a draining worker is not live.
 WITH beat AS (
     UPDATE outbox.workers
-    SET status = %(status)s, sinks = %(sinks)s::text[], metadata = %(metadata)s::jsonb,
+    SET status = %(status)s, sinks = %(sinks)s::text[],
+        metadata = %(metadata)s::jsonb || jsonb_strip_nulls(jsonb_build_object('clash', metadata -> 'clash')),
         last_seen_at = clock_timestamp()
-    WHERE id = %(worker)s
+    WHERE id = %(worker)s AND metadata ->> 'instance' IS NOT DISTINCT FROM %(metadata)s::jsonb ->> 'instance'
 )
 SELECT s.sink, a.generation, a.members, a.owners,
        ARRAY(SELECT w.id FROM outbox.workers w
              WHERE w.id <> %(worker)s AND w.status = 'alive' AND s.sink = ANY(w.sinks)
-               AND w.last_seen_at > clock_timestamp() - make_interval(secs => %(ttl)s)
-             ORDER BY w.id) AS live
+               AND w.last_seen_at > clock_timestamp()
+                                    - make_interval(secs => coalesce((w.metadata ->> 'ttl_seconds')::float8, %(ttl)s))
+             ORDER BY w.id) AS live,
+       true AS registered, NULL::jsonb AS holder
 FROM unnest(%(sinks)s::text[]) AS s(sink)
 LEFT JOIN outbox.assignments a ON a.sink = s.sink;
+
+-- name: record_clash
+-- A second relay refused under this id: say so on the registration that stands (`status` shows it).
+UPDATE outbox.workers
+SET metadata = metadata || jsonb_build_object('clash', jsonb_build_object(
+        'host', %(host)s::text, 'pid', %(pid)s::int, 'at', clock_timestamp()))
+WHERE id = %(worker)s;
 
 -- name: reassign
 -- Store a sink's new assignment unless another relay changed it since it was read (compare-and-set on
@@ -55,8 +88,9 @@ WITH stored AS (
 SELECT generation, pg_notify('outbox_membership_v1', %(sink)s) FROM stored;
 
 -- name: leave
--- Clean exit: the worker is gone from the registry at once.
-DELETE FROM outbox.workers WHERE id = %(worker)s;
+-- Clean exit: the worker is gone from the registry at once (unless the id is another relay's now).
+DELETE FROM outbox.workers
+WHERE id = %(worker)s AND (%(instance)s::text IS NULL OR metadata ->> 'instance' IS NOT DISTINCT FROM %(instance)s);
 
 -- name: acquire_leases
 -- Lease free or expired buckets of one sink, or take up again, under a new fence, one still in
