@@ -7,6 +7,7 @@ import os
 import re
 import threading
 import time
+import unicodedata
 import uuid
 from typing import Any
 
@@ -25,13 +26,14 @@ MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
 MAX_PAYLOAD_DEPTH = 256
 # Kafka's own rule for topic names; fullmatch, since "$" would also match before a trailing newline.
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
-# Headers the relay sets on every Kafka message (kafka_sink); the trigger outbox.check_event_v1
+# Headers the relay sets on every Kafka message (kafka_sink); the trigger outbox.check_event_v2
 # refuses the same names, so that consumers never see two values for one of them.
 RESERVED_HEADERS = frozenset({
     "ce_specversion", "ce_id", "ce_source", "ce_type", "ce_time", "ce_sequence", "ce_partitionkey",
     "content-type",
 })
 RESERVED_HEADER_PREFIX = "outbox_"
+RESERVED_HEADER_KEYS = frozenset(name.replace("-", "_") for name in RESERVED_HEADERS)  # as header_name_keys gives
 
 
 def uuid7() -> uuid.UUID:
@@ -97,7 +99,8 @@ class Event(BaseModel):
         for name in headers:
             if _is_reserved_header(name):
                 raise ValueError(f"{name!r} is reserved for the relay (the ce_* headers it sets, content-type, "
-                                 f"and every name starting with {RESERVED_HEADER_PREFIX!r}, in any case)")
+                                 f"and every name starting with {RESERVED_HEADER_PREFIX!r}, in any case, with - "
+                                 "for _ and lookalike or invisible characters folded)")
         return headers
 
     @field_validator("payload")
@@ -118,13 +121,23 @@ class Event(BaseModel):
                                f"{MAX_PAYLOAD_DEPTH} levels deep") from None
 
 
+# What header_name_key drops: whitespace and the invisible format characters (soft hyphen, zero-width
+# and bidi marks, variation selectors, fillers); the same list as outbox.header_name_key_v1.
+_INVISIBLE = re.compile("[\\s\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e"
+                        "\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]")
+
+
+def header_name_keys(name: str) -> set[str]:
+    """A header name as the reserved-name check compares it: NFKC (fullwidth letters become ASCII),
+    whitespace and invisible characters dropped, lower case, '-' read as '_'. Two lower-case forms:
+    PostgreSQL's lower() maps one character to one (U+0130 to "i"), Python's may give two; refusing
+    both means nothing Python lets through is refused by the trigger mid-statement."""
+    base = _INVISIBLE.sub("", unicodedata.normalize("NFKC", name))
+    return {lowered.replace("-", "_") for lowered in (base.lower(), "".join(c.lower()[:1] for c in base))}
+
+
 def _is_reserved_header(name: str) -> bool:
-    # PostgreSQL's lower() maps one character to one (U+0130 to "i"), Python's may give two: check
-    # both forms, so that nothing Python lets through is refused by the trigger mid-statement.
-    for lowered in {name.lower(), "".join(c.lower()[:1] for c in name)}:
-        if lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_HEADER_PREFIX):
-            return True
-    return False
+    return any(k in RESERVED_HEADER_KEYS or k.startswith(RESERVED_HEADER_PREFIX) for k in header_name_keys(name))
 
 
 def _nested_deeper_than(payload: Any, limit: int) -> bool:

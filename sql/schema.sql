@@ -229,9 +229,20 @@ CREATE FUNCTION outbox.fingerprint_v1(type text, partition_key text, payload jso
     RETURN sha256(convert_to(length(type) || ':' || type || length(partition_key) || ':' || partition_key
                              || payload::text, 'UTF8'));
 
--- Refuse an event the relays could not position, keep, or deliver (messages name the column), and
--- fingerprint idempotent ones.
-CREATE FUNCTION outbox.check_event_v1() RETURNS trigger
+-- 0010_quiet_producers (see the migration).
+-- A header name as the reserved-name check compares it (0010): NFKC-normalised (fullwidth letters
+-- become ASCII), without whitespace and invisible format characters, lower case, '-' read as '_'.
+-- outbox_relay/event.py header_name_key is the same rule (and refuses at least what this refuses).
+CREATE FUNCTION outbox.header_name_key_v1(name text) RETURNS text
+    LANGUAGE sql STABLE PARALLEL SAFE STRICT
+    RETURN replace(lower(regexp_replace(
+        CASE WHEN current_setting('server_encoding') = 'UTF8' THEN normalize(name, NFKC) ELSE name END,
+        '[[:space:]\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]',
+        '', 'g')), '-', '_');
+
+-- Refuse an event the relays could not position, keep, or deliver; header names are compared with
+-- lookalikes folded (header_name_key_v1); messages name the column. Fingerprints idempotent events.
+CREATE FUNCTION outbox.check_event_v2() RETURNS trigger
     LANGUAGE plpgsql AS $$
 DECLARE
     name  text;
@@ -264,9 +275,11 @@ BEGIN
                     quote_literal(name), jsonb_typeof(value) USING ERRCODE = 'check_violation';
             END IF;
             -- The relay's own headers (outbox_relay.event.RESERVED_HEADERS): consumers must see one value.
-            IF lower(name) IN ('ce_specversion', 'ce_id', 'ce_source', 'ce_type', 'ce_time', 'ce_sequence',
-                               'ce_partitionkey', 'content-type')
-               OR lower(name) LIKE 'outbox\_%' THEN
+            -- Compared as outbox_relay.event.header_name_key does, so that no lookalike (CE-ID, fullwidth
+            -- letters, a zero-width or trailing space) passes for another name on a consumer's screen.
+            IF outbox.header_name_key_v1(name) IN ('ce_specversion', 'ce_id', 'ce_source', 'ce_type', 'ce_time',
+                                                   'ce_sequence', 'ce_partitionkey', 'content_type')
+               OR outbox.header_name_key_v1(name) LIKE 'outbox\_%' THEN
                 RAISE EXCEPTION 'outbox.events.headers: % is reserved for the relay', quote_literal(name)
                     USING ERRCODE = 'check_violation';
             END IF;
@@ -284,7 +297,7 @@ CREATE TRIGGER events_check BEFORE INSERT ON outbox.events
           OR NEW.xid IS DISTINCT FROM pg_current_xact_id()
           OR NEW.created_at IS DISTINCT FROM now()
           OR NEW.topic !~ '^[A-Za-z0-9._-]{1,249}$' OR NEW.topic IN ('.', '..'))
-    EXECUTE FUNCTION outbox.check_event_v1();
+    EXECUTE FUNCTION outbox.check_event_v2();
 
 -- One row: who runs housekeeping now and when it last finished. A relay claims a pass with one
 -- UPDATE (the interval has passed since the last one finished, or a claimed pass went stale), so

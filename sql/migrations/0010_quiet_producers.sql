@@ -14,10 +14,12 @@
 -- - It finds new commits the way a relay reads (PgQ's batches): events whose transaction is not
 --   visible in the snapshot of its previous look. events_xid makes that one short index range (the
 --   transactions that started since) plus a probe per transaction that was open then.
--- - The row trigger that refuses what no relay could deliver (check_event_v1, unchanged) runs only
+-- - The row trigger that refuses what no relay could deliver (now check_event_v2) runs only
 --   for rows that need it: an idempotency key to fingerprint, headers to check, a producer-set xid or
 --   created_at, or an invalid topic. A plain event is checked by the trigger's WHEN clause alone, in
 --   the executor, without entering PL/pgSQL (the call cost about 75 us per row).
+-- - Reserved header names are compared with lookalikes folded (header_name_key_v1): CE-ID, "ce_id ",
+--   fullwidth letters or a zero-width space no longer pass for a name of the relay's own.
 --
 -- Relays of the previous version keep working against this schema (no min-code-version): they are
 -- woken by a relay of this version, and poll (--listen-poll-seconds) while none runs, so roll out the
@@ -25,6 +27,65 @@
 
 DROP TRIGGER events_notify ON outbox.events;
 DROP FUNCTION outbox.notify_events_v2();
+
+-- A header name as the reserved-name check compares it (0010): NFKC-normalised (fullwidth letters
+-- become ASCII), without whitespace and invisible format characters, lower case, '-' read as '_'.
+-- outbox_relay/event.py header_name_key is the same rule (and refuses at least what this refuses).
+CREATE FUNCTION outbox.header_name_key_v1(name text) RETURNS text
+    LANGUAGE sql STABLE PARALLEL SAFE STRICT
+    RETURN replace(lower(regexp_replace(
+        CASE WHEN current_setting('server_encoding') = 'UTF8' THEN normalize(name, NFKC) ELSE name END,
+        '[[:space:]\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]',
+        '', 'g')), '-', '_');
+
+-- Refuse an event the relays could not position, keep, or deliver; header names are compared with
+-- lookalikes folded (header_name_key_v1); otherwise check_event_v1 of 0005, which goes.
+CREATE FUNCTION outbox.check_event_v2() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+DECLARE
+    name  text;
+    value jsonb;
+BEGIN
+    IF NEW.xid IS DISTINCT FROM pg_current_xact_id() THEN
+        RAISE EXCEPTION 'outbox.events.xid is set by the database (the inserting transaction''s id), not by producers'
+            USING ERRCODE = 'check_violation', HINT = 'leave xid out of the INSERT';
+    END IF;
+    IF NEW.created_at IS DISTINCT FROM now() THEN
+        RAISE EXCEPTION 'outbox.events.created_at is set by the database (retention counts from it), not by producers'
+            USING ERRCODE = 'check_violation', HINT = 'put the event''s own time in occurred_at';
+    END IF;
+    NEW.idempotency_fingerprint := CASE WHEN NEW.idempotency_key IS NOT NULL
+                                        THEN outbox.fingerprint_v1(NEW.type, NEW.partition_key, NEW.payload) END;
+    -- Kafka's rule for topic names.
+    IF NEW.topic IS NOT NULL
+       AND (NEW.topic !~ '^[A-Za-z0-9._-]+$' OR length(NEW.topic) > 249 OR NEW.topic IN ('.', '..')) THEN
+        RAISE EXCEPTION 'outbox.events.topic % is not a Kafka topic name', quote_literal(left(NEW.topic, 300))
+            USING ERRCODE = 'check_violation', HINT = '1-249 of A-Z a-z 0-9 . _ -, and not "." or ".."';
+    END IF;
+    IF NEW.headers <> '{}'::jsonb THEN
+        IF jsonb_typeof(NEW.headers) <> 'object' THEN
+            RAISE EXCEPTION 'outbox.events.headers must be a JSON object of strings, not a JSON %',
+                jsonb_typeof(NEW.headers) USING ERRCODE = 'check_violation';
+        END IF;
+        FOR name, value IN SELECT e.key, e.value FROM jsonb_each(NEW.headers) AS e LOOP
+            IF jsonb_typeof(value) <> 'string' THEN
+                RAISE EXCEPTION 'outbox.events.headers: the value of % is a JSON %, not a string',
+                    quote_literal(name), jsonb_typeof(value) USING ERRCODE = 'check_violation';
+            END IF;
+            -- The relay's own headers (outbox_relay.event.RESERVED_HEADERS): consumers must see one value.
+            -- Compared as outbox_relay.event.header_name_key does, so that no lookalike (CE-ID, fullwidth
+            -- letters, a zero-width or trailing space) passes for another name on a consumer's screen.
+            IF outbox.header_name_key_v1(name) IN ('ce_specversion', 'ce_id', 'ce_source', 'ce_type', 'ce_time',
+                                                   'ce_sequence', 'ce_partitionkey', 'content_type')
+               OR outbox.header_name_key_v1(name) LIKE 'outbox\_%' THEN
+                RAISE EXCEPTION 'outbox.events.headers: % is reserved for the relay', quote_literal(name)
+                    USING ERRCODE = 'check_violation';
+            END IF;
+        END LOOP;
+    END IF;
+    RETURN NEW;
+END
+$$;
 
 DROP TRIGGER events_check ON outbox.events;
 CREATE TRIGGER events_check BEFORE INSERT ON outbox.events
@@ -34,7 +95,8 @@ CREATE TRIGGER events_check BEFORE INSERT ON outbox.events
           OR NEW.xid IS DISTINCT FROM pg_current_xact_id()
           OR NEW.created_at IS DISTINCT FROM now()
           OR NEW.topic !~ '^[A-Za-z0-9._-]{1,249}$' OR NEW.topic IN ('.', '..'))
-    EXECUTE FUNCTION outbox.check_event_v1();
+    EXECUTE FUNCTION outbox.check_event_v2();
+DROP FUNCTION outbox.check_event_v1();
 
 -- Commits since a snapshot (watch_commits_v1): one range from its xmax, one probe per open id.
 CREATE INDEX events_xid ON outbox.events (xid);
