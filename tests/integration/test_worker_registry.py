@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,3 +117,23 @@ def test_relays_with_different_heartbeat_settings_do_not_churn(dsn: str) -> None
         wait_until(slow_beats, 30, 0.05, "five heartbeats of the slow relay")
         after = generation(dsn)
     assert after == before, f"(generation, fences, dead) went from {before} to {after}"
+
+
+def test_a_relay_whose_id_was_taken_while_it_was_silent_stops(dsn: str) -> None:
+    """Its heartbeats lapsed past its TTL (a partition, SIGSTOP) and another process registered the id:
+    when it is heard from again it stops (exit 2 under `run`), leaving the other's registration alone."""
+    worker = Worker(make_settings(dsn, "lapsed"), [RecordingSink("lapsed")])
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    thread.start()
+    try:
+        wait_until(lambda: settled(dsn, ["lapsed"]), 20, message="the relay to take its buckets")
+        with psycopg.connect(dsn, autocommit=True) as conn:  # what the newcomer's registration looks like
+            conn.execute("UPDATE outbox.workers SET metadata = %s, last_seen_at = clock_timestamp() "
+                         "WHERE id = 'lapsed'", (json.dumps(meta("newcomer", ttl=60.0)),))
+        thread.join(30)
+        assert not thread.is_alive(), "the relay whose id was taken kept running"
+    finally:
+        worker.stop_hard()
+        thread.join(30)
+    assert isinstance(worker.fatal, WorkerIdInUse) and "elsewhere" in str(worker.fatal), worker.fatal
+    assert fetch_all(dsn, "SELECT metadata ->> 'instance' FROM outbox.workers WHERE id = 'lapsed'") == [("newcomer",)]
