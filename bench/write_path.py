@@ -359,6 +359,20 @@ def catalog(dsn: str) -> dict[str, Any]:
             "last_migration": row[0] if row else None}
 
 
+def code_version() -> str:
+    """The commit measured, and whether the package or its SQL had uncommitted changes (a before/after
+    of a change in progress)."""
+    root = HERE.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "outbox_relay", "sql"],
+                               capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{head}" + (f" with {len(dirty)} uncommitted files under outbox_relay/ and sql/" if dirty else "")
+
+
 def empty_tables(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE orders, bench_bare, bench_indexed, outbox.events")
@@ -451,6 +465,7 @@ def case_write(bench: HasPostgres) -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(SCHEMA)
         out["catalog"] = catalog(dsn)
+        out["code"] = code_version()
         base = {"dsn": dsn, "warmup": a.write_warmup, "seconds": a.write_seconds, "keys": a.keys, "tx_size": 1}
         for run in range(a.write_runs):
             order = list(a.write_cases)
@@ -521,8 +536,8 @@ def report(meta: dict[str, Any], w: dict[str, Any]) -> str:
         f"Each point: {args['warmup']} s warm-up, then {args['seconds']} s measured; P producer threads over "
         f"{args['procs']} processes, one connection each; keys from {args['keys']:,}; payload about 200 bytes "
         "of JSON; tables emptied before each point.",
-        f"Schema: migrations up to {cat.get('last_migration') or '?'}. Triggers on INSERT into "
-        "outbox.events (in d and e): " + (", ".join(cat.get("events_insert_triggers", [])) or "none") + ".",
+        f"Code: {w.get('code', '?')}; schema: migrations up to {cat.get('last_migration') or '?'}. Triggers on "
+        "INSERT into outbox.events (in d and e): " + (", ".join(cat.get("events_insert_triggers", [])) or "none") + ".",
         "Indexes of c (`LIKE outbox.events INCLUDING ALL`): " + "; ".join(
             f"`{d.split(' USING ', 1)[-1]}`" for d in cat.get("indexes", {}).get("public.bench_indexed", []))
         + f"; CHECK constraints: {', '.join(cat.get('checks', [])) or 'none'}. b has "
