@@ -47,7 +47,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .backoff import Backoff
 from .dsn import redact_kafka_config
-from .errors import ConfigurationError
+from .errors import ConfigurationError, describe_error
 from .observer import NULL_OBSERVER, Observer
 from .sink import Aborted, Commit, Failure, KeyHold, Outcomes
 from .store import EventFilter, StoredEvent
@@ -121,6 +121,11 @@ SESSION_ERRORS = {
 }
 
 DEFAULT_STALL_SECONDS = 60.0
+# While a batch waits for acknowledgements longer than this (a slow or absent broker, a large batch),
+# what is acknowledged is checkpointed every this often (``Commit.partial``), so that a relay that loses
+# its buckets meanwhile (a lease lost while the database or the process stalled) hands over only the
+# rest to be sent again. A batch acknowledged sooner costs nothing extra.
+PARTIAL_CHECKPOINT_SECONDS = 1.0
 POLL_SECONDS = 0.05
 FIRST_RECREATE_DELAY = 1.0  # spacing of replacements in a row (doubling up to the stall time)
 
@@ -334,6 +339,7 @@ class KafkaSink:
         self._recreate_after = 0.0  # monotonic time before which the producer is not replaced again
         self._session = _Session()
         self.hold_backoff = HOLD_BACKOFF
+        self.partial_seconds = PARTIAL_CHECKPOINT_SECONDS
         # Held topics: written by the thread that calls deliver(), read by problem() and the metrics on
         # others (replaced under the lock, never changed in place).
         self._conditions: dict[str, TopicCondition] = {}
@@ -405,6 +411,8 @@ class KafkaSink:
             self._check_producer(abort)
             messages = self._hold_back(messages, outcomes)
         batch = _Batch()
+        # The runner's commit can checkpoint the acknowledged part of a batch early; another may not.
+        partial: Callable[[Outcomes], set[int]] | None = getattr(commit, "partial", None)
         todo = messages
         while todo:
             flight = _Flight(outcomes, self._session, batch)
@@ -415,7 +423,7 @@ class KafkaSink:
             self._produce(todo, hold, flight, abort)
             # Wait for every delivery report. With no message timeout this waits out a broker
             # outage; the membership thread keeps renewing our leases meanwhile.
-            reason = self._wait(flight, abort)
+            reason = self._wait(flight, abort, partial)
             if reason is None:
                 self._recreate_delay = FIRST_RECREATE_DELAY
                 break
@@ -586,16 +594,35 @@ class KafkaSink:
             self._replace(f"every broker connection was lost ({self._session.client_error}); the broker may have "
                           "forgotten this producer or handed its id to another")
 
-    def _wait(self, flight: _Flight, abort: threading.Event) -> str | None:
-        """Poll until every report of ``flight`` arrived. Returns why the producer has to be
-        replaced instead, if it has to."""
+    def _wait(self, flight: _Flight, abort: threading.Event,
+              partial: Callable[[Outcomes], set[int]] | None = None) -> str | None:
+        """Poll until every report of ``flight`` arrived, checkpointing what is acknowledged every
+        ``partial_seconds`` meanwhile (with ``partial``). Returns why the producer has to be replaced
+        instead, if it has to."""
+        next_partial = time.monotonic() + self.partial_seconds
+        reported = len(flight.outcomes)
         while True:
             reason = self._wedged(flight)
             if reason is None and flight.pending == 0:
                 return None
             if reason is not None and time.monotonic() >= self._recreate_after:
                 return reason
+            if partial is not None and time.monotonic() >= next_partial:
+                next_partial = time.monotonic() + self.partial_seconds
+                if len(flight.outcomes) > reported:
+                    reported = len(flight.outcomes)
+                    if not self._checkpoint_acknowledged(partial, flight.outcomes):
+                        partial = None  # the database is away: not again in this batch
             self._poll(abort)
+
+    def _checkpoint_acknowledged(self, partial: Callable[[Outcomes], set[int]], outcomes: Outcomes) -> bool:
+        try:
+            partial(dict(outcomes))
+        except Exception as exc:  # the database may be away: the batch's own checkpoint comes at its end
+            log.warning("kafka sink %s: could not checkpoint the acknowledged part of a batch in flight (%s); "
+                        "it is checkpointed with the rest", self.name, describe_error(exc))
+            return False
+        return True
 
     def _wedged(self, flight: _Flight) -> str | None:
         session = self._session

@@ -32,6 +32,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import psycopg
@@ -816,13 +817,53 @@ class _BatchCommit:
         self.advance = advance
         self.resets = resets
         self.checkpoint: Checkpoint | None = None  # what was written, once it was
+        # Where each bucket read past its cursor started (the runner's cursors change only when a
+        # checkpoint lands), and the events ``partial`` already wrote.
+        self.start = {b: runner._read_cursor(b) for b in advance}
+        self.settled: set[uuid.UUID] = set()
 
     def _plan(self, outcomes: Outcomes) -> Checkpoint:
         r = self.runner
         cp = classify(self.events, outcomes, self.fences, max_attempts=r.settings.max_attempts, backoff=r.backoff)
         cp.advance = self.advance
         cp.resets = self.resets
+        if self.settled:  # counted when ``partial`` wrote them
+            cp.delivered = [e for e in cp.delivered if e.id not in self.settled]
         return cp
+
+    def partial(self, outcomes: Outcomes) -> set[int]:
+        """Checkpoint what of the batch is settled before all of it is (a sink without a transaction of
+        its own may call this any number of times before ``__call__``): per bucket read past its cursor,
+        the run of delivered events from the start of its part of the batch. The cursor then stands
+        after the last of them, inside the read's delta, as between two pages of a large delta. A relay
+        that loses the bucket before the batch's checkpoint hands over only the rest (fewer duplicates).
+        The run stops at the first event not delivered yet, failed (the final checkpoint parks it and
+        holds its key), or queued behind a parked one of its key. Returns the buckets written."""
+        last: dict[int, StoredEvent] = {}
+        stopped: set[int] = set()
+        new: list[StoredEvent] = []
+        for e in self.events:
+            b = e.bucket
+            if b in stopped or b not in self.start:
+                continue
+            if e.id not in self.settled:
+                if e.parked or e.blocked or e.id not in outcomes or outcomes[e.id] is not None:
+                    stopped.add(b)
+                    continue
+                new.append(e)
+            last[b] = e
+        buckets = {e.bucket for e in new}
+        if not buckets:
+            return set()
+        advance = {}
+        for b in buckets:
+            end = self.advance[b]
+            advance[b] = Cursor(self.start[b].seen, end.target if end.target is not None else end.seen,
+                                last[b].position)
+        cp = Checkpoint(fences={b: self.fences[b] for b in buckets}, advance=advance, delivered=new)
+        ok = self.runner._write(cp)
+        self.settled.update(e.id for e in new if e.bucket in ok)
+        return ok
 
     def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]:
         cp = self._plan(outcomes)

@@ -23,6 +23,7 @@ import types
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -287,3 +288,45 @@ def test_a_topic_name_no_broker_accepts_and_a_message_too_large_are_still_dead_l
         assert sink.conditions() == {}
     finally:
         sink.close()
+
+
+def test_acknowledged_messages_are_checkpointed_while_others_of_the_batch_are_still_in_flight(
+        kafka_bootstrap: str, kafka_topic: str) -> None:
+    """The sink hands the runner's ``Commit.partial`` what the broker acknowledged while it still waits for
+    the rest of the batch. Here the rest waits on a topic that is gone (auto-creation off: librdkafka
+    answers after ``topic.metadata.propagation.max.ms``, 1 s), written to before, so not looked up again."""
+    from outbox_relay.sink import Outcomes
+    from outbox_relay.store import StoredEvent
+
+    gone = f"outbox-test-gone-{uuid.uuid4().hex[:10]}"
+
+    def event(n: int, topic: str) -> StoredEvent:
+        return StoredEvent(bucket=5, xid=1000 + n, seq=n, id=uuid.uuid4(), key=f"k-{n % 3}", topic=topic, type="t",
+                           payload_text="{}", headers_text="{}", time=datetime.now(UTC))
+
+    events = [event(n, kafka_topic) for n in range(6)] + [event(n, gone) for n in range(6, 9)]
+    partials: list[Outcomes] = []
+    final: list[Outcomes] = []
+
+    class Recording:
+        def __call__(self, outcomes: Outcomes, tx: Any) -> set[int]:
+            final.append(dict(outcomes))
+            return {5}
+
+        def partial(self, outcomes: Outcomes) -> set[int]:
+            partials.append(dict(outcomes))
+            return {5}
+
+    sink = KafkaSink(KAFKA, {"bootstrap.servers": kafka_bootstrap, **NO_AUTO_CREATE}, None, "urn:test")
+    sink.partial_seconds = 0.05
+    sink.hold_backoff = FAST_HOLD
+    sink._writable.add(gone)  # as if it had been written to before it was deleted
+    try:
+        sink.deliver(events, {5: 1}, Recording(), threading.Event())  # type: ignore[arg-type]
+    finally:
+        sink.close()
+    assert partials, "no checkpoint while the batch waited"
+    assert all(partials[-1].get(e.id, "absent") is None for e in events[:6]), partials[-1]
+    assert all(e.id not in partials[0] or partials[0][e.id] is not None for e in events[6:])
+    assert [final[0][e.id] for e in events[:6]] == [None] * 6
+    assert all(final[0][e.id].hold_seconds is not None for e in events[6:])  # type: ignore[union-attr]
