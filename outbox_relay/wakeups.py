@@ -17,9 +17,13 @@ also runs housekeeping) tries to take it every ``LEAD_RETRY_FIRST`` seconds, the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
+import psycopg
+
+from .dsn import redact
 from .sqlfiles import query
 from .store import Conn
 
@@ -31,6 +35,7 @@ WATCH_LOCK = 0x6F7574626F7877  # "outboxw": advisory lock of the relay that watc
 WATCH_WAIT_MS = 1000  # one call returns after this long without a commit (then notifications are read)
 LEAD_RETRY_FIRST = 1.0  # seconds between tries to lead, for a sink's first live member
 LEAD_RETRY_OTHERS = 20.0  # ... for every other listening relay (a first member that does not listen)
+WATCH_RETRY_AFTER_ERROR = 60.0  # seconds before a relay whose watch failed tries to lead again
 
 
 class CommitWatcher:
@@ -42,6 +47,8 @@ class CommitWatcher:
         self.leading = False
         self._since: str | None = None  # snapshot of the last look (text)
         self._last_try = -LEAD_RETRY_OTHERS  # monotonic time of the last try to lead (none yet)
+        self._pause_until = 0.0  # after an error other than a lost connection: no try before this
+        self._wait_ms = WATCH_WAIT_MS
 
     def lead(self, first_member: bool) -> bool:
         """Whether this relay watches now; tries to take the lock when it is due."""
@@ -49,12 +56,16 @@ class CommitWatcher:
             return True
         now = time.monotonic()
         # Due by the relay's role now: one that has just become a first member tries within a second.
-        if now >= self._last_try + (LEAD_RETRY_FIRST if first_member else LEAD_RETRY_OTHERS):
+        if now >= max(self._pause_until, self._last_try + (LEAD_RETRY_FIRST if first_member else LEAD_RETRY_OTHERS)):
             self._last_try = now
             row = self.conn.execute(query("wakeups", "lead"), {"lock": WATCH_LOCK}).fetchone()
             self.leading = bool(row and row[0])
             if self.leading:
                 self._since = None
+                # A statement_timeout or transaction_timeout (PostgreSQL 17) of the relay's role or
+                # database below WATCH_WAIT_MS would cancel every wait: wait at most half of it.
+                limit = self.conn.execute(query("wakeups", "timeout_ms")).fetchone()
+                self._wait_ms = min(WATCH_WAIT_MS, int(limit[0]) // 2) if limit and limit[0] else WATCH_WAIT_MS
                 log.info("watching for commits (this relay wakes the others)")
         return self.leading
 
@@ -63,10 +74,20 @@ class CommitWatcher:
             self.conn.execute(query("wakeups", "step_down"), {"lock": WATCH_LOCK})
             self.leading = False
 
+    def failed(self, exc: psycopg.Error) -> None:
+        """A watch or a try to lead failed, with the connection still up (no EXECUTE on the function, a
+        cancelled statement...): give the lock up and try again in a minute; listening goes on."""
+        log.warning("cannot watch for commits (%s: %s); trying again in %.0fs, other relays may watch meanwhile",
+                    type(exc).__name__, redact(str(exc)), WATCH_RETRY_AFTER_ERROR)
+        self._pause_until = time.monotonic() + WATCH_RETRY_AFTER_ERROR
+        self.leading = False
+        with contextlib.suppress(psycopg.Error):
+            self.conn.execute(query("wakeups", "step_down"), {"lock": WATCH_LOCK})
+
     def watch(self) -> str | None:
         """Wait (at most WATCH_WAIT_MS) for commits since the last look; the buckets they wrote, or None."""
         row = self.conn.execute(query("wakeups", "watch"), {
-            "since": self._since, "wait_ms": WATCH_WAIT_MS, "interval_ms": self.interval_ms}).fetchone()
+            "since": self._since, "wait_ms": self._wait_ms, "interval_ms": self.interval_ms}).fetchone()
         if row is None:
             return None
         self._since = row[0]

@@ -64,6 +64,10 @@ EXIT_HARD_STOP = 5  # `outbox-relay run`'s exit status when it had to leave a bl
 VERSION = "0.1.0"
 
 
+def _ignore(_signum: int, _frame: FrameType | None) -> None:
+    """The Python-level handler of SIGTERM/SIGINT: nothing (``Worker.install_signal_handlers``)."""
+
+
 def _configure(conn: Conn) -> None:
     # Postgres' default, whatever the role or database says: once psycopg prepares a statement (its
     # 5th execution), Postgres may plan it once for all values. Planning was about 1 ms of each 1.5 ms
@@ -105,6 +109,7 @@ class Worker:
         self._reachable_since: float | None = None
         self._hard_deadline: float | None = None  # set by the hard stop: the sink threads' last moment
         self._owns_process = False  # run() installed the signal handlers: it may end the process (EXIT_HARD_STOP)
+        self._signal_sockets: tuple[socket.socket, socket.socket] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -229,16 +234,32 @@ class Worker:
             self.wait()
 
     def install_signal_handlers(self) -> None:
-        def handler(signum: int, _frame: FrameType | None) -> None:
-            if self.stopping.is_set():
-                log.warning("second %s: stopping hard", signal.Signals(signum).name)
-                self.stop_hard()
-            else:
-                log.info("%s: draining", signal.Signals(signum).name)
-                self.drain()
+        """SIGTERM/SIGINT: the first drains, the second stops hard (main thread only).
 
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        The Python handlers do nothing: one runs on the main thread between two bytecodes, possibly
+        inside a lock the main thread holds (``Event.set`` in the first signal's own handling), and
+        taking that lock again deadlocks: a second signal 1 ms after the first hung the relay for good.
+        The C handler writes each signal's number to a socket (``signal.set_wakeup_fd``); the
+        ``signals`` thread reads it and acts."""
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        signal.set_wakeup_fd(writer.fileno())
+        self._signal_sockets = (reader, writer)  # open for the life of the process
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _ignore)
+        threading.Thread(target=self._signal_loop, args=(reader,), name="signals", daemon=True).start()
+
+    def _signal_loop(self, reader: socket.socket) -> None:
+        while data := reader.recv(64):
+            for signum in data:
+                if signum not in (signal.SIGTERM, signal.SIGINT):
+                    continue
+                if self.stopping.is_set():
+                    log.warning("second %s: stopping hard", signal.Signals(signum).name)
+                    self.stop_hard()
+                else:
+                    log.info("%s: draining", signal.Signals(signum).name)
+                    self.drain()
 
     def drain(self) -> None:
         """Leave the assignment (heartbeats say draining), stop claiming, finish the batch in flight, release, exit."""
@@ -510,6 +531,15 @@ class Worker:
             except Exception as exc:
                 log.warning("housekeeping: %s: %s", type(exc).__name__, redact(str(exc)))
 
+    def _lead(self, watcher: CommitWatcher) -> bool:
+        try:
+            return watcher.lead(self.first_member)
+        except psycopg.Error as exc:
+            if watcher.conn.broken or watcher.conn.closed:
+                raise
+            watcher.failed(exc)  # e.g. no EXECUTE on the watch function: listening goes on
+            return False
+
     def _listen_loop(self) -> None:
         """LISTEN for wake-ups; on the relay that watches for commits (wakeups.py), also watch."""
         dsn = self.settings.dsn.get_secret_value()
@@ -528,9 +558,15 @@ class Worker:
                     while not self.stopped.is_set():
                         if self.stopping.is_set():
                             watcher.step_down()  # a draining relay hands watching over
-                        if not self.stopping.is_set() and watcher.lead(self.first_member):
+                        if not self.stopping.is_set() and self._lead(watcher):
                             self.watching = True
-                            buckets = watcher.watch()
+                            try:
+                                buckets = watcher.watch()
+                            except psycopg.Error as exc:
+                                if conn.broken or conn.closed:
+                                    raise
+                                watcher.failed(exc)  # e.g. cancelled: listening goes on
+                                buckets = None
                             if buckets is not None:
                                 self._wake_owners(buckets)
                             notes = conn.notifies(timeout=0)  # those that arrived meanwhile

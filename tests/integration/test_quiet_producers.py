@@ -7,6 +7,7 @@ holds the watch lock (wakeups.py) finds new commits and notifies for them.
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -169,3 +170,21 @@ def test_watching_reads_the_index_not_the_table_whatever_its_size(dsn: str) -> N
         (scans,) = conn.execute("SELECT seq_scan FROM pg_stat_xact_user_tables "  # type: ignore[misc]
                                 "WHERE relid = 'outbox.events'::regclass").fetchone()
     assert scans == 0, f"the watcher scanned the events table {scans} times"
+
+
+def test_a_short_statement_timeout_does_not_stop_the_watch(dsn: str) -> None:
+    """A role or database with statement_timeout below the watch's one-second wait: the relay waits
+    at most half of it per call, keeps watching, and wakes the owner with polling every 30 s."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("ALTER DATABASE {} SET statement_timeout = '300ms'").format(
+            sql.Identifier(conn.info.dbname)))
+    sink = RecordingSink("relay-a")
+    worker = Worker(make_settings(dsn, "relay-a", listen=True, poll_seconds=30.0, listen_poll_seconds=30.0),
+                    sinks=[sink])
+    with running(worker):
+        wait_until(lambda: settled(dsn, ["relay-a"]) and worker.watching, 15, message="the relay to watch")
+        for i in range(5):
+            time.sleep(0.4)  # past a whole wait each time
+            [event] = publish(dsn, [(f"key-{i}", "t", {})])
+            wait_until(lambda e=event: e in sink.delivered_ids(), 10, message="the relay to be woken")
+        assert worker.watching and worker.listening
