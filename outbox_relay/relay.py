@@ -54,6 +54,8 @@ MIN_BUCKET_LIMIT = 8
 # connection (a failover, a terminated backend), which a prompt retry on a new one fixes; an event
 # that fails a batch is found by the probe, not by waiting. Capped at seconds: a runner whose cycles
 # keep failing for ``handler_timeout_seconds`` counts as stuck and gives its buckets up instead.
+# Between attempts at a checkpoint whose connection broke (``_checkpoint_alone``).
+CHECKPOINT_RETRY = Backoff(0.05, 1.0)
 CYCLE_BACKOFF = Backoff(0.1, 2.0)
 PARKED_KEYS_PER_PASS = 256
 PARKED_PER_KEY = 100
@@ -728,14 +730,31 @@ class SinkRunner:
     def _checkpoint(self, cp: Checkpoint, tx: Conn | None) -> set[int]:
         """Write ``cp`` in the sink's transaction ``tx``, or on its own; returns the buckets whose fence held."""
         try:
-            if tx is not None:
-                ok = store.checkpoint(tx, self.sink.name, self.worker, cp)
-            else:
-                with self.pool.connection() as conn:
-                    ok = store.checkpoint(conn, self.sink.name, self.worker, cp)
+            ok = (store.checkpoint(tx, self.sink.name, self.worker, cp) if tx is not None
+                  else self._checkpoint_alone(cp))
         except psycopg.Error as exc:
             raise CheckpointFailed(f"sink {self.sink.name}: checkpoint failed: {describe_error(exc)}") from exc
         return self._fenced(cp, ok, in_tx=tx is not None)
+
+    def _checkpoint_alone(self, cp: Checkpoint) -> set[int]:
+        """Write ``cp`` on a pooled connection. One that only moves cursors sets them to absolute positions,
+        so writing it twice is harmless: if the connection breaks (a failover, a terminated backend), it is
+        written again on a new one, for as long as the lease may hold, rather than given up, which would
+        have the whole batch, already delivered, sent again."""
+        attempt = 0
+        deadline = time.monotonic() + self.settings.lease_seconds
+        while True:
+            try:
+                with self.pool.connection() as conn:
+                    return store.checkpoint(conn, self.sink.name, self.worker, cp)
+            except psycopg.OperationalError as exc:
+                attempt += 1
+                delay = CHECKPOINT_RETRY.delay(attempt)
+                if not cp.moves_only or self._stopping() or time.monotonic() + delay >= deadline:
+                    raise
+                log.info("sink %s: checkpoint failed (%s); writing it again in %.2fs", self.sink.name,
+                         describe_error(exc), delay)
+                self.abort.wait(delay)
 
     def _fenced(self, cp: Checkpoint, ok: set[int], in_tx: bool) -> set[int]:
         lost = set(cp.fences) - ok

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
 from psycopg_pool import ConnectionPool
 
 from outbox_relay.sink import Commit, Outcomes
@@ -123,3 +124,30 @@ def test_the_prefix_stops_at_the_first_unsettled_event_of_each_bucket(dsn: str, 
         sink_a.go.set()
         thread.join(10)
     assert [a.event_id for a in sink_b.delivered()] == ids[2:]
+
+
+def test_a_checkpoint_whose_connection_broke_is_written_again_instead_of_the_batch_sent_again(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    """The batch was delivered; then the database ended the relay's connections (a failover, an
+    operator's pg_terminate_backend) before its checkpoint. The checkpoint, which only moves cursors and
+    so can be written twice, is written again on a new connection while the lease holds: the batch is
+    not delivered a second time."""
+    keys = keys_in_bucket(dsn, BUCKET, 3)
+    ids = publish(dsn, [(k, "t", {"n": n}) for n in range(2) for k in keys])
+
+    class CuttingSink(RecordingSink):
+        def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
+                    abort: threading.Event) -> set[int]:
+            with psycopg.connect(dsn, autocommit=True) as conn:  # every other session of this database
+                conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                             "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+            return super().deliver(events, fences, commit, abort)
+
+    sink = CuttingSink("worker-a")
+    runner = runner_for(sink, pool, make_settings(dsn, "worker-a"), {BUCKET})
+    assert runner.run_once() == len(ids)
+    assert [a.event_id for a in sink.delivered()] == ids, "delivered once each"
+    row = cursor_row(dsn, BUCKET)
+    assert row["owner"] == "worker-a" and row["fence"] == 1
+    runner.run_once()
+    assert len(sink.delivered()) == len(ids), "nothing sent again"
