@@ -623,6 +623,13 @@ PROMTOOL_CASES: list[dict[str, Any]] = [
         "alerts": {("OutboxMetricsStale", "5m"): [],
                    ("OutboxMetricsStale", "9m"): [{"severity": "warning", "job": "relay", "instance": "a"}]},
     },
+    {  # topic "late" is missing from 0 on (the gauge counts the seconds held); "soon" for 2 minutes
+        "series": {f'outbox_relay_topic_held_seconds{{{S},sink="kafka",topic="late"}}': "0+60x20",
+                   f'outbox_relay_topic_held_seconds{{{S_B},sink="kafka",topic="soon"}}': "0+60x2"},
+        "alerts": {("OutboxKafkaTopicHeld", "4m"): [],
+                   ("OutboxKafkaTopicHeld", "8m"): [
+                       {"severity": "warning", "job": "relay", "sink": "kafka", "topic": "late"}]},
+    },
     {  # a fails a cycle a minute from 0 on; b stops failing after 5m
         "series": {f'outbox_relay_cycle_failures_total{{{S},sink="kafka"}}': "0+1x30",
                    f'outbox_relay_cycle_failures_total{{{S_B},sink="kafka"}}': "0+1x5 5x25"},
