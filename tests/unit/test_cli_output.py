@@ -57,3 +57,14 @@ def test_global_options_before_or_after_the_command(argv: list[str], level: str,
 @pytest.mark.parametrize("command", [["status"], ["lag"], ["dead-letters", "list"], ["sinks", "list"]])
 def test_every_read_command_has_json(command: list[str]) -> None:
     assert cli.build_parser().parse_args([*command, "--json"]).json is True
+
+
+@pytest.mark.parametrize(("raw", "shown"), [
+    ("k\x1b[31m", "k\\x1b[31m"), ("bell\x07", "bell\\x07"), ("over\rwrite", "over\\x0dwrite"),
+    ("c1\x9b2J", "c1\\x9b2J"), ("del\x7f", "del\\x7f"), ("nul\x00", "nul\\x00"),
+    ("abc\u202edcba", "abc\\u202edcba"), ("iso\u2066late\u2069", "iso\\u2066late\\u2069"),
+    ("caf\u00e9 \u00fc\u00df \u65e5\u672c", "caf\u00e9 \u00fc\u00df \u65e5\u672c"),  # letters stay letters
+])
+def test_printable_escapes_what_a_terminal_would_act_on(raw: str, shown: str) -> None:
+    assert cli.printable(raw) == shown
+    assert cli._cell(raw) == shown
