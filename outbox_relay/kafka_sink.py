@@ -345,6 +345,9 @@ class KafkaSink:
         self._conditions: dict[str, TopicCondition] = {}
         self._conditions_lock = threading.Lock()
         self._writable: set[str] = set()  # topics the broker answered for (deliver()'s thread only)
+        # After a lookup got no answer (brokers away): no lookups before this monotonic time, so that an
+        # outage does not cost every batch a metadata timeout per topic (deliver()'s thread only).
+        self._lookups_after = 0.0
         self.observer: Observer = NULL_OBSERVER  # set by the composition root
         try:
             self._producer = self._new_producer(self._session)
@@ -462,10 +465,14 @@ class KafkaSink:
 
     def _topic_error(self, topic: str) -> str | None:
         """The broker's answer for ``topic`` if it says the topic can not be written (missing, denied)."""
+        if time.monotonic() < self._lookups_after:
+            return None
         try:
             metadata = self._producer.list_topics(topic, timeout=METADATA_TIMEOUT_SECONDS)
         except KafkaException:
-            return None  # no answer: produce, and the batch waits for the broker as in any outage
+            # No answer: produce, and the batch waits for the broker as in any outage.
+            self._lookups_after = time.monotonic() + self.hold_backoff.cap
+            return None
         found = metadata.topics.get(topic)
         err: KafkaError | None = None if found is None else found.error
         if err is not None and err.code() in TOPIC_CONDITIONS:
