@@ -8,6 +8,7 @@ exactly-once and per-key order from the tables alone.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text 
 CREATE TABLE counts (key text PRIMARY KEY, applied int NOT NULL, last_n int NOT NULL);
 CREATE TABLE flaky_ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL, n int NOT NULL);
 CREATE TABLE switches (name text PRIMARY KEY);
+CREATE TABLE blocking_ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL, n int NOT NULL);
 """
 
 
@@ -50,4 +52,17 @@ def flaky(event: ProjectionEvent[Any], tx: Any) -> None:
     if tx.execute("SELECT 1 FROM switches WHERE name = 'flaky_ok'").fetchone() is None:
         raise RuntimeError("flaky projection: downstream not ready")
     tx.execute("INSERT INTO flaky_ledger (event_id, key, n) VALUES (%s, %s, %s)",
+               (event.id, event.key, event.payload["n"]))
+
+
+@registry.projection("blocking", events=["acceptance.counted"], tables=["blocking_ledger"])
+def blocking(event: ProjectionEvent[Any], tx: Any) -> None:
+    """Never returns for an event whose payload says ``block`` (a socket without a timeout, a deadlock in
+    a library); marks that it entered in OUTBOX_TEST_PAUSE_DIR."""
+    if event.payload.get("block"):
+        pause_dir = os.environ.get("OUTBOX_TEST_PAUSE_DIR")
+        if pause_dir:
+            Path(pause_dir, f"{os.getpid()}-{event.id}-{event.attempt}").touch()
+        threading.Event().wait()
+    tx.execute("INSERT INTO blocking_ledger (event_id, key, n) VALUES (%s, %s, %s)",
                (event.id, event.key, event.payload["n"]))
