@@ -216,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", default=None, help="rebuild only this partition key, in place (needs a key_reset)")
     p.add_argument("--restart", action="store_true", help="discard a rebuild in progress and start over")
     p.add_argument("--cancel", action="store_true", help="discard a rebuild in progress and stop")
+    p.add_argument("--accept-partial", action="store_true",
+                   help="rebuild even though retention has removed events the projection applied: the new model "
+                        "holds only what is still stored (without it, such a rebuild is refused, naming what is "
+                        "missing)")
     p.add_argument("--keep-old", action="store_true",
                    help="keep the replaced tables in schema outbox_retired_<projection> (until the next rebuild)")
 
@@ -655,11 +659,11 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     with _database(dsn):
         pass
     if args.key is not None:
-        n = rebuild_key(projection, dsn, args.key)
+        n = rebuild_key(projection, dsn, args.key, accept_partial=args.accept_partial)
         _say(f"rebuilt key {args.key!r} of {projection.name!r}: {n} events replayed")
         return EXIT_OK
     rebuild = Rebuild(projection, settings, from_time=args.from_time, from_position=args.from_position,
-                      restart=args.restart, keep_old=args.keep_old)
+                      restart=args.restart, keep_old=args.keep_old, accept_partial=args.accept_partial)
     if args.cancel:
         _say(f"rebuild of {projection.name!r} " + ("cancelled" if rebuild.cancel() else "was not in progress"))
         return EXIT_OK

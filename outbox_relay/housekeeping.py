@@ -161,8 +161,9 @@ class Housekeeping:
         deadline = time.monotonic() + RETENTION_SECONDS_PER_PASS
         while time.monotonic() < deadline:
             with self.pool.connection() as conn:
-                n = conn.execute(query("housekeeping", "apply_retention"),
-                                 {"retention": s.retention_seconds, "limit": s.retention_batch}).rowcount
+                row = conn.execute(query("housekeeping", "apply_retention"),
+                                   {"retention": s.retention_seconds, "limit": s.retention_batch}).fetchone()
+            n = int(row[0]) if row else 0
             deleted += max(0, n)
             if n < s.retention_batch:
                 break

@@ -96,7 +96,7 @@ class Rebuild:
 
     def __init__(self, projection: Projection, settings: RelaySettings, *, from_time: datetime | None = None,
                  from_position: tuple[int, int] | None = None, restart: bool = False, keep_old: bool = False,
-                 progress: TextIO | None = sys.stderr) -> None:
+                 accept_partial: bool = False, progress: TextIO | None = sys.stderr) -> None:
         if from_time is not None and from_position is not None:
             raise ConfigurationError("rebuild from a time or from a position, not both")
         if from_position is not None and not (
@@ -121,6 +121,7 @@ class Rebuild:
         self.from_position = from_position
         self.restart = restart
         self.keep_old = keep_old
+        self.accept_partial = accept_partial  # build from what is stored even if retention removed some of it
         self.progress = progress
         self.stopping = threading.Event()
         self._filter = projection.event_filter.params()
@@ -237,7 +238,10 @@ class Rebuild:
     def _check_start(self, conn: psycopg.Connection[Any]) -> None:
         """Refuse a start past stored history before anything is created: from there the rebuild would
         replay nothing, swap in an empty model and park the live projection's cursors there (past every
-        transaction id there is, for good if far enough)."""
+        transaction id there is, for good if far enough). Refuse a start from history that retention
+        has removed part of, unless a partial model is accepted."""
+        if not self.accept_partial:
+            self._check_history(conn)
         if self.from_position is None and self.from_time is None:
             return
         row = conn.execute(query("rebuild", "history_bounds")).fetchone()
@@ -264,6 +268,26 @@ class Rebuild:
                 f"--from-time {self.from_time.isoformat()}: no event was stored at or after it (the newest "
                 f"was stored {newest.isoformat() if newest else 'never'}): a rebuild from there replays nothing "
                 "and swaps in an empty model; nothing was changed")
+
+    def _check_history(self, conn: psycopg.Connection[Any]) -> None:
+        """A rebuild is never silently partial: refuse when retention removed events its projection
+        applied (since the live model's history began), or events at or after --from-time/--from-position."""
+        gap = history_gap(conn, self.live_sink)
+        if gap is None:
+            return
+        through, removed_xid, removed, oldest = gap
+        if self.from_time is not None and self.from_time > through:
+            return
+        if self.from_position is not None and removed_xid is not None and self.from_position[0] > removed_xid:
+            return
+        start = (f"--from-time {self.from_time.isoformat()}" if self.from_time else
+                 f"--from-position {self.from_position[0]}:{self.from_position[1]}" if self.from_position else
+                 "the beginning")
+        raise RebuildError(
+            f"rebuild of {self.projection.name!r} from {start} would be partial: retention has removed {removed:,} "
+            f"events stored up to {through.isoformat()}, after the projection had applied them; history now exists "
+            f"from {oldest.isoformat() if oldest else 'no event at all'} on. Nothing was changed. Keep history "
+            "longer (--retention-seconds), or pass --accept-partial to build the model from the events still stored")
 
     def _table(self, conn: psycopg.Connection[Any], name: str) -> LiveTable:
         row = conn.execute(query("rebuild", "table_info"), {"name": name}).fetchone()
@@ -385,6 +409,7 @@ class Rebuild:
             store.register_sink(conn, self.live_sink, "projection")
             conn.execute(query("rebuild", "lock_cursors"), names)
             conn.execute(query("rebuild", "adopt_cursors"), names)
+            conn.execute(query("rebuild", "adopt_history"), names)
             conn.execute(query("rebuild", "drop_parked_and_dead"), names)
             conn.execute(query("rebuild", "adopt_parked"), names)
             conn.execute(query("rebuild", "adopt_dead_letters"), names)
@@ -413,14 +438,30 @@ class Rebuild:
             conn.execute(_template("set_owner", table=new, owner=sql.Identifier(old.owner)))
 
 
-def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3) -> int:
+def history_gap(conn: psycopg.Connection[Any], sink: str) -> tuple[datetime, int | None, int, datetime | None] | None:
+    """What retention removed since ``sink``'s history began: (removed through, the largest removed
+    transaction id, events removed in all, the oldest event still stored); None if nothing is missing."""
+    row = conn.execute(query("rebuild", "history_gap"), {"sink": sink}).fetchone()
+    return (row[0], row[1], row[2], row[3]) if row else None
+
+
+def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3, *, accept_partial: bool = False) -> int:
     """Rebuild one partition key's state in place, atomically; returns the events replayed.
 
     Under the same commit guard as a projection batch (see sink.py): a handler (or key_reset) that
-    ends the transaction makes the whole key rebuild fail, never half of it commit."""
+    ends the transaction makes the whole key rebuild fail, never half of it commit. Refuses when
+    retention removed events the projection applied, unless ``accept_partial``."""
     if projection.clear_key is None:
         raise ConfigurationError(f"projection {projection.name!r} has no key_reset: declare one with "
                                  f"@{projection.handler.__name__}.key_reset to rebuild a single key")
+    if not accept_partial:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            gap = history_gap(conn, projection.name)
+        if gap is not None:
+            raise RebuildError(
+                f"rebuilding key {key!r} of {projection.name!r} would be partial: retention has removed {gap[2]:,} "
+                f"events stored up to {gap[0].isoformat()}, after the projection had applied them. Nothing was "
+                "changed; pass --accept-partial to rebuild the key from the events still stored")
     for attempt in range(1, tries + 1):
         try:
             if projection.is_async:

@@ -87,6 +87,9 @@ CREATE TABLE outbox.sinks (
     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     -- 0005: set by `sinks drop` (a tombstone: relays refuse to register the sink again).
     dropped_at timestamptz,
+    -- 0011: outbox.history.removed_through when this sink's history began (registered, or its model
+    -- replaced by a rebuild's); NULL: before retention removed anything.
+    history_from timestamptz,
     CONSTRAINT sinks_pkey PRIMARY KEY (name)
 );
 
@@ -401,6 +404,20 @@ BEGIN
 END
 $$;
 
+-- 0011_history_watermark: what retention has removed (see the migration; a new installation has
+-- removed nothing).
+CREATE TABLE outbox.history (
+    singleton       boolean     NOT NULL DEFAULT true CONSTRAINT history_singleton CHECK (singleton),
+    -- Every event created at or before this instant may have been removed (NULL: none was).
+    removed_through timestamptz,
+    -- The largest transaction id among the removed events (positions at or below it may be gone).
+    removed_xid     xid8,
+    removed_events  bigint      NOT NULL DEFAULT 0,
+    removed_at      timestamptz,
+    CONSTRAINT history_pkey PRIMARY KEY (singleton)
+);
+INSERT INTO outbox.history DEFAULT VALUES;
+
 -- The migrations this snapshot contains.
 INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (1, 'initial', NULL),
@@ -412,4 +429,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (7, 'snapshot_cursors', 7),
     (8, 'paused_keys', 8),
     (9, 'park_order', NULL),
-    (10, 'quiet_producers', NULL);
+    (10, 'quiet_producers', NULL),
+    (11, 'history_watermark', NULL);

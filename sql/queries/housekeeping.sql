@@ -92,7 +92,7 @@ WHERE status = 'dead'
 
 -- name: apply_retention
 -- Delete a slice of the oldest events past the retention that every sink has passed and that no
--- parked row or dead letter still needs. Every condition is a probe per row, so the scan walks
+-- parked row or dead letter still needs, and move the history watermark past them; returns how many. Every condition is a probe per row, so the scan walks
 -- events_created_at oldest first and stops at the limit (a join would read all old events first).
 WITH cutoff AS MATERIALIZED (
     -- Computed once: the scan below is an index range on events_created_at.
@@ -114,7 +114,21 @@ old AS (
                       WHERE d.bucket = e.bucket AND d.xid = e.xid AND d.seq = e.seq)
     ORDER BY e.created_at
     LIMIT %(limit)s
-)
+),
 -- By row address (a TID scan): events are never updated, so the address found above still holds.
-DELETE FROM outbox.events
-WHERE ctid = ANY(ARRAY(SELECT ctid FROM old));
+gone AS (
+    DELETE FROM outbox.events
+    WHERE ctid = ANY(ARRAY(SELECT ctid FROM old))
+    RETURNING created_at, xid
+),
+watermark AS (
+    -- How far history has been removed (0011): rebuilds refuse to build a model from less than their
+    -- projection applied.
+    UPDATE outbox.history
+    SET removed_through = greatest(removed_through, (SELECT max(created_at) FROM gone)),
+        removed_xid = greatest(removed_xid, (SELECT max(xid) FROM gone)),
+        removed_events = removed_events + (SELECT count(*) FROM gone),
+        removed_at = clock_timestamp()
+    WHERE EXISTS (SELECT FROM gone)
+)
+SELECT count(*) FROM gone;

@@ -214,6 +214,22 @@ WITH parked AS (
 )
 DELETE FROM outbox.dead_letters WHERE sink = %(live)s;
 
+-- name: adopt_history
+-- The new model's history began where the rebuild's did (a partial rebuild accepted moves it on).
+UPDATE outbox.sinks l
+SET history_from = r.history_from
+FROM outbox.sinks r
+WHERE l.name = %(live)s AND r.name = %(rebuild)s;
+
+-- name: history_gap
+-- What retention has removed since a sink's history began: the watermark, how many events in all, and the oldest event still stored; no row: nothing is missing.
+SELECT h.removed_through, h.removed_xid::text::bigint, h.removed_events,
+       (SELECT min(e.created_at) FROM outbox.events e) AS oldest_stored
+FROM outbox.history h
+JOIN outbox.sinks s ON s.name = %(sink)s
+WHERE h.removed_through IS NOT NULL
+  AND (s.history_from IS NULL OR h.removed_through > s.history_from);
+
 -- name: adopt_parked
 -- The rebuild's retries carry on under the live name (run after drop_parked_and_dead).
 UPDATE outbox.parked SET sink = %(live)s WHERE sink = %(rebuild)s;

@@ -1,7 +1,9 @@
 -- name: register_sink
 -- Create a sink (its cursors follow in a statement of their own, so that row security policies that
--- look the sink up see it).
-INSERT INTO outbox.sinks (name, kind) VALUES (%(sink)s, %(kind)s)
+-- look the sink up see it). Its history begins at the current retention watermark: it starts from
+-- the oldest event still stored, so nothing removed before is missing from it.
+INSERT INTO outbox.sinks (name, kind, history_from)
+VALUES (%(sink)s, %(kind)s, (SELECT removed_through FROM outbox.history))
 ON CONFLICT (name) DO NOTHING;
 
 -- name: register_cursors

@@ -544,3 +544,56 @@ def test_rebuild_key_whose_handler_ends_the_transaction_changes_nothing(dsn: str
     with pytest.raises(RebuildError, match="ended the transaction"):
         rebuild_key(p, dsn, "cust-1")
     assert state(dsn) == good and applied_ids(dsn) == log
+
+
+def test_a_rebuild_after_retention_removed_applied_events_refuses_unless_partial_is_accepted(
+        dsn: str, live: Any, pool: ConnectionPool[Any]) -> None:
+    """A full rebuild replays what is stored; once retention has removed events the projection applied,
+    that is less than live processing saw. The rebuild (and `rebuild --key`) refuses, naming what is
+    missing, unless a partial model is accepted; after that, the next rebuild is complete again."""
+    from outbox_relay.housekeeping import Housekeeping
+
+    first = publish(dsn, orders(3, 2))
+    runner = live(totals_projection())
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(first))
+    removed = Housekeeping(pool, make_settings(dsn, "hk", retention_seconds=0.0))._apply_retention()
+    assert removed == len(first)
+    later = publish(dsn, orders(3, 1, start=2))
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(first) + len(later))
+    live_state = state(dsn)
+
+    with pytest.raises(RebuildError, match=rf"would be partial: retention has removed {len(first)} events .* "
+                                           r"--accept-partial") as refused:
+        Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
+    assert "history now exists from" in str(refused.value)
+    with pytest.raises(RebuildError, match="would be partial"):
+        rebuild_key(totals_projection(), dsn, "cust-0")
+    assert state(dsn) == live_state, "a refused rebuild changes nothing"
+    assert fetch_all(dsn, "SELECT count(*) FROM outbox.rebuilds") == [(0,)]
+
+    result = Rebuild(totals_projection(), rebuild_settings(dsn), accept_partial=True, progress=None).run()
+    assert result is not None and result.events == len(later)
+    assert state(dsn) == [(f"cust-{c}", 1, 30) for c in range(3)], "the model holds what is still stored"
+    # Nothing removed since the partial model began: the next rebuild is complete and needs no flag.
+    again = Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
+    assert again is not None and state(dsn) == [(f"cust-{c}", 1, 30) for c in range(3)]
+    assert rebuild_key(totals_projection(), dsn, "cust-0") == 2
+
+
+def test_a_projection_that_began_after_retention_removed_events_rebuilds_without_a_word(
+        dsn: str, live: Any, pool: ConnectionPool[Any]) -> None:
+    """It never applied the removed events (a new sink starts from the oldest stored event), so its
+    rebuild is complete."""
+    from outbox_relay.housekeeping import Housekeeping
+
+    publish(dsn, orders(2, 1))
+    with psycopg.connect(dsn, autocommit=True) as conn:  # another sink delivered them, then they went
+        conn.execute("INSERT INTO outbox.sinks (name, kind) VALUES ('kafka', 'kafka')")
+        conn.execute("INSERT INTO outbox.cursors (sink, bucket, snapshot) "
+                     "SELECT 'kafka', b, pg_current_snapshot() FROM generate_series(0, 255) AS b")
+    assert Housekeeping(pool, make_settings(dsn, "hk", retention_seconds=0.0))._apply_retention() == 4
+    ids = publish(dsn, orders(2, 1, start=1))
+    runner = live(totals_projection())
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(ids))
+    result = Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
+    assert result is not None and result.events == len(ids)
