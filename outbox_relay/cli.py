@@ -466,6 +466,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             "dead_letters_by_key": ("dead letters by key",
                                     _rows(conn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20})),
             "rebuilds": ("rebuilds in progress", _rows(conn, "admin", "rebuilds")),
+            "history": ("history per projection (how far back a rebuild goes; incomplete: retention removed "
+                        "events it applied, so a full rebuild needs --accept-partial)",
+                        _rows(conn, "admin", "history")),
         }
     if args.json:
         _print_json({key: _records(cols, rows) for key, (_, (cols, rows)) in sections.items()})

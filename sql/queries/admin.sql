@@ -50,6 +50,17 @@ CROSS JOIN LATERAL (
 GROUP BY s.name, s.kind
 ORDER BY s.name;
 
+-- name: history
+-- Per projection: from when events are stored (how far back a rebuild goes), what retention removed, and whether a full rebuild would hold everything the projection applied (else it needs --accept-partial).
+SELECT s.name AS projection,
+       (SELECT min(e.created_at) FROM outbox.events e) AS stored_from,
+       h.removed_through, h.removed_events,
+       h.removed_through IS NULL OR coalesce(h.removed_through <= s.history_from, false) AS full_rebuild_complete
+FROM outbox.sinks s
+CROSS JOIN outbox.history h
+WHERE s.kind = 'projection' AND s.dropped_at IS NULL AND s.name NOT LIKE '%%.rebuild'
+ORDER BY s.name;
+
 -- name: horizon_holder
 -- The oldest open writing transaction, a session's or a prepared one (for `status`; the name is from
 -- before migration 0007). It delays only its own events now (snapshot cursors), but it holds back

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import threading
 import time
 import uuid
@@ -546,8 +547,18 @@ def test_rebuild_key_whose_handler_ends_the_transaction_changes_nothing(dsn: str
     assert state(dsn) == good and applied_ids(dsn) == log
 
 
+def _history(dsn: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """`status --json`'s history row of order_totals, without its times."""
+    from outbox_relay import cli
+
+    capsys.readouterr()
+    assert cli.main(["status", "--json", "--dsn", dsn]) == cli.EXIT_OK
+    [row] = json.loads(capsys.readouterr().out)["history"]
+    return {k: v for k, v in row.items() if k in ("projection", "removed_events", "full_rebuild_complete")}
+
+
 def test_a_rebuild_after_retention_removed_applied_events_refuses_unless_partial_is_accepted(
-        dsn: str, live: Any, pool: ConnectionPool[Any]) -> None:
+        dsn: str, live: Any, pool: ConnectionPool[Any], capsys: pytest.CaptureFixture[str]) -> None:
     """A full rebuild replays what is stored; once retention has removed events the projection applied,
     that is less than live processing saw. The rebuild (and `rebuild --key`) refuses, naming what is
     missing, unless a partial model is accepted; after that, the next rebuild is complete again."""
@@ -562,6 +573,8 @@ def test_a_rebuild_after_retention_removed_applied_events_refuses_unless_partial
     run_until(runner, lambda: len(applied_ids(dsn)) == len(first) + len(later))
     live_state = state(dsn)
 
+    assert _history(dsn, capsys) == {"projection": "order_totals", "removed_events": len(first),
+                                     "full_rebuild_complete": False}
     with pytest.raises(RebuildError, match=rf"would be partial: retention has removed {len(first)} events .* "
                                            r"--accept-partial") as refused:
         Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
@@ -574,6 +587,7 @@ def test_a_rebuild_after_retention_removed_applied_events_refuses_unless_partial
     result = Rebuild(totals_projection(), rebuild_settings(dsn), accept_partial=True, progress=None).run()
     assert result is not None and result.events == len(later)
     assert state(dsn) == [(f"cust-{c}", 1, 30) for c in range(3)], "the model holds what is still stored"
+    assert _history(dsn, capsys)["full_rebuild_complete"] is True
     # Nothing removed since the partial model began: the next rebuild is complete and needs no flag.
     again = Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
     assert again is not None and state(dsn) == [(f"cust-{c}", 1, 30) for c in range(3)]
