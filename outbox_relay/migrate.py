@@ -64,8 +64,15 @@ def migrate(conninfo: str) -> list[Migration]:
         conn = psycopg.connect(conninfo, autocommit=True)
     except psycopg.OperationalError as exc:
         raise SchemaError(f"cannot connect to {redact(conninfo)}: {redact(str(exc))}") from None
+    with conn:
+        return apply_migrations(conn)
+
+
+def apply_migrations(conn: psycopg.Connection[Any]) -> list[Migration]:
+    """``migrate`` on an open connection (Django's, say): one transaction, or a savepoint of the one
+    open; returns the migrations this call applied."""
     applied: list[Migration] = []
-    with conn, conn.transaction():
+    with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
         conn.execute(BOOTSTRAP)
         done = {r[0] for r in conn.execute("SELECT version FROM outbox.schema_migrations")}
