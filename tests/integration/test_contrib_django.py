@@ -10,6 +10,10 @@ each test points the ``default`` alias at its own fresh database.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -306,4 +310,17 @@ def test_routers_keep_the_schema_out_and_outbox_migrate_applies_it(
     finally:
         Router.allow_outbox = True
         connections["other"].close()
+
+
+# -- the example app --------------------------------------------------------------------------------
+
+
+def test_the_example_app_runs(database_factory: Callable[..., str]) -> None:
+    """examples/django_app, run as its README says, against a DSN from the environment."""
+    empty = database_factory()
+    env = {**os.environ, "OUTBOX_DSN": empty, "PYTHONDONTWRITEBYTECODE": "1"}
+    result = subprocess.run([sys.executable, "examples/django_app/demo.py"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"events stored: 2\b", result.stdout), result.stdout
 

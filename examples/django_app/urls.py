@@ -1,0 +1,4 @@
+from django.urls import path
+from shop.views import orders
+
+urlpatterns = [path("orders", orders)]
