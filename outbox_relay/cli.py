@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import getpass
+import importlib
 import json
 import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -31,11 +33,11 @@ import psycopg
 from confluent_kafka import KafkaException
 from pydantic.fields import FieldInfo
 
-from .dsn import check_dsn, connection_problem, one_line, redact, remember_dsn
+from .dsn import check_dsn, connection_problem, describe, one_line, redact, remember_dsn
 from .errors import ConfigurationError, OutboxError, WorkerIdInUse
 from .event import MAX_KEY_BYTES
 from .migrate import check_schema, migrate
-from .settings import RelaySettings, bounds, env_var, load_settings
+from .settings import NO_DSN, RelaySettings, bounds, default_text, env_var, flag, load_settings
 from .sink import Aborted
 from .sqlfiles import query
 
@@ -50,7 +52,6 @@ EXIT_STOPPED = 4  # run: the relay stopped by itself, because one of its sinks c
 EXIT_INTERRUPTED = 130  # rebuild/replay stopped by a signal; run the same command again to resume
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DEFAULT_DSN = RelaySettings.model_fields["dsn"].default.get_secret_value()
 DEAD_LETTERS_LIMIT = (1, 10_000)
 MAX_ATTEMPTS = (1, 1000)  # RelaySettings.max_attempts
 KEY_DEAD_LETTERS_SHOWN = 5
@@ -97,23 +98,26 @@ def setup_logging(level: str, as_json: bool, worker_id: str) -> None:
 
 
 def _add_setting(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
-    flag = "--" + name.replace("_", "-")
+    option = "--" + name.replace("_", "-")
     allowed = bounds(field)
-    help_text = f"{field.description or name}" + (f" ({allowed})" if allowed else "") + f" [env {env_var(name)}]"
+    default = default_text(name, field)
+    help_text = (f"{field.description or name}" + (f" ({allowed})" if allowed else "")
+                 + (" (required)" if default == "required" else f" (default {default})") + f" [env {env_var(name)}]")
     if field.annotation is bool:
-        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        parser.add_argument(option, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     elif name == "projection":
-        parser.add_argument(flag, dest=name, action="append", metavar="NAME", default=None, help=help_text)
+        parser.add_argument(option, dest=name, action="append", metavar="NAME", default=None, help=help_text)
     elif name == "kafka_config":
         parser.add_argument("--kafka-option", dest=name, action="append", metavar="KEY=VALUE", default=None,
                             help="librdkafka setting, repeatable (TLS/SASL pass through); KEY=@PATH reads the value "
-                                 f"from a file, so secrets stay out of `ps` [env {env_var(name)} as JSON]")
+                                 f"from a file, so secrets stay out of `ps` (default none) [env {env_var(name)} as "
+                                 "JSON]")
     else:
-        parser.add_argument(flag, dest=name, default=None, help=help_text)
+        parser.add_argument(option, dest=name, default=None, help=help_text)
 
 
 def _dsn_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dsn", default=None, help=f"PostgreSQL connection string [env {env_var('dsn')}]")
+    parser.add_argument("--dsn", default=None, help=f"PostgreSQL connection string (required) [env {env_var('dsn')}]")
 
 
 def _log_level(text: str) -> str:
@@ -173,13 +177,14 @@ def version() -> str:
 
 def _global_options(parser: argparse.ArgumentParser, default: Callable[[Any], Any]) -> None:
     parser.add_argument("--log-level", type=_log_level, default=default("info"),
-                        help="debug, info, warning, error (debug also prints the traceback of an unexpected error)")
+                        help="debug, info, warning, error (debug also prints the traceback of an unexpected error; "
+                             "default info)")
     parser.add_argument("--log-json", action="store_true", default=default(False),
                         help="one JSON object per log line")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outbox-relay", description=__doc__)
+    parser = argparse.ArgumentParser(prog="outbox-relay", description=__doc__, formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     _global_options(parser, lambda value: value)
     # The same options after the command (`outbox-relay status --log-level debug`); SUPPRESS keeps a
@@ -233,12 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="events created before this time")
     p.add_argument("--key", default=None, help="only this partition key")
     p.add_argument("--to-topic", default=None, help="produce to this topic instead of the events' own")
+    p.add_argument("--upcasters", default=None, metavar="MODULE:ATTR",
+                   help="an outbox_relay.upcast.Upcasters: payloads of older schema versions are sent in their "
+                        "type's current shape")
 
-    p = sub.add_parser("sinks", help="list sinks; drop a retired one (its progress, retries, dead letters), or "
-                                     "recreate a dropped one")
+    summary = "list sinks; drop a retired one (its progress, retries, dead letters), or recreate a dropped one"
+    p = sub.add_parser("sinks", help=summary, description=_actions_description(summary, SINKS_ACTIONS))
     _dsn_arg(p)
-    p.add_argument("--json", action="store_true", help="machine-readable output (list)")
-    p.add_argument("action", choices=["list", "drop", "recreate"])
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("action", choices=list(SINKS_ACTIONS), help="what to do (see actions above)")
     p.add_argument("name", nargs="?", default=None, help="the sink to drop or recreate")
     p.add_argument("--force", action="store_true",
                    help="drop a sink that relays still run or hold leases on: its pending events, parked events and "
@@ -247,16 +255,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a relay heard from within this long still runs the sink (0.02-3600; default: the relays' "
                         f"setting from {env_var('worker_ttl_seconds')}, else 10)")
 
-    p = sub.add_parser("dead-letters", help="list, retry or discard dead letters")
+    summary = "list, retry or discard dead letters"
+    p = sub.add_parser("dead-letters", help=summary, description=_actions_description(summary, DEAD_LETTERS_ACTIONS))
     _dsn_arg(p)
-    p.add_argument("action", choices=["list", "retry", "discard"])
+    p.add_argument("action", choices=list(DEAD_LETTERS_ACTIONS), help="what to do (see actions above)")
     p.add_argument("--sink", default=None, help="sink name (required for retry and discard)")
     p.add_argument("--key", default=None, help="only this partition key")
     p.add_argument("--event", dest="events", action="append", type=_event_id, default=None,
                    help="only this event id (repeatable)")
     p.add_argument("--all", action="store_true", help="retry/discard every dead letter of the sink")
     p.add_argument("--limit", type=_int_between(*DEAD_LETTERS_LIMIT), default=50,
-                   help=f"list at most this many ({DEAD_LETTERS_LIMIT[0]}-{DEAD_LETTERS_LIMIT[1]}, default 50)")
+                   help=f"list at most this many ({DEAD_LETTERS_LIMIT[0]}-{DEAD_LETTERS_LIMIT[1]})")
+    p.add_argument("--after", type=_event_id, default=None, metavar="EVENT_ID",
+                   help="list: the next page, after this event's dead letter (the last one the previous page showed)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = sub.add_parser("keys", help="one partition key: why it waits, retry it now, skip its head, pause or "
@@ -283,6 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SINKS_ACTIONS = {
+    "list": "every sink: kind, when created, whether dropped",
+    "drop": "retire a sink NAME: its cursors, parked events and dead letters are deleted (refused while relays "
+            "use it, unless --force)",
+    "recreate": "let relays register a dropped sink NAME again (it starts from the oldest retained event)",
+}
+DEAD_LETTERS_ACTIONS = {
+    "list": "dead letters, newest first, with their last error (--sink, --key, --limit; --after pages)",
+    "retry": "queue dead letters of --sink again, due now (--event, --key or --all; a key's in publish order)",
+    "discard": "delete dead letters of --sink for good (--event, --key or --all)",
+}
+
+
 def _key_args(parser: argparse.ArgumentParser, sink_required: bool = True) -> None:
     _dsn_arg(parser)
     parser.add_argument("key", type=_partition_key, metavar="KEY", help="the partition key")
@@ -297,7 +321,8 @@ REBUILD_SETTINGS = ("dsn", "projections", "worker_id", "batch_size", "lease_seco
 
 
 # What `replay` reads of the relay settings.
-REPLAY_SETTINGS = ("dsn", "kafka_bootstrap_servers", "kafka_config", "kafka_stall_seconds", "default_topic",
+REPLAY_SETTINGS = ("dsn", "kafka_bootstrap_servers", "kafka_config", "kafka_config_file", "kafka_stall_seconds",
+                   "default_topic",
                    "source", "batch_size")
 
 
@@ -355,10 +380,17 @@ def _kafka_config_env() -> dict[str, str]:
 
 def _dsn(args: argparse.Namespace) -> str:
     # Only the DSN: a bad value of some other OUTBOX_* variable must not stop `status`.
-    dsn = args.dsn or os.environ.get(env_var("dsn")) or DEFAULT_DSN
+    dsn = args.dsn or os.environ.get(env_var("dsn"))
+    if not dsn:
+        raise ConfigurationError(NO_DSN)
     remember_dsn(dsn)
     check_dsn(dsn)
     return dsn
+
+
+def _using(dsn: str) -> None:
+    """Name the database a command uses, once, on stderr (stdout stays pure for --json)."""
+    _say(f"outbox-relay: using {describe(dsn)}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -366,6 +398,7 @@ def _database(dsn: str) -> Iterator[psycopg.Connection[Any]]:
     """A connection to a migrated database (else SchemaError: run `outbox-relay migrate`)."""
     with psycopg.connect(dsn, autocommit=True, application_name="outbox-relay cli") as conn:
         check_schema(conn)
+        _using(dsn)
         yield conn
 
 
@@ -377,9 +410,28 @@ def _rows(conn: psycopg.Connection[Any], group: str, name: str, params: dict[str
         return cols, list(cur.fetchall())
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (the action lists), and every option's default unless it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default is argparse.SUPPRESS or "default" in text
+                or not action.option_strings):
+            return text
+        return f"{text} (default {default})"
+
+
+def _actions_description(summary: str, actions: dict[str, str]) -> str:
+    """A command's description with one line per action (argparse gives choices no help of their own)."""
+    width = max(len(a) for a in actions) + 2
+    return summary + "\n\nactions:\n" + "\n".join(f"  {a.ljust(width)}{h}" for a, h in actions.items())
+
+
 def _parser_with(common: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
     class Subcommand(argparse.ArgumentParser):
         def __init__(self, **kwargs: Any) -> None:
+            kwargs.setdefault("formatter_class", _HelpFormatter)
             super().__init__(parents=[common], **kwargs)
 
     return Subcommand
@@ -445,11 +497,48 @@ def _cell(value: Any) -> str:
     return " ".join(printable(str(value)).split())  # one line per row
 
 
+ELLIPSIS = "\u2026"
+MIN_COLUMN = 8  # a column is never cut narrower than this (or its header)
+WHOLE_COLUMN = 36  # columns this narrow (ids, times, counts) are cut only when cutting the others is not enough
+
+
+def _terminal_width() -> int | None:
+    """The terminal's width, or None when the output goes to a pipe or file (nothing is cut there)."""
+    if os.environ.get("COLUMNS") or sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
+def _fit(widths: list[int], floors: list[int], room: int) -> list[int]:
+    """Column widths within ``room``: the widest columns are cut to one common cap, none below its floor."""
+    if sum(widths) <= room:
+        return widths
+    low, high = 0, max(widths)
+    while low < high:  # the largest cap that fits
+        cap = (low + high + 1) // 2
+        if sum(min(w, max(cap, f)) for w, f in zip(widths, floors, strict=True)) <= room:
+            low = cap
+        else:
+            high = cap - 1
+    return [min(w, max(low, f)) for w, f in zip(widths, floors, strict=True)]
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:max(0, width - 1)] + ELLIPSIS
+
+
 def _print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
+    """A table cut to the terminal's width (long cells end in an ellipsis; --json has the full values)."""
     cells = [[str(h) for h in headers]] + [[_cell(v) for v in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    terminal = _terminal_width()
+    if terminal is not None:
+        room = terminal - 2 * (len(widths) - 1)
+        floors = [min(w, max(MIN_COLUMN, len(str(h)))) for w, h in zip(widths, headers, strict=True)]
+        whole = [w if w <= WHOLE_COLUMN else f for w, f in zip(widths, floors, strict=True)]
+        widths = _fit(widths, whole if sum(whole) <= room else floors, room)
     for i, r in enumerate(cells):
-        _say("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        _say("  ".join(_cut(c, w).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         if i == 0:
             _say("  ".join("-" * w for w in widths))
 
@@ -631,7 +720,14 @@ def _check_projections(settings: RelaySettings) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
+    if settings.projections and not settings.projection:
+        raise ConfigurationError(f"{flag('projections')} {settings.projections} names the module, but no "
+                                 f"{flag('projection')} NAME says which of its projections to run "
+                                 f"({env_var('projection')}, comma-separated)")
+    if settings.kafka:
+        settings.require_kafka()
     setup_logging(args.log_level, args.log_json, settings.worker_id)
+    log.info("using %s", describe(settings.dsn.get_secret_value()))
     _check_projections(settings)
     from .compose import build_worker
 
@@ -645,7 +741,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    applied = migrate(_dsn(args))
+    dsn = _dsn(args)
+    applied = migrate(dsn)
+    _using(dsn)
     _say(f"applied {len(applied)} migrations" + (": " + ", ".join(f"{m.version:04d}_{m.name}" for m in applied)
                                                  if applied else " (schema up to date)"))
     return EXIT_OK
@@ -692,6 +790,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
     if args.from_time and args.to_time and args.from_time >= args.to_time:
         raise ConfigurationError("--from-time must be before --to-time")
+    settings.require_kafka()
     with _database(settings.dsn.get_secret_value()):
         pass
     stop = threading.Event()
@@ -703,7 +802,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     try:
         result = replay(settings, args.topic, from_time=args.from_time, to_time=args.to_time, key=args.key,
-                        to_topic=args.to_topic, abort=stop)
+                        to_topic=args.to_topic, abort=stop, upcasters=_upcasters(args.upcasters))
     except Aborted:
         _say("replay interrupted: what was acknowledged so far stays on the topic", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -711,6 +810,25 @@ def cmd_replay(args: argparse.Namespace) -> int:
         _say(f"failed: {event_id}: {redact(error)}", file=sys.stderr)
     _say(f"replayed {result.sent} events" + (f"; {len(result.failed)} failed" if result.failed else ""))
     return EXIT_FAILED if result.failed else EXIT_OK
+
+
+def _upcasters(ref: str | None) -> Any:
+    """The Upcasters named MODULE:ATTR (None: no upcasting)."""
+    from .upcast import Upcasters
+
+    if ref is None:
+        return None
+    module, _, attr = ref.partition(":")
+    if not module or not attr:
+        raise ConfigurationError(f"--upcasters {ref!r}: expected MODULE:ATTR (e.g. myapp.events:upcasters)")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"--upcasters {ref!r}: {exc}") from None
+    if not isinstance(found, Upcasters):
+        raise ConfigurationError(f"--upcasters {ref!r} is a {type(found).__name__}, not an "
+                                 "outbox_relay.upcast.Upcasters")
+    return found
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

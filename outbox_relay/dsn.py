@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import psycopg
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
 from .errors import ConfigurationError
@@ -215,3 +216,31 @@ def probe_connection(dsn: str, timeout: float = 5.0) -> str | None:
             return None
     except psycopg.Error as exc:
         return connection_problem(exc)
+
+
+def describe(dsn: str) -> str:
+    """Which database ``dsn`` names, for an operator: ``database app on db.internal:5432 as relay``.
+
+    What libpq would use, its environment (PGHOST, PGUSER, ...) and defaults included; never the
+    password. Raises ConfigurationError (via ``check_dsn``) for a DSN libpq can not parse."""
+    check_dsn(dsn)
+    given = {o.keyword.decode(): o.val.decode() for o in pq.Conninfo.parse(dsn.encode()) if o.val is not None}
+    defaults = {o.keyword.decode(): o.val.decode() for o in pq.Conninfo.get_defaults() if o.val is not None}
+
+    def value(name: str) -> str:
+        return given.get(name) or defaults.get(name) or ""
+
+    user = value("user")
+    dbname = value("dbname") or user  # libpq's rule
+    hosts = (value("host") or value("hostaddr")).split(",")
+    ports = value("port").split(",") if value("port") else ["5432"]
+    places = []
+    for i, host in enumerate(hosts):
+        port = ports[i] if i < len(ports) else ports[-1]
+        port = port or "5432"
+        if not host or host.startswith("/") or host.startswith("@"):  # a Unix-domain socket
+            places.append(f"socket {host or 'default'} (port {port})")
+        else:
+            places.append(f"{host}:{port}")
+    service = f" (service {value('service')})" if value("service") else ""
+    return f"database {dbname or '?'} on {', '.join(places)} as {user or '?'}{service}"

@@ -42,16 +42,19 @@ class RelaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
                                       allow_inf_nan=False)
 
-    dsn: SecretStr = Field(SecretStr("postgresql:///postgres"), description="PostgreSQL connection string")
+    # Required: a default database is a silent guess (it once put the schema into `postgres`).
+    dsn: SecretStr = Field(description="PostgreSQL connection string")
     worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200,
-                           description="unique per process (default host-pid)")
+                           description="unique per process")
 
     # sinks
     kafka: bool = Field(True, description="deliver to Kafka")
     kafka_sink: str = Field("kafka", min_length=1, max_length=63,
                             description="sink name of the Kafka delivery (its own cursors)")
-    kafka_bootstrap_servers: str = Field("127.0.0.1:9092", min_length=1, max_length=4096,
-                                         description="Kafka bootstrap servers")
+    # No default: a relay guessing a broker takes its buckets and can not deliver them.
+    kafka_bootstrap_servers: str | None = Field(
+        None, min_length=1, max_length=4096,
+        description="Kafka bootstrap servers, e.g. 127.0.0.1:9092 (required while Kafka is on)")
     kafka_config: dict[str, str] = Field(
         default_factory=dict,
         description="extra librdkafka settings, e.g. security.protocol, sasl.*, ssl.* (passed through); a value "
@@ -199,8 +202,17 @@ class RelaySettings(BaseSettings):
     def sinks(self) -> list[str]:
         return ([self.kafka_sink] if self.kafka else []) + list(self.projection)
 
+    def require_kafka(self) -> str:
+        """The bootstrap servers, or ConfigurationError saying how to give them."""
+        if not self.kafka_bootstrap_servers:
+            raise ConfigurationError(
+                f"Kafka is on but no bootstrap servers are given: pass {flag('kafka_bootstrap_servers')} "
+                f"HOST:PORT[,HOST:PORT...] or set {env_var('kafka_bootstrap_servers')} (or --no-kafka for a "
+                "relay of projections only)")
+        return self.kafka_bootstrap_servers
+
     def kafka_producer_config(self) -> dict[str, Any]:
-        return {"bootstrap.servers": self.kafka_bootstrap_servers, **self.kafka_config}
+        return {"bootstrap.servers": self.require_kafka(), **self.kafka_config}
 
 
 def _option_value(key: str, value: str) -> str:
@@ -236,6 +248,29 @@ def read_kafka_config_file(path: Path) -> dict[str, str]:
             raise ValueError(f"{str(path)!r} line {number} is not KEY=VALUE")
         config[key.strip()] = _option_value(key.strip(), value.strip())
     return config
+
+
+NO_DSN = (f"no database given: pass --dsn or set {ENV_PREFIX}DSN to a PostgreSQL connection string "
+          "(e.g. postgresql://user@host:5432/dbname)")
+
+
+def default_text(name: str, field: FieldInfo) -> str:
+    """A setting's default as ``--help`` shows it: ``1000``, ``on``, ``host-pid``, ``required``, ``none``."""
+    if field.is_required():
+        return "required"
+    if field.default_factory is not None:
+        if name == "worker_id":
+            return "host-pid"
+        value: Any = field.default_factory()  # type: ignore[call-arg]
+        return "none" if not value else str(value)
+    value = field.default
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return _number(value)
+    return str(value)
 
 
 def flag(name: str) -> str:
@@ -282,6 +317,8 @@ def describe_validation_error(exc: ValidationError) -> str:
         loc = [str(part) for part in error["loc"]]
         if not loc:
             problems.append(message)
+        elif loc == ["dsn"] and error["type"] == "missing":
+            problems.append(NO_DSN)
         elif loc[0] == "kafka_config" and len(loc) > 1:
             problems.append(f"Kafka option {loc[1]} ({flag(loc[0])}, {env_var(loc[0])}): {message}")
         else:

@@ -27,6 +27,8 @@ def _default(name: str, field: Any) -> str:
         empty = field.default_factory()
         return "(none)" if not empty and isinstance(empty, list) else f"`{empty}`"
     value = field.default
+    if field.is_required():
+        return "**required**"
     if value is PydanticUndefined or value is None:
         return "(none)"
     if hasattr(value, "get_secret_value"):

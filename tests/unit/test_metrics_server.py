@@ -18,12 +18,14 @@ from outbox_relay.metrics import MetricsServer
 from outbox_relay.settings import RelaySettings
 from tests.servers import free_port, wait_until
 
+NOWHERE = "postgresql://relay@db.invalid/app"  # a DSN is required; these workers never connect
+
 
 def test_closing_a_server_that_never_started_returns_and_frees_its_port() -> None:
     """A worker refused before it started (no sink, a bad option) still closes its services; the HTTP
     server's shutdown() would wait forever for a serve_forever() that never ran."""
     port = free_port()
-    worker = build_worker(RelaySettings(kafka=False, metrics_port=port, metrics_host="127.0.0.1"))
+    worker = build_worker(RelaySettings(dsn=NOWHERE, kafka=False, metrics_port=port, metrics_host="127.0.0.1"))
     [server] = worker.services
     closing = threading.Thread(target=server.close, name="close", daemon=True)
     closing.start()

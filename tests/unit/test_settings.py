@@ -22,6 +22,7 @@ def _no_outbox_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("OUTBOX_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("OUTBOX_DSN", "postgresql://relay@db.invalid/app")  # required; these tests never connect
 
 
 @pytest.mark.parametrize(("field", "value"), [

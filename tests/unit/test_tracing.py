@@ -229,7 +229,7 @@ def test_observers_hand_every_call_to_each(exporter: InMemorySpanExporter) -> No
 
 
 def test_tracing_setting_installs_the_observer(caplog: pytest.LogCaptureFixture) -> None:
-    settings = RelaySettings(kafka=False, tracing=True, worker_id="w")
+    settings = RelaySettings(dsn="postgresql://relay@db.invalid/app", kafka=False, tracing=True, worker_id="w")
     with caplog.at_level(logging.WARNING, logger="outbox_relay.tracing"):
         worker = build_worker(settings)
     assert isinstance(worker.observer, TracingObserver)
