@@ -324,3 +324,15 @@ def test_the_example_app_runs(database_factory: Callable[..., str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"events stored: 2\b", result.stdout), result.stdout
 
+
+
+def test_the_testing_kit_reads_through_djangos_connection(shop: str) -> None:
+    # What a Django TestCase does: its transaction, rolled back at the end, is the one the test reads.
+    from outbox_relay.testing import assert_published, published
+
+    with transaction.atomic():
+        place(1)
+        assert [(e.key, e.payload) for e in published(connections["default"])] == [("order:1", {"total": 1})]
+        assert_published(connections["default"], [{"type": "OrderPlaced", "payload": {"total": 1}}], key="order:1")
+        transaction.set_rollback(True)
+    assert published(connections["default"]) == []
