@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import getpass
 import importlib
 import json
@@ -55,6 +56,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEAD_LETTERS_LIMIT = (1, 10_000)
 MAX_ATTEMPTS = (1, 1000)  # RelaySettings.max_attempts
 KEY_DEAD_LETTERS_SHOWN = 5
+FIRST_PAGE: dict[str, Any] = {"after_dead_at": None, "after_sink": None, "after_event": None}  # admin.sql dead_letters
 # The last error of a dead letter made by `keys skip`.
 SKIPPED_ERROR = "skipped by an operator (outbox-relay keys skip)"
 
@@ -203,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="workers, their buckets, backlog per sink, dead letters by key")
     _dsn_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--all-databases", action="store_true",
+                   help="the oldest open transaction of the whole server (they all hold back vacuum), not only of "
+                        "the outbox's database")
 
     p = sub.add_parser("lag", help="per sink: events not yet delivered, the oldest one's age, retrying, paused, "
                                    "dead")
@@ -245,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     summary = "list sinks; drop a retired one (its progress, retries, dead letters), or recreate a dropped one"
     p = sub.add_parser("sinks", help=summary, description=_actions_description(summary, SINKS_ACTIONS))
     _dsn_arg(p)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="machine-readable output (every action)")
     p.add_argument("action", choices=list(SINKS_ACTIONS), help="what to do (see actions above)")
     p.add_argument("name", nargs="?", default=None, help="the sink to drop or recreate")
     p.add_argument("--force", action="store_true",
@@ -549,9 +554,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             # JSON key, title, rows
             "workers": ("workers", _rows(conn, "admin", "workers")),
             "backlog": ("backlog", _rows(conn, "admin", "backlog")),
-            "oldest_open_transaction": ("oldest open writing transaction (delays only its own events; holds back "
-                                        "vacuum)",
-                                        _rows(conn, "admin", "horizon_holder")),
+            "oldest_open_transaction": ("oldest open writing transaction" + (" on the server" if args.all_databases
+                                                                             else " in this database")
+                                        + " (delays only its own events; holds back vacuum)",
+                                        _rows(conn, "admin", "horizon_holder", {"all_databases": args.all_databases})),
             "dead_letters_by_key": ("dead letters by key",
                                     _rows(conn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20})),
             "rebuilds": ("rebuilds in progress", _rows(conn, "admin", "rebuilds")),
@@ -573,13 +579,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         if args.sink:  # like `keys` and `lag`: a misspelt sink is an error, not "0 dead letters"
             _live_sink(conn, args.sink)
         if args.action == "list":
-            params = {"sink": args.sink, "key": args.key, "limit": args.limit}
-            cols, rows = _rows(conn, "admin", "dead_letters", params)
-            if args.json:
-                _print_json(_records(cols, rows))
-            else:
-                _print_table(rows, cols) if rows else _say("no dead letters")
-            return EXIT_OK
+            return _list_dead_letters(conn, args)
         if not args.sink:
             raise ConfigurationError(f"dead-letters {args.action} needs --sink")
         if not (args.events or args.key or args.all):
@@ -589,22 +589,51 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         if args.action == "retry":  # the buckets' owners look at their park now, not at their next check
             for bucket in sorted({r[1] for r in rows}):
                 _rows(conn, "admin", "notify_parked", {"bucket": bucket})
+    if args.json:
+        _print_json({"action": args.action, "sink": args.sink, "count": len(rows),
+                     "event_ids": sorted(str(r[0]) for r in rows)})
+        return EXIT_OK
     verb = "queued for retry" if args.action == "retry" else "discarded"
     _say(f"{len(rows)} dead letters {verb}")
     return EXIT_OK
 
 
-def cmd_lag(args: argparse.Namespace) -> int:
-    with _database(_dsn(args)) as conn:
-        cols, rows = _rows(conn, "admin", "backlog")
-        if args.sink:
-            rows = [r for r in rows if r[0] == args.sink]
-            if not rows:
-                _no_such_sink(conn, args.sink)
+def _list_dead_letters(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
+    """One page, newest first; when there are more, the command for the next page (on stderr under --json)."""
+    after = FIRST_PAGE
+    if args.after is not None:
+        _, found = _rows(conn, "admin", "dead_letter_position", {"event": args.after, "sink": args.sink})
+        if not found:
+            of_sink = f" for sink {args.sink!r}" if args.sink else ""
+            raise OutboxError(f"no dead letter of event {args.after}{of_sink}"
+                              + " (--after takes an event id of the previous page; it may have been retried or "
+                                "discarded since: list again from the start)")
+        after = dict(zip(after, found[0], strict=True))
+    params = {"sink": args.sink, "key": args.key, "limit": args.limit + 1, **after}
+    cols, rows = _rows(conn, "admin", "dead_letters", params)
+    more = len(rows) > args.limit
+    rows = rows[:args.limit]
     if args.json:
         _print_json(_records(cols, rows))
     else:
-        _print_table(rows, cols) if rows else _say("no sinks")
+        _print_table(rows, cols) if rows else _say("no dead letters" + (" after that one" if args.after else ""))
+    if more:
+        following = ["outbox-relay", "dead-letters", "list"]
+        following += [a for name in ("sink", "key") if getattr(args, name) for a in (f"--{name}", getattr(args, name))]
+        following += ["--limit", str(args.limit), "--after", str(rows[-1][cols.index("event_id")])]
+        _say(f"more: {shlex.join(following)}", file=sys.stderr if args.json else None)
+    return EXIT_OK
+
+
+def cmd_lag(args: argparse.Namespace) -> int:
+    from .backlog import backlog
+
+    with _database(_dsn(args)) as conn:
+        found = [dataclasses.asdict(b) for b in backlog(conn, args.sink)]
+    if args.json:
+        _print_json(found)
+    else:
+        _print_table([list(b.values()) for b in found], list(found[0])) if found else _say("no sinks")
     return EXIT_OK
 
 
@@ -629,8 +658,15 @@ def cmd_sinks(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"sinks {args.action} needs the sink's name")
     with _database(dsn) as conn, conn.transaction():
         if args.action == "recreate":
-            return _recreate_sink(conn, args.name)
-        return _drop_sink(conn, args.name, args.force, _worker_ttl(args))
+            result, lines = _recreate_sink(conn, args.name)
+        else:
+            result, lines = _drop_sink(conn, args.name, args.force, _worker_ttl(args))
+    if args.json:
+        _print_json({"action": args.action, "sink": args.name, **result})
+    else:
+        for line in lines:
+            _say(line)
+    return EXIT_OK
 
 
 def _worker_ttl(args: argparse.Namespace) -> float:
@@ -643,9 +679,11 @@ def _worker_ttl(args: argparse.Namespace) -> float:
         raise ConfigurationError(f"{env_var('worker_ttl_seconds')}: {exc}") from None
 
 
-def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float) -> int:
+def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float
+               ) -> tuple[dict[str, Any], list[str]]:
     """Tombstone a sink, unless relays still use it (then only with ``force``). One transaction: the
-    sink's row and cursors are locked before its users are looked for, so none can appear unseen."""
+    sink's row and cursors are locked before its users are looked for, so none can appear unseen.
+    Returns what --json prints and the lines a terminal gets."""
     params = {"sink": name, "ttl": ttl}
     # Counted before the locks: with a large backlog the count takes a while, and relays renewing
     # leases on this sink would wait for it.
@@ -656,8 +694,8 @@ def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float
         raise OutboxError(f"no sink named {name!r}")
     kind, dropped_at = found[0]
     if dropped_at is not None:
-        _say(f"sink {name!r} was already dropped at {dropped_at:%Y-%m-%d %H:%M:%S%z}")
-        return EXIT_OK
+        return ({"kind": kind, "dropped": False, "dropped_at": dropped_at},
+                [f"sink {name!r} was already dropped at {dropped_at:%Y-%m-%d %H:%M:%S%z}"])
     _rows(conn, "admin", "lock_sink_cursors", params)
     _, workers = _rows(conn, "admin", "sink_workers", params)
     _, leases = _rows(conn, "admin", "sink_leases", params)
@@ -676,25 +714,28 @@ def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float
     _, parked, dead, rebuild_of, shadow = dropped[0]
     cost = (f"{pending} pending event(s) never reach it, {parked} parked event(s) and {dead} dead letter(s) "
             "deleted")
-    _say(f"dropped sink {name!r} ({kind}): {cost}" + (f"; it was in use ({'; '.join(users)}): a relay still "
-                                                        "running it stops" if users else ""))
+    lines = [f"dropped sink {name!r} ({kind}): {cost}" + (f"; it was in use ({'; '.join(users)}): a relay still "
+                                                          "running it stops" if users else "")]
     if rebuild_of is not None:
-        _say(f"the rebuild of {rebuild_of!r} it belonged to is abandoned; its copies stay in schema {shadow!r} "
-              "until the next rebuild of it")
-    _say(f"`outbox-relay sinks recreate {name}` lets a relay register it again, from the oldest retained event")
-    return EXIT_OK
+        lines.append(f"the rebuild of {rebuild_of!r} it belonged to is abandoned; its copies stay in schema "
+                     f"{shadow!r} until the next rebuild of it")
+    lines.append(f"`outbox-relay sinks recreate {name}` lets a relay register it again, from the oldest retained "
+                 "event")
+    result = {"kind": kind, "dropped": True, "pending_lost": pending, "parked_deleted": parked,
+              "dead_letters_deleted": dead, "in_use": users, "abandoned_rebuild_of": rebuild_of}
+    return result, lines
 
 
-def _recreate_sink(conn: psycopg.Connection[Any], name: str) -> int:
+def _recreate_sink(conn: psycopg.Connection[Any], name: str) -> tuple[dict[str, Any], list[str]]:
     _, found = _rows(conn, "admin", "lock_sink", {"sink": name})
     if not found:
         raise OutboxError(f"no sink named {name!r}")
     if found[0][1] is None:
         raise OutboxError(f"sink {name!r} is not dropped: nothing to recreate")
     _rows(conn, "admin", "recreate_sink", {"sink": name})
-    _say(f"sink {name!r} ({found[0][0]}) recreated: the next relay that runs it registers it anew and delivers to "
-          "it from the oldest retained event")
-    return EXIT_OK
+    return ({"kind": found[0][0], "recreated": True},
+            [f"sink {name!r} ({found[0][0]}) recreated: the next relay that runs it registers it anew and delivers "
+             "to it from the oldest retained event"])
 
 
 def _registry(spec: str) -> Any:
@@ -863,12 +904,17 @@ def _key_show(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     if not rows:
         if args.sink:
             _no_such_sink(conn, args.sink)
-        _say("no sinks")  # nothing registered yet: no relay ran
+        # Nothing registered yet: no relay ran.
+        if args.json:
+            _print_json({"key": args.key, "bucket": None, "max_attempts": max_attempts, "sinks": []})
+        else:
+            _say("no sinks (no relay has run against this database yet)")
         return EXIT_OK
     sinks = []
     for state in _records(cols, rows):
         dead_cols, dead = _rows(conn, "admin", "dead_letters",
-                                {"sink": state["sink"], "key": args.key, "limit": KEY_DEAD_LETTERS_SHOWN})
+                                {"sink": state["sink"], "key": args.key, "limit": KEY_DEAD_LETTERS_SHOWN,
+                                 **FIRST_PAGE})
         sinks.append(_key_report(state, _records(dead_cols, dead), max_attempts))
     bucket = sinks[0]["bucket"]
     if args.json:
@@ -911,7 +957,7 @@ def _key_report(s: dict[str, Any], dead: list[dict[str, Any]], max_attempts: int
         "lease_seconds_left": seconds_left if held else None,
         "head": head, "queued_behind": max(0, s["parked"] - 1), "parked": s["parked"],
         "unread": s["unread"], "oldest_unread": s["oldest_unread"],
-        "undelivered": s["parked"] + s["unread"],
+        "undelivered": s["parked"] + s["unread"], "stored": s["stored"],
         "dead_letters": {"count": s["dead_letters"], "last_at": s["last_dead_at"], "recent": dead},
         "paused": paused,
     }
@@ -951,6 +997,9 @@ def _key_summary(r: dict[str, Any], max_attempts: int) -> tuple[str, str]:
                                  f"{_cell(dead['last_at'])}{last}){on_the_way}{nobody if r['unread'] else ''}")
     if r["unread"]:
         return "flowing", f"flowing ({r['unread']} event(s) not delivered yet){nobody}"
+    if not r["stored"]:
+        return "unknown", ("unknown: no event of this key is stored (never published, a misspelt key, or all its "
+                           "events removed by retention)")
     return "flowing", "flowing (nothing waiting)"
 
 

@@ -62,10 +62,10 @@ WHERE s.kind = 'projection' AND s.dropped_at IS NULL AND s.name NOT LIKE '%%.reb
 ORDER BY s.name;
 
 -- name: horizon_holder
--- The oldest open writing transaction, a session's or a prepared one (for `status`; the name is from
--- before migration 0007). It delays only its own events now (snapshot cursors), but it holds back
--- vacuum, and the backlog counts read each bucket from its id on. No query text: it may show other
--- roles' data (and secrets in literals).
+-- The oldest open writing transaction, a session's or a prepared one, in this database (or on the
+-- whole server with all_databases; for `status`, the name is from before migration 0007). It delays
+-- only its own events now (snapshot cursors), but it holds back vacuum, and the backlog counts read
+-- each bucket from its id on. No query text: it may show other roles' data (and secrets in literals).
 WITH holders AS (
     -- Sessions whose transaction has written (only those have a transaction id).
     SELECT pid, usename::text AS role, datname::text AS database, application_name AS application, state,
@@ -80,6 +80,7 @@ WITH holders AS (
 SELECT pid, role, application, state,
        round(extract(epoch FROM clock_timestamp() - since)::numeric, 1) AS open_seconds, prepared, gid, database
 FROM holders
+WHERE %(all_databases)s OR database = current_database()
 ORDER BY age(xid) DESC
 LIMIT 1;
 
@@ -93,14 +94,25 @@ ORDER BY dead_letters DESC, partition_key
 LIMIT %(limit)s;
 
 -- name: dead_letters
--- Dead letters with their event, newest first.
+-- Dead letters with their event, newest first (ties by sink and event id, so that pages are stable);
+-- with after, those after that page's last row (its dead_at, sink, event id as of the previous page).
 SELECT d.sink, d.event_id, d.partition_key, e.type, e.topic, d.attempts, d.last_error, d.dead_at
 FROM outbox.dead_letters d
 LEFT JOIN outbox.events e ON e.bucket = d.bucket AND e.xid = d.xid AND e.seq = d.seq
 WHERE (%(sink)s::text IS NULL OR d.sink = %(sink)s)
   AND (%(key)s::text IS NULL OR d.partition_key = %(key)s)
-ORDER BY d.dead_at DESC
+  AND (%(after_dead_at)s::timestamptz IS NULL
+       OR (d.dead_at, d.sink, d.event_id) < (%(after_dead_at)s, %(after_sink)s::text, %(after_event)s::uuid))
+ORDER BY d.dead_at DESC, d.sink DESC, d.event_id DESC
 LIMIT %(limit)s;
+
+-- name: dead_letter_position
+-- Where the dead letter of an event stands in the listing's order (for `dead-letters list --after`).
+SELECT d.dead_at, d.sink, d.event_id
+FROM outbox.dead_letters d
+WHERE d.event_id = %(event)s AND (%(sink)s::text IS NULL OR d.sink = %(sink)s)
+ORDER BY d.dead_at DESC, d.sink DESC
+LIMIT 1;
 
 -- name: retry_dead_letters
 -- Move dead letters back to the park, due now; the bucket's owner delivers them again.
@@ -244,7 +256,8 @@ SELECT kind, dropped_at FROM outbox.sinks WHERE name = %(sink)s FOR SHARE;
 -- name: key_state
 -- One partition key per sink (all live sinks, or one): its bucket's owner and lease, its parked head
 -- and how many events are parked, its committed events the sink's cursor has not passed, its dead
--- letters and its pause.
+-- letters, its pause, and whether any event of it is stored at all (else the key is unknown: never
+-- published, misspelt, or removed by retention).
 WITH k AS (
     -- The key and its bucket (the function that fills outbox.events.bucket).
     SELECT %(key)s::text AS key, outbox.bucket_v1(%(key)s::text) AS bucket
@@ -255,7 +268,7 @@ SELECT s.name AS sink, s.kind, k.bucket, c.owner, c.fence, c.lease_expires_at,
        h.available_at AS head_next_retry,
        round(extract(epoch FROM h.available_at - clock_timestamp())::numeric, 1) AS head_retry_in_seconds,
        h.last_error AS head_last_error, h.parked_at AS head_parked_at,
-       q.parked, u.unread, u.oldest_unread, d.dead_letters, d.last_dead_at,
+       q.parked, u.unread, u.oldest_unread, d.dead_letters, d.last_dead_at, st.stored,
        pk.paused_at, pk.paused_by, pk.paused_role, pk.reason AS pause_reason
 FROM outbox.sinks s
 CROSS JOIN k
@@ -289,6 +302,11 @@ CROSS JOIN LATERAL (
     FROM outbox.dead_letters x
     WHERE x.sink = s.name AND x.partition_key = k.key
 ) d
+CROSS JOIN LATERAL (
+    -- Whether the key has a stored event (the bucket's index range, then the key; stops at the first).
+    SELECT count(*) AS stored
+    FROM (SELECT 1 FROM outbox.events e WHERE e.bucket = k.bucket AND e.partition_key = k.key LIMIT 1) one
+) st
 LEFT JOIN outbox.paused_keys pk ON pk.sink = s.name AND pk.partition_key = k.key
 WHERE s.dropped_at IS NULL AND (%(sink)s::text IS NULL OR s.name = %(sink)s)
 ORDER BY s.name;

@@ -137,9 +137,9 @@ def test_show_states_and_errors(dsn: str, pool: ConnectionPool[Any], capsys: pyt
                                      f"{state['bucket']} now"), state["summary"]
     assert state["owner"] is None and state["unread"] == 1 and waiting not in sink.delivered_ids()
 
-    # Every sink when none is named; a key nothing was published under flows.
+    # Every sink when none is named; a key nothing was published under is unknown (a typo must not look fine).
     code, out, _ = keys(capsys, dsn, "show", "never-published")
-    assert code == cli.EXIT_OK and f"  {SINK}: flowing (nothing waiting)" in out, out
+    assert code == cli.EXIT_OK and f"  {SINK}: unknown: no event of this key is stored" in out, out
     code, _, err = keys(capsys, dsn, "show", "k", "--sink", "nope")
     assert code == cli.EXIT_ERROR and "no sink named 'nope'" in err, err
     code, _, err = keys(capsys, dsn, "show", "k", "--max-attempts", "0")

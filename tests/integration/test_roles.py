@@ -118,7 +118,7 @@ def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]
             with psycopg.connect(relay_dsn, autocommit=True) as relay:
                 from outbox_relay.sqlfiles import query
 
-                holder = relay.execute(query("admin", "horizon_holder")).fetchone()
+                holder = relay.execute(query("admin", "horizon_holder"), {"all_databases": False}).fetchone()
             assert holder is not None and holder[0] == open_tx.info.backend_pid and holder[4] is not None
             open_tx.rollback()
         runner._release_all()
