@@ -773,7 +773,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .compose import build_worker
 
     worker = build_worker(settings)
-    worker.run()
+    outages = None
+    if settings.kafka:  # a broker that is away: one line per interval, not librdkafka's several a second
+        from .librdkafka_log import EventsWaiting, summarise_outages
+        from .observer import Observers
+
+        waiting = EventsWaiting(settings.kafka_sink)
+        worker.observer = Observers(worker.observer, waiting)  # the runners take it when the worker starts
+        outages = summarise_outages(waiting)
+    try:
+        worker.run()
+    finally:
+        if outages is not None:
+            logging.getLogger("outbox_relay.librdkafka").removeFilter(outages)
     if worker.fatal is not None:  # it stopped by itself (a sink was dropped): loudly, for the supervisor
         _error(f"error: {worker.fatal}")
         # Another relay took this one's --worker-id while its heartbeats lapsed: a setting to fix.
@@ -841,12 +853,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
+    from .librdkafka_log import summarise_outages
+
+    outages = summarise_outages()
     try:
         result = replay(settings, args.topic, from_time=args.from_time, to_time=args.to_time, key=args.key,
                         to_topic=args.to_topic, abort=stop, upcasters=_upcasters(args.upcasters))
     except Aborted:
         _say("replay interrupted: what was acknowledged so far stays on the topic", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        logging.getLogger("outbox_relay.librdkafka").removeFilter(outages)
     for event_id, error in result.failed[:20]:
         _say(f"failed: {event_id}: {redact(error)}", file=sys.stderr)
     _say(f"replayed {result.sent} events" + (f"; {len(result.failed)} failed" if result.failed else ""))
