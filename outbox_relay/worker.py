@@ -97,6 +97,9 @@ class Worker:
         self.listening = False
         self.watching = False  # ... and whether this relay is the one watching for commits (wakeups.py)
         self.membership_changed = threading.Event()  # another relay stored a new assignment
+        # Set by a heartbeat that stored an assignment without a relay that went silent (or left): the
+        # housekeeping thread runs a pass at once, so its leases are freed now, not up to an interval later.
+        self.member_lost = threading.Event()
         self.services: list[Service] = []  # started with the worker, closed after it (metrics server)
         self._beat_ok_at: float | None = None  # monotonic time of the last heartbeat that reached the database
         # Whether this relay comes first among the live members of one of its sinks (heartbeat): that relay
@@ -264,6 +267,7 @@ class Worker:
     def drain(self) -> None:
         """Leave the assignment (heartbeats say draining), stop claiming, finish the batch in flight, release, exit."""
         self.stopping.set()
+        self.member_lost.set()  # wakes the housekeeping thread, which then ends
         for r in self.runners:
             r.draining.set()
         self._wake_all()
@@ -478,6 +482,8 @@ class Worker:
                     owners = rebalance(m.owners, m.live)
                     if store.reassign(conn, m.sink, m.generation, m.live, owners):
                         log.info("sink %s: members now %s; buckets reassigned", m.sink, m.live)
+                        if set(m.members) - set(m.live):
+                            self.member_lost.set()  # a housekeeping pass now frees the leases of the silent one
                     else:  # another relay stored one first: follow it at the next heartbeat
                         self.membership_changed.set()
                         continue
@@ -508,20 +514,27 @@ class Worker:
         HOUSEKEEPING_STANDBY - 1 intervals (the first member's role may not claim, or it hangs). So one
         claim attempt per interval across the cluster, not one per relay. When the first member dies, the
         next one is first from the heartbeat that no longer counts it live (the same TTL after which a
-        pass declares it dead), and claims at once."""
+        pass declares it dead), and claims at once. A heartbeat that stored an assignment without a silent
+        relay (``member_lost``) has this relay claim a pass at once: a killed relay's buckets move about
+        --worker-ttl-seconds after its last heartbeat, not up to one more housekeeping interval later."""
         assert self.pool is not None
         hk = Housekeeping(self.pool, self.settings)
         interval = self.settings.housekeeping_seconds
         last_try = time.monotonic()
-        while not self.stopping.wait(interval * (0.75 + 0.5 * (time.monotonic() % 1))):
-            first = self.first_member
+        while not self.stopping.is_set():
+            lost = self.member_lost.wait(interval * (0.75 + 0.5 * (time.monotonic() % 1)))
+            if self.stopping.is_set():
+                break
+            self.member_lost.clear()
+            first = self.first_member or lost
             if not first and time.monotonic() - last_try < HOUSEKEEPING_STANDBY * interval:
                 continue
             last_try = time.monotonic()
             try:
                 # The first member's own timer paces its passes (an interval, jittered); the gap only keeps
                 # two relays that both think they are first (a moment of changing members) from doubling up.
-                result = hk.run_once(min_gap_seconds=interval / 2 if first else (HOUSEKEEPING_STANDBY - 1) * interval)
+                gap = 0.0 if lost else interval / 2 if first else (HOUSEKEEPING_STANDBY - 1) * interval
+                result = hk.run_once(min_gap_seconds=gap)
                 if result.ran:
                     self.observer.housekeeping(seconds=result.seconds, dead_workers=result.dead_workers,
                                                expired_leases=result.expired_leases,
