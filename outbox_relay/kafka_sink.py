@@ -260,10 +260,10 @@ class _Flight:
     ``poll()`` on the calling thread.
     """
 
-    def __init__(self, outcomes: Outcomes, session: _Session, batch: _Batch) -> None:
+    def __init__(self, outcomes: Outcomes, session: _Session, batch: _Batch | None = None) -> None:
         self.outcomes = outcomes  # the batch's, shared by every flight of the batch
         self.session = session
-        self.batch = batch
+        self.batch = batch if batch is not None else _Batch()  # the batch's too
         self.pending = 0
         self.last_report = time.monotonic()
         self.session_error: str | None = None
