@@ -38,7 +38,7 @@ class Published:
 
 # The array parameter of a batch statement for each field of a row (Outbox._rows).
 _ARRAYS = {"id": "ids", "topic": "topics", "key": "keys", "type": "types", "payload": "payloads",
-           "headers": "headers", "idempotency_key": "idempotency_keys", "time": "times"}
+           "headers": "headers", "idempotency_key": "idempotency_keys", "time": "times", "version": "versions"}
 
 # One statement to run and its parameters; the rows it returned are sent back.
 _Step = tuple[str, dict[str, Any]]
@@ -56,16 +56,10 @@ class Outbox:
     def event(
         self, *, type: str, key: str, payload: Any, topic: str | None = None,
         headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
-        time: datetime | None = None, id: uuid.UUID | None = None,
+        time: datetime | None = None, id: uuid.UUID | None = None, version: int = 1,
     ) -> Event:
         """A validated Event (``InvalidEvent`` names what is wrong); see ``publish`` for the fields."""
-        fields: dict[str, Any] = {"type": type, "key": key, "payload": payload, "topic": topic,
-                                  "idempotency_key": idempotency_key, "time": time}
-        if headers is not None:
-            fields["headers"] = headers
-        if id is not None:
-            fields["id"] = id
-        return self._event(fields)
+        return self._event(_fields(type, key, payload, topic, headers, idempotency_key, time, id, version))
 
     def _event(self, fields: dict[str, Any]) -> Event:
         if fields.get("topic") is None:
@@ -129,7 +123,8 @@ class Outbox:
             _check_storable(e, payload)
             rows.append({"id": str(e.id), "topic": e.topic, "key": e.key, "type": e.type, "payload": payload,
                          "headers": json.dumps(e.headers) if e.headers else "{}",
-                         "idempotency_key": e.idempotency_key, "time": e.time.isoformat() if e.time else None})
+                         "idempotency_key": e.idempotency_key, "time": e.time.isoformat() if e.time else None,
+                         "version": e.version})
         return rows
 
     @staticmethod
@@ -221,7 +216,7 @@ class Outbox:
     def publish(
         self, conn: Any, *, type: str, key: str, payload: Any, topic: str | None = None,
         headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
-        time: datetime | None = None, id: uuid.UUID | None = None,
+        time: datetime | None = None, id: uuid.UUID | None = None, version: int = 1,
     ) -> Published:
         """Publish one event in the transaction of ``conn`` (psycopg Connection/Cursor, SQLAlchemy
         Connection/Session); it exists iff that transaction commits.
@@ -232,12 +227,14 @@ class Outbox:
         event with it raises ``IdempotencyConflict``; ``time`` (timezone-aware) is when the event
         happened, sent as ``ce_time``, never what retention counts from (created_at, the database's
         clock when the event is stored);
-        ``id`` defaults to a new UUIDv7. Raises ``InvalidEvent`` naming the problem before anything is
-        written, and ``NoTransaction`` for an autocommit connection outside a transaction.
+        ``id`` defaults to a new UUIDv7; ``version`` is the version of the payload's schema (1 unless
+        its shape changed: upcasters turn older versions into the current one for projections).
+        Raises ``InvalidEvent`` naming the problem before anything is written, and ``NoTransaction``
+        for an autocommit connection outside a transaction.
         """
-        event = self.event(type=type, key=key, payload=payload, topic=topic, headers=headers,
-                           idempotency_key=idempotency_key, time=time, id=id)
-        return self.publish_many(conn, [event])[0]
+        # A dict, not an Event: publish_many validates it, and knows the id is a new one unless given.
+        return self.publish_many(conn, [_fields(type, key, payload, topic, headers, idempotency_key, time, id,
+                                                version)])[0]
 
     def publish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
         """Publish events (``Event`` objects or dicts of ``publish``'s fields) in one statement, in order."""
@@ -250,18 +247,29 @@ class Outbox:
     async def apublish(
         self, conn: Any, *, type: str, key: str, payload: Any, topic: str | None = None,
         headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
-        time: datetime | None = None, id: uuid.UUID | None = None,
+        time: datetime | None = None, id: uuid.UUID | None = None, version: int = 1,
     ) -> Published:
         """``publish`` with an async connection (psycopg AsyncConnection/AsyncCursor, SQLAlchemy async)."""
-        event = self.event(type=type, key=key, payload=payload, topic=topic, headers=headers,
-                           idempotency_key=idempotency_key, time=time, id=id)
-        return (await self.apublish_many(conn, [event]))[0]
+        return (await self.apublish_many(conn, [_fields(type, key, payload, topic, headers, idempotency_key, time,
+                                                        id, version)]))[0]
 
     async def apublish_many(self, conn: Any, events: Iterable[Event | dict[str, Any]]) -> list[Published]:
         """``publish_many`` with an async connection."""
         plan = self._plan(events)
         step = next(plan)
         return await _arun(plan, step, await _aexecutor(conn))
+
+
+def _fields(type: str, key: str, payload: Any, topic: str | None, headers: Mapping[str, str] | None,
+            idempotency_key: str | None, time: datetime | None, id: uuid.UUID | None, version: int) -> dict[str, Any]:
+    """``publish``'s arguments as an event's fields (headers and id only when given)."""
+    fields: dict[str, Any] = {"type": type, "key": key, "payload": payload, "topic": topic,
+                              "idempotency_key": idempotency_key, "time": time, "version": version}
+    if headers is not None:
+        fields["headers"] = headers
+    if id is not None:
+        fields["id"] = id
+    return fields
 
 
 def _run(plan: _Plan, step: _Step, execute: Callable[[str, dict[str, Any]], list[Any]]) -> list[Published]:

@@ -58,6 +58,11 @@ def stored(dsn: str) -> list[dict[str, Any]]:
         return list(cur.fetchall())
 
 
+def fetch_rows(dsn: str, sql_text: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql_text).fetchall()  # type: ignore[arg-type]
+
+
 def orders(dsn: str) -> list[int]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return [r[0] for r in conn.execute("SELECT id FROM orders ORDER BY id")]
@@ -682,7 +687,7 @@ def producer_dsn(dsn: str, pg_server: Any) -> Iterator[str]:
         with psycopg.connect(dsn, autocommit=True) as conn:
             for grant in ("GRANT USAGE ON SCHEMA outbox TO {}",
                           "GRANT INSERT (id, topic, partition_key, type, payload, headers, idempotency_key, "
-                          "occurred_at) ON outbox.events TO {}",
+                          "occurred_at, schema_version) ON outbox.events TO {}",
                           "GRANT SELECT (id, topic, idempotency_key, idempotency_fingerprint) ON outbox.events TO {}"):
                 conn.execute(sql.SQL(grant).format(role))
         yield make_conninfo(dsn, user=name, password=None)
@@ -924,3 +929,42 @@ def test_the_documented_sql_producer(dsn: str, outbox: Outbox) -> None:
         when = conn.execute("SELECT occurred_at FROM outbox.events").fetchone()
     assert retry == Published(event["id"], False)
     assert when == (datetime(2026, 11, 2, 10, 15, tzinfo=UTC),)
+
+
+def test_the_schema_version_is_stored_and_checked(dsn: str, outbox: Outbox) -> None:
+    with psycopg.connect(dsn) as conn:
+        outbox.publish(conn, type="t", key="k", payload={})
+        outbox.publish(conn, type="t", key="k", payload={}, version=3)
+        outbox.publish_many(conn, [{"type": "t", "key": "k", "payload": {}, "version": 2},
+                                   outbox.event(type="t", key="k", payload={}, version=4)])
+        outbox.publish(conn, type="t", key="k", payload={}, version=5, idempotency_key="i")
+        with pytest.raises(InvalidEvent, match="version"):
+            outbox.publish(conn, type="t", key="k", payload={}, version=0)
+        conn.commit()
+    versions = [r[0] for r in fetch_rows(dsn, "SELECT schema_version FROM outbox.events ORDER BY xid, seq")]
+    assert versions == [1, 3, 2, 4, 5]
+    with psycopg.connect(dsn) as conn, pytest.raises(psycopg.errors.CheckViolation, match="schema_version"):
+        conn.execute("INSERT INTO outbox.events (topic, partition_key, type, payload, schema_version) "
+                     "VALUES ('t', 'k', 't', '{}', 0)")
+
+
+def test_each_call_sends_the_cheapest_statement_that_keeps_its_promises(dsn: str, outbox: Outbox) -> None:
+    """Without an idempotency key a publish is a plain INSERT (one row: VALUES; several: unnest); ids the
+    caller chose are checked in the insert; only idempotency keys pay for the idempotency statement.
+    A regression here is invisible to the other tests and costs every producer its commit rate."""
+    def sent(call: Callable[[Any], Any]) -> list[str]:
+        with counting_connection(dsn) as conn:
+            call(conn)
+            conn.rollback()
+            return [name for statement in conn.statements  # type: ignore[attr-defined]
+                    for name in ("insert_one", "insert_many", "insert_checked", "publish")
+                    if statement == query("publish", name)]
+
+    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={})) == ["insert_one"]
+    assert sent(lambda c: outbox.publish_many(c, [{"type": "t", "key": "k", "payload": {}}])) == ["insert_one"]
+    assert sent(lambda c: outbox.publish_many(c, [{"type": "t", "key": k, "payload": {}} for k in "ab"])) == [
+        "insert_many"]
+    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, id=uuid.uuid4())) == ["insert_checked"]
+    assert sent(lambda c: outbox.publish_many(c, [outbox.event(type="t", key="k", payload={})])) == [
+        "insert_checked"]
+    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, idempotency_key="i")) == ["publish"]
