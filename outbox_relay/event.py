@@ -20,6 +20,7 @@ MAX_KEY_BYTES = 1024  # also a CHECK on outbox.events.partition_key
 # binary form passes 256 MB (ProgramLimitExceeded, which would abort the caller's transaction), and
 # that form can be up to ~6x the text (an array of small numbers): 32 MiB of text stays below it.
 MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
+MAX_SCHEMA_VERSION = 32767  # also a CHECK on outbox.events.schema_version
 # How deeply a payload may nest (objects and arrays). JSON parsers recurse once per level: Python's
 # json (the relay, projections) stops near 1,000 levels minus the caller's own stack, so a payload
 # close to that is stored and then fails in every sink that reads it. 256 leaves room for them all.
@@ -76,6 +77,9 @@ class Event(BaseModel):
     # never the retention clock (created_at, set by the database). None: ce_time is when it was stored.
     # Aware only: a naive time would be read in the database session's time zone.
     time: AwareDatetime | None = None
+    # The version of the payload's schema (stored as schema_version): projections, rebuilds and replays
+    # turn older versions into the current shape with upcasters (upcast.py).
+    version: int = Field(1, ge=1, le=MAX_SCHEMA_VERSION)
 
     @field_validator("key")
     @classmethod

@@ -12,6 +12,8 @@ course arrive after later live events of its key.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import threading
 import uuid
@@ -30,6 +32,7 @@ from .settings import RelaySettings
 from .sink import AsyncConn, Outcomes
 from .sqlfiles import query
 from .store import Conn, StoredEvent, event_reader
+from .upcast import UpcastError, Upcasters
 
 REPLAY_HEADER = ("outbox_replay", b"true")
 
@@ -56,9 +59,12 @@ class _Collect:
 
 def replay(settings: RelaySettings, topic: str, *, from_time: datetime | None = None,
            to_time: datetime | None = None, key: str | None = None, to_topic: str | None = None,
-           progress: TextIO | None = sys.stderr, abort: threading.Event | None = None) -> ReplayResult:
+           progress: TextIO | None = sys.stderr, abort: threading.Event | None = None,
+           upcasters: Upcasters | None = None) -> ReplayResult:
     """Produce the stored events of ``topic`` (``default_topic`` for events stored without one)
-    created in [from_time, to_time), or only ``key``'s, to ``to_topic`` or their own topic."""
+    created in [from_time, to_time), or only ``key``'s, to ``to_topic`` or their own topic; with
+    ``upcasters``, each payload in its type's current shape (an event no step can bring there is
+    not sent and is named in the result)."""
     abort = abort or threading.Event()
     sink = KafkaSink("replay", settings.kafka_producer_config(), settings.default_topic, settings.source,
                      settings.kafka_stall_seconds, topic=to_topic, extra_headers=[REPLAY_HEADER])
@@ -78,9 +84,17 @@ def replay(settings: RelaySettings, topic: str, *, from_time: datetime | None = 
             positions = {b: (0, 0) for b in buckets}
             limit = max(8, settings.batch_size // len(buckets))
             while positions:
-                events = _page(conn, filters, positions, limit)
-                if not events:
+                page = _page(conn, filters, positions, limit)
+                if not page:
                     break
+                events = page
+                if upcasters is not None:
+                    events = []
+                    for e in page:
+                        try:
+                            events.append(_upcast(e, upcasters))
+                        except UpcastError as exc:
+                            result.failed.append((e.id, str(exc)))
                 collect = _Collect()
                 sink.deliver(events, {e.bucket: 0 for e in events}, collect, abort)
                 for e in events:
@@ -90,7 +104,7 @@ def replay(settings: RelaySettings, topic: str, *, from_time: datetime | None = 
                     else:
                         result.failed.append((e.id, outcome if isinstance(outcome, str) else outcome.error))
                 got: dict[int, int] = {}
-                for e in events:
+                for e in page:
                     positions[e.bucket] = e.position
                     got[e.bucket] = got.get(e.bucket, 0) + 1
                 positions = {b: p for b, p in positions.items() if got.get(b, 0) >= limit}  # the rest are done
@@ -100,6 +114,14 @@ def replay(settings: RelaySettings, topic: str, *, from_time: datetime | None = 
     finally:
         sink.close()
     return result
+
+
+def _upcast(e: StoredEvent, upcasters: Upcasters) -> StoredEvent:
+    if upcasters.current(e.type) == e.version:
+        return e
+    payload, version = upcasters.upcast(e.type, e.version, json.loads(e.payload_text))
+    return dataclasses.replace(e, payload_text=json.dumps(payload, separators=(",", ":"), ensure_ascii=False),
+                               version=version)
 
 
 def _one(conn: Conn, name: str, params: dict[str, Any]) -> Any:

@@ -49,6 +49,7 @@ class StoredEvent:
     id_text: str | None = None
     time_text: str | None = None
     sequence_text: str | None = None
+    version: int = 1  # schema_version: the version of the payload's schema as published
 
     @property
     def position(self) -> tuple[int, int]:
@@ -346,7 +347,8 @@ def announce_buckets(conn: Conn, buckets: Iterable[int]) -> None:
 EVENT_COLUMNS = {"bucket": "bucket", "xid": "xid", "seq": "seq", "id": "id", "partition_key": "key", "topic": "topic",
                  "type": "type", "payload": "payload_text", "headers": "headers_text", "time": "time",
                  "blocked": "blocked", "attempts": "attempts", "last_error": "last_error", "stored_at": "stored_at",
-                 "id_text": "id_text", "time_text": "time_text", "sequence_text": "sequence_text"}
+                 "id_text": "id_text", "time_text": "time_text", "sequence_text": "sequence_text",
+                 "version": "version"}
 
 
 def event_reader(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> tuple[

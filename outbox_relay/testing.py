@@ -584,7 +584,7 @@ def _event_id(ref: Any) -> uuid.UUID:
 def _select(projection: Projection, rows: Iterable[Sequence[Any]], ids: list[uuid.UUID] | None, key: str | None,
             topic: str | None) -> list[StoredEvent]:
     """The events the relay would hand this projection, in position order."""
-    stored = [stored_event(_with_uuid(r), read=1) for r in rows]  # all in one read, as a relay's first
+    stored = [stored_event(_with_uuid(r), read=1, version=r[12]) for r in rows]  # one read, as a relay's first
     if ids is not None:
         found = {e.id for e in stored}
         missing = [i for i in ids if i not in found]

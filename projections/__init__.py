@@ -11,6 +11,7 @@ rebuild it with ``outbox-relay rebuild order_totals --projections myapp.read_mod
 """
 
 from outbox_relay.errors import NonRetriableDelivery
+from outbox_relay.upcast import Upcasters
 
 from .declare import Projection, Registry, load_registry, projection
 from .event import FenceToken, ProjectionEvent
@@ -24,6 +25,7 @@ __all__ = [
     "ProjectionEvent",
     "ProjectionSink",
     "Registry",
+    "Upcasters",
     "fenced_upsert",
     "fenced_upsert_async",
     "load_registry",

@@ -21,6 +21,7 @@ from outbox_relay.dsn import redact
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.sink import Failure
 from outbox_relay.store import EventFilter, StoredEvent
+from outbox_relay.upcast import UpcastError, Upcasters
 
 from .event import FenceToken, ProjectionEvent
 
@@ -65,6 +66,7 @@ class Projection:
     tables: tuple[str, ...] = ()
     on_unknown: OnUnknown = "ignore"
     clear_key: KeyReset | None = None
+    upcasters: Upcasters | None = None  # older payload shapes turned into the current one (upcast.py)
 
     @property
     def is_async(self) -> bool:
@@ -93,6 +95,12 @@ class Projection:
         headers = _headers(e.headers_text)
         if isinstance(headers, Failure):
             return headers
+        version = e.version
+        if self.upcasters is not None:
+            try:
+                payload, version = self.upcasters.upcast(e.type, e.version, payload)
+            except UpcastError as exc:
+                return Failure(str(exc), retriable=exc.retriable)
         model = self.models.get(e.type)
         if model is not None:
             try:
@@ -101,7 +109,8 @@ class Projection:
                 return Failure(describe(exc), retriable=False)
         return ProjectionEvent(
             id=e.id, type=e.type, key=e.key, topic=e.topic, payload=payload, headers=headers, time=e.time,
-            position=e.position, token=FenceToken(fence, e.read, e.xid, e.seq), attempt=e.attempts + 1, replay=replay)
+            position=e.position, token=FenceToken(fence, e.read, e.xid, e.seq), attempt=e.attempts + 1, replay=replay,
+            version=version)
 
     def __call__(self, event: ProjectionEvent[Any], tx: Any) -> Any:
         """Call the handler directly (in tests of the handler itself)."""
@@ -120,6 +129,7 @@ def projection(
     topics: Iterable[str] | None = None,
     tables: Iterable[str] = (),
     on_unknown: OnUnknown = "ignore",
+    upcasters: Upcasters | None = None,
 ) -> Callable[[Handler], Projection]:
     """Declare a projection. The decorated function becomes a ``Projection``.
 
@@ -128,7 +138,9 @@ def projection(
     dead-lettered at once). None: every type. ``on_unknown``: what to do with an event of
     another type: "ignore" (skipped, never read) or "reject" (dead-lettered with the
     reason, for models that must know every event on their topics). ``topics`` narrows
-    which events are this projection's business at all.
+    which events are this projection's business at all. ``upcasters``: payloads of older schema
+    versions are turned into the current shape first (``outbox_relay.upcast.Upcasters``), live and in
+    rebuilds.
     """
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigurationError(
@@ -149,6 +161,9 @@ def projection(
         types = tuple(events)
     if types is not None and (not types or not all(isinstance(t, str) and t for t in types)):
         raise ConfigurationError(f"projection {name!r}: events must be non-empty type names")
+    if upcasters is not None and not isinstance(upcasters, Upcasters):
+        raise ConfigurationError(f"projection {name!r}: upcasters must be an outbox_relay.upcast.Upcasters, "
+                                 f"not {type(upcasters).__name__}")
     if on_unknown == "reject" and types is None:
         raise ConfigurationError(f"projection {name!r}: on_unknown='reject' needs the list of events it handles")
     table_names = _table_names(name, tables)
@@ -158,7 +173,7 @@ def projection(
             raise ConfigurationError(f"projection {name!r}: the handler is not callable")
         return Projection(name=name, handler=handler, events=types, models=models,
                           topics=tuple(topics) if topics is not None else None, tables=table_names,
-                          on_unknown=on_unknown)
+                          on_unknown=on_unknown, upcasters=upcasters)
 
     return decorate
 

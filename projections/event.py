@@ -84,6 +84,7 @@ class ProjectionEvent(Generic[P]):
     token: FenceToken
     attempt: int  # 1 on first delivery
     replay: bool  # True while a rebuild replays history
+    version: int = 1  # the payload's schema version, after upcasting (the type's current one)
 
     @property
     def fence(self) -> int:

@@ -53,7 +53,10 @@ CREATE TABLE outbox.events (
     occurred_at     timestamptz,
     -- 0005: fingerprint_v1(type, partition_key, payload) of an idempotent event (set by events_check).
     idempotency_fingerprint bytea,
-    CONSTRAINT events_pkey PRIMARY KEY (id)
+    -- 0012: the version of the payload's schema (upcasters turn older ones into the current shape).
+    schema_version  integer     NOT NULL DEFAULT 1,
+    CONSTRAINT events_pkey PRIMARY KEY (id),
+    CONSTRAINT events_schema_version_valid CHECK (schema_version BETWEEN 1 AND 32767)
 );
 
 -- The read path (fetch_events): per held bucket, index probes for the cursor's xip ids that
@@ -430,4 +433,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (8, 'paused_keys', 8),
     (9, 'park_order', NULL),
     (10, 'quiet_producers', NULL),
-    (11, 'history_watermark', NULL);
+    (11, 'history_watermark', NULL),
+    (12, 'event_versions', NULL);

@@ -2,17 +2,19 @@
 -- Append one event the library made (a new id, no idempotency key): a plain INSERT, the cheapest write a producer can make.
 -- Nothing to check in the table: a new UUIDv7 collides with no stored id, and without an idempotency
 -- key there is nothing to look up. Every parameter is text, so that any DB-API driver can bind it.
-INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, occurred_at)
-VALUES (%(id)s::uuid, %(topic)s, %(key)s, %(type)s, %(payload)s::jsonb, %(headers)s::jsonb, %(time)s::timestamptz);
+INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, occurred_at, schema_version)
+VALUES (%(id)s::uuid, %(topic)s, %(key)s, %(type)s, %(payload)s::jsonb, %(headers)s::jsonb, %(time)s::timestamptz,
+        %(version)s::int);
 
 -- name: insert_many
 -- Append events the library made (new ids, no idempotency keys) in one statement; positions (seq) follow the caller's order.
-INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, occurred_at)
-SELECT i.id::uuid, i.topic, i.partition_key, i.type, i.payload::jsonb, i.headers::jsonb, i.occurred_at::timestamptz
+INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, occurred_at, schema_version)
+SELECT i.id::uuid, i.topic, i.partition_key, i.type, i.payload::jsonb, i.headers::jsonb, i.occurred_at::timestamptz,
+       i.schema_version
 FROM unnest(
     %(ids)s::text[], %(topics)s::text[], %(keys)s::text[], %(types)s::text[],
-    %(payloads)s::text[], %(headers)s::text[], %(times)s::text[]
-) WITH ORDINALITY AS i(id, topic, partition_key, type, payload, headers, occurred_at, ord)
+    %(payloads)s::text[], %(headers)s::text[], %(times)s::text[], %(versions)s::int[]
+) WITH ORDINALITY AS i(id, topic, partition_key, type, payload, headers, occurred_at, schema_version, ord)
 ORDER BY i.ord;
 
 -- name: insert_checked
@@ -20,15 +22,15 @@ ORDER BY i.ord;
 WITH input AS (
     -- One row per event, in the caller's order.
     SELECT i.id::uuid AS id, i.topic, i.partition_key, i.type, i.payload::jsonb AS payload,
-           i.headers::jsonb AS headers, i.occurred_at::timestamptz AS occurred_at, i.ord
+           i.headers::jsonb AS headers, i.occurred_at::timestamptz AS occurred_at, i.schema_version, i.ord
     FROM unnest(
         %(ids)s::text[], %(topics)s::text[], %(keys)s::text[], %(types)s::text[],
-        %(payloads)s::text[], %(headers)s::text[], %(times)s::text[]
-    ) WITH ORDINALITY AS i(id, topic, partition_key, type, payload, headers, occurred_at, ord)
+        %(payloads)s::text[], %(headers)s::text[], %(times)s::text[], %(versions)s::int[]
+    ) WITH ORDINALITY AS i(id, topic, partition_key, type, payload, headers, occurred_at, schema_version, ord)
 )
 -- One primary-key probe per event; a stored id makes the statement insert nothing.
-INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, occurred_at)
-SELECT id, topic, partition_key, type, payload, headers, occurred_at
+INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, occurred_at, schema_version)
+SELECT id, topic, partition_key, type, payload, headers, occurred_at, schema_version
 FROM input
 WHERE NOT EXISTS (SELECT FROM outbox.events e WHERE e.id IN (SELECT id FROM input))
 ORDER BY ord
@@ -50,11 +52,14 @@ WITH input AS (
     SELECT c.*, count(*) OVER same_key AS uses, first_value(c.id) OVER same_key AS first_id
     FROM (
         SELECT i.id::uuid AS id, i.topic, i.partition_key, i.type, i.payload::jsonb AS payload,
-               i.headers::jsonb AS headers, i.idempotency_key, i.occurred_at::timestamptz AS occurred_at, i.ord
+               i.headers::jsonb AS headers, i.idempotency_key, i.occurred_at::timestamptz AS occurred_at,
+               i.schema_version, i.ord
         FROM unnest(
             %(ids)s::text[], %(topics)s::text[], %(keys)s::text[], %(types)s::text[],
-            %(payloads)s::text[], %(headers)s::text[], %(idempotency_keys)s::text[], %(times)s::text[]
-        ) WITH ORDINALITY AS i(id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at, ord)
+            %(payloads)s::text[], %(headers)s::text[], %(idempotency_keys)s::text[], %(times)s::text[],
+            %(versions)s::int[]
+        ) WITH ORDINALITY AS i(id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
+                               schema_version, ord)
     ) c
     WINDOW same_key AS (PARTITION BY coalesce(c.topic, ''), c.idempotency_key ORDER BY c.ord
                         ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
@@ -104,8 +109,9 @@ inserted AS (
     -- Positions (seq) follow the caller's order; a known idempotency key inserts nothing, and one
     -- conflict or taken id inserts nothing at all, so the caller's transaction holds none of the batch
     -- and stays usable.
-    INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at)
-    SELECT id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at
+    INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
+                               schema_version)
+    SELECT id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at, schema_version
     FROM checked
     WHERE NOT EXISTS (SELECT FROM conflicts) AND NOT EXISTS (SELECT FROM taken)
     ORDER BY ord

@@ -250,7 +250,8 @@ FOR UPDATE;
 -- The events of one key that live processing applied: up to the cursor, neither parked nor
 -- dead-lettered, in publish order.
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
-       e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time
+       e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
+       e.schema_version AS version
 FROM outbox.events e
 WHERE e.bucket = outbox.bucket_v1(%(key)s) AND e.partition_key = %(key)s
   AND outbox.delivered_v1(e.xid, e.seq, %(seen)s::pg_snapshot, %(target)s::pg_snapshot, %(after_xid)s::xid8,

@@ -65,7 +65,7 @@ SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.top
        e.id::text AS id_text,
        to_char(coalesce(e.occurred_at, e.created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS time_text,
        lpad(e.xid::text, 20, '0') || '-' || lpad(e.seq::text, 20, '0') AS sequence_text,
-       (SELECT snapshot::text FROM now) AS now, e.created_at AS stored_at
+       (SELECT snapshot::text FROM now) AS now, e.created_at AS stored_at, e.schema_version AS version
 FROM wanted w
 CROSS JOIN LATERAL (
     SELECT d.*
@@ -102,7 +102,7 @@ CROSS JOIN LATERAL (
 UNION ALL
 -- One row carrying the current snapshot even when no bucket has anything to read.
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       (SELECT snapshot::text FROM now), NULL;
+       (SELECT snapshot::text FROM now), NULL, NULL;
 
 -- name: fetch_parked
 -- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it;
@@ -128,7 +128,7 @@ SELECT q.bucket, q.xid::text::bigint AS xid, q.seq, e.id, e.partition_key, e.top
        e.id::text AS id_text,
        to_char(coalesce(e.occurred_at, e.created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS time_text,
        lpad(e.xid::text, 20, '0') || '-' || lpad(e.seq::text, 20, '0') AS sequence_text,
-       q.attempts, q.last_error, e.created_at AS stored_at
+       q.attempts, q.last_error, e.created_at AS stored_at, e.schema_version AS version
 FROM due d
 CROSS JOIN LATERAL (
     SELECT * FROM outbox.parked q

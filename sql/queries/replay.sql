@@ -22,7 +22,8 @@ SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.top
        -- Ready-made header values for the Kafka sink (formatting in SQL costs less than in Python).
        e.id::text AS id_text,
        to_char(coalesce(e.occurred_at, e.created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS time_text,
-       lpad(e.xid::text, 20, '0') || '-' || lpad(e.seq::text, 20, '0') AS sequence_text
+       lpad(e.xid::text, 20, '0') || '-' || lpad(e.seq::text, 20, '0') AS sequence_text,
+       e.schema_version AS version
 FROM unnest(%(buckets)s::int[], %(xids)s::bigint[], %(seqs)s::bigint[]) AS b(bucket, xid, seq)
 CROSS JOIN LATERAL (
     SELECT *

@@ -6,7 +6,7 @@
 -- start like the relay's fetch_events (store.stored_event builds a StoredEvent from them).
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
        e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
-       e.idempotency_key, e.occurred_at
+       e.idempotency_key, e.occurred_at, e.schema_version AS version
 FROM outbox.events e
 WHERE (%(key)s::text IS NULL
        OR (e.bucket = outbox.bucket_v1(%(key)s::text) AND e.partition_key = %(key)s::text))

@@ -3,12 +3,16 @@ and safe to run concurrently; the bucket function is the one the relays rely on.
 
 from __future__ import annotations
 
+import sys
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from outbox_relay import Outbox
 from outbox_relay.errors import SchemaError
@@ -262,3 +266,29 @@ def test_bucket_v1_is_stable_and_in_range(dsn: str) -> None:
     assert set(buckets.values()) == set(range(256)), "5000 keys should reach every bucket"
     assert {k: buckets[k] for k in PINNED_BUCKETS} == PINNED_BUCKETS
     assert via_package == (buckets["order-1"],)
+
+
+def test_producers_granted_columns_can_publish_after_the_upgrade_to_schema_versions(
+        database_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer role granted INSERT on the event columns of docs/operations.md before migration 0012
+    publishes after it too: the migration grants it the new schema_version column (publish names it)."""
+    migrate_module = sys.modules["outbox_relay.migrate"]  # the package exports a function of that name
+    dsn = database_factory()
+    shipped_migrations = migrate_module.migrations()
+    monkeypatch.setattr(migrate_module, "migrations", lambda: [m for m in shipped_migrations if m.version < 12])
+    migrate(dsn)
+    role = f"producer_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA outbox TO {}").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("GRANT INSERT (id, topic, partition_key, type, payload, headers, idempotency_key, "
+                             "occurred_at) ON outbox.events TO {}").format(sql.Identifier(role)))
+    try:
+        monkeypatch.undo()
+        assert [m.version for m in migrate(dsn)] == [v for v, _ in shipped() if v >= 12]
+        with psycopg.connect(make_conninfo(dsn, user=role, password=None)) as conn:
+            Outbox(default_topic="t").publish(conn, type="t", key="k", payload={}, version=2)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

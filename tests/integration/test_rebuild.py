@@ -611,3 +611,61 @@ def test_a_projection_that_began_after_retention_removed_events_rebuilds_without
     run_until(runner, lambda: len(applied_ids(dsn)) == len(ids))
     result = Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
     assert result is not None and result.events == len(ids)
+
+
+def test_a_rebuild_across_a_change_of_payload_shape_ends_where_live_processing_did(
+        dsn: str, live: Any, pool: ConnectionPool[Any]) -> None:
+    """OrderPaid version 1 had "euros"; version 2 has "cents". The projection, given an upcaster, sees
+    every event at version 2, live and in the rebuild, so the rebuilt model equals the live one."""
+    from outbox_relay import Outbox
+    from projections import Upcasters
+
+    upcasters = Upcasters()
+
+    @upcasters.register("OrderPaid", version=1)
+    def euros_to_cents(payload: dict[str, Any]) -> dict[str, Any]:
+        return {"customer": payload["customer"], "cents": round(payload["euros"] * 100)}
+
+    seen_versions: set[int] = set()
+
+    def make() -> Any:
+        @projection("order_totals", events=["OrderPlaced", "OrderPaid"], tables=["order_totals", "applied_log"],
+                    upcasters=upcasters)
+        def apply(event: ProjectionEvent[Any], tx: Any) -> None:
+            p = event.payload
+            if event.type == "OrderPlaced":
+                tx.execute("INSERT INTO order_totals VALUES (%s, 1, 0) "
+                           "ON CONFLICT (customer) DO UPDATE SET orders = order_totals.orders + 1", (p["customer"],))
+            else:
+                seen_versions.add(event.version)
+                tx.execute("UPDATE order_totals SET paid_cents = paid_cents + %s WHERE customer = %s",
+                           (p["cents"], p["customer"]))
+            tx.execute("INSERT INTO applied_log (event_id, key, replay) VALUES (%s, %s, %s)",
+                       (event.id, event.key, event.replay))
+
+        @apply.key_reset
+        def reset(key: str, tx: Any) -> None:
+            tx.execute("DELETE FROM order_totals WHERE customer = %s", (key,))
+            tx.execute("DELETE FROM applied_log WHERE key = %s", (key,))
+
+        return apply
+
+    outbox = Outbox(default_topic="orders")
+    with psycopg.connect(dsn) as conn:
+        for c in ("a", "b"):
+            outbox.publish(conn, type="OrderPlaced", key=c, payload={"customer": c})
+            outbox.publish(conn, type="OrderPaid", key=c, payload={"customer": c, "euros": 1.5})  # version 1
+    with psycopg.connect(dsn) as conn:  # the producers' new code
+        for c in ("a", "b"):
+            outbox.publish(conn, type="OrderPaid", key=c, payload={"customer": c, "cents": 20}, version=2)
+    assert fetch_all(dsn, "SELECT schema_version, count(*) FROM outbox.events GROUP BY 1 ORDER BY 1") == [(1, 4),
+                                                                                                        (2, 2)]
+    runner = live(make())
+    run_until(runner, lambda: len(applied_ids(dsn)) == 6)
+    live_state = state(dsn)
+    assert live_state == [("a", 1, 170), ("b", 1, 170)] and seen_versions == {2}
+
+    result = Rebuild(make(), rebuild_settings(dsn), progress=None).run()
+    assert result is not None and result.events == 6
+    assert state(dsn) == live_state and seen_versions == {2}
+    assert rebuild_key(make(), dsn, "a") == 3 and state(dsn) == live_state

@@ -110,3 +110,33 @@ def test_replay_exits_1_and_names_the_events_it_could_not_send(
     assert "replayed 2 events; 1 failed" in result.stdout
     assert by_key(consume_all(kafka_bootstrap, kafka_topic, 2, timeout=30, settle=0.5)) == {
         "k": [str(sent[0].id), str(sent[2].id)]}
+
+
+def test_replay_with_upcasters_sends_every_payload_in_its_current_shape(
+        dsn: str, kafka_bootstrap: str, kafka_topic: str) -> None:
+    """Version 1 of "t" had "n" as text; version 2 as a number. Replayed with the upcaster, a consumer
+    sees version 2 only; an event the step can not handle is not sent and is named."""
+    import json
+
+    from outbox_relay.replay import replay
+    from outbox_relay.settings import RelaySettings
+    from outbox_relay.upcast import Upcasters
+
+    ups = Upcasters()
+
+    @ups.register("t", version=1)
+    def text_to_number(payload: dict[str, Any]) -> dict[str, Any]:
+        return {"n": int(payload["n"])}
+
+    register(dsn, "kafka", "kafka")
+    outbox = Outbox(default_topic="orders")
+    with psycopg.connect(dsn) as conn:
+        outbox.publish(conn, type="t", key="a", payload={"n": "1"})
+        bad = outbox.publish(conn, type="t", key="b", payload={"n": "one"})
+        outbox.publish(conn, type="t", key="a", payload={"n": 2}, version=2)
+    settings = RelaySettings(dsn=dsn, worker_id="replayer", kafka_bootstrap_servers=kafka_bootstrap)
+    result = replay(settings, "orders", to_topic=kafka_topic, progress=None, upcasters=ups)
+    assert result.sent == 2
+    assert [(event_id, "ValueError" in error) for event_id, error in result.failed] == [(bad.id, True)]
+    messages = consume_all(kafka_bootstrap, kafka_topic, 2, timeout=30, settle=1.0)
+    assert sorted(json.loads(m.value or b"")["n"] for m in messages) == [1, 2]

@@ -195,7 +195,8 @@ def test_time_is_aware() -> None:
                                                                                                   tzinfo=UTC)
 
 
-PUBLISH_PARAMETERS = ["conn", "type", "key", "payload", "topic", "headers", "idempotency_key", "time", "id"]
+PUBLISH_PARAMETERS = ["conn", "type", "key", "payload", "topic", "headers", "idempotency_key", "time", "id",
+                      "version"]
 
 
 @pytest.mark.parametrize("method", [Outbox.publish, Outbox.apublish])
