@@ -20,6 +20,7 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from outbox_relay import cli, store
+from outbox_relay.metrics import OutboxGauges
 from outbox_relay.relay import SinkRunner
 from outbox_relay.sink import Commit
 from outbox_relay.store import StoredEvent
@@ -158,6 +159,9 @@ def test_a_stuck_sink_gives_its_buckets_up_says_so_and_holds_no_other_sink_back(
         wait_until(stuck.blocked.is_set, 30, 0.05, "A's blocky sink blocked")
         wait_until(lambda: other.delivered_ids() >= ids, 30, 0.05, "A's other sink delivering everything")
         wait_until(lambda: any("blocky: stuck" in p for p in a.readiness()), 30, 0.05, "A's readiness saying so")
+        gauges = {tuple(s.labels.values()): s.value for m in OutboxGauges(a, dsn, 15.0).collect()
+                  if m.name == "outbox_relay_sink_stuck" for s in m.samples}
+        assert gauges == {("blocky",): 1.0, ("other",): 0.0}, gauges
         with running(Worker(make_settings(dsn, "b", **knobs), [taker])):
             wait_until(lambda: taker.delivered_ids() >= ids, 60, 0.05, "B delivering the stuck sink's events")
         assert not a.runners[0].leases.snapshot(), "A holds none of blocky's buckets"
