@@ -16,9 +16,9 @@ progress for that long):
    its locks and the horizon go at once; the sink forgets that connection (the helper still holds
    it) and opens a new one for the next batch.
 3. The helper thread is left to its handler; the next batch gets a new one. Abandoned threads still
-   alive are counted per process; past ``MAX_ABANDONED`` the sink raises ``SinkStuck`` and the relay
-   exits (4) rather than pile up threads: the attempts were counted already, and the restarted
-   process starts without them.
+   alive are counted per process; past ``MAX_ABANDONED`` (``over_cap``) the sink charges the event as
+   usual, then raises ``SinkStuck`` and the relay exits (4) rather than pile up threads: the attempts
+   were counted, and the restarted process starts without them.
 
 The fast path pays two thread hand-offs per batch (not per event) and two attribute writes per
 handler call.
@@ -133,6 +133,7 @@ class Guard:
         self.timeout = timeout
         self._end = end  # ends an abandoned walk's transaction and makes the sink forget its connection
         self._helper: _Helper | None = None
+        self.over_cap = False  # more than MAX_ABANDONED threads are left to handlers: the sink stops the relay
 
     def run(self, fn: Callable[[Walk], Any], abort: threading.Event) -> Any:
         """``fn(walk)`` on the helper; its result, or what it raised. Raises ``TimedOut`` when the limit
@@ -170,11 +171,18 @@ class Guard:
             self._end(walk)
         except Exception as exc:  # the walk can not commit anyway (may_commit); its locks wait for the server
             log.warning("sink %s: could not end the abandoned batch's transaction: %s", self.name, exc)
+        if abandoned_threads() > MAX_ABANDONED:
+            self.over_cap = True
+
+    def check_cap(self) -> None:
+        """Raise ``SinkStuck`` once more than MAX_ABANDONED threads are left to handlers (the sink calls it
+        after the batch that charged the last one landed)."""
         left = abandoned_threads()
-        if left > MAX_ABANDONED:
+        if self.over_cap and left > MAX_ABANDONED:
             raise SinkStuck(f"sink {self.name}: {left} handlers that never returned are left on threads of this "
                             f"process (more than {MAX_ABANDONED}); the relay stops so that a fresh process "
                             "takes over (their events' attempts were counted)")
+        self.over_cap = False
 
     def close(self) -> None:
         if self._helper is not None:

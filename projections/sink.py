@@ -249,6 +249,7 @@ class ProjectionSink:
             run = functools.partial(self._walk, events=events, fences=fences, commit=commit, abort=abort, known=known)
             try:
                 result: set[int] = self._guard.run(run, abort)
+                self._guard.check_cap()  # after the batch that charged the abandoned handlers landed
                 return result
             except _Redo as redo:
                 known = _redo_known(events, known, redo)

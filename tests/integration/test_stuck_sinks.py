@@ -20,12 +20,13 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from outbox_relay import cli, store
+from outbox_relay.errors import SinkStuck
 from outbox_relay.metrics import OutboxGauges
 from outbox_relay.relay import SinkRunner
 from outbox_relay.sink import Commit
 from outbox_relay.store import StoredEvent
 from outbox_relay.worker import Worker
-from projections import ProjectionEvent, projection
+from projections import ProjectionEvent, guard, projection
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     ALL_BUCKETS,
@@ -207,3 +208,30 @@ def test_a_head_skipped_while_an_attempt_of_it_lands_is_not_applied_twice_after_
     assert dead_letters(dsn, "skippable") == {}
     capsys.readouterr()
     sink.close()
+
+
+def test_past_the_cap_of_abandoned_handlers_the_runner_stops_the_relay(
+        dsn: str, pool: ConnectionPool[Any], release: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads left to handlers that never return are capped (guard.MAX_ABANDONED per process): past it the
+    runner stops with SinkStuck, which stops the relay (`outbox-relay run` exits 4) and a fresh process
+    takes over; the attempts were counted already."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(LOG)
+    ids = publish(dsn, [("stuck", "OrderPlaced", {})])
+
+    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        release.wait()
+
+    monkeypatch.setattr(guard, "MAX_ABANDONED", guard.abandoned_threads() + 1)
+    sink = ProjectionSink(projection("capped", events=["OrderPlaced"])(handler), dsn, handler_timeout_seconds=0.5)
+    r, loop = start(sink, pool, dsn, max_attempts=10, handler_timeout_seconds=0.5)
+    try:
+        loop.join(60)
+        assert not loop.is_alive(), "the runner did not stop"
+        assert isinstance(r.fatal, SinkStuck), r.fatal
+        # Both abandoned calls were charged before it stopped.
+        assert fetch_all(dsn, "SELECT attempts FROM outbox.parked WHERE event_id = %s", (ids[0],)) == [(2,)]
+    finally:
+        r.draining.set()
+        loop.join(10)
+        sink.close()
