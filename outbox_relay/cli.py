@@ -386,7 +386,7 @@ def _kafka_config_env() -> dict[str, str]:
 def _dsn(args: argparse.Namespace) -> str:
     # Only the DSN: a bad value of some other OUTBOX_* variable must not stop `status`.
     dsn = args.dsn or os.environ.get(env_var("dsn"))
-    if not dsn:
+    if not dsn or not dsn.strip():  # libpq reads "" as every default
         raise ConfigurationError(NO_DSN)
     remember_dsn(dsn)
     check_dsn(dsn)

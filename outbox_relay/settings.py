@@ -138,6 +138,8 @@ class RelaySettings(BaseSettings):
     @classmethod
     def _dsn(cls, value: SecretStr) -> SecretStr:
         dsn = value.get_secret_value()
+        if not dsn.strip():  # libpq reads "" as every default: the silent guess a required DSN prevents
+            raise ValueError(NO_DSN)
         remember_dsn(dsn)  # before anything can fail and print it
         check_dsn(dsn)
         return value

@@ -183,3 +183,12 @@ def test_tables_are_whole_when_they_fit(capsys: pytest.CaptureFixture[str], monk
     cli._print_table([("kafka", "x" * 100)], ["sink", "last_error"])
     out = capsys.readouterr().out
     assert "x" * 100 in out and "\u2026" not in out
+
+
+@pytest.mark.parametrize("argv", [["run", "--no-kafka"], ["status"]])
+def test_an_empty_dsn_is_no_dsn(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                argv: list[str]) -> None:
+    """libpq reads "" as "every default" (the local server's database named after the user): refused."""
+    monkeypatch.setenv("OUTBOX_DSN", " ")
+    code, _, err = run_main(capsys, *argv)
+    assert code == cli.EXIT_ERROR and "no database given" in err, err
