@@ -235,3 +235,26 @@ def test_past_the_cap_of_abandoned_handlers_the_runner_stops_the_relay(
         r.draining.set()
         loop.join(10)
         sink.close()
+
+
+@dataclass
+class FailingSink(RecordingSink):
+    """A sink whose every batch fails as a whole with a connection error (not an event's fault)."""
+
+    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
+                abort: threading.Event) -> set[int]:
+        raise psycopg.OperationalError("connection to the downstream lost")
+
+
+def test_a_runner_whose_every_cycle_fails_gives_its_buckets_up(dsn: str) -> None:
+    """Issue 15: a runner that can not make progress while the database answers its relay (every cycle
+    fails) gives its buckets up after --handler-timeout-seconds, so another relay delivers them."""
+    ids = set(publish(dsn, [(f"k-{i}", "T", {}) for i in range(20)]))
+    register(dsn, "downstream")
+    knobs: dict[str, Any] = {"handler_timeout_seconds": 1.0, "drain_seconds": 1.0}
+    a = Worker(make_settings(dsn, "a", **knobs), [FailingSink(worker="a", name="downstream")])
+    taker = RecordingSink(worker="b", name="downstream")
+    with running(a):
+        wait_until(lambda: any("every cycle failed" in p for p in a.readiness()), 30, 0.05, "A saying it is stuck")
+        with running(Worker(make_settings(dsn, "b", **knobs), [taker])):
+            wait_until(lambda: taker.delivered_ids() >= ids, 60, 0.05, "B delivering A's events")
