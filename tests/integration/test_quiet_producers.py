@@ -188,3 +188,25 @@ def test_a_short_statement_timeout_does_not_stop_the_watch(dsn: str) -> None:
             [event] = publish(dsn, [(f"key-{i}", "t", {})])
             wait_until(lambda e=event: e in sink.delivered_ids(), 10, message="the relay to be woken")
         assert worker.watching and worker.listening
+
+
+def test_an_open_bulk_transaction_is_not_read_at_every_look(dsn: str) -> None:
+    """A transaction still open with 20,000 uncommitted events (a bulk load): the watcher's looks skip
+    it until it commits (its rows are not visited each millisecond), then name every bucket."""
+    with psycopg.connect(dsn) as bulk, psycopg.connect(dsn) as conn:
+        (since,) = conn.execute("SELECT snapshot::text FROM outbox.watch_commits_v1(NULL, 0, 1)").fetchone()  # type: ignore[misc]
+        conn.commit()
+        bulk.execute("INSERT INTO outbox.events (topic, partition_key, type, payload) "
+                     "SELECT 't', 'k' || i, 'x', '{}' FROM generate_series(1, 20000) AS i")
+        row = conn.execute("SELECT snapshot::text, buckets FROM outbox.watch_commits_v1(%s::pg_snapshot, 200, 1)",
+                           (since,)).fetchone()
+        assert row is not None and row[1] is None
+        # Index entries this transaction's scans of events_xid returned (not yet flushed to pg_stat_*).
+        (read,) = conn.execute(  # type: ignore[misc]
+            "SELECT pg_stat_get_xact_tuples_returned('outbox.events_xid'::regclass)").fetchone()
+        assert read <= 20000, f"the looks read {read} index entries of the open transaction"
+        conn.commit()
+        bulk.commit()
+        row = conn.execute("SELECT buckets FROM outbox.watch_commits_v1(%s::pg_snapshot, 2000, 1)",
+                           (row[0],)).fetchone()
+    assert row == ("*",)
