@@ -26,6 +26,7 @@ handler call.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
@@ -62,6 +63,9 @@ class Walk:
 
     def __init__(self, fn: Callable[[Walk], Any]) -> None:
         self.fn = fn
+        # The runner thread's context (the batch's tracing span is current there), so that the handler
+        # calls on the helper thread are traced as children of it.
+        self.context = contextvars.copy_context()
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -103,7 +107,7 @@ class _Helper:
     def _loop(self) -> None:
         while (walk := self._jobs.get()) is not None:
             try:
-                walk.result = walk.fn(walk)
+                walk.result = walk.context.run(walk.fn, walk)
             except BaseException as exc:  # handed to the runner thread, which raises it
                 walk.error = exc
             walk.done.set()
