@@ -37,7 +37,7 @@ from tests.servers import PgServer, consume_all, free_port, wait_until
 pytestmark = pytest.mark.slow
 
 SINK = "kafka"
-# Fast knobs (docs/design-brief.md): leases expire in 3 s, a silent worker leaves the assignment after 2 s.
+# Fast knobs (CONTRIBUTING.md, "Test knobs"): leases expire in 3 s, a silent worker leaves the assignment after 2 s.
 FAST = [
     "--lease-seconds", "3", "--heartbeat-seconds", "0.5", "--worker-ttl-seconds", "2",
     "--housekeeping-seconds", "0.5", "--poll-seconds", "0.2",

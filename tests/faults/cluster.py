@@ -178,7 +178,7 @@ def create_topic(bootstrap: str, topic: str, partitions: int, timeout: float = 1
 
 # -- relays -------------------------------------------------------------------------------
 
-# docs/design-brief.md "Test knobs"; retention off, so the database keeps every event for the checker.
+# CONTRIBUTING.md ("Test knobs"); retention off, so the database keeps every event for the checker.
 RELAY_KNOBS = [
     "--lease-seconds", "3", "--heartbeat-seconds", "0.5", "--worker-ttl-seconds", "2",
     "--housekeeping-seconds", "0.5", "--poll-seconds", "0.2",

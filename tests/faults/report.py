@@ -125,7 +125,7 @@ def render(*, config: Any, kinds: list[str], result: Result, faults: Sequence[Fa
         f"{database.synchronous_commit}), {broker_version} (memory storage)")
     add(f"- **Load:** {config.rate:g} events/s from {config.producers} producer processes x "
         f"{config.producer_threads} threads over {config.keys} keys, 1-5 events per transaction; "
-        f"{config.relays} relays (`outbox-relay run` with the test knobs of docs/design-brief.md, retention off"
+        f"{config.relays} relays (`outbox-relay run` with the test knobs of CONTRIBUTING.md, retention off"
         + (f", plus `{' '.join(config.relay_options)}`" if config.relay_options else "") + f"); topic with "
         f"{config.partitions} partitions")
     add(f"- **Faults:** {len(faults)} over a planned {config.seconds:g} s; the fault phase took "
