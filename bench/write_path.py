@@ -1,7 +1,7 @@
 """Write path: what publishing costs a business transaction (issue 14, goals 1, 2 and 4).
 
-    python bench/write_path.py              # about 9 minutes on 2 cores: 1/4/16/64 producers, 3 runs
-    python bench/write_path.py --quick      # about 1.5 minutes: shorter points, 1/16/64 producers, 1 run
+    python bench/write_path.py              # about 8 minutes on 2 cores: 1/4/16/64 producers, 3 runs
+    python bench/write_path.py --quick      # about a minute: 1 s points, 1/16/64 producers, 1 run
     python bench/run.py --cases write       # the same case from the main bench (its --runs and --quick)
 
 One-row business transactions back to back from P producers (threads spread over --write-procs
@@ -698,7 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(figures).write_text(json.dumps(profile_loop(dsn, float(seconds), int(tx_size), int(keys))))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="about 1.5 minutes: 1 run, 1 s points, 1/16/64 producers")
+    p.add_argument("--quick", action="store_true", help="about a minute: 1 run, 1 s points, 1/16/64 producers")
     p.add_argument("--runs", type=int, default=None, help="runs (default 3, --quick 1)")
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--keep", action="store_true", help="keep the server directory under /tmp")
