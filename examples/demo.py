@@ -1,19 +1,27 @@
-"""The whole path on embedded servers: producer -> outbox -> two relays -> Kafka -> consumer.
+"""The whole path on embedded servers: producer -> outbox -> two relays -> Kafka and a read model.
 
     python examples/demo.py          # or: bash scripts/demo.sh (creates .venv and installs first)
 
 1. Starts a private PostgreSQL 18 and a Tansu broker (both from wheels), creates the topic.
 2. Runs `outbox-relay migrate`, then starts TWO `outbox-relay run` processes; they split the
-   256 buckets between them through the database alone.
-3. A producer places and pays ~20 orders; each event is published in the transaction that
-   writes the order row (examples/order_service.py).
-4. A consumer (assign() on every partition, no consumer group) prints each message as it arrives
+   256 buckets of each sink (Kafka, and the projection `customer_orders` of
+   examples/demo_projection.py) between them through the database alone.
+3. A producer places and pays orders; each event is published in the transaction that writes the
+   order row (examples/order_service.py). One order is of a customer the read model does not know
+   yet: its handler rejects it, and past --max-attempts it is dead-lettered (a poison event; the
+   other keys go on).
+4. SIGKILL to relay-a: relay-b takes its buckets over (the moment is printed, with the bound that
+   --worker-ttl-seconds and --heartbeat-seconds give), and delivers the orders placed after the kill.
+5. The fix (the customer is loaded), then `outbox-relay dead-letters retry`: the read model applies
+   the order.
+6. A consumer (assign() on every partition, no consumer group) prints each message as it arrives
    and checks that every order's events arrived in publish order.
-5. Prints `outbox-relay status` and the interesting lines of one relay's /metrics (each relay
-   runs with --metrics-port), then sends SIGTERM to both relays: they drain and exit 0.
+7. Prints `outbox-relay status` and the interesting lines of relay-b's /metrics (each relay runs
+   with --metrics-port), then sends SIGTERM to relay-b: it drains and exits 0.
 
-Exit status 0 when every event arrived once or more, in order per key, a relay's /metrics could be
-read, and both relays exited 0.
+Exit status 0 when every event arrived once or more, in order per key, the poison event was
+dead-lettered and then applied by the retry, relay-b took every bucket over, its /metrics could be
+read, and it exited 0.
 """
 
 from __future__ import annotations
@@ -39,18 +47,26 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # order_service, next to this file
 
+import demo_projection
 from order_service import create_schema, pay_order, place_order
 
 from outbox_relay.embedded import EmbeddedKafka, EmbeddedPostgres
 
 TOPIC = "orders"
 PARTITIONS = 3
-ORDERS = 20
+ORDERS = 20  # placed and paid; the first half before relay-a is killed, the rest after
+KILLED_AFTER = 12
+POISON_ORDER = 99  # placed for a customer the read model does not know yet
+POISON_CUSTOMER = "customer-new"
+PROJECTION = "customer_orders"  # examples/demo_projection.py; also the sink's name
 RELAYS = ("relay-a", "relay-b")
+HEARTBEAT_SECONDS, WORKER_TTL_SECONDS = 0.5, 2.0
 # Short intervals so that the demo moves quickly; production defaults are in `outbox-relay run --help`.
-RELAY_OPTIONS = ["--default-topic", TOPIC, "--heartbeat-seconds", "0.5", "--worker-ttl-seconds", "2",
-                 "--lease-seconds", "6", "--poll-seconds", "0.5", "--housekeeping-seconds", "1",
-                 "--drain-seconds", "10", "--metrics-host", "127.0.0.1", "--metrics-refresh-seconds", "1"]
+RELAY_OPTIONS = ["--default-topic", TOPIC, "--heartbeat-seconds", str(HEARTBEAT_SECONDS),
+                 "--worker-ttl-seconds", str(WORKER_TTL_SECONDS), "--lease-seconds", "6", "--poll-seconds", "0.5",
+                 "--housekeeping-seconds", "1", "--drain-seconds", "10", "--metrics-host", "127.0.0.1",
+                 "--metrics-refresh-seconds", "1", "--projections", "demo_projection", "--projection", PROJECTION,
+                 "--max-attempts", "3", "--backoff-base-seconds", "0.2", "--backoff-max-seconds", "0.5"]
 # What a relay logs that is worth showing here (everything at warning level and above is shown too).
 INTERESTING = ("started", "acquired", "released", "draining", "stopped", "dead-lettered")
 
@@ -241,13 +257,11 @@ class Printer:
 # -- producer ---------------------------------------------------------------------------------
 
 
-def produce(dsn: str) -> list[tuple[str, str]]:
-    """Place and pay the orders in shuffled interleaving; returns (key, type) in publish order."""
-    rng = random.Random(7)
-    pending = [(i, "place") for i in range(1, ORDERS + 1)]
+def produce(dsn: str, orders: range, rng: random.Random) -> list[tuple[str, str]]:
+    """Place and pay these orders in shuffled interleaving; returns (key, type) in publish order."""
+    pending = list(orders)
     published: list[tuple[str, str]] = []
     with psycopg.connect(dsn, autocommit=True) as conn:
-        create_schema(conn)
         placed: list[int] = []
         while pending or placed:
             # Pay a placed order or place a new one, at random: keys interleave, per-key order is fixed.
@@ -257,7 +271,7 @@ def produce(dsn: str) -> list[tuple[str, str]]:
                 published.append((f"order:{order_id}", "OrderPaid"))
                 verb = "paid  "
             else:
-                order_id, _ = pending.pop(0)
+                order_id = pending.pop(0)
                 result = place_order(conn, order_id, customer=f"customer-{order_id % 7}",
                                      amount=Decimal(10 + order_id) + Decimal("0.99"))
                 placed.append(order_id)
@@ -265,31 +279,56 @@ def produce(dsn: str) -> list[tuple[str, str]]:
                 verb = "placed"
             say(f"  produced  order:{order_id:<3} {verb} (event {str(result.id)[:8]}..., created={result.created})")
             time.sleep(0.02)
-        # A retried request: same idempotency key, no second event.
-        again = pay_order(conn, 1, payment_id="pay-1")
-        say(f"  produced  order:1   paid again by a retried request: created={again.created} (no new event)")
     return published
+
+
+def run_cli(env: dict[str, str], *args: str) -> int:
+    """Show and run one short `outbox-relay` command."""
+    say(f"\n$ outbox-relay {' '.join(args)}")
+    # Warnings and up only: the command's own report (and the database it used) is what is worth showing.
+    # Without COLUMNS the tables keep their full values (the last error of a dead letter is the point here).
+    env = {k: v for k, v in env.items() if k != "COLUMNS"}
+    out = subprocess.run(cli("--log-level", "warning", *args), env=env, capture_output=True, text=True, check=False)
+    say("\n".join("  " + line for line in (out.stdout + out.stderr).strip().splitlines()))
+    return out.returncode
+
+
+def owners(conn: psycopg.Connection[Any]) -> dict[str, int]:
+    """Buckets held per relay, over both sinks (256 each)."""
+    rows = conn.execute("SELECT owner, count(*) FROM outbox.cursors WHERE owner IS NOT NULL GROUP BY owner "
+                        "ORDER BY owner").fetchall()
+    return {str(owner): int(n) for owner, n in rows}
+
+
+def count(conn: psycopg.Connection[Any], sql: str, *params: Any) -> int:
+    row = conn.execute(sql, params).fetchone()
+    return int(row[0]) if row else 0
 
 
 def main() -> int:
     started = time.monotonic()
     ok = True
+    rng = random.Random(7)
     say("starting embedded PostgreSQL 18 and Tansu (Kafka protocol) ...")
     with EmbeddedPostgres() as pg, EmbeddedKafka() as kafka:
         kafka.create_topic(TOPIC, partitions=PARTITIONS)
         partitions = kafka.partitions(TOPIC)
         say(f"  database {pg.dsn}\n  broker   {kafka.bootstrap_servers}, topic {TOPIC!r} with "
             f"{len(partitions)} partitions")
-        env = {**os.environ, "OUTBOX_DSN": pg.dsn, "PYTHONUNBUFFERED": "1"}
+        examples = str(Path(__file__).resolve().parent)  # the relays import demo_projection from here
+        path = os.pathsep.join(p for p in (examples, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "OUTBOX_DSN": pg.dsn, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
-        say("\n$ outbox-relay migrate")
-        out = subprocess.run(cli("migrate"), env=env, capture_output=True, text=True, check=False)
-        say("  " + (out.stdout.strip() or out.stderr.strip()))
-        if out.returncode != 0:
+        if run_cli(env, "migrate") != 0:
             return 1
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            create_schema(conn)
+            conn.execute(demo_projection.SCHEMA)
+            conn.execute("INSERT INTO demo_customers (name) SELECT 'customer-' || i FROM generate_series(0, 6) i")
 
         say(f"\nstarting {len(RELAYS)} relays: outbox-relay run {' '.join(RELAY_OPTIONS)} ...")
         relays = [Relay(name, env, kafka.bootstrap_servers) for name in RELAYS]
+        relay_a, relay_b = relays
         try:
             wait_for(lambda: all(r.started.is_set() or r.proc.poll() is not None for r in relays), 30,
                      "the relays to start")
@@ -298,17 +337,41 @@ def main() -> int:
                 return 1
             # The stored assignment splits the buckets once both relays have seen each other's heartbeat.
             with psycopg.connect(pg.dsn, autocommit=True) as conn:
-                def split() -> bool:
-                    rows = conn.execute("SELECT owner, count(*) FROM outbox.cursors WHERE owner IS NOT NULL "
-                                        "GROUP BY owner").fetchall()
-                    return len(rows) == len(RELAYS) and sum(n for _, n in rows) == 256
-                wait_for(split, 20, "the relays to split the buckets", interval=0.2)
-                owners = conn.execute("SELECT owner, count(*) FROM outbox.cursors GROUP BY owner ORDER BY owner")
-                say("  buckets: " + ", ".join(f"{o} {n}" for o, n in owners))
+                wait_for(lambda: len(owners(conn)) == len(RELAYS) and sum(owners(conn).values()) == 512, 20,
+                         "the relays to split the buckets", interval=0.2)
+                say("  buckets (256 per sink, 2 sinks): " + ", ".join(f"{o} {n}" for o, n in owners(conn).items()))
 
             printer = Printer(kafka.bootstrap_servers, partitions)
-            say(f"\nproducing: {ORDERS} orders placed and paid, each event in the order's own transaction")
-            published = produce(pg.dsn)
+            say(f"\nproducing: orders 1-{KILLED_AFTER} placed and paid, each event in the order's own transaction")
+            published = produce(pg.dsn, range(1, KILLED_AFTER + 1), rng)
+            with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                again = pay_order(conn, 1, payment_id="pay-1")
+                say(f"  produced  order:1   paid again by a retried request: created={again.created} (no new event)")
+                say(f"\npoison: order {POISON_ORDER} of {POISON_CUSTOMER!r}, a customer the read model "
+                    f"{PROJECTION!r} does not know yet")
+                place_order(conn, POISON_ORDER, customer=POISON_CUSTOMER, amount=Decimal("5.00"))
+                published.append((f"order:{POISON_ORDER}", "OrderPlaced"))
+                wait_for(lambda: count(conn, "SELECT count(*) FROM outbox.dead_letters WHERE sink = %s",
+                                       PROJECTION) == 1, 30, "the poison event to be dead-lettered")
+            ok = run_cli(env, "dead-letters", "list", "--sink", PROJECTION) == 0 and ok
+            wait_for(lambda: len(printer.ids) >= len(published), 30, "every event so far to arrive")
+
+            say("\nSIGKILL to relay-a (no drain: its leases and heartbeat just stop)")
+            relay_a.proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                wait_for(lambda: owners(conn) == {relay_b.name: 512}, 60, "relay-b to take every bucket over",
+                         interval=0.05)
+            took = time.monotonic() - killed
+            bound = WORKER_TTL_SECONDS + HEARTBEAT_SECONDS
+            say(f"  relay-b holds all 512 buckets {took:.1f} s after the kill (bound: relay-a is dead "
+                f"--worker-ttl-seconds {WORKER_TTL_SECONDS:g} s after its last heartbeat, which came at most "
+                f"--heartbeat-seconds {HEARTBEAT_SECONDS:g} s before the kill; relay-b takes over at its next "
+                f"heartbeat after that: about {bound:g} s"
+                + (")" if took <= bound + 1 else "; over it here, on a busy machine)"))
+
+            say(f"\nproducing: orders {KILLED_AFTER + 1}-{ORDERS}, with relay-b alone")
+            published += produce(pg.dsn, range(KILLED_AFTER + 1, ORDERS + 1), rng)
             expected_ids = len(published)
             wait_for(lambda: len(printer.ids) >= expected_ids, 30, "every event to arrive")
             time.sleep(0.5)  # show a late duplicate, if any
@@ -322,19 +385,32 @@ def main() -> int:
             say(f"\nconsumer: {printer.messages} messages, {len(printer.ids)} distinct events "
                 f"(published {expected_ids}); per-key order " + ("ok for all " + str(len(by_key)) + " keys"
                                                                    if not wrong else f"WRONG for {wrong}"))
-            ok = not wrong and len(printer.ids) == expected_ids
+            ok = ok and not wrong and len(printer.ids) == expected_ids
 
-            say("\n$ outbox-relay status")
-            out = subprocess.run(cli("status"), env=env, capture_output=True, text=True, check=False)
-            say("\n".join("  " + line for line in (out.stdout + out.stderr).strip().splitlines()))
-            ok = ok and out.returncode == 0
-            ok = show_metrics(relays[0]) and ok
+            say(f"\nthe fix: customer {POISON_CUSTOMER!r} arrives in demo_customers; then retry the dead letter")
+            with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                conn.execute("INSERT INTO demo_customers (name) VALUES (%s)", (POISON_CUSTOMER,))
+                ok = run_cli(env, "dead-letters", "retry", "--sink", PROJECTION, "--key",
+                             f"order:{POISON_ORDER}") == 0 and ok
+                wait_for(lambda: count(conn, "SELECT count(*) FROM customer_orders WHERE order_id = %s",
+                                       POISON_ORDER) == 1, 30, "the retried event to be applied")
+                applied = count(conn, "SELECT count(*) FROM customer_orders")
+                dead = count(conn, "SELECT count(*) FROM outbox.dead_letters")
+            say(f"  {PROJECTION}: order {POISON_ORDER} applied after the retry; {applied} orders in the read "
+                f"model (of {ORDERS + 1} placed), {dead} dead letters left")
+            ok = ok and applied == ORDERS + 1 and dead == 0
+
+            ok = run_cli(env, "status") == 0 and ok
+            ok = show_metrics(relay_b) and ok
         finally:
             say("\nSIGTERM to the relays (they drain: leave the assignment, finish the batch, release, exit)")
             for r in relays:
                 r.terminate()
             for r in relays:
                 code = r.wait(30)
+                if r is relay_a and code == -signal.SIGKILL:
+                    say(f"  {r.name} was killed (SIGKILL) earlier")
+                    continue
                 say(f"  {r.name} exited with {code}")
                 ok = ok and code == 0
     say(f"\n{'done' if ok else 'FAILED'} in {time.monotonic() - started:.1f}s")
