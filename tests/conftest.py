@@ -39,6 +39,13 @@ def pytest_report_header() -> list[str]:
     ]
 
 
+@pytest.fixture(autouse=True)
+def _output_to_a_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI cuts tables to COLUMNS when it is set; pytest-xdist sets it (80) in its workers, so a
+    test sees the whole table only without it. Tests of the cutting set it themselves."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[PgServer]:
     server = start_postgres()
