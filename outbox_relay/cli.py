@@ -93,7 +93,12 @@ class _RedactingFormatter(logging.Formatter):
         return redact(super().format(record))
 
 
+_json_logs = False  # set by setup_logging: stderr carries JSON log records only (--log-json)
+
+
 def setup_logging(level: str, as_json: bool, worker_id: str) -> None:
+    global _json_logs
+    _json_logs = as_json
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_WorkerIdFilter(worker_id))
     handler.setFormatter(_JsonFormatter() if as_json else _RedactingFormatter(
@@ -413,8 +418,12 @@ def _dsn(args: argparse.Namespace) -> str:
 
 
 def _using(dsn: str) -> None:
-    """Name the database a command uses, once, on stderr (stdout stays pure for --json)."""
-    _say(f"outbox-relay: using {describe(dsn)}", file=sys.stderr)
+    """Name the database a command uses, once, on stderr (stdout stays pure for --json); with
+    --log-json as a log record, so that stderr stays one JSON object per line."""
+    if _json_logs:
+        log.info("using %s", describe(dsn))
+    else:
+        _say(f"outbox-relay: using {describe(dsn)}", file=sys.stderr)
 
 
 @contextlib.contextmanager
