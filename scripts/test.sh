@@ -2,7 +2,7 @@
 # Install outbox-relay with its test tools and run every check: the one command for a fresh machine.
 #
 #   scripts/test.sh              ruff, mypy (strict), the whole pytest suite (unit and integration in
-#                                2 processes, then the acceptance tests alone); then the integration
+#                                2 processes, then the acceptance tests in 2 processes); then the integration
 #                                tests of the SQL again against PostgreSQL 15 at 127.0.0.1:5432 if it answers
 #   scripts/test.sh -k publish   extra arguments: one pytest run with them instead of the first two
 #
