@@ -153,7 +153,7 @@ class Outbox:
             if made and len(rows) == 1:
                 yield query("publish", "insert_one"), rows[0]
             elif made:
-                yield query("publish", "insert_many"), self._arrays(rows, keys=False)
+                yield query("publish", "insert_many"), {"rows": _batch_json(rows)}
             else:
                 inserted = yield query("publish", "insert_checked"), self._arrays(rows, keys=False)
                 if not inserted:
@@ -258,6 +258,16 @@ class Outbox:
         plan = self._plan(events)
         step = next(plan)
         return await _arun(plan, step, await _aexecutor(conn))
+
+
+def _batch_json(rows: Sequence[dict[str, Any]]) -> str:
+    """Rows as one JSON array for insert_many; each payload's JSON text (already made and checked by
+    ``_rows``) is spliced in as it is, not parsed and dumped again."""
+    dumps = json.dumps
+    return "[" + ",".join(
+        f'{{"id":"{r["id"]}","topic":{dumps(r["topic"])},"key":{dumps(r["key"])},"type":{dumps(r["type"])},'
+        f'"payload":{r["payload"]},"headers":{r["headers"]},"time":{dumps(r["time"])},"version":{int(r["version"])}}}'
+        for r in rows) + "]"
 
 
 def _fields(type: str, key: str, payload: Any, topic: str | None, headers: Mapping[str, str] | None,

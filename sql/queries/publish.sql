@@ -8,14 +8,16 @@ VALUES (%(id)s::uuid, %(topic)s, %(key)s, %(type)s, %(payload)s::jsonb, %(header
 
 -- name: insert_many
 -- Append events the library made (new ids, no idempotency keys) in one statement; positions (seq) follow the caller's order.
+-- The batch is one JSON array of rows (Outbox._batch_json): psycopg escapes every quote of a text
+-- array's elements in Python, a third of publish_many's time per event; one text parameter is
+-- passed as it is. A JSON null payload arrives as SQL NULL and is stored as the JSON null it was.
 INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, occurred_at, schema_version)
-SELECT i.id::uuid, i.topic, i.partition_key, i.type, i.payload::jsonb, i.headers::jsonb, i.occurred_at::timestamptz,
-       i.schema_version
-FROM unnest(
-    %(ids)s::text[], %(topics)s::text[], %(keys)s::text[], %(types)s::text[],
-    %(payloads)s::text[], %(headers)s::text[], %(times)s::text[], %(versions)s::int[]
-) WITH ORDINALITY AS i(id, topic, partition_key, type, payload, headers, occurred_at, schema_version, ord)
-ORDER BY i.ord;
+SELECT r.id, r.topic, r.key, r.type, coalesce(r.payload, 'null'::jsonb), r.headers, r.time, r.version
+FROM ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb)
+                AS (id uuid, topic text, key text, type text, payload jsonb, headers jsonb, time timestamptz,
+                    version integer))
+     WITH ORDINALITY AS r(id, topic, key, type, payload, headers, time, version, ord)
+ORDER BY r.ord;
 
 -- name: insert_checked
 -- Append events whose ids the caller chose (Event objects, no idempotency keys): all of them, or none if one of the ids is already stored, so that the caller's transaction stays usable.

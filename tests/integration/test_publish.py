@@ -968,3 +968,27 @@ def test_each_call_sends_the_cheapest_statement_that_keeps_its_promises(dsn: str
     assert sent(lambda c: outbox.publish_many(c, [outbox.event(type="t", key="k", payload={})])) == [
         "insert_checked"]
     assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, idempotency_key="i")) == ["publish"]
+
+
+def test_a_batch_round_trips_every_field_as_given(dsn: str, outbox: Outbox) -> None:
+    """publish_many sends a batch as one JSON document: every field must come back as given, whatever
+    the characters (quotes, backslashes, non-ASCII, JSON null, nested payloads, headers, times)."""
+    when = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+    events = [
+        {"type": 'od"d\\type', "key": 'k"ey\\1 ü €', "payload": None},
+        {"type": "t", "key": "k2", "payload": {"q": 'say "hi" \\ there', "n": 1.50, "nested": [1, {"é": None}]},
+         "headers": {"h-1": 'v"1\\'}, "time": when, "version": 3},
+        {"type": "t", "key": "k3", "payload": "just a string with \u2028 inside"},
+        {"type": "t", "key": "k4", "payload": [True, False, 10**30]},
+    ]
+    with psycopg.connect(dsn) as conn:
+        published = outbox.publish_many(conn, events)
+        conn.commit()
+    rows = fetch_rows(dsn, "SELECT id, type, partition_key, payload, headers, occurred_at, schema_version "
+                           "FROM outbox.events ORDER BY xid, seq")
+    assert [r[0] for r in rows] == [p.id for p in published]
+    assert [(r[1], r[2]) for r in rows] == [(e["type"], e["key"]) for e in events]
+    assert [r[3] for r in rows] == [None, {"q": 'say "hi" \\ there', "n": 1.5, "nested": [1, {"é": None}]},
+                                    "just a string with \u2028 inside", [True, False, 10**30]]
+    assert rows[1][4] == {"h-1": 'v"1\\'} and rows[1][5] == when and [r[6] for r in rows] == [1, 3, 1, 1]
+    assert fetch_rows(dsn, "SELECT count(*) FROM outbox.events WHERE payload = 'null'::jsonb") == [(1,)]
