@@ -163,6 +163,29 @@ class Outbox:
                         "stored; ids are unique (leave id out for a new one; to publish an event again, give it the "
                         "same idempotency_key); nothing of this call was written")
             return self._expand([Published(e.id, True) for e in batch], where)
+        if made and len(rows) == 1:
+            # One event with a key (the usual retry-safe publish): a plain INSERT that does nothing if
+            # the key is stored; only then one more statement tells a retry from a reuse.
+            e = batch[0]
+            inserted = yield query("publish", "insert_keyed"), rows[0]
+            if inserted:
+                return self._expand([Published(e.id, True)], where)
+            found = yield query("publish", "find_by_idempotency_keys"), {
+                "topics": [e.topic], "idempotency_keys": [e.idempotency_key], "types": [e.type], "keys": [e.key],
+                "payloads": [rows[0]["payload"]]}
+            stored_id, same = found[0]
+            if stored_id is None:  # committed after this statement's snapshot, or removed meanwhile
+                raise IdempotencyConflict(
+                    e.idempotency_key or "", e.topic,
+                    "was just taken by a concurrent transaction for another event (its type, key or payload "
+                    "differ); nothing of this call was written")
+            if not same:
+                raise IdempotencyConflict(
+                    e.idempotency_key or "", e.topic,
+                    "already stands for another event, stored or in this batch (type, key or payload differ): "
+                    "a retry must publish the same event, a new event needs a new key; nothing of this call was "
+                    "written")
+            return self._expand([Published(_uuid(stored_id), False)], where)
         params = self._arrays(rows)
         answers = yield query("publish", "publish"), params
         for e, row in zip(batch, answers, strict=True):

@@ -19,6 +19,15 @@ FROM ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb)
      WITH ORDINALITY AS r(id, topic, key, type, payload, headers, time, version, ord)
 ORDER BY r.ord;
 
+-- name: insert_keyed
+-- Append one event with an idempotency key (an id the library made): inserted unless its key is stored, in which case nothing is written and the caller looks the stored event up (find_by_idempotency_keys).
+INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
+                           schema_version)
+VALUES (%(id)s::uuid, %(topic)s, %(key)s, %(type)s, %(payload)s::jsonb, %(headers)s::jsonb, %(idempotency_key)s,
+        %(time)s::timestamptz, %(version)s::int)
+ON CONFLICT ((coalesce(topic, '')), idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING id;
+
 -- name: insert_checked
 -- Append events whose ids the caller chose (Event objects, no idempotency keys): all of them, or none if one of the ids is already stored, so that the caller's transaction stays usable.
 WITH input AS (

@@ -949,15 +949,18 @@ def test_the_schema_version_is_stored_and_checked(dsn: str, outbox: Outbox) -> N
 
 
 def test_each_call_sends_the_cheapest_statement_that_keeps_its_promises(dsn: str, outbox: Outbox) -> None:
-    """Without an idempotency key a publish is a plain INSERT (one row: VALUES; several: unnest); ids the
-    caller chose are checked in the insert; only idempotency keys pay for the idempotency statement.
+    """Without an idempotency key a publish is a plain INSERT (one row: VALUES; several: one JSON
+    document); ids the caller chose are checked in the insert; one event with a key is an INSERT ... ON
+    CONFLICT DO NOTHING (and a look-up only when its key was known); batches with keys use the
+    idempotency statement.
     A regression here is invisible to the other tests and costs every producer its commit rate."""
     def sent(call: Callable[[Any], Any]) -> list[str]:
         with counting_connection(dsn) as conn:
             call(conn)
             conn.rollback()
             return [name for statement in conn.statements  # type: ignore[attr-defined]
-                    for name in ("insert_one", "insert_many", "insert_checked", "publish")
+                    for name in ("insert_one", "insert_many", "insert_checked", "insert_keyed",
+                                 "find_by_idempotency_keys", "publish")
                     if statement == query("publish", name)]
 
     assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={})) == ["insert_one"]
@@ -967,7 +970,14 @@ def test_each_call_sends_the_cheapest_statement_that_keeps_its_promises(dsn: str
     assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, id=uuid.uuid4())) == ["insert_checked"]
     assert sent(lambda c: outbox.publish_many(c, [outbox.event(type="t", key="k", payload={})])) == [
         "insert_checked"]
-    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, idempotency_key="i")) == ["publish"]
+    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, idempotency_key="i")) == ["insert_keyed"]
+
+    def twice(c: Any) -> None:
+        outbox.publish(c, type="t", key="k", payload={}, idempotency_key="i")
+        assert not outbox.publish(c, type="t", key="k", payload={}, idempotency_key="i").created
+    assert sent(twice) == ["insert_keyed", "insert_keyed", "find_by_idempotency_keys"]
+    keyed = [{"type": "t", "key": k, "payload": {}, "idempotency_key": k} for k in "ab"]
+    assert sent(lambda c: outbox.publish_many(c, keyed)) == ["publish"]
 
 
 def test_a_batch_round_trips_every_field_as_given(dsn: str, outbox: Outbox) -> None:
