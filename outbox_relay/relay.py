@@ -575,7 +575,11 @@ class SinkRunner:
         for e in read.events:  # a delta: not visible in the cursor's snapshot, so committed after it was taken
             e.unseen_at = self._snapshots.at(reads[e.bucket][1].seen)
         by_bucket = read.by_bucket()
-        self._saturated = {b for b, evs in by_bucket.items() if len(evs) >= reads[b][0]}
+        # Read again next cycle, whatever the hints say: buckets whose read was full, and buckets read in
+        # pages against an older snapshot (their cursor's target). A commit after that target is not in
+        # those pages, and its wake-up may have been used up by one of them.
+        self._saturated = {b for b, evs in by_bucket.items() if len(evs) >= reads[b][0]} | {
+            b for b, (_, cursor) in reads.items() if cursor.target is not None}
         for b, (_, cursor) in reads.items():
             if b not in by_bucket:  # an empty delta (or only events the sink does not want): move on
                 moved = cursor.after_read(read.now, None, full=False)

@@ -8,7 +8,15 @@ from typing import Any
 from outbox_relay.relay import SinkRunner
 from outbox_relay.sink import Failure
 from outbox_relay.worker import Worker
-from tests.integration.relay_helpers import RecordingSink, keys_in_bucket, make_settings, owners, publish, settled
+from tests.integration.relay_helpers import (
+    RecordingSink,
+    keys_in_bucket,
+    make_settings,
+    owners,
+    publish,
+    running,
+    settled,
+)
 from tests.servers import wait_until
 
 
@@ -102,3 +110,21 @@ def test_a_woken_relay_reads_the_buckets_the_commit_wrote_not_all_it_holds(
     finally:
         worker.drain()
         waiter.join(20)
+
+
+def test_a_commit_while_its_bucket_is_read_in_pages_is_not_left_for_the_poll(dsn: str) -> None:
+    """A bucket with more events than one read takes is read in pages against one snapshot (its
+    cursor's target). A later commit to that bucket is not in those pages; its wake-up may be used up
+    by one of them, so the runner must read the bucket again once the pages end, not wait for the
+    poll (30 s here)."""
+    sink = RecordingSink("relay-a", hold=0.2)  # each batch takes 0.2 s: the pages take a while
+    worker = Worker(make_settings(dsn, "relay-a", listen=True, poll_seconds=30.0, listen_poll_seconds=30.0,
+                                  batch_size=5), sinks=[sink])
+    with running(worker):
+        wait_until(lambda: settled(dsn, ["relay-a"]) and worker.watching, 15, message="the relay to settle")
+        keys = keys_in_bucket(dsn, 9, 4)
+        first = publish(dsn, [(keys[i % 4], "t", {"n": i}) for i in range(20)])  # 4 pages of 5
+        wait_until(lambda: len(sink.delivered_ids()) >= 5, 10, message="the first page")
+        late = publish(dsn, [(keys[0], "t", {"late": True})])  # while the pages of the first are read
+        wait_until(lambda: sink.delivered_ids() >= set(first) | set(late), 10,
+                   message="the late commit to be delivered without waiting for the poll")
