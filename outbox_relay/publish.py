@@ -158,10 +158,7 @@ class Outbox:
                 inserted = yield query("publish", "insert_checked"), self._arrays(rows, keys=False)
                 if not inserted:
                     stored = yield query("publish", "stored_ids"), {"ids": [r["id"] for r in rows]}
-                    raise InvalidEvent(
-                        f"invalid event: id: an event with the id {stored[0][0] if stored else '?'} is already "
-                        "stored; ids are unique (leave id out for a new one; to publish an event again, give it the "
-                        "same idempotency_key); nothing of this call was written")
+                    raise _id_taken(stored[0][0] if stored else "?")
             return self._expand([Published(e.id, True) for e in batch], where)
         if made and len(rows) == 1:
             # One event with a key (the usual retry-safe publish): a plain INSERT that does nothing if
@@ -175,31 +172,17 @@ class Outbox:
                 "payloads": [rows[0]["payload"]]}
             stored_id, same = found[0]
             if stored_id is None:  # committed after this statement's snapshot, or removed meanwhile
-                raise IdempotencyConflict(
-                    e.idempotency_key or "", e.topic,
-                    "was just taken by a concurrent transaction for another event (its type, key or payload "
-                    "differ); nothing of this call was written")
+                raise _key_just_taken(e, "nothing of this call was written")
             if not same:
-                raise IdempotencyConflict(
-                    e.idempotency_key or "", e.topic,
-                    "already stands for another event, stored or in this batch (type, key or payload differ): "
-                    "a retry must publish the same event, a new event needs a new key; nothing of this call was "
-                    "written")
+                raise _key_stands_for_another(e)
             return self._expand([Published(_uuid(stored_id), False)], where)
         params = self._arrays(rows)
         answers = yield query("publish", "publish"), params
         for e, row in zip(batch, answers, strict=True):
             if row[3]:
-                raise InvalidEvent(
-                    f"invalid event: id: an event with the id {e.id} is already stored; ids are unique (leave id out "
-                    "for a new one; to publish an event again, give it the same idempotency_key); nothing of this "
-                    "call was written")
+                raise _id_taken(e.id)
             if row[2]:
-                raise IdempotencyConflict(
-                    e.idempotency_key or "", e.topic,
-                    "already stands for another event, stored or in this batch (type, key or payload differ): "
-                    "a retry must publish the same event, a new event needs a new key; nothing of this call was "
-                    "written")
+                raise _key_stands_for_another(e)
         results = [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in answers]
         late = [i for i, r in enumerate(results) if r is None]
         if late:
@@ -215,20 +198,14 @@ class Outbox:
                 e = batch[bad[0]]
                 if not any(r is not None and r.created for r in results):
                     # Retention may remove the other event in between (id NULL): publishing again works.
-                    raise IdempotencyConflict(
-                        e.idempotency_key or "", e.topic,
-                        "was just taken by a concurrent transaction for another event (its type, key or payload "
-                        "differ); nothing of this call was written")
+                    raise _key_just_taken(e, "nothing of this call was written")
                 # The rest of the batch is written and can not be taken back (producers may not
                 # delete): fail the transaction so that it can never commit.
                 try:
                     yield query("publish", "abort_transaction"), {}
                 except Exception as exc:
-                    raise IdempotencyConflict(
-                        e.idempotency_key or "", e.topic,
-                        "was just taken by a concurrent transaction for another event (its type, key or payload "
-                        "differ); the other events of this call were already written, so the transaction was "
-                        "failed on purpose and must be rolled back") from exc
+                    raise _key_just_taken(e, "the other events of this call were already written, so the transaction "
+                                          "was failed on purpose and must be rolled back") from exc
                 raise OutboxError("abort_transaction did not fail the transaction")  # not reached
             for i, (event_id, _same) in zip(late, found, strict=True):
                 results[i] = Published(_uuid(event_id), False)
@@ -281,6 +258,26 @@ class Outbox:
         plan = self._plan(events)
         step = next(plan)
         return await _arun(plan, step, await _aexecutor(conn))
+
+
+def _id_taken(event_id: Any) -> InvalidEvent:
+    return InvalidEvent(
+        f"invalid event: id: an event with the id {event_id} is already stored; ids are unique (leave id out for a "
+        "new one; to publish an event again, give it the same idempotency_key); nothing of this call was written")
+
+
+def _key_stands_for_another(e: Event) -> IdempotencyConflict:
+    return IdempotencyConflict(
+        e.idempotency_key or "", e.topic,
+        "already stands for another event, stored or in this batch (type, key or payload differ): a retry must "
+        "publish the same event, a new event needs a new key; nothing of this call was written")
+
+
+def _key_just_taken(e: Event, what_happened: str) -> IdempotencyConflict:
+    return IdempotencyConflict(
+        e.idempotency_key or "", e.topic,
+        f"was just taken by a concurrent transaction for another event (its type, key or payload differ); "
+        f"{what_happened}")
 
 
 def _batch_json(rows: Sequence[dict[str, Any]]) -> str:

@@ -44,14 +44,12 @@ from projections.sink import SWALLOWED_ERROR
 
 from .errors import (
     EventDeadLettered,
-    IdempotencyConflict,
-    InvalidEvent,
     NonRetriableDelivery,
     OutboxError,
     UnknownEvent,
 )
 from .event import Event
-from .publish import Outbox, Published
+from .publish import Outbox, Published, _id_taken, _key_stands_for_another
 from .sink import Commit, Failure, KeyHold, Outcomes
 from .sqlfiles import query
 from .store import StoredEvent, stored_event
@@ -808,11 +806,7 @@ class FakeOutbox(Outbox):
             scope = (e.topic or "", e.idempotency_key)
             known = self._idempotent.get(scope)
             if (known is not None and known[1] != fp) or len(in_batch[scope]) > 1:
-                raise IdempotencyConflict(
-                    e.idempotency_key, e.topic,
-                    "already stands for another event, stored or in this batch (type, key or payload differ): "
-                    "a retry must publish the same event, a new event needs a new key; nothing of this call was "
-                    "written")
+                raise _key_stands_for_another(e)
         results: list[Published] = []
         new: list[tuple[Event, str, _Fingerprint]] = []
         first: dict[_Scope, uuid.UUID] = {}
@@ -830,10 +824,7 @@ class FakeOutbox(Outbox):
         for e, _, _ in new:
             if e.id in self._ids:
                 # What Outbox raises (its statement finds the id stored and inserts nothing).
-                raise InvalidEvent(
-                    f"invalid event: id: an event with the id {e.id} is already stored; ids are unique (leave id out "
-                    "for a new one; to publish an event again, give it the same idempotency_key); nothing of this "
-                    "call was written")
+                raise _id_taken(e.id)
         for e, payload, fp in new:
             self._ids.add(e.id)
             if e.idempotency_key is not None:

@@ -80,9 +80,9 @@ class CommitWatcher:
         log.warning("cannot watch for commits (%s: %s); trying again in %.0fs, other relays may watch meanwhile",
                     type(exc).__name__, redact(str(exc)), WATCH_RETRY_AFTER_ERROR)
         self._pause_until = time.monotonic() + WATCH_RETRY_AFTER_ERROR
-        self.leading = False
         with contextlib.suppress(psycopg.Error):
-            self.conn.execute(query("wakeups", "step_down"), {"lock": WATCH_LOCK})
+            self.step_down()
+        self.leading = False
 
     def watch(self) -> str | None:
         """Wait (at most WATCH_WAIT_MS) for commits since the last look; the buckets they wrote, or None."""
