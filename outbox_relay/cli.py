@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import getpass
 import importlib
 import json
 import logging
@@ -18,7 +17,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -35,13 +33,14 @@ import psycopg
 from confluent_kafka import KafkaException
 from pydantic.fields import FieldInfo
 
+from . import admin
+from .admin import DEAD_LETTERS_LIMIT, SKIPPED_ERROR
 from .dsn import check_dsn, connection_problem, describe, one_line, redact, remember_dsn
 from .errors import ConfigurationError, OutboxError, WorkerIdInUse
 from .event import MAX_KEY_BYTES
 from .migrate import check_schema, migrate
 from .settings import NO_DSN, TOPIC_NAME, RelaySettings, bounds, default_text, env_var, flag, load_settings
 from .sink import Aborted
-from .sqlfiles import query
 
 log = logging.getLogger("outbox_relay.cli")
 
@@ -54,13 +53,8 @@ EXIT_STOPPED = 4  # run: the relay stopped by itself, because one of its sinks c
 EXIT_INTERRUPTED = 130  # rebuild/replay stopped by a signal; run the same command again to resume
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DEAD_LETTERS_LIMIT = (1, 10_000)
 MAX_ATTEMPTS = (1, 1000)  # RelaySettings.max_attempts
-KEY_DEAD_LETTERS_SHOWN = 5
-FIRST_PAGE: dict[str, Any] = {"after_dead_at": None, "after_sink": None, "after_event": None}  # admin.sql dead_letters
 DEFAULT_DEV_TOPIC = "events"  # devserver.DEFAULT_TOPIC; `dev` imports its module only when it runs
-# The last error of a dead letter made by `keys skip`.
-SKIPPED_ERROR = "skipped by an operator (outbox-relay keys skip)"
 
 
 class _WorkerIdFilter(logging.Filter):
@@ -175,13 +169,9 @@ def _seconds(text: str) -> float:
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
+    from . import __version__
 
-    try:
-        return installed("outbox-relay")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "unknown"
+    return str(__version__)
 
 
 def _global_options(parser: argparse.ArgumentParser, default: Callable[[Any], Any]) -> None:
@@ -435,14 +425,6 @@ def _database(dsn: str) -> Iterator[psycopg.Connection[Any]]:
         yield conn
 
 
-def _rows(conn: psycopg.Connection[Any], group: str, name: str, params: dict[str, Any] | None = None
-          ) -> tuple[list[str], list[tuple[Any, ...]]]:
-    with conn.cursor() as cur:
-        cur.execute(query(group, name), params or {})
-        cols = [d.name for d in cur.description or []]
-        return cols, list(cur.fetchall())
-
-
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions as written (the action lists), and every option's default unless it has none."""
 
@@ -487,10 +469,6 @@ def _json_value(value: Any) -> Any:
 
 def _print_json(value: Any) -> None:
     print(json.dumps(_json_value(value), indent=2))
-
-
-def _records(cols: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
-    return [dict(zip(cols, r, strict=True)) for r in rows]
 
 
 # What a terminal would act on rather than show: C0 controls but tab and newline (ESC, BEL, CR, ...), DEL,
@@ -578,86 +556,66 @@ def _print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     with _database(_dsn(args)) as conn:
-        sections = {
-            # JSON key, title, rows
-            "workers": ("workers", _rows(conn, "admin", "workers")),
-            "backlog": ("backlog", _rows(conn, "admin", "backlog")),
-            "oldest_open_transaction": ("oldest open writing transaction" + (" on the server" if args.all_databases
-                                                                             else " in this database")
-                                        + " (delays only its own events; holds back vacuum)",
-                                        _rows(conn, "admin", "horizon_holder", {"all_databases": args.all_databases})),
-            "dead_letters_by_key": ("dead letters by key",
-                                    _rows(conn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20})),
-            "rebuilds": ("rebuilds in progress", _rows(conn, "admin", "rebuilds")),
-            "history": ("history per projection (how far back a rebuild goes; incomplete: retention removed "
-                        "events it applied, so a full rebuild needs --accept-partial)",
-                        _rows(conn, "admin", "history")),
-        }
+        found = admin.status(conn, all_databases=args.all_databases)
+    titles = {
+        "workers": "workers",
+        "backlog": "backlog",
+        "oldest_open_transaction": "oldest open writing transaction" + (" on the server" if args.all_databases
+                                                                        else " in this database")
+                                   + " (delays only its own events; holds back vacuum)",
+        "dead_letters_by_key": "dead letters by key",
+        "rebuilds": "rebuilds in progress",
+        "history": "history per projection (how far back a rebuild goes; incomplete: retention removed events it "
+                   "applied, so a full rebuild needs --accept-partial)",
+    }
+    tables: dict[str, admin.Table] = {f.name: getattr(found, f.name) for f in dataclasses.fields(found)}
     if args.json:
-        _print_json({key: _records(cols, rows) for key, (_, (cols, rows)) in sections.items()})
+        _print_json({name: table.records() for name, table in tables.items()})
         return EXIT_OK
-    for title, (cols, rows) in sections.values():
-        _say(f"\n{title}:")
-        _print_table(rows, cols) if rows else _say("  (none)")
+    for name, table in tables.items():
+        _say(f"\n{titles[name]}:")
+        _print_table(table.rows, table.columns) if table.rows else _say("  (none)")
     return EXIT_OK
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
-    with _database(_dsn(args)) as conn, conn.transaction():
-        if args.sink:  # like `keys` and `lag`: a misspelt sink is an error, not "0 dead letters"
-            _live_sink(conn, args.sink)
-        if args.action == "list":
-            return _list_dead_letters(conn, args)
+    if args.action != "list":
         if not args.sink:
             raise ConfigurationError(f"dead-letters {args.action} needs --sink")
         if not (args.events or args.key or args.all):
             raise ConfigurationError(f"dead-letters {args.action} needs --event, --key or --all")
-        name = "retry_dead_letters" if args.action == "retry" else "discard_dead_letters"
-        _, rows = _rows(conn, "admin", name, {"sink": args.sink, "event_ids": args.events, "key": args.key})
-        if args.action == "retry":  # the buckets' owners look at their park now, not at their next check
-            for bucket in sorted({r[1] for r in rows}):
-                _rows(conn, "admin", "notify_parked", {"bucket": bucket})
+    with _database(_dsn(args)) as conn:
+        if args.action == "list":
+            return _list_dead_letters(conn, args)
+        change = admin.retry_dead_letters if args.action == "retry" else admin.discard_dead_letters
+        result = change(conn, args.sink, event_ids=args.events, key=args.key, all=args.all)
     if args.json:
-        _print_json({"action": args.action, "sink": args.sink, "count": len(rows),
-                     "event_ids": sorted(str(r[0]) for r in rows)})
+        _print_json({"action": args.action, **dataclasses.asdict(result)})
         return EXIT_OK
     verb = "queued for retry" if args.action == "retry" else "discarded"
-    _say(f"{len(rows)} dead letters {verb}")
+    _say(f"{result.count} dead letters {verb}")
     return EXIT_OK
 
 
 def _list_dead_letters(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     """One page, newest first; when there are more, the command for the next page (on stderr under --json)."""
-    after = FIRST_PAGE
-    if args.after is not None:
-        _, found = _rows(conn, "admin", "dead_letter_position", {"event": args.after, "sink": args.sink})
-        if not found:
-            of_sink = f" for sink {args.sink!r}" if args.sink else ""
-            raise OutboxError(f"no dead letter of event {args.after}{of_sink}"
-                              + " (--after takes an event id of the previous page; it may have been retried or "
-                                "discarded since: list again from the start)")
-        after = dict(zip(after, found[0], strict=True))
-    params = {"sink": args.sink, "key": args.key, "limit": args.limit + 1, **after}
-    cols, rows = _rows(conn, "admin", "dead_letters", params)
-    more = len(rows) > args.limit
-    rows = rows[:args.limit]
+    page = admin.dead_letters(conn, sink=args.sink, key=args.key, limit=args.limit, after=args.after)
     if args.json:
-        _print_json(_records(cols, rows))
+        _print_json(page.records())
     else:
-        _print_table(rows, cols) if rows else _say("no dead letters" + (" after that one" if args.after else ""))
-    if more:
+        _print_table(page.rows, page.columns) if page.rows else _say("no dead letters"
+                                                                     + (" after that one" if args.after else ""))
+    if page.more:
         following = ["outbox-relay", "dead-letters", "list"]
         following += [a for name in ("sink", "key") if getattr(args, name) for a in (f"--{name}", getattr(args, name))]
-        following += ["--limit", str(args.limit), "--after", str(rows[-1][cols.index("event_id")])]
+        following += ["--limit", str(args.limit), "--after", str(page.last_event_id)]
         _say(f"more: {shlex.join(following)}", file=sys.stderr if args.json else None)
     return EXIT_OK
 
 
 def cmd_lag(args: argparse.Namespace) -> int:
-    from .backlog import backlog
-
     with _database(_dsn(args)) as conn:
-        found = [dataclasses.asdict(b) for b in backlog(conn, args.sink)]
+        found = [dataclasses.asdict(b) for b in admin.backlog(conn, args.sink)]
     if args.json:
         _print_json(found)
     else:
@@ -665,36 +623,55 @@ def cmd_lag(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _no_such_sink(conn: psycopg.Connection[Any], name: str) -> None:
-    _, found = _rows(conn, "admin", "sink", {"sink": name})
-    if found and found[0][1] is not None:
-        raise OutboxError(f"sink {name!r} was dropped at {found[0][1]:%Y-%m-%d %H:%M:%S%z}")
-    raise OutboxError(f"no sink named {name!r}")
-
-
 def cmd_sinks(args: argparse.Namespace) -> int:
     dsn = _dsn(args)
     if args.action == "list":
         with _database(dsn) as conn:
-            cols, rows = _rows(conn, "admin", "sinks")
+            table = admin.sinks(conn)
         if args.json:
-            _print_json(_records(cols, rows))
+            _print_json(table.records())
         else:
-            _print_table(rows, cols) if rows else _say("no sinks")
+            _print_table(table.rows, table.columns) if table.rows else _say("no sinks")
         return EXIT_OK
     if not args.name:
         raise ConfigurationError(f"sinks {args.action} needs the sink's name")
-    with _database(dsn) as conn, conn.transaction():
+    with _database(dsn) as conn:
         if args.action == "recreate":
-            result, lines = _recreate_sink(conn, args.name)
+            recreated = admin.recreate_sink(conn, args.name)
+            result: dict[str, Any] = {"kind": recreated.kind, "recreated": True}
+            lines = [f"sink {args.name!r} ({recreated.kind}) recreated: the next relay that runs it registers it "
+                     "anew and delivers to it from the oldest retained event"]
         else:
-            result, lines = _drop_sink(conn, args.name, args.force, _worker_ttl(args))
+            result, lines = _dropped(admin.drop_sink(conn, args.name, force=args.force,
+                                                     worker_ttl_seconds=_worker_ttl(args)))
     if args.json:
         _print_json({"action": args.action, "sink": args.name, **result})
     else:
         for line in lines:
             _say(line)
     return EXIT_OK
+
+
+def _dropped(drop: admin.SinkDrop) -> tuple[dict[str, Any], list[str]]:
+    """What --json prints of a drop, and the lines a terminal gets."""
+    name = drop.sink
+    if not drop.dropped:
+        return ({"kind": drop.kind, "dropped": False, "dropped_at": drop.dropped_at},
+                [f"sink {name!r} was already dropped at {drop.dropped_at:%Y-%m-%d %H:%M:%S%z}"])
+    cost = (f"{drop.pending_lost} pending event(s) never reach it, {drop.parked_deleted} parked event(s) and "
+            f"{drop.dead_letters_deleted} dead letter(s) deleted")
+    users = list(drop.in_use)
+    lines = [f"dropped sink {name!r} ({drop.kind}): {cost}" + (f"; it was in use ({'; '.join(users)}): a relay still "
+                                                               "running it stops" if users else "")]
+    if drop.abandoned_rebuild_of is not None:
+        lines.append(f"the rebuild of {drop.abandoned_rebuild_of!r} it belonged to is abandoned; its copies stay in "
+                     f"schema {drop.retired_schema!r} until the next rebuild of it")
+    lines.append(f"`outbox-relay sinks recreate {name}` lets a relay register it again, from the oldest retained "
+                 "event")
+    result = {"kind": drop.kind, "dropped": True, "pending_lost": drop.pending_lost,
+              "parked_deleted": drop.parked_deleted, "dead_letters_deleted": drop.dead_letters_deleted,
+              "in_use": users, "abandoned_rebuild_of": drop.abandoned_rebuild_of}
+    return result, lines
 
 
 def _worker_ttl(args: argparse.Namespace) -> float:
@@ -705,65 +682,6 @@ def _worker_ttl(args: argparse.Namespace) -> float:
         return _seconds(text) if text else float(RelaySettings.model_fields["worker_ttl_seconds"].default)
     except argparse.ArgumentTypeError as exc:
         raise ConfigurationError(f"{env_var('worker_ttl_seconds')}: {exc}") from None
-
-
-def _drop_sink(conn: psycopg.Connection[Any], name: str, force: bool, ttl: float
-               ) -> tuple[dict[str, Any], list[str]]:
-    """Tombstone a sink, unless relays still use it (then only with ``force``). One transaction: the
-    sink's row and cursors are locked before its users are looked for, so none can appear unseen.
-    Returns what --json prints and the lines a terminal gets."""
-    params = {"sink": name, "ttl": ttl}
-    # Counted before the locks: with a large backlog the count takes a while, and relays renewing
-    # leases on this sink would wait for it.
-    _, losses = _rows(conn, "admin", "sink_losses", params)
-    pending, parked, dead = losses[0]
-    _, found = _rows(conn, "admin", "lock_sink", params)
-    if not found:
-        raise OutboxError(f"no sink named {name!r}")
-    kind, dropped_at = found[0]
-    if dropped_at is not None:
-        return ({"kind": kind, "dropped": False, "dropped_at": dropped_at},
-                [f"sink {name!r} was already dropped at {dropped_at:%Y-%m-%d %H:%M:%S%z}"])
-    _rows(conn, "admin", "lock_sink_cursors", params)
-    _, workers = _rows(conn, "admin", "sink_workers", params)
-    _, leases = _rows(conn, "admin", "sink_leases", params)
-    _, rebuilds = _rows(conn, "admin", "sink_rebuild", params)
-    users = [f"relay {w} ({status}, heard from {seen}s ago) runs it" for w, status, seen in workers]
-    users += [f"{n} bucket(s) leased by {owner}" for owner, n in leases]
-    users += [f"a rebuild of it (sink {sink!r}, started {started:%Y-%m-%d %H:%M}) is in progress and would switch "
-              f"over into it: `outbox-relay rebuild {name} --cancel` first" for sink, started in rebuilds]
-    cost = (f"{pending} pending event(s) never reach it, {parked} parked event(s) and {dead} dead letter(s) "
-            "are deleted")
-    if users and not force:
-        raise OutboxError(f"sink {name!r} is in use: " + "; ".join(users) + ". Stop those relays (or take the sink "
-                          f"out of their configuration) and run this again, or pass --force: {cost}, and a relay "
-                          "still running it stops")
-    _, dropped = _rows(conn, "admin", "drop_sink", params)
-    _, parked, dead, rebuild_of, shadow = dropped[0]
-    cost = (f"{pending} pending event(s) never reach it, {parked} parked event(s) and {dead} dead letter(s) "
-            "deleted")
-    lines = [f"dropped sink {name!r} ({kind}): {cost}" + (f"; it was in use ({'; '.join(users)}): a relay still "
-                                                          "running it stops" if users else "")]
-    if rebuild_of is not None:
-        lines.append(f"the rebuild of {rebuild_of!r} it belonged to is abandoned; its copies stay in schema "
-                     f"{shadow!r} until the next rebuild of it")
-    lines.append(f"`outbox-relay sinks recreate {name}` lets a relay register it again, from the oldest retained "
-                 "event")
-    result = {"kind": kind, "dropped": True, "pending_lost": pending, "parked_deleted": parked,
-              "dead_letters_deleted": dead, "in_use": users, "abandoned_rebuild_of": rebuild_of}
-    return result, lines
-
-
-def _recreate_sink(conn: psycopg.Connection[Any], name: str) -> tuple[dict[str, Any], list[str]]:
-    _, found = _rows(conn, "admin", "lock_sink", {"sink": name})
-    if not found:
-        raise OutboxError(f"no sink named {name!r}")
-    if found[0][1] is None:
-        raise OutboxError(f"sink {name!r} is not dropped: nothing to recreate")
-    _rows(conn, "admin", "recreate_sink", {"sink": name})
-    return ({"kind": found[0][0], "recreated": True},
-            [f"sink {name!r} ({found[0][0]}) recreated: the next relay that runs it registers it anew and delivers "
-             "to it from the oldest retained event"])
 
 
 def _registry(spec: str) -> Any:
@@ -966,57 +884,62 @@ def _upcasters(ref: str | None) -> Any:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
+    key, sink = args.key, args.sink
     with _database(_dsn(args)) as conn:
         if args.action == "show":
             return _key_show(conn, args)
-        with conn.transaction():
-            _live_sink(conn, args.sink)
-            if args.action == "pause":
-                return _key_pause(conn, args)
-            if args.action == "resume":
-                return _key_resume(conn, args)
-            return _key_retry_or_skip(conn, args)
-
-
-def _live_sink(conn: psycopg.Connection[Any], name: str) -> None:
-    """Refuse a sink that does not exist or was dropped; lock a live one against a drop until the
-    transaction ends."""
-    _, found = _rows(conn, "admin", "share_sink", {"sink": name})
-    if not found or found[0][1] is not None:
-        _no_such_sink(conn, name)
-
-
-def _key_cmd(action: str, key: str, sink: str) -> str:
-    """A command line to suggest (the key quoted for a shell)."""
-    return f"outbox-relay keys {action} {shlex.quote(key)} --sink {shlex.quote(sink)}"
+        if args.action == "pause":
+            paused = admin.pause_key(conn, key, sink, reason=args.reason)
+            if paused.already_paused:
+                text = (f"key {key!r} was already paused for sink {sink!r} since {_cell(paused.paused_at)} by "
+                        f"{paused.paused_by}" + (f" ({_cell(paused.reason)})" if paused.reason else "")
+                        + ": nothing changed")
+            else:
+                text = (f"paused key {key!r} for sink {sink!r}: from the relay's next read on its events are held "
+                        "(parked, in order) and none is retried; a batch already on its way still lands. "
+                        f"`{admin.key_command('resume', key, sink)}` lets them go")
+            return _key_done(args, {"action": "pause", **dataclasses.asdict(paused)}, text)
+        if args.action == "resume":
+            resumed = admin.resume_key(conn, key, sink)
+            if not resumed.was_paused:
+                return _key_done(args, {"action": "resume", "sink": sink, "key": key, "was_paused": False},
+                                 f"key {key!r} is not paused for sink {sink!r}: nothing to resume")
+            return _key_done(args, {"action": "resume", **dataclasses.asdict(resumed)},
+                             f"resumed key {key!r} for sink {sink!r} (paused since {_cell(resumed.paused_at)}): its "
+                             f"{resumed.now_due} parked event(s) are due now, in order")
+        if args.action == "retry":
+            retried = admin.retry_key(conn, key, sink)
+            result = {"action": "retry", **dataclasses.asdict(retried)}
+            behind = result.pop("parked") - 1
+            result["paused"] = False
+            return _key_done(args, result,
+                             f"event {retried.event_id} ({retried.type}), the head of key {key!r}, is due now for "
+                             f"sink {sink!r}: its relay retries it at once, then the {behind} event(s) behind it")
+        skipped = admin.skip_key(conn, key, sink, event_id=args.event)
+        text = (f"event {skipped.event_id} ({skipped.type}, {skipped.attempts} failed attempt(s)) of key {key!r} "
+                f"moved to sink {sink!r}'s dead letters ('{SKIPPED_ERROR}'); "
+                + (f"the key stays paused: its {skipped.now_due} other parked event(s) are held until "
+                   f"`{admin.key_command('resume', key, sink)}`" if skipped.paused else
+                   f"the {skipped.now_due} event(s) behind it are due now"))
+        return _key_done(args, {"action": "skip", **dataclasses.asdict(skipped)}, text)
 
 
 def _key_show(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
-    max_attempts = _max_attempts(args)
-    cols, rows = _rows(conn, "admin", "key_state", {"key": args.key, "sink": args.sink})
-    if not rows:
-        if args.sink:
-            _no_such_sink(conn, args.sink)
-        # Nothing registered yet: no relay ran.
+    state = admin.key_state(conn, args.key, sink=args.sink, max_attempts=_max_attempts(args))
+    if not state.sinks:
         if args.json:
-            _print_json({"key": args.key, "bucket": None, "max_attempts": max_attempts, "sinks": []})
+            _print_json(dataclasses.asdict(state))
         else:
             _say("no sinks (no relay has run against this database yet)")
         return EXIT_OK
-    sinks = []
-    for state in _records(cols, rows):
-        dead_cols, dead = _rows(conn, "admin", "dead_letters",
-                                {"sink": state["sink"], "key": args.key, "limit": KEY_DEAD_LETTERS_SHOWN,
-                                 **FIRST_PAGE})
-        sinks.append(_key_report(state, _records(dead_cols, dead), max_attempts))
-    bucket = sinks[0]["bucket"]
+    report = dataclasses.asdict(state)
     if args.json:
-        _print_json({"key": args.key, "bucket": bucket, "max_attempts": max_attempts, "sinks": sinks})
+        _print_json(report)
         return EXIT_OK
-    _say(f"key {args.key!r} (bucket {bucket})")
-    for r in sinks:
+    _say(f"key {args.key!r} (bucket {state.bucket})")
+    for r in report["sinks"]:
         _say(f"  {r['sink']}: {r['summary']}")
-    for r in sinks:
+    for r in report["sinks"]:
         _print_key_report(r)
     return EXIT_OK
 
@@ -1029,71 +952,6 @@ def _max_attempts(args: argparse.Namespace) -> int:
         return _int_between(*MAX_ATTEMPTS)(text) if text else int(RelaySettings.model_fields["max_attempts"].default)
     except argparse.ArgumentTypeError as exc:
         raise ConfigurationError(f"{env_var('max_attempts')}: {exc}") from None
-
-
-def _key_report(s: dict[str, Any], dead: list[dict[str, Any]], max_attempts: int) -> dict[str, Any]:
-    """What ``keys show`` says about one sink: the key_state row regrouped, with a state and a summary."""
-    seconds_left = s["lease_seconds_left"]
-    held = s["owner"] is not None and seconds_left is not None and seconds_left > 0
-    head = None
-    if s["head_event_id"] is not None:
-        head = {"event_id": s["head_event_id"], "type": s["head_type"], "attempts": s["head_attempts"],
-                "next_retry": s["head_next_retry"], "retry_in_seconds": s["head_retry_in_seconds"],
-                "last_error": s["head_last_error"], "parked_at": s["head_parked_at"]}
-    paused = None
-    if s["paused_at"] is not None:
-        paused = {"since": s["paused_at"], "by": s["paused_by"], "role": s["paused_role"], "reason": s["pause_reason"]}
-    report: dict[str, Any] = {
-        "sink": s["sink"], "kind": s["kind"], "bucket": s["bucket"],
-        "owner": s["owner"] if held else None, "fence": s["fence"],
-        "lease_expires_at": s["lease_expires_at"] if held else None,
-        "lease_seconds_left": seconds_left if held else None,
-        "head": head, "queued_behind": max(0, s["parked"] - 1), "parked": s["parked"],
-        "unread": s["unread"], "oldest_unread": s["oldest_unread"],
-        "undelivered": s["parked"] + s["unread"], "stored": s["stored"],
-        "dead_letters": {"count": s["dead_letters"], "last_at": s["last_dead_at"], "recent": dead},
-        "paused": paused,
-    }
-    report["state"], report["summary"] = _key_summary(report, max_attempts)
-    return report
-
-
-def _failed(head: dict[str, Any], max_attempts: int) -> str:
-    """"attempt 3 of 10 failed: <error>" (a head parked behind a pause or a skipped event has none)."""
-    if head["last_error"] is None:
-        return "not attempted yet"
-    return f"attempt {head['attempts']} of {max_attempts} failed: {one_line(head['last_error'])}"
-
-
-def _key_summary(r: dict[str, Any], max_attempts: int) -> tuple[str, str]:
-    """(state, the plain-language line) of one sink's report."""
-    head, paused = r["head"], r["paused"]
-    nobody = "" if r["owner"] else f"; no relay holds bucket {r['bucket']} now"
-    if paused is not None:
-        text = (f"paused since {_cell(paused['since'])} by {paused['by']} (role {paused['role']})"
-                + (f": {one_line(paused['reason'])}" if paused["reason"] else "")
-                + f"; {r['parked']} parked event(s) held, {r['unread']} not read yet")
-        if head is not None and head["last_error"] is not None:
-            text += f" (its head: {_failed(head, max_attempts)})"
-        return "paused", text
-    if head is not None:
-        behind = f"; {r['queued_behind']} event(s) queued behind it" if r["queued_behind"] else ""
-        wait = head["retry_in_seconds"]
-        if wait is not None and wait > 0:
-            return "retrying", f"waiting for a retry in {wait:.0f} s ({_failed(head, max_attempts)}){behind}{nobody}"
-        return "due", f"retry due now ({_failed(head, max_attempts)}){behind}{nobody}"
-    on_the_way = f"; {r['unread']} event(s) on their way" if r["unread"] else ""
-    dead = r["dead_letters"]
-    if dead["count"]:
-        last = f": {one_line(dead['recent'][0]['last_error'])}" if dead["recent"] else ""
-        return "dead-lettered", (f"dead-lettered head moved on ({dead['count']} dead letter(s), the last at "
-                                 f"{_cell(dead['last_at'])}{last}){on_the_way}{nobody if r['unread'] else ''}")
-    if r["unread"]:
-        return "flowing", f"flowing ({r['unread']} event(s) not delivered yet){nobody}"
-    if not r["stored"]:
-        return "unknown", ("unknown: no event of this key is stored (never published, a misspelt key, or all its "
-                           "events removed by retention)")
-    return "flowing", "flowing (nothing waiting)"
 
 
 def _print_key_report(r: dict[str, Any]) -> None:
@@ -1128,109 +986,11 @@ def _print_key_report(r: dict[str, Any]) -> None:
               f"{_cell(d['last_error'])}")
 
 
-def _locked_head(conn: psycopg.Connection[Any], sink: str, key: str, action: str) -> dict[str, Any]:
-    cols, rows = _rows(conn, "admin", "lock_key_head", {"sink": sink, "key": key})
-    if not rows:
-        raise OutboxError(f"nothing to {action}: no event of key {key!r} is parked for sink {sink!r} "
-                          f"(`{_key_cmd('show', key, sink)}` shows where it stands)")
-    return _records(cols, rows)[0]
-
-
-def _pause(conn: psycopg.Connection[Any], sink: str, key: str) -> dict[str, Any] | None:
-    cols, rows = _rows(conn, "admin", "paused_key", {"sink": sink, "key": key})
-    return _records(cols, rows)[0] if rows else None
-
-
-def _key_retry_or_skip(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
-    key, sink = args.key, args.sink
-    if args.action == "skip":  # an attempt of the head in flight must not land after it is dead-lettered
-        _rows(conn, "admin", "fence_key_bucket", {"sink": sink, "key": key})
-    head = _locked_head(conn, sink, key, args.action)
-    paused = _pause(conn, sink, key)
-    where = {"sink": sink, "bucket": head["bucket"], "xid": head["xid"], "seq": head["seq"]}
-    result: dict[str, Any] = {"action": args.action, "sink": sink, "key": key, "bucket": head["bucket"],
-                              "event_id": head["event_id"], "type": head["type"], "attempts": head["attempts"],
-                              "last_error": head["last_error"]}
-    if args.action == "retry":
-        if paused is not None:
-            raise OutboxError(f"key {key!r} is paused for sink {sink!r} (since {_cell(paused['paused_at'])}): its "
-                              f"events are held; `{_key_cmd('resume', key, sink)}` lets them go and retries the head "
-                              "at once")
-        _rows(conn, "admin", "retry_key_head", where)
-        text = (f"event {head['event_id']} ({head['type']}), the head of key {key!r}, is due now for sink {sink!r}: "
-                f"its relay retries it at once, then the {head['parked'] - 1} event(s) behind it")
-    else:
-        if args.event is not None and args.event != str(head["event_id"]):
-            raise OutboxError(f"event {args.event} is not the head of key {key!r} for sink {sink!r} (the head is "
-                              f"{head['event_id']}); only the head can be skipped, since the events behind it may "
-                              "not go before it")
-        _, done = _rows(conn, "admin", "skip_key_head", {**where, "error": SKIPPED_ERROR})
-        result["now_due"] = int(done[0][1])
-        text = (f"event {head['event_id']} ({head['type']}, {head['attempts']} failed attempt(s)) of key {key!r} "
-                f"moved to sink {sink!r}'s dead letters ('{SKIPPED_ERROR}'); "
-                + (f"the key stays paused: its {done[0][1]} other parked event(s) are held until "
-                   f"`{_key_cmd('resume', key, sink)}`" if paused is not None else
-                   f"the {done[0][1]} event(s) behind it are due now"))
-    _rows(conn, "admin", "notify_parked", {"bucket": head["bucket"]})
-    result["paused"] = paused is not None
-    _key_done(args, result, text)
-    return EXIT_OK
-
-
-def _key_done(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
+def _key_done(args: argparse.Namespace, result: dict[str, Any], text: str) -> int:
     if args.json:
         _print_json(result)
     else:
         _say(text)
-
-
-def _operator() -> str:
-    """Who runs this command, as far as this host knows (a pause records it with the database role)."""
-    try:
-        user = getpass.getuser()
-    except (OSError, KeyError):  # no login name, no USER/LOGNAME (some containers)
-        user = f"uid {os.getuid()}" if hasattr(os, "getuid") else "unknown"
-    return f"{user}@{socket.gethostname()}"
-
-
-def _key_pause(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
-    key, sink = args.key, args.sink
-    for _ in range(3):
-        _, rows = _rows(conn, "admin", "pause_key",
-                        {"sink": sink, "key": key, "by": _operator(), "reason": args.reason})
-        # Inserted now, or there already; unless another operator resumed it between the two statements.
-        paused = _pause(conn, sink, key)
-        if paused is not None:
-            break
-    else:
-        raise OutboxError(f"key {key!r} was paused and resumed by others while this ran; run it again")
-    result = {"action": "pause", "sink": sink, "key": key, "already_paused": not rows, "paused_at": paused["paused_at"],
-              "paused_by": paused["paused_by"], "paused_role": paused["paused_role"], "reason": paused["reason"]}
-    if rows:
-        text = (f"paused key {key!r} for sink {sink!r}: from the relay's next read on its events are held (parked, "
-                f"in order) and none is retried; a batch already on its way still lands. "
-                f"`{_key_cmd('resume', key, sink)}` lets them go")
-    else:
-        text = (f"key {key!r} was already paused for sink {sink!r} since {_cell(paused['paused_at'])} by "
-                f"{paused['paused_by']}" + (f" ({_cell(paused['reason'])})" if paused["reason"] else "")
-                + ": nothing changed")
-    _key_done(args, result, text)
-    return EXIT_OK
-
-
-def _key_resume(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
-    key, sink = args.key, args.sink
-    _, rows = _rows(conn, "admin", "resume_key", {"sink": sink, "key": key})
-    if not rows:
-        result: dict[str, Any] = {"action": "resume", "sink": sink, "key": key, "was_paused": False}
-        _key_done(args, result, f"key {key!r} is not paused for sink {sink!r}: nothing to resume")
-        return EXIT_OK
-    bucket, paused_at, due = rows[0]
-    _rows(conn, "admin", "notify_parked", {"bucket": bucket})
-    result = {"action": "resume", "sink": sink, "key": key, "was_paused": True, "paused_at": paused_at,
-              "bucket": bucket, "now_due": due}
-    _key_done(args, result, f"resumed key {key!r} for sink {sink!r} (paused since {_cell(paused_at)}): its {due} "
-                            "parked event(s) are due now, in order")
     return EXIT_OK
 
 
