@@ -62,15 +62,6 @@ def private() -> Iterator[PrivateServer]:
         server.server.close()
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 def fragments(password: str) -> list[str]:
     """Pieces of a password that must not appear anywhere (each is 4+ characters)."""
     return [p for p in password.replace("\t", " ").replace("%", " ").split() if len(p) >= 4]

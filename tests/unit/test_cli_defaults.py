@@ -4,7 +4,6 @@ action, tables fit the terminal, and the database a command uses is described wi
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Iterator
@@ -16,27 +15,18 @@ from outbox_relay import cli
 from outbox_relay.dsn import describe
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.settings import RelaySettings, load_settings
+from tests.cli_helpers import run_cli
 
 UNREACHABLE = "postgresql://relay:Unre4chable-pw@127.0.0.1:1/app"  # nothing listens on port 1
 
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No OUTBOX_* or PG* from the caller's environment; the root logger as it was."""
+    """No OUTBOX_* or PG* from the caller's environment. (conftest puts the root logger back.)"""
     for name in list(os.environ):
         if name.startswith(("OUTBOX_", "PG")):
             monkeypatch.delenv(name)
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
     yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # -- a DSN is required --------------------------------------------------------------------------
@@ -47,7 +37,7 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
     ["replay", "--topic", "orders", "--kafka-bootstrap-servers", "127.0.0.1:1"],
 ])
 def test_every_database_command_needs_a_dsn(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
-    code, out, err = run_main(capsys, *argv)
+    code, out, err = run_cli(capsys, *argv)
     assert code == cli.EXIT_ERROR, (code, err)
     assert out == "" and err.count("\n") == 1, err
     assert "--dsn" in err and "OUTBOX_DSN" in err and "postgres" in err.lower(), err
@@ -86,7 +76,7 @@ def test_describe_falls_back_to_the_libpq_environment(monkeypatch: pytest.Monkey
 def test_run_with_kafka_and_no_bootstrap_servers_is_refused(capsys: pytest.CaptureFixture[str],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTBOX_DSN", UNREACHABLE)
-    code, _, err = run_main(capsys, "run")
+    code, _, err = run_cli(capsys, "run")
     assert code == cli.EXIT_ERROR, err
     assert "--kafka-bootstrap-servers" in err and "OUTBOX_KAFKA_BOOTSTRAP_SERVERS" in err and "--no-kafka" in err, err
     assert err.count("\n") == 1 and "Unre4chable" not in err, err
@@ -95,7 +85,7 @@ def test_run_with_kafka_and_no_bootstrap_servers_is_refused(capsys: pytest.Captu
 def test_replay_without_bootstrap_servers_is_refused(capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTBOX_DSN", UNREACHABLE)
-    code, _, err = run_main(capsys, "replay", "--topic", "orders")
+    code, _, err = run_cli(capsys, "replay", "--topic", "orders")
     assert code == cli.EXIT_ERROR and "--kafka-bootstrap-servers" in err, err
 
 
@@ -109,7 +99,7 @@ def test_projection_only_settings_need_no_kafka_setting() -> None:
 def test_projections_module_without_a_projection_is_refused(capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTBOX_DSN", UNREACHABLE)
-    code, _, err = run_main(capsys, "run", "--no-kafka", "--projections", "app.models")
+    code, _, err = run_cli(capsys, "run", "--no-kafka", "--projections", "app.models")
     assert code == cli.EXIT_ERROR, err
     assert "--projections" in err and "--projection" in err and err.count("\n") == 1, err
 
@@ -126,7 +116,7 @@ def test_replay_accepts_a_kafka_config_file(tmp_path: Path) -> None:
 
 def _help(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *argv: str) -> str:
     monkeypatch.setenv("COLUMNS", "250")  # one option per line, whatever the terminal running the tests
-    code, out, _ = run_main(capsys, *argv, "--help")
+    code, out, _ = run_cli(capsys, *argv, "--help")
     assert code == 0
     return " ".join(out.split())
 
@@ -154,7 +144,7 @@ def test_every_action_has_help(capsys: pytest.CaptureFixture[str], monkeypatch: 
         # "list   list dead letters ..." : the action followed by its own help text
         assert f" {action} " in text and text.count(action) >= 2, (action, text)
     for action in actions:
-        assert run_main(capsys, *command, action, "--help")[0] == 0
+        assert run_cli(capsys, *command, action, "--help")[0] == 0
 
 
 def test_other_commands_show_defaults(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,5 +180,5 @@ def test_an_empty_dsn_is_no_dsn(capsys: pytest.CaptureFixture[str], monkeypatch:
                                 argv: list[str]) -> None:
     """libpq reads "" as "every default" (the local server's database named after the user): refused."""
     monkeypatch.setenv("OUTBOX_DSN", " ")
-    code, _, err = run_main(capsys, *argv)
+    code, _, err = run_cli(capsys, *argv)
     assert code == cli.EXIT_ERROR and "no database given" in err, err
