@@ -48,3 +48,15 @@ def test_one_version_string() -> None:
     assert outbox_relay.__version__ == version("outbox-relay") == cli.version()
     assert worker.__version__ == outbox_relay.__version__  # the name the heartbeat metadata uses
     assert not hasattr(worker, "VERSION")
+
+
+def test_the_cli_runs_no_sql_of_its_own() -> None:
+    """Operator actions live in outbox_relay.admin (a library that tests and services call); the command
+    only parses and prints, so it must not grow queries of its own again."""
+    from pathlib import Path
+
+    import outbox_relay.cli
+
+    found = [f"{path.name}: {needle}" for path in sorted(Path(outbox_relay.cli.__file__).parent.glob("*.py"))
+             for needle in ("sqlfiles", "query(", ".execute(", "cursor(") if needle in path.read_text()]
+    assert found == []
