@@ -12,9 +12,10 @@
 
 Every function takes a connection to a migrated database (``outbox_relay.migrate.check_schema``).
 One that changes something runs in one transaction of its own (a savepoint inside the caller's); a
-retry, skip or resume wakes the relays holding the buckets concerned at once. Failures raise OutboxError (or its ConfigurationError) with a message
-that names the problem: a sink that does not exist or was dropped, a key with nothing parked, a sink
-still in use. The CLI only parses arguments, calls these and prints what they return.
+retry, skip or resume wakes the relays holding the buckets concerned at once. Failures raise
+OutboxError (or its ConfigurationError) with a message that names the problem: a sink that does not
+exist or was dropped, a key with nothing parked, a sink still in use. The CLI only parses arguments,
+calls these and prints what they return.
 """
 
 from __future__ import annotations
