@@ -24,6 +24,8 @@ def __getattr__(name: str) -> Any:
         from .worker import Worker
 
         return Worker
+    if name == "__version__":
+        return _version()
     raise AttributeError(f"module 'outbox_relay' has no attribute {name!r}")
 
 
@@ -42,4 +44,13 @@ __all__ = [
     "wait_for",
     "wait_for_async",
 ]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml is its one source."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("outbox-relay")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"

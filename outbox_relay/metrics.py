@@ -38,8 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .dsn import redact
-from .errors import describe_error
+from .dsn import describe_error, redact
 from .observer import Observer
 from .sqlfiles import query
 

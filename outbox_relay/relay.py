@@ -40,7 +40,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
 from .backoff import Backoff
-from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck, describe_error
+from .dsn import describe_error
+from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor, Snapshot
 from .settings import RelaySettings

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import psycopg
 
-from .errors import describe_error
+from .dsn import describe_error
 from .store import Checkpoint, Conn, EventFilter, StoredEvent
 
 log = logging.getLogger("outbox_relay.sink")

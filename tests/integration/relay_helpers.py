@@ -333,3 +333,21 @@ def running(worker: Worker) -> Iterator[Worker]:
     finally:
         worker.drain()
         thread.join(30)
+
+
+def fail_ids(ids: set[uuid.UUID], error: str = "broker said no") -> Any:
+    """A RecordingSink ``fail``: these events fail every time they are attempted."""
+    def fail(e: StoredEvent, _n: int) -> Failure | None:
+        return Failure(error) if e.id in ids else None
+    return fail
+
+
+def attempts_of(sink: RecordingSink, key: str) -> list[uuid.UUID]:
+    with sink.lock:
+        return [a.event_id for a in sink.attempts if a.key == key]
+
+
+def parked_rows(dsn: str, key: str, sink: str = SINK) -> list[tuple[uuid.UUID, int, str | None]]:
+    return [(r[0], r[1], r[2]) for r in fetch_all(
+        dsn, "SELECT event_id, attempts, last_error FROM outbox.parked WHERE sink = %s AND partition_key = %s "
+             "ORDER BY xid, seq", (sink, key))]

@@ -8,7 +8,6 @@ process is never held back by it.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -45,16 +44,6 @@ from tests.servers import wait_until
 
 LOG = "CREATE TABLE applied_log (n bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL)"
 LOG_SQL = "INSERT INTO applied_log (event_id, key) VALUES (%s, %s)"
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """cli.main sets up logging on the captured stderr: undo it."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.fixture(name="release")
