@@ -38,6 +38,7 @@ from pydantic.fields import FieldInfo
 from .dsn import check_dsn, connection_problem, describe, one_line, redact, remember_dsn
 from .errors import ConfigurationError, OutboxError, WorkerIdInUse
 from .event import MAX_KEY_BYTES
+from .inbox import cli as inbox_cli
 from .migrate import check_schema, migrate
 from .settings import NO_DSN, TOPIC_NAME, RelaySettings, bounds, default_text, env_var, flag, load_settings
 from .sink import Aborted
@@ -314,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partitions", type=_int_between(1, 1000), default=3, help="the topic's partitions (1-1000)")
     p.add_argument("--kafka-port", type=_int_between(1, 65535), default=None, metavar="PORT",
                    help="the broker's port on 127.0.0.1 (default: a free one)")
+    inbox_cli.add_parser(sub)  # inbox hook: `outbox-relay inbox ...` (outbox_relay/inbox/cli.py)
     return parser
 
 
@@ -1245,6 +1247,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "rebuild": cmd_rebuild,
     "replay": cmd_replay,
     "dev": cmd_dev,
+    "inbox": inbox_cli.command,  # inbox hook
 }
 
 

@@ -1,0 +1,191 @@
+"""The inbox's transactions: one message applied with its dedupe record and position, dead letters,
+leases on partitions. No loop here (``consumer.py``), no argv (``cli.py``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from ..errors import MAX_ERROR_CHARS, LeaseLost, OutboxError
+from ..sqlfiles import query
+from .message import InboxMessage, header_lists
+
+Handler = Callable[[InboxMessage, psycopg.Connection[Any]], object]
+Outcome = Literal["applied", "duplicate"]
+
+
+class HandlerTimeout(OutboxError):
+    """The handler did not return within the time limit; its transaction was rolled back (connection closed)."""
+
+
+class HandlerBrokeTransaction(OutboxError):
+    """The handler committed, rolled back or left the transaction failed: its effects and the dedupe
+    record would no longer commit together, so the attempt fails."""
+
+
+class InboxStuck(OutboxError):
+    """Too many handlers that never returned are left on abandoned threads: the consumer stops (its
+    leases lapse and another process takes its partitions)."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Who applies a partition's messages now: a consumer process and the fence of its claim."""
+
+    consumer: str
+    member: str
+    fence: int
+
+
+class TimeLimit:
+    """Runs a handler on its own thread and gives up waiting after ``seconds``.
+
+    Python can not stop a thread: the caller closes the transaction's connection so nothing the
+    handler does later can commit, and the thread is abandoned. ``max_abandoned`` of them stop
+    the consumer (``InboxStuck``) before threads pile up."""
+
+    def __init__(self, seconds: float, max_abandoned: int = 4) -> None:
+        self.seconds = seconds
+        self.max_abandoned = max_abandoned
+        self.abandoned = 0
+
+    def call(self, handler: Handler, message: InboxMessage, conn: psycopg.Connection[Any]) -> None:
+        if self.abandoned >= self.max_abandoned:
+            raise InboxStuck(f"{self.abandoned} handlers did not return within {self.seconds:g}s and are abandoned")
+        failure: list[BaseException] = []
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                handler(message, conn)
+            except BaseException as exc:  # handed to the waiting thread
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=target, name=f"inbox-handler-{message.topic}-{message.partition}", daemon=True).start()
+        if not done.wait(self.seconds):
+            self.abandoned += 1
+            with suppress(Exception):
+                conn.cancel_safe(timeout=1.0)
+            conn.close()  # whatever the handler still does on it can not commit
+            raise HandlerTimeout(f"the handler did not return within {self.seconds:g}s (handler_timeout_seconds); "
+                                 "its transaction was rolled back")
+        if failure:
+            raise failure[0]
+
+
+def _run_handler(handler: Handler, message: InboxMessage, conn: psycopg.Connection[Any],
+                 limit: TimeLimit | None) -> None:
+    if limit is None:
+        handler(message, conn)
+    else:
+        limit.call(handler, message, conn)
+    status = conn.info.transaction_status
+    if status != TransactionStatus.INTRANS:
+        what = "left the transaction failed (an error it caught)" if status == TransactionStatus.INERROR \
+            else "ended the transaction (commit or rollback)"
+        raise HandlerBrokeTransaction(f"the handler {what}: it must only run statements on the connection it is "
+                                      "given; the inbox commits")
+
+
+def _rollback(conn: psycopg.Connection[Any]) -> None:
+    if not conn.closed:
+        with suppress(psycopg.Error):
+            conn.rollback()
+
+
+def _params(lease: Lease, message: InboxMessage) -> dict[str, Any]:
+    return {"consumer": lease.consumer, "member": lease.member, "fence": lease.fence, "topic": message.topic,
+            "partition": message.partition, "offset": message.offset, "message_id": message.id}
+
+
+def apply_message(conn: psycopg.Connection[Any], lease: Lease, message: InboxMessage, handler: Handler,
+                  limit: TimeLimit | None = None) -> Outcome:
+    """Apply one message exactly once, in one transaction on ``conn`` (not autocommit), committed here:
+    the partition's lease is checked and its row locked, the dedupe record inserted (a duplicate skips
+    the handler), the handler run, the position moved past the message. Raises LeaseLost (nothing
+    written), or what the handler raised (all rolled back)."""
+    p = _params(lease, message)
+    try:
+        if conn.execute(query("inbox", "lock_position"), p).fetchone() is None:
+            raise LeaseLost(f"partition {message.topic}/{message.partition} is no longer this process's "
+                            f"(fence {lease.fence})")
+        fresh = conn.execute(query("inbox", "record_message"), p).fetchone() is not None
+        if fresh:
+            _run_handler(handler, message, conn, limit)
+        conn.execute(query("inbox", "advance"), {**p, "next_offset": message.offset + 1, "applied": int(fresh),
+                                                 "duplicates": int(not fresh), "dead": 0})
+        conn.commit()
+    except BaseException:
+        _rollback(conn)
+        raise
+    return "applied" if fresh else "duplicate"
+
+
+def dead_letter(conn: psycopg.Connection[Any], lease: Lease, message: InboxMessage, attempts: int, error: str) -> None:
+    """Keep the message in dead letters and move the partition past it, in one transaction."""
+    p = _params(lease, message)
+    names, values = header_lists(message.headers)
+    try:
+        if conn.execute(query("inbox", "lock_position"), p).fetchone() is None:
+            raise LeaseLost(f"partition {message.topic}/{message.partition} is no longer this process's")
+        conn.execute(query("inbox", "add_dead_letter"), {
+            **p, "key": message.key, "value": message.value, "header_names": names, "header_values": values,
+            "message_time": message.timestamp, "attempts": attempts, "error": error[:MAX_ERROR_CHARS]})
+        conn.execute(query("inbox", "advance"), {**p, "next_offset": message.offset + 1, "applied": 0,
+                                                 "duplicates": 0, "dead": 1})
+        conn.commit()
+    except BaseException:
+        _rollback(conn)
+        raise
+
+
+def message_of_dead_letter(row: dict[str, Any]) -> InboxMessage:
+    names, values = row["header_names"] or [], row["header_values"] or []
+    return InboxMessage(topic=row["topic"], partition=row["partition"], offset=row["offset"],
+                        key=_bytes(row["key"]), value=_bytes(row["value"]),
+                        headers=tuple((n, _bytes(v)) for n, v in zip(names, values, strict=True)),
+                        timestamp=row["message_time"])
+
+
+def _bytes(value: Any) -> bytes | None:
+    return None if value is None else bytes(value)
+
+
+def retry_one_dead_letter(conn: psycopg.Connection[Any], consumer: str, handler: Handler,
+                          limit: TimeLimit | None = None) -> tuple[int, Outcome | str] | None:
+    """Apply the oldest dead letter an operator asked to retry, in one transaction: applied (the dead
+    letter goes), a duplicate (its id was applied since: it goes too) or the new error (it stays, with
+    the error, until asked again). None: nothing asked."""
+    try:
+        with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+            row = cur.execute(query("inbox", "due_dead_letters"), {"consumer": consumer, "limit": 1}).fetchone()
+        if row is None:
+            conn.rollback()
+            return None
+        message = message_of_dead_letter(row)
+        p = {"consumer": consumer, "message_id": message.id, "topic": message.topic,
+             "partition": message.partition, "offset": message.offset, "id": row["id"]}
+        fresh = conn.execute(query("inbox", "record_message"), p).fetchone() is not None
+        if fresh:
+            _run_handler(handler, message, conn, limit)
+        conn.execute(query("inbox", "delete_dead_letter"), p)
+        conn.commit()
+        return row["id"], ("applied" if fresh else "duplicate")
+    except BaseException as exc:
+        _rollback(conn)
+        if isinstance(exc, HandlerTimeout) and row is not None:
+            exc.dead_letter_id = row["id"]  # type: ignore[attr-defined]  # the caller marks it on a new connection
+        if conn.closed or conn.broken or not isinstance(exc, Exception) or row is None:
+            raise
+        error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+        with conn.transaction():
+            conn.execute(query("inbox", "retry_failed"), {"id": row["id"], "error": error})
+        return row["id"], error
