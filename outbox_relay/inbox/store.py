@@ -83,10 +83,19 @@ class TimeLimit:
 
 def _run_handler(handler: Handler, message: InboxMessage, conn: psycopg.Connection[Any],
                  limit: TimeLimit | None) -> None:
-    if limit is None:
-        handler(message, conn)
-    else:
-        limit.call(handler, message, conn)
+    try:
+        # A savepoint of the message's transaction: psycopg refuses a commit() or rollback() inside it,
+        # so a handler can not commit the dedupe record without the rest of its work.
+        with conn.transaction():
+            if limit is None:
+                handler(message, conn)
+            else:
+                limit.call(handler, message, conn)
+    except psycopg.ProgrammingError as exc:
+        if "forbidden within a Transaction context" in str(exc):
+            raise HandlerBrokeTransaction("the handler called commit() or rollback(): it must only run statements "
+                                          "on the connection it is given; the inbox commits") from exc
+        raise
     status = conn.info.transaction_status
     if status != TransactionStatus.INTRANS:
         what = "left the transaction failed (an error it caught)" if status == TransactionStatus.INERROR \
