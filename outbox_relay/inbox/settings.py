@@ -117,6 +117,11 @@ class InboxSettings(BaseSettings):
         }
 
 
+def flag(name: str) -> str:
+    """The command-line option of a setting."""
+    return {"topics": "--topic", "kafka_config": "--kafka-option"}.get(name, "--" + name.replace("_", "-"))
+
+
 def env_var(name: str) -> str:
     return f"{ENV_PREFIX}{name.upper()}"
 
@@ -132,7 +137,7 @@ def load_inbox_settings(**values: Any) -> InboxSettings:
             message = str(error["msg"]).removeprefix("Value error, ")
             loc = [str(p) for p in error["loc"]]
             if loc and loc[0] in InboxSettings.model_fields:
-                problems.append(f"{loc[0]} (--{loc[0].replace('_', '-')}, {env_var(loc[0])}): {message}")
+                problems.append(f"{loc[0]} ({flag(loc[0])}, {env_var(loc[0])}): {message}")
             else:
                 problems.append(message)
         raise ConfigurationError(f"invalid inbox settings: {'; '.join(problems)}") from None

@@ -9,10 +9,12 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox_relay.errors import LeaseLost
 from outbox_relay.inbox import InboxMessage, apply_test_message, make_message, migrate_inbox
 from outbox_relay.inbox.admin import drop_dead_letters, list_dead_letters, request_retry, show_dead_letter
 from outbox_relay.inbox.consumer import InboxConsumer
-from outbox_relay.inbox.store import HandlerBrokeTransaction
+from outbox_relay.inbox.store import HandlerBrokeTransaction, Lease, apply_message, dead_letter
+from outbox_relay.inbox.testing import TESTING_MEMBER
 from tests.integration import inbox_app
 from tests.integration.inbox_helpers import consumer_thread, effects, inbox_database, produce_events, scalar, settings
 from tests.servers import KafkaServer, create_topic, require_restartable, wait_until
@@ -43,7 +45,7 @@ def test_duplicates_are_skipped_and_order_per_partition_kept(inbox_dsn: str, kaf
         per_partition[partition].append(offset)
     assert all(offsets == sorted(offsets) for offsets in per_partition.values()), "offset order per partition"
     by_id = dict(zip(ids, events, strict=True))
-    for partition, offsets in per_partition.items():
+    for partition in per_partition:
         ns = [by_id[e[0]][2]["n"] for e in seen if e[2] == partition]
         assert ns == sorted(ns), f"partition {partition} applied out of publish order"
     assert scalar(inbox_dsn, "SELECT sum(duplicates) FROM outbox_inbox.positions") == 50
@@ -154,6 +156,22 @@ def test_the_testing_aid_runs_the_real_transaction(inbox_dsn: str) -> None:
     assert [e[0] for e in effects(inbox_dsn)] == ["e-1"]
     assert scalar(inbox_dsn, "SELECT count(*) FROM outbox_inbox.messages") == 1, "no record of what failed"
     assert scalar(inbox_dsn, "SELECT next_offset FROM outbox_inbox.positions") == 9
+
+
+def test_a_process_that_lost_its_lease_writes_nothing(inbox_dsn: str) -> None:
+    with psycopg.connect(inbox_dsn) as conn:
+        assert apply_test_message(conn, inbox_app.handle, ce_id="e-1", offset=0) == "applied"
+        fence = scalar(inbox_dsn, "SELECT fence FROM outbox_inbox.positions")
+        # Another process took the partition over (a new fence): the old holder's apply is refused.
+        with pytest.raises(LeaseLost):
+            apply_message(conn, Lease("inbox", TESTING_MEMBER, fence - 1), make_message(ce_id="e-2", offset=1),
+                          inbox_app.handle)
+        with pytest.raises(LeaseLost):
+            dead_letter(conn, Lease("inbox", "someone-else", fence), make_message(ce_id="e-3", offset=1), 3, "x")
+    assert [e[0] for e in effects(inbox_dsn)] == ["e-1"]
+    assert scalar(inbox_dsn, "SELECT count(*) FROM outbox_inbox.messages") == 1
+    assert scalar(inbox_dsn, "SELECT count(*) FROM outbox_inbox.dead_letters") == 0
+    assert scalar(inbox_dsn, "SELECT next_offset FROM outbox_inbox.positions") == 1
 
 
 def test_retention_deletes_old_dedupe_records_in_bounded_batches(inbox_dsn: str, kafka_bootstrap: str) -> None:
