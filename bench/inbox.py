@@ -23,8 +23,8 @@ import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.servers import Servers, machine  # noqa: E402
-from outbox_relay.inbox import InboxConsumer, InboxMessage, InboxSettings, migrate_inbox  # noqa: E402
+from bench.servers import Servers, machine
+from outbox_relay.inbox import InboxConsumer, InboxMessage, InboxSettings, migrate_inbox
 
 PARTITIONS = 4
 TABLE = "CREATE TABLE effects (id text, n bigint)"
