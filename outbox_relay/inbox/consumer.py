@@ -45,7 +45,7 @@ from ..sqlfiles import query
 from .message import InboxMessage
 from .schema import check_inbox_schema, connect
 from .settings import InboxSettings
-from .store import Handler, HandlerTimeout, Lease, TimeLimit, apply_message, dead_letter, retry_one_dead_letter
+from .store import Handler, HandlerTimeout, Lease, TimeLimit, apply_batch, dead_letter, retry_one_dead_letter
 
 log = logging.getLogger("outbox_relay.inbox")
 
@@ -179,8 +179,18 @@ class InboxConsumer:
             time.sleep(self.settings.poll_seconds)
             return handled
         self._reassigned.clear()
+        groups: dict[tuple[str, int], list[InboxMessage]] = {}
         for m in self._kafka.consume(num_messages=500, timeout=self.settings.poll_seconds):
-            handled += self._on_message(m)
+            message = self._accept(m)
+            if message is not None:
+                groups.setdefault((message.topic, message.partition), []).append(message)
+        size = self.settings.batch_size
+        for key, messages in groups.items():
+            for i in range(0, len(messages), size):
+                p = self.partitions.get(key)
+                if p is None or p.held is not None or key in self._reassigned:
+                    break  # the rest is read again from the partition's position
+                handled += self._apply(p, messages[i:i + size])
         self._reassigned.clear()
         if self._brokers_lost:
             self._brokers_lost = False
@@ -314,65 +324,77 @@ class InboxConsumer:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def _on_message(self, m: Message) -> int:
+    def _accept(self, m: Message) -> InboxMessage | None:
+        """The message to apply, or None: an error, a partition no longer ours or held, or the log check."""
         err = m.error()
         if err is not None:
             if err.code() != KafkaError._PARTITION_EOF:
                 log.info("kafka: %s/%s: %s", m.topic(), m.partition(), err.str())
-            return 0
+            return None
         topic, partition = m.topic(), m.partition()
         assert topic is not None and partition is not None
         p = self.partitions.get((topic, partition))
         if p is None or p.held is not None or p.tp in self._reassigned:
-            return 0  # fetched before the partition was released or held; it is read again from its position
+            return None  # fetched before the partition was released or held; it is read again from its position
         message = _message(m)
         if p.verify_until is not None:
             expected = (p.next_offset or 1) - 1
             p.verify_until = None
             if message.offset == expected and message.id == p.last_message_id:
-                return 0  # the log still holds what was applied: go on after it
+                return None  # the log still holds what was applied: go on after it
             if message.offset == expected:
                 self._read_from_start(p, f"offset {expected} holds another message than the one applied")
-                return 0
+                return None
             if message.offset < expected:
                 log.warning("%s/%d: the log ends before offset %d: the broker lost it; its messages from offset %d on "
                             "are applied unless their ce_id was", topic, partition, expected, message.offset)
                 self.stats.log_resets += 1
-        return self._apply(p, message)
+        return message
 
-    def _apply(self, p: _Partition, message: InboxMessage) -> int:
+    def _apply(self, p: _Partition, messages: list[InboxMessage]) -> int:
+        """Apply consecutive messages of ``p`` in one transaction; returns how many were applied or skipped."""
         assert self._db is not None
         if self._db.closed or self._db.broken:
             reconnected = _try_connect(self.dsn)
             if reconnected is None:
-                self._hold_for_database(p, message)
+                self._hold_for_database(p, messages[0])
                 return 0
             self._db = reconnected
         try:
-            outcome = apply_message(self._db, self._lease(p), message, self.handler, self.limit)
+            batch = apply_batch(self._db, self._lease(p), messages, self.handler, self.limit)
         except LeaseLost as exc:
             log.warning("%s", exc)
             self._drop(p)
             return 0
         except Exception as exc:
-            if isinstance(exc, psycopg.OperationalError) and (self._db.closed or self._db.broken) \
-                    and not isinstance(exc, HandlerTimeout):
-                log.warning("database unavailable: %s", redact(str(exc)))
-                self._hold_for_database(p, message)
-                return 0
-            self._failed(p, message, f"{type(exc).__name__}: {exc}")
+            # Nothing of the batch committed. A handler past its time limit: the messages before it
+            # again, then its own failure; a database that went away: the first message waits.
+            index = getattr(exc, "inbox_index", 0)
+            if isinstance(exc, HandlerTimeout):
+                done = self._apply(p, messages[:index]) if index else 0
+                if p.tp in self.partitions and (p.held is None or p.held is messages[index]):
+                    self._failed(p, messages[index], f"{type(exc).__name__}: {exc}")
+                return done
+            # The inbox's own statements failed (the database went away, a lock or statement timeout):
+            # not the message's fault, so no attempt is counted; the first message waits.
+            log.warning("database: %s: %s", type(exc).__name__, redact(str(exc)))
+            self._hold_for_database(p, messages[0])
             return 0
         self._db_failures = 0
-        p.next_offset, p.last_message_id = message.offset + 1, message.id
-        if outcome == "applied":
-            self.stats.applied += 1
-        else:
-            self.stats.duplicates += 1
-            log.debug("duplicate %s at %s/%d@%d skipped", message.id, message.topic, message.partition, message.offset)
-        if p.held is not None:  # a retry that succeeded: read on after it
-            p.held, p.attempts, p.last_error = None, 0, ""
-            self._assign(p, message.offset + 1)
-        return 1
+        done = len(batch.outcomes)
+        if done:
+            last = messages[done - 1]
+            p.next_offset, p.last_message_id = last.offset + 1, last.id
+            applied = batch.outcomes.count("applied")
+            self.stats.applied += applied
+            self.stats.duplicates += done - applied
+            if p.held is not None:  # a retry that succeeded: read on after it
+                p.held, p.attempts, p.last_error = None, 0, ""
+                self._assign(p, last.offset + 1)
+        if batch.failure is not None:
+            error = batch.failure
+            self._failed(p, messages[done], f"{type(error).__name__}: {error}")
+        return done
 
     def _hold(self, p: _Partition, message: InboxMessage, delay: float) -> None:
         if p.held is None:
@@ -423,7 +445,7 @@ class InboxConsumer:
         handled = 0
         for p in list(self.partitions.values()):
             if p.held is not None and now >= p.retry_at and p.tp in self.partitions:
-                handled += self._apply(p, p.held)
+                handled += self._apply(p, [p.held])
         return handled
 
     def _retry_dead_letters(self) -> int:

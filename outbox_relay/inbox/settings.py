@@ -40,6 +40,10 @@ class InboxSettings(BaseSettings):
         60.0, gt=0, le=86400,
         description="a handler that has not returned after this long fails its attempt (its transaction is "
                     "rolled back by closing its connection)")
+    batch_size: int = Field(
+        100, ge=1, le=10_000,
+        description="consecutive messages of a partition applied in one transaction (one commit), each in a "
+                    "savepoint of its own")
     lease_seconds: float = Field(10.0, ge=1, le=3600,
                                  description="a partition's lease; a crashed process's partitions move after this")
     verify_seconds: float = Field(

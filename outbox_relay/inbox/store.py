@@ -83,14 +83,13 @@ class TimeLimit:
 
 def _run_handler(handler: Handler, message: InboxMessage, conn: psycopg.Connection[Any],
                  limit: TimeLimit | None) -> None:
+    """Call the handler; the caller holds a savepoint (``conn.transaction()``), inside which psycopg refuses
+    a commit() or rollback(), so a handler can not commit the dedupe record without the rest of its work."""
     try:
-        # A savepoint of the message's transaction: psycopg refuses a commit() or rollback() inside it,
-        # so a handler can not commit the dedupe record without the rest of its work.
-        with conn.transaction():
-            if limit is None:
-                handler(message, conn)
-            else:
-                limit.call(handler, message, conn)
+        if limit is None:
+            handler(message, conn)
+        else:
+            limit.call(handler, message, conn)
     except psycopg.ProgrammingError as exc:
         if "forbidden within a Transaction context" in str(exc):
             raise HandlerBrokeTransaction("the handler called commit() or rollback(): it must only run statements "
@@ -121,21 +120,63 @@ def apply_message(conn: psycopg.Connection[Any], lease: Lease, message: InboxMes
     the partition's lease is checked and its row locked, the dedupe record inserted (a duplicate skips
     the handler), the handler run, the position moved past the message. Raises LeaseLost (nothing
     written), or what the handler raised (all rolled back)."""
-    p = _params(lease, message)
+    batch = apply_batch(conn, lease, [message], handler, limit)
+    if batch.failure is not None:
+        raise batch.failure
+    return batch.outcomes[0]
+
+
+@dataclass
+class Batch:
+    """What ``apply_batch`` committed: the outcomes of the first ``len(outcomes)`` messages, and the
+    error of the next one (not applied; nothing after it was tried)."""
+
+    outcomes: list[Outcome]
+    failure: Exception | None = None
+
+
+def apply_batch(conn: psycopg.Connection[Any], lease: Lease, messages: list[InboxMessage], handler: Handler,
+                limit: TimeLimit | None = None) -> Batch:
+    """Apply consecutive messages of one partition, in offset order, in one transaction (one commit, so
+    one WAL flush, for them all): each message's dedupe record and handler in a savepoint of its own.
+
+    A handler that raises rolls back its own savepoint only: the messages before it commit, with the
+    position after the last of them, and its error is returned. Raises LeaseLost (nothing written),
+    and what makes the whole transaction fail (a handler past its time limit, a database error:
+    nothing of the batch committed)."""
+    assert messages and len({(m.topic, m.partition) for m in messages}) == 1
+    first = messages[0]
+    outcomes: list[Outcome] = []
+    failure: Exception | None = None
     try:
-        if conn.execute(query("inbox", "lock_position"), p).fetchone() is None:
-            raise LeaseLost(f"partition {message.topic}/{message.partition} is no longer this process's "
+        if conn.execute(query("inbox", "lock_position"), _params(lease, first)).fetchone() is None:
+            raise LeaseLost(f"partition {first.topic}/{first.partition} is no longer this process's "
                             f"(fence {lease.fence})")
-        fresh = conn.execute(query("inbox", "record_message"), p).fetchone() is not None
-        if fresh:
-            _run_handler(handler, message, conn, limit)
-        conn.execute(query("inbox", "advance"), {**p, "next_offset": message.offset + 1, "applied": int(fresh),
-                                                 "duplicates": int(not fresh), "dead": 0})
+        for message in messages:
+            try:
+                with conn.transaction():
+                    fresh = conn.execute(query("inbox", "record_message"),
+                                         _params(lease, message)).fetchone() is not None
+                    if fresh:
+                        _run_handler(handler, message, conn, limit)
+            except Exception as exc:
+                if conn.closed or conn.broken or isinstance(exc, HandlerTimeout):
+                    exc.inbox_index = len(outcomes)  # type: ignore[attr-defined]  # which message: the caller's retry
+                    raise
+                failure = exc
+                break
+            outcomes.append("applied" if fresh else "duplicate")
+        if outcomes:
+            last = messages[len(outcomes) - 1]
+            applied = outcomes.count("applied")
+            conn.execute(query("inbox", "advance"), {**_params(lease, last), "next_offset": last.offset + 1,
+                                                     "applied": applied, "duplicates": len(outcomes) - applied,
+                                                     "dead": 0})
         conn.commit()
     except BaseException:
         _rollback(conn)
         raise
-    return "applied" if fresh else "duplicate"
+    return Batch(outcomes, failure)
 
 
 def dead_letter(conn: psycopg.Connection[Any], lease: Lease, message: InboxMessage, attempts: int, error: str) -> None:
@@ -184,7 +225,8 @@ def retry_one_dead_letter(conn: psycopg.Connection[Any], consumer: str, handler:
              "partition": message.partition, "offset": message.offset, "id": row["id"]}
         fresh = conn.execute(query("inbox", "record_message"), p).fetchone() is not None
         if fresh:
-            _run_handler(handler, message, conn, limit)
+            with conn.transaction():
+                _run_handler(handler, message, conn, limit)
         conn.execute(query("inbox", "delete_dead_letter"), p)
         conn.commit()
         return row["id"], ("applied" if fresh else "duplicate")
