@@ -63,9 +63,9 @@ def bare(dsn: str, bootstrap: str, topic: str, n: int) -> float:
     return n / elapsed
 
 
-def inbox(dsn: str, bootstrap: str, topic: str, n: int) -> float:
+def inbox(dsn: str, bootstrap: str, topic: str, n: int, batch_size: int = 100) -> float:
     s = InboxSettings(dsn=dsn, bootstrap_servers=bootstrap, topics=[topic], consumer=f"bench-{uuid.uuid4().hex[:6]}",
-                      poll_seconds=0.1)
+                      poll_seconds=0.1, batch_size=batch_size)
     consumer = InboxConsumer(s, handler)
     consumer.start()
     stop = threading.Event()
@@ -85,11 +85,16 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=5000)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    rates: dict[str, list[float]] = {"bare loop": [], "inbox": []}
+    cases: dict[str, Any] = {
+        "bare loop": bare,
+        "inbox --batch-size 1": lambda *a: inbox(*a, batch_size=1),
+        "inbox --batch-size 100": inbox,
+    }
+    rates: dict[str, list[float]] = {case: [] for case in cases}
     with Servers() as servers:
         assert servers.postgres is not None and servers.tansu is not None
         for run in range(args.runs):
-            for case, fn in (("bare loop", bare), ("inbox", inbox)):
+            for case, fn in cases.items():
                 name = servers.postgres.create_database()
                 dsn = servers.postgres.dsn(name)
                 with psycopg.connect(dsn, autocommit=True) as conn:
@@ -105,8 +110,10 @@ def main() -> None:
     print("| case | msg/s median | min | max |\n|---|---|---|---|")
     for case, values in rates.items():
         print(f"| {case} | {statistics.median(values):,.0f} | {min(values):,.0f} | {max(values):,.0f} |")
-    ratio = statistics.median(rates["inbox"]) / statistics.median(rates["bare loop"])
-    print(f"\ninbox / bare loop: {ratio:.2f}x")
+    base = statistics.median(rates["bare loop"])
+    print()
+    for case in list(cases)[1:]:
+        print(f"{case} / bare loop: {statistics.median(rates[case]) / base:.2f}x")
 
 
 if __name__ == "__main__":
