@@ -137,46 +137,54 @@ class Batch:
 
 def apply_batch(conn: psycopg.Connection[Any], lease: Lease, messages: list[InboxMessage], handler: Handler,
                 limit: TimeLimit | None = None) -> Batch:
-    """Apply consecutive messages of one partition, in offset order, in one transaction (one commit, so
-    one WAL flush, for them all): each message's dedupe record and handler in a savepoint of its own.
+    """Apply consecutive messages of one partition, in offset order, in one transaction: one commit (one
+    WAL flush) and one statement for all their dedupe records, then the handler of each new one.
 
-    A handler that raises rolls back its own savepoint only: the messages before it commit, with the
-    position after the last of them, and its error is returned. Raises LeaseLost (nothing written),
-    and what makes the whole transaction fail (a handler past its time limit, a database error:
-    nothing of the batch committed)."""
+    Optimistic: a handler that raises rolls the whole transaction back, then the messages before it are
+    applied again (their handlers ran without error) and its error is returned with them. Raises
+    LeaseLost (nothing written), and what leaves nothing to go on with (a handler past its time limit,
+    which closed the connection, or a database error: nothing of the batch committed; the index of the
+    message whose handler was running is the exception's ``inbox_index``)."""
     assert messages and len({(m.topic, m.partition) for m in messages}) == 1
     first = messages[0]
+    p = _params(lease, first)
     outcomes: list[Outcome] = []
-    failure: Exception | None = None
     try:
-        if conn.execute(query("inbox", "lock_position"), _params(lease, first)).fetchone() is None:
-            raise LeaseLost(f"partition {first.topic}/{first.partition} is no longer this process's "
-                            f"(fence {lease.fence})")
-        for message in messages:
-            try:
-                with conn.transaction():
-                    fresh = conn.execute(query("inbox", "record_message"),
-                                         _params(lease, message)).fetchone() is not None
-                    if fresh:
-                        _run_handler(handler, message, conn, limit)
-            except Exception as exc:
-                if conn.closed or conn.broken or isinstance(exc, HandlerTimeout):
-                    exc.inbox_index = len(outcomes)  # type: ignore[attr-defined]  # which message: the caller's retry
+        # An outer transaction block: psycopg refuses a commit() or rollback() inside it, so a handler
+        # can not commit the dedupe records without the rest of the batch.
+        with conn.transaction():
+            if conn.execute(query("inbox", "lock_position"), p).fetchone() is None:
+                raise LeaseLost(f"partition {first.topic}/{first.partition} is no longer this process's "
+                                f"(fence {lease.fence})")
+            fresh = {r[0] for r in conn.execute(query("inbox", "record_messages"), {
+                **p, "ids": [m.id for m in messages], "offsets": [m.offset for m in messages]})}
+            for index, message in enumerate(messages):
+                if message.id not in fresh:
+                    outcomes.append("duplicate")
+                    continue
+                fresh.discard(message.id)  # a second copy in the same batch is a duplicate
+                try:
+                    _run_handler(handler, message, conn, limit)
+                except Exception as exc:
+                    exc.inbox_index = index  # type: ignore[attr-defined]
                     raise
-                failure = exc
-                break
-            outcomes.append("applied" if fresh else "duplicate")
-        if outcomes:
-            last = messages[len(outcomes) - 1]
+                outcomes.append("applied")
+            last = messages[-1]
             applied = outcomes.count("applied")
             conn.execute(query("inbox", "advance"), {**_params(lease, last), "next_offset": last.offset + 1,
                                                      "applied": applied, "duplicates": len(outcomes) - applied,
                                                      "dead": 0})
-        conn.commit()
+    except Exception as exc:
+        _rollback(conn)
+        failed_at: int | None = getattr(exc, "inbox_index", None)
+        if failed_at is None or conn.closed or conn.broken or isinstance(exc, HandlerTimeout):
+            raise
+        before = apply_batch(conn, lease, messages[:failed_at], handler, limit) if failed_at else Batch([])
+        return before if before.failure is not None else Batch(before.outcomes, exc)
     except BaseException:
         _rollback(conn)
         raise
-    return Batch(outcomes, failure)
+    return Batch(outcomes)
 
 
 def dead_letter(conn: psycopg.Connection[Any], lease: Lease, message: InboxMessage, attempts: int, error: str) -> None:

@@ -70,6 +70,13 @@ VALUES (%(consumer)s, %(message_id)s, %(topic)s, %(partition)s, %(offset)s)
 ON CONFLICT DO NOTHING
 RETURNING 1;
 
+-- name: record_messages
+-- The dedupe records of a batch of one partition; returns the ids inserted (the others are duplicates).
+INSERT INTO outbox_inbox.messages (consumer, message_id, topic, partition, "offset")
+SELECT %(consumer)s, id, %(topic)s, %(partition)s, o FROM unnest(%(ids)s::text[], %(offsets)s::bigint[]) AS x (id, o)
+ON CONFLICT DO NOTHING
+RETURNING message_id;
+
 -- name: advance
 -- The partition's next offset and counters, in the message's transaction (row locked by lock_position).
 UPDATE outbox_inbox.positions

@@ -13,7 +13,7 @@ from outbox_relay.errors import LeaseLost
 from outbox_relay.inbox import InboxMessage, apply_test_message, make_message, migrate_inbox
 from outbox_relay.inbox.admin import drop_dead_letters, list_dead_letters, request_retry, show_dead_letter
 from outbox_relay.inbox.consumer import InboxConsumer
-from outbox_relay.inbox.store import HandlerBrokeTransaction, Lease, apply_message, dead_letter
+from outbox_relay.inbox.store import HandlerBrokeTransaction, Lease, apply_batch, apply_message, dead_letter
 from outbox_relay.inbox.testing import TESTING_MEMBER
 from tests.integration import inbox_app
 from tests.integration.inbox_helpers import consumer_thread, effects, inbox_database, produce_events, scalar, settings
@@ -173,6 +173,22 @@ def test_a_process_that_lost_its_lease_writes_nothing(inbox_dsn: str) -> None:
     assert scalar(inbox_dsn, "SELECT count(*) FROM outbox_inbox.messages") == 1
     assert scalar(inbox_dsn, "SELECT count(*) FROM outbox_inbox.dead_letters") == 0
     assert scalar(inbox_dsn, "SELECT next_offset FROM outbox_inbox.positions") == 1
+
+
+def test_a_batch_applies_a_second_copy_once_and_commits_what_came_before_a_failing_handler(inbox_dsn: str) -> None:
+    with psycopg.connect(inbox_dsn) as conn:
+        apply_test_message(conn, inbox_app.handle, ce_id="lease", offset=0)  # leases the partition (fence)
+        fence = scalar(inbox_dsn, "SELECT fence FROM outbox_inbox.positions")
+        lease = Lease("inbox", TESTING_MEMBER, fence)
+        batch = [make_message(ce_id="a", offset=1), make_message(ce_id="a", offset=2),
+                 make_message(ce_id="b", offset=3), make_message({"poison": True}, ce_id="c", offset=4),
+                 make_message(ce_id="d", offset=5)]
+        result = apply_batch(conn, lease, batch, inbox_app.handle)
+    assert result.outcomes == ["applied", "duplicate", "applied"]
+    assert isinstance(result.failure, ValueError)
+    assert [e[0] for e in effects(inbox_dsn)] == ["lease", "a", "b"]
+    assert scalar(inbox_dsn, "SELECT next_offset FROM outbox_inbox.positions") == 4, "after b, before c"
+    assert scalar(inbox_dsn, "SELECT count(*) FROM outbox_inbox.messages WHERE message_id IN ('c', 'd')") == 0
 
 
 def test_retention_deletes_old_dedupe_records_in_bounded_batches(inbox_dsn: str, kafka_bootstrap: str) -> None:
