@@ -17,7 +17,7 @@ from outbox_relay.inbox.store import HandlerBrokeTransaction, Lease, apply_batch
 from outbox_relay.inbox.testing import TESTING_MEMBER
 from tests.integration import inbox_app
 from tests.integration.inbox_helpers import consumer_thread, effects, inbox_database, produce_events, scalar, settings
-from tests.servers import KafkaServer, create_topic, require_restartable, wait_until
+from tests.servers import KafkaServer, PgServer, create_topic, dbname_of, require_restartable, wait_until
 
 
 @pytest.fixture
@@ -125,6 +125,21 @@ def test_a_broker_that_lost_its_log_is_read_from_the_start_without_double_effect
     assert again == before[:5]
     assert applied_ids(inbox_dsn) == Counter(before + after)
     assert consumer.stats.log_resets >= 1
+
+
+def test_connections_cut_mid_stream_cost_no_attempts_and_lose_nothing(
+        inbox_dsn: str, pg_server: PgServer, kafka_bootstrap: str, kafka_topic: str) -> None:
+    first = produce_events(kafka_bootstrap, kafka_topic, [(f"k{i}", i % 4, {"n": i}) for i in range(40)])
+    with consumer_thread(settings(inbox_dsn, kafka_bootstrap, kafka_topic, max_attempts=1)) as consumer:
+        wait_until(lambda: consumer.stats.applied == 40, 30, 0.1)
+        more: list[str] = []
+        for round_ in range(3):
+            assert pg_server.terminate_backends(dbname_of(inbox_dsn)) >= 1
+            more += produce_events(kafka_bootstrap, kafka_topic,
+                                   [(f"k{i}", i % 4, {"n": i}) for i in range(100 * round_, 100 * round_ + 20)])
+        wait_until(lambda: consumer.stats.applied == 100, 60, 0.1, "all applied after the cuts")
+    assert consumer.stats.dead == 0, "a database that went away is not the message's fault"
+    assert applied_ids(inbox_dsn) == Counter(first + more)
 
 
 def test_a_restarted_consumer_finds_the_log_it_left_and_goes_on_after_it(
