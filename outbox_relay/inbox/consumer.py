@@ -81,6 +81,7 @@ class Stats:
     dead: int = 0
     retries: int = 0  # failed attempts that will be retried
     log_resets: int = 0  # partitions read again from the start (the broker lost the log)
+    gaps: int = 0  # offsets a partition skipped
 
 
 class InboxConsumer:
@@ -349,6 +350,12 @@ class InboxConsumer:
                 log.warning("%s/%d: the log ends before offset %d: the broker lost it; its messages from offset %d on "
                             "are applied unless their ce_id was", topic, partition, expected, message.offset)
                 self.stats.log_resets += 1
+        elif p.next_offset is not None and message.offset > p.next_offset:
+            # Normal under compaction and transaction markers; otherwise a broker that skipped a batch
+            # (Tansu can, while several producers write a partition): worth a line in the log.
+            self.stats.gaps += 1
+            log.info("%s/%d: offsets %d-%d were not delivered (compacted, transaction markers, or skipped by the "
+                     "broker)", topic, partition, p.next_offset, message.offset - 1)
         return message
 
     def _apply(self, p: _Partition, messages: list[InboxMessage]) -> int:

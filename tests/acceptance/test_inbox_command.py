@@ -94,5 +94,8 @@ def test_bad_input_is_named(database_factory: Callable[..., str]) -> None:
     done = cli("inbox", "run", "--dsn", dsn, "--topic", "t", "--bootstrap-servers", "127.0.0.1:1",
                "--handler", "json:loads", check=False)
     assert done.returncode == 2 and "inbox tables are missing" in done.stderr
+    done = cli("inbox", "run", "--dsn", "postgresql://nobody:secret@127.0.0.1:1/x", "--topic", "t",
+               "--bootstrap-servers", "127.0.0.1:1", "--handler", "json:loads", check=False)
+    assert done.returncode == 2 and "cannot connect to" in done.stderr and "secret" not in done.stderr
     done = cli("inbox", "dead-letters", "show", "--dsn", dsn, "--id", "1", check=False)
     assert done.returncode == 2 and "inbox tables are missing" in done.stderr
