@@ -148,6 +148,7 @@ class InboxConsumer:
         if self._kafka is not None:
             self._kafka.close()
             self._kafka = None
+        self.limit.close()
         self.partitions.clear()
 
     def _member(self) -> dict[str, Any]:
