@@ -45,7 +45,16 @@ from ..sqlfiles import query
 from .message import InboxMessage
 from .schema import check_inbox_schema, connect
 from .settings import InboxSettings
-from .store import Handler, HandlerTimeout, Lease, TimeLimit, apply_batch, dead_letter, retry_one_dead_letter
+from .store import (
+    Handler,
+    HandlerTimeout,
+    InboxStuck,
+    Lease,
+    TimeLimit,
+    apply_batch,
+    dead_letter,
+    retry_one_dead_letter,
+)
 
 log = logging.getLogger("outbox_relay.inbox")
 
@@ -130,7 +139,13 @@ class InboxConsumer:
         self.start()
         try:
             while not stop.is_set():
-                self.run_once()
+                try:
+                    self.run_once()
+                except InboxStuck:
+                    raise
+                except Exception:  # one failure never ends the consumer: log it and go on
+                    log.exception("inbox consumer: unexpected error; going on in 1s")
+                    stop.wait(1.0)
         finally:
             self.close()
 
@@ -374,6 +389,8 @@ class InboxConsumer:
             log.warning("%s", exc)
             self._drop(p)
             return 0
+        except InboxStuck:
+            raise
         except Exception as exc:
             # Nothing of the batch committed. A handler past its time limit: the messages before it
             # again, then its own failure; a database that went away: the first message waits.
@@ -475,6 +492,8 @@ class InboxConsumer:
                     done += 1
                 else:
                     log.warning("dead letter %d failed again: %s", ident, outcome)
+        except InboxStuck:
+            raise
         except HandlerTimeout as exc:
             timed_out = getattr(exc, "dead_letter_id", None)
             log.warning("dead letter %s failed again: %s", timed_out, exc)

@@ -214,7 +214,7 @@ def apply_batch(conn: psycopg.Connection[Any], lease: Lease, messages: list[Inbo
     except Exception as exc:
         _rollback(conn)
         failed_at: int | None = getattr(exc, "inbox_index", None)
-        if failed_at is None or conn.closed or conn.broken or isinstance(exc, HandlerTimeout):
+        if failed_at is None or conn.closed or conn.broken or isinstance(exc, HandlerTimeout | InboxStuck):
             raise
         before = apply_batch(conn, lease, messages[:failed_at], handler, limit) if failed_at else Batch([])
         return before if before.failure is not None else Batch(before.outcomes, exc)
@@ -279,7 +279,7 @@ def retry_one_dead_letter(conn: psycopg.Connection[Any], consumer: str, handler:
         _rollback(conn)
         if isinstance(exc, HandlerTimeout) and row is not None:
             exc.dead_letter_id = row["id"]  # type: ignore[attr-defined]  # the caller marks it on a new connection
-        if conn.closed or conn.broken or not isinstance(exc, Exception) or row is None:
+        if conn.closed or conn.broken or not isinstance(exc, Exception) or row is None or isinstance(exc, InboxStuck):
             raise
         error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
         with conn.transaction():

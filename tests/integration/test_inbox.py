@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,7 @@ from outbox_relay.errors import LeaseLost
 from outbox_relay.inbox import InboxMessage, apply_test_message, make_message, migrate_inbox
 from outbox_relay.inbox.admin import drop_dead_letters, list_dead_letters, request_retry, show_dead_letter
 from outbox_relay.inbox.consumer import InboxConsumer
-from outbox_relay.inbox.store import HandlerBrokeTransaction, Lease, apply_batch, apply_message, dead_letter
+from outbox_relay.inbox.store import HandlerBrokeTransaction, InboxStuck, Lease, apply_batch, apply_message, dead_letter
 from outbox_relay.inbox.testing import TESTING_MEMBER
 from tests.integration import inbox_app
 from tests.integration.inbox_helpers import consumer_thread, effects, inbox_database, produce_events, scalar, settings
@@ -90,6 +91,33 @@ def test_a_handler_past_its_time_limit_fails_its_attempt_and_its_writes_roll_bac
     assert [e[0] for e in effects(inbox_dsn)] == [ids[0], ids[2]]
     assert scalar(inbox_dsn, "SELECT count(*) FROM inbox_app.cured") == 2, "the slow message's write rolled back"
     assert "HandlerTimeout" in scalar(inbox_dsn, "SELECT error FROM outbox_inbox.dead_letters")
+
+
+def test_handlers_that_never_return_stop_the_consumer_and_free_its_partitions(
+        inbox_dsn: str, kafka_bootstrap: str, kafka_topic: str) -> None:
+    produce_events(kafka_bootstrap, kafka_topic, [("k", 0, {"n": 0})])
+    release = threading.Event()
+
+    def hangs(message: InboxMessage, conn: psycopg.Connection[Any]) -> None:
+        release.wait(30)
+
+    consumer = InboxConsumer(settings(inbox_dsn, kafka_bootstrap, kafka_topic, handler_timeout_seconds=0.2,
+                                      max_attempts=100), hangs)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            consumer.run(threading.Event())
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    release.set()
+    assert not thread.is_alive() and len(failed) == 1 and isinstance(failed[0], InboxStuck), failed
+    assert consumer.stats.dead == 0 and effects(inbox_dsn) == []
+    assert scalar(inbox_dsn, "SELECT count(*) FROM outbox_inbox.positions WHERE owner IS NOT NULL") == 0
 
 
 def test_two_consumers_share_the_partitions_and_one_takes_over_when_the_other_stops(
