@@ -24,6 +24,7 @@ from confluent_kafka import KafkaException
 from ..admin import DEAD_LETTERS_LIMIT, SKIPPED_ERROR
 from ..dsn import connection_problem, redact
 from ..errors import OutboxError
+from ..inbox import cli as inbox_cli
 from ..settings import RelaySettings, env_var
 from .common import (
     EXIT_ERROR,
@@ -204,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partitions", type=_int_between(1, 1000), default=3, help="the topic's partitions (1-1000)")
     p.add_argument("--kafka-port", type=_int_between(1, 65535), default=None, metavar="PORT",
                    help="the broker's port on 127.0.0.1 (default: a free one)")
+    inbox_cli.add_parser(sub)  # `outbox-relay inbox ...`: the consumer side (outbox_relay/inbox/cli.py)
     return parser
 
 
@@ -218,6 +220,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "rebuild": cmd_rebuild,
     "replay": cmd_replay,
     "dev": cmd_dev,
+    "inbox": inbox_cli.command,
 }
 
 
