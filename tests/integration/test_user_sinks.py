@@ -35,6 +35,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     run_until,
     runner_for,
     running,
+    undelivered,
 )
 from tests.servers import wait_until
 
@@ -291,3 +292,28 @@ def test_an_embedded_relay_as_a_context_manager_delivers_and_drains(dsn: str) ->
     assert not relay.running
     with pytest.raises(OutboxError, match="started already"):
         relay.start()
+
+
+def test_a_long_batch_checkpoints_what_is_delivered_while_a_slow_call_runs(
+        dsn: str, pool: ConnectionPool[Any], release: threading.Event) -> None:
+    ids = publish(dsn, [("slow", "t", {})] + [(f"k{i}", "t", {}) for i in range(20)])
+
+    def script(e: SinkEvent) -> Outcome:
+        if e.id == ids[0]:
+            release.wait(30)  # slow, not stuck: returns once the test saw the early checkpoint
+        return None
+
+    sink = ScriptedSink(script, concurrency=2)
+    adapter = EventSinkAdapter(sink)
+    adapter.partial_seconds = 0.2
+    r = runner(adapter, pool, dsn)
+    done = threading.Thread(target=run_until, args=(r, lambda: sink.ok == set(ids)), kwargs={"timeout": 40})
+    done.start()
+    try:
+        wait_until(lambda: undelivered(dsn, NAME) == 1, timeout=20,
+                   message="the other keys' events checkpointed while the slow call runs")
+        assert ids[0] not in sink.ok
+    finally:
+        release.set()
+        done.join(40)
+    assert undelivered(dsn, NAME) == 0
