@@ -341,6 +341,14 @@ class EventSinkAdapter:
                             "over (their events' attempts were counted)")
         self._over_cap = False
 
+    def problem(self, timeout: float = 2.0) -> str | None:
+        """Why the sink can not deliver now (for /readyz): it said it is unavailable, and the wait is not over."""
+        unavailable, until = self._unavailable, self._unavailable_until
+        left = until - time.monotonic()
+        if unavailable is None or left <= 0:
+            return None
+        return f"unavailable: {_reason(unavailable.reason, 'no reason given')} (its events wait, {left:.0f}s more)"
+
     def idle(self) -> None:
         """The user's ``idle()``, if it has one (runner thread, between batches)."""
         idle: Callable[[], None] | None = getattr(self.user, "idle", None)
