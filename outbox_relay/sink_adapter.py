@@ -197,6 +197,8 @@ class _Run:
             return exc
         except Exception as exc:  # the event's attempt failed; one failure never kills the lane
             return Failure(describe_error(exc))
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt from a sink's own code: charged to the
+            return Failure(describe_error(exc))  # event like any error (unrecorded, it would come back forever)
         finally:
             lane.future = None
         return outcome_of(result)
