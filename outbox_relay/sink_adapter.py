@@ -64,6 +64,9 @@ def abandoned_threads() -> int:
         return len(_abandoned)
 
 
+_ANSWERS = (Delivered, Retry, GiveUp)
+
+
 def sink_event(e: StoredEvent) -> SinkEvent | Failure:
     """The event as the user's sink is given it, or why it can not be (never retried: the row never
     changes). Rows written before migration 0005's trigger may hold headers of any JSON shape."""
@@ -143,7 +146,7 @@ class _Run:
             by_key.setdefault(e.key, []).append(e)
         self.keys: deque[list[StoredEvent]] = deque(by_key.values())
         self.outcomes: Outcomes = {}
-        self.cond = threading.Condition()
+        self.cond = threading.Condition(threading.Lock())
         self.active: set[_Lane] = set()
         self.unavailable: SinkUnavailable | None = None  # a lane's call raised it: nothing more is attempted
         self.closed = False  # a hard stop: nothing more is attempted, nothing recorded
@@ -151,33 +154,36 @@ class _Run:
         self.handler = adapter.handler()
 
     def work(self, lane: _Lane) -> None:
-        """On a lane: take keys and deliver their events in order until none is left or the run stops."""
+        """On a lane: take keys and deliver their events in order until none is left or the run stops.
+        One hold of the condition per event: record the last call's outcome and take the next event."""
+        todo: deque[StoredEvent] = deque()  # the rest of this lane's current key
+        self.cond.acquire()
         try:
-            while True:
-                with self.cond:
-                    if not self.keys or self._stopped(lane):
+            while not self._stopped(lane):
+                if not todo:
+                    if not self.keys:
                         return
-                    events = self.keys.popleft()
-                for e in events:
-                    with self.cond:
-                        if self._stopped(lane):
-                            return
-                        lane.event, lane.since = e, time.monotonic()
+                    todo.extend(self.keys.popleft())
+                e = todo.popleft()
+                lane.event, lane.since = e, time.monotonic()
+                self.cond.release()
+                try:
                     result = self._call(e, lane)
-                    with self.cond:
-                        lane.event = None
-                        if lane.detached:
-                            return  # abandoned: the runner already charged this call
-                        if isinstance(result, SinkUnavailable):
-                            self.unavailable = result
-                            return
-                        self.outcomes[e.id] = result
-                    if result is not None and result.retriable:
-                        break  # the key waits for this event's retry: its later events are not attempted
+                finally:
+                    self.cond.acquire()
+                lane.event = None
+                if lane.detached:
+                    return  # abandoned: the runner already charged this call
+                if isinstance(result, SinkUnavailable):
+                    self.unavailable = result
+                    return
+                self.outcomes[e.id] = result
+                if result is not None and result.retriable:
+                    todo.clear()  # the key waits for this event's retry: its later events are not attempted
         finally:
-            with self.cond:
-                self.active.discard(lane)
-                self.cond.notify_all()
+            self.active.discard(lane)
+            self.cond.notify_all()
+            self.cond.release()
 
     def _stopped(self, lane: _Lane) -> bool:
         return self.closed or lane.detached or self.unavailable is not None
@@ -188,7 +194,7 @@ class _Run:
             return event
         try:
             result = self.handler(event, None)
-            if inspect.isawaitable(result):
+            if result is not None and not isinstance(result, _ANSWERS) and inspect.isawaitable(result):
                 # One event loop per sink for every lane's calls, so that a client the sink keeps (an HTTP
                 # session, a connection pool) serves them all; the lane waits for its call there.
                 lane.future = _submit(self.adapter.event_loop(), _awaited(result), contextvars.copy_context())
