@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,8 @@ def command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "outbox_relay.cli"]
 
 
-def start(dsn: str, tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OUTBOX_DSN": dsn, "PYTHONPATH": str(EXAMPLES),
+def start(dsn: str, tmp_path: Path, *args: str, path: str = str(EXAMPLES)) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OUTBOX_DSN": dsn, "PYTHONPATH": path,
            "AUDIT_LOG_PATH": str(tmp_path / "audit.jsonl"), "PYTHONUNBUFFERED": "1"}
     with (tmp_path / "relay.stderr").open("wb") as err:
         return subprocess.Popen([*command(), "run", "--worker-id", "acceptance", *FAST, *args], env=env,
@@ -101,3 +102,57 @@ def test_a_relay_killed_mid_stream_loses_nothing_and_reorders_nothing(dsn: str, 
             if line["key"] == key and line["id"] not in first_seen:
                 first_seen.append(str(line["id"]))
         assert first_seen == [str(i) for i, k in zip(ids, keys, strict=True) if k == key], key
+
+
+CRASHER = '''
+import os
+
+class Crasher:
+    name, kind = "crasher", "crasher"
+
+    def __init__(self):
+        self.path = os.environ["AUDIT_LOG_PATH"]
+
+    def deliver(self, event):
+        if event.payload["n"] == 5:
+            os._exit(1)  # the whole process dies on this event, every time
+        with open(self.path, "a") as log:
+            log.write(event.payload_json + "\\n")
+
+sink = Crasher()
+'''
+
+
+def test_a_sink_that_kills_its_process_on_one_event_gets_it_dead_lettered(dsn: str, tmp_path: Path) -> None:
+    (tmp_path / "crasher.py").write_text(CRASHER)
+    publish(dsn, [("poison", "t", {"n": n}) for n in range(10)] + [("other", "t", {"n": 100})])
+    args = ["--no-kafka", "--sink", "crasher:sink", "--max-lapses", "1", "--max-attempts", "2", "--lease-seconds", "2"]
+
+    def dead() -> list[tuple[object, ...]]:
+        import psycopg
+
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            return conn.execute("SELECT attempts, last_error FROM outbox.dead_letters "
+                                "WHERE sink = 'crasher'").fetchall()
+
+    restarts = 0
+    relay: subprocess.Popen[bytes] | None = None
+    deadline = time.monotonic() + 120
+    try:
+        while not dead():  # a supervisor: start the relay again whenever it died
+            assert time.monotonic() < deadline, f"the poison event was not isolated after {restarts} restarts"
+            if relay is None or relay.poll() is not None:
+                relay = start(dsn, tmp_path, *args, "--worker-id", f"crash-{restarts}", path=str(tmp_path))
+                restarts += 1
+            time.sleep(0.2)
+        wait_until(lambda: {json.loads(line)["n"] for line in (tmp_path / "audit.jsonl").read_text().splitlines()}
+                   == {0, 1, 2, 3, 4, 6, 7, 8, 9, 100}, timeout=30, message="the rest delivered")
+    finally:
+        if relay is not None and relay.poll() is None:
+            relay.send_signal(signal.SIGTERM)
+            relay.wait(30)
+    [(attempts, error)] = dead()
+    assert attempts == 2 and "stopped while delivering this event alone" in str(error)
+    got = [json.loads(line)["n"] for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    poison = [n for n in got if n < 100]
+    assert list(dict.fromkeys(poison)) == [0, 1, 2, 3, 4, 6, 7, 8, 9] and 100 in got
