@@ -279,7 +279,10 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
             if e.parked:
                 cp.done.append(e)
         else:
-            cp.park.append((e, attempts, backoff.delay(attempts), outcome.error))
+            delay = backoff.delay(attempts)
+            if outcome.retry_after is not None:
+                delay = max(delay, outcome.retry_after)
+            cp.park.append((e, attempts, delay, outcome.error))
             hold.hold(e.key)
     return cp
 
@@ -794,6 +797,9 @@ class SinkRunner:
                     held += 1
         if held:
             self.observer.held(self.sink.name, held)
+        if delivered or dead:
+            self.observer.checkpointed(self.sink.name, delivered=[e.id for e in delivered],
+                                       dead=[e.id for e, _, _ in dead])
         if delivered or retried or dead:
             at = cp.landed_at
             ages = [(at - e.stored_at).total_seconds() for e in delivered if at and e.stored_at]
