@@ -74,6 +74,9 @@ class Checkpoint:
     done: list[StoredEvent] = field(default_factory=list)  # parked events that left the park
     dead: list[tuple[StoredEvent, int, str]] = field(default_factory=list)  # attempts, error
     resets: set[int] = field(default_factory=set)  # buckets that proved healthy: lapses back to 0
+    # Buckets of ``advance`` whose cursor is not written now, only fenced (the runner writes it later:
+    # SinkRunner._deferrable). Only in a checkpoint that moves cursors only.
+    defer: set[int] = field(default_factory=set)
     delivered: list[StoredEvent] = field(default_factory=list)  # what the sink delivered (for observers)
     landed_at: datetime | None = None  # the database's clock when the checkpoint was written (set by it)
 
@@ -101,7 +104,9 @@ class Checkpoint:
             "resets": [b in self.resets for b in buckets],
         }
         if self.moves_only:
-            return moves
+            return {**moves, "writes": [b not in self.defer for b in buckets]}
+        if self.defer:
+            raise ValueError("a checkpoint that parks, unparks or dead-letters writes every cursor it moves")
         return {
             **moves,
             "park_buckets": [e.bucket for e, *_ in self.park],

@@ -51,6 +51,9 @@ def make_settings(dsn: str, worker_id: str, **overrides: Any) -> RelaySettings:
         "backoff_max_seconds": 0.05,
         "listen": False,
         "drain_seconds": 20.0,
+        # Deferred cursor writes of sinks without a transaction of their own (test_cursor_writes.py):
+        # exercised, but written soon, so that tests that wait for the stored cursors do not wait long.
+        "cursor_flush_seconds": 0.2,
     }
     values.update(overrides)
     return RelaySettings(dsn=dsn, worker_id=worker_id, **values)
