@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -91,7 +92,15 @@ class HeldXmin(Bench):
 
     def start_relays(self, n: int, dsn: str, topic: str, tag: str, extra: Sequence[str] = (),
                      projections: bool = False) -> list[tuple[str, Any]]:
-        return super().start_relays(n, dsn, topic, tag, [*extra, *self.variant_args], projections)
+        if self.variant_src is None:
+            return super().start_relays(n, dsn, topic, tag, [*extra, *self.variant_args], projections)
+        # `python -m` puts the working directory first on sys.path: start them from that tree.
+        here = os.getcwd()
+        os.chdir(self.variant_src)
+        try:
+            return super().start_relays(n, dsn, topic, tag, [*extra, *self.variant_args], projections)
+        finally:
+            os.chdir(here)
 
     def relay_env(self, dsn: str, projections: bool = False) -> dict[str, str]:  # type: ignore[override]
         env = super().relay_env(dsn, projections)
