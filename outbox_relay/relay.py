@@ -791,6 +791,7 @@ class SinkRunner:
 
     def _checkpoint(self, cp: Checkpoint, tx: Conn | None) -> set[int]:
         """Write ``cp`` in the sink's transaction ``tx``, or on its own; returns the buckets whose fence held."""
+        cp.lease_seconds = self.settings.lease_seconds
         try:
             ok = (store.checkpoint(tx, self.sink.name, self.worker, cp) if tx is not None
                   else self._checkpoint_alone(cp))
@@ -966,6 +967,7 @@ class _BatchCommit:
     async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]:
         r = self.runner
         cp = self._plan(outcomes)
+        cp.lease_seconds = r.settings.lease_seconds
         try:
             written = await store.acheckpoint(tx, r.sink.name, r.worker, cp)
         except psycopg.Error as exc:

@@ -77,6 +77,9 @@ class Checkpoint:
     # Buckets of ``advance`` whose cursor is not written now, only fenced (the runner writes it later:
     # SinkRunner._deferrable). Only in a checkpoint that moves cursors only.
     defer: set[int] = field(default_factory=set)
+    # A checkpoint that moves cursors only renews the leases of the rows it writes for this long (the
+    # runner's lease_seconds; None: the leases stay as they are).
+    lease_seconds: float | None = None
     delivered: list[StoredEvent] = field(default_factory=list)  # what the sink delivered (for observers)
     landed_at: datetime | None = None  # the database's clock when the checkpoint was written (set by it)
 
@@ -104,7 +107,7 @@ class Checkpoint:
             "resets": [b in self.resets for b in buckets],
         }
         if self.moves_only:
-            return {**moves, "writes": [b not in self.defer for b in buckets]}
+            return {**moves, "writes": [b not in self.defer for b in buckets], "lease_seconds": self.lease_seconds}
         if self.defer:
             raise ValueError("a checkpoint that parks, unparks or dead-letters writes every cursor it moves")
         return {

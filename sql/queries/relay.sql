@@ -183,7 +183,9 @@ moved AS (
         after_xid   = CASE WHEN v.seen IS NULL THEN c.after_xid ELSE v.after_xid::xid8 END,
         after_seq   = CASE WHEN v.seen IS NULL THEN c.after_seq ELSE v.after_seq END,
         lapses      = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
-        advanced_at = clock_timestamp()
+        advanced_at = clock_timestamp(),
+        -- The row is written anyway: the lease is renewed with it, so that renew_leases need not write it.
+        lease_expires_at = greatest(c.lease_expires_at, clock_timestamp() + make_interval(secs => %(lease_seconds)s::float8))
     FROM v
     WHERE v.write AND c.sink = %(sink)s AND c.bucket = v.bucket
       AND c.owner = %(worker)s AND c.fence = v.fence

@@ -151,3 +151,23 @@ def test_a_relay_fenced_out_while_its_cursor_write_waits_writes_nothing(dsn: str
     assert writes(dsn) == 0
     after = cursor_row(dsn, BUCKET)
     assert after["cursor"] == before["cursor"] and after["fence"] == before["fence"] + 1
+
+
+def test_a_renewal_leaves_a_lease_a_cursor_write_just_extended_alone(dsn: str, pool: ConnectionPool[Any]) -> None:
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    other = BUCKET + 1
+    sink = RecordingSink("worker-a", kind="kafka")
+    runner = runner_for(sink, pool, make_settings(dsn, "worker-a", cursor_flush_seconds=0), {BUCKET, other})
+    runner.run_once()
+    deliver_one_by_one(dsn, runner, sink, key, 1)  # writes BUCKET's cursor, and its lease with it
+    with psycopg.connect(dsn, autocommit=True) as conn:  # OTHER's lease has run for a while
+        conn.execute("UPDATE outbox.cursors SET lease_expires_at = clock_timestamp() + interval '10 s' "
+                     "WHERE sink = %s AND bucket = %s", (SINK, other))
+    log_writes(dsn)
+    runner.renew()
+    assert runner.leases.snapshot().keys() == {BUCKET, other}, "both still held"
+    assert (writes(dsn, BUCKET), writes(dsn, other)) == (0, 1), "only the lease that was not fresh is written"
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a new owner's fence
+        conn.execute("UPDATE outbox.cursors SET fence = fence + 1 WHERE sink = %s AND bucket = %s", (SINK, BUCKET))
+    runner.renew()
+    assert runner.leases.snapshot().keys() == {other}, "a fresh lease under another fence is lost all the same"
