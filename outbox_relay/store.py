@@ -95,7 +95,7 @@ class Checkpoint:
     def params(self, sink: str, worker: str) -> dict[str, Any]:
         buckets = sorted(self.fences)
         cursors = [self.advance[b].params() if b in self.advance else (None, None, None, None) for b in buckets]
-        moves = {
+        moves: dict[str, Any] = {
             "sink": sink,
             "worker": worker,
             "buckets": buckets,
@@ -106,10 +106,12 @@ class Checkpoint:
             "after_seqs": [c[3] for c in cursors],
             "resets": [b in self.resets for b in buckets],
         }
-        if self.moves_only:
-            return {**moves, "writes": [b not in self.defer for b in buckets], "lease_seconds": self.lease_seconds}
-        if self.defer:
+        if self.defer and not self.moves_only:
             raise ValueError("a checkpoint that parks, unparks or dead-letters writes every cursor it moves")
+        moves["writes"] = [b not in self.defer for b in buckets]
+        moves["lease_seconds"] = self.lease_seconds
+        if self.moves_only:
+            return moves
         return {
             **moves,
             "park_buckets": [e.bucket for e, *_ in self.park],
