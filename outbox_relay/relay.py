@@ -312,8 +312,9 @@ class SinkRunner:
         self.park_changed = threading.Event()  # set by the listener (PARKED_NOTICE), cleared by the runner
         # Runner thread only:
         self._cursors: dict[int, Cursor] = {}  # held bucket -> its cursor as written in outbox.cursors
-        # Held buckets whose read cursor passed an empty delta (nothing to deliver there): written
-        # with the next checkpoint of the bucket, or by ``_flush_ahead`` every few seconds.
+        # Held buckets whose read cursor is ahead of the stored one: it passed an empty delta (nothing to
+        # deliver there), or a delivered batch whose cursor write was deferred (``_owed``). Written with
+        # the next written checkpoint of the bucket, by ``_flush_owed``, or by ``_flush_ahead``.
         self._ahead: dict[int, Cursor] = {}
         self._flushed_at = time.monotonic()
         # Bounded checkpoint writes (``_deferrable``): held bucket -> monotonic time its cursor row was last
