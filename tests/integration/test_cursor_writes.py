@@ -17,6 +17,9 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from outbox_relay import store
+from outbox_relay.relay import SinkRunner
+from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     SINK,
     RecordingSink,
@@ -171,3 +174,30 @@ def test_a_renewal_leaves_a_lease_a_cursor_write_just_extended_alone(dsn: str, p
         conn.execute("UPDATE outbox.cursors SET fence = fence + 1 WHERE sink = %s AND bucket = %s", (SINK, BUCKET))
     runner.renew()
     assert runner.leases.snapshot().keys() == {other}, "a fresh lease under another fence is lost all the same"
+
+
+def test_a_projection_writes_its_cursor_with_every_batch(dsn: str, pool: ConnectionPool[Any]) -> None:
+    """G7: a projection's checkpoint commits with its read-model writes, whatever cursor_flush_seconds says."""
+    from tests.integration.test_projections import setup_tables, totals_projection
+
+    setup_tables(dsn)
+    sink = ProjectionSink(totals_projection("totals_cursor_writes"), dsn, lease_seconds=30.0)
+    try:
+        with pool.connection() as conn:
+            store.register_sink(conn, sink.name, sink.kind)
+        runner = SinkRunner(sink, pool, make_settings(dsn, "worker-a", cursor_flush_seconds=60.0))
+        runner.desired = {BUCKET}
+        runner.run_once()
+        log_writes(dsn)
+        [key] = keys_in_bucket(dsn, BUCKET, 1)
+        for n in range(1, 4):
+            publish(dsn, [(key, "OrderPlaced", {"customer": key})])
+
+            def applied(n: int = n) -> bool:
+                return int(fetch_all(dsn, "SELECT count(*) FROM applied_log")[0][0]) == n
+
+            run_until(runner, applied)
+            assert undelivered(dsn, sink.name) == 0, "the cursor row moved with the batch"
+        assert writes(dsn) == 3
+    finally:
+        sink.close()
