@@ -63,7 +63,8 @@ class Commit(Protocol):
 
     A sink with its own transaction (a projection) passes it, so that its writes and the
     checkpoint commit together; if a bucket's fence did not hold, ``LeaseLost`` is raised
-    inside that transaction so that it rolls back. Others pass None.
+    inside that transaction so that it rolls back. Others pass None: they have delivered already, so
+    the fence is checked now and the cursor row may be written later (``cursor_flush_seconds``).
     """
 
     def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]: ...

@@ -98,7 +98,8 @@ CREATE TABLE outbox.sinks (
 );
 
 -- One row per (sink, bucket): what it delivered there plus the lease on the bucket.
--- Updated once per batch, so keep it HOT-friendly: no index on mutable columns.
+-- Updated by a projection's every batch and a Kafka sink's at most every cursor_flush_seconds (relay.advance),
+-- so keep it HOT-friendly: no index on mutable columns.
 CREATE TABLE outbox.cursors (
     sink             text        NOT NULL,
     bucket           integer     NOT NULL CONSTRAINT cursors_bucket_valid CHECK (bucket >= 0 AND bucket < 256),

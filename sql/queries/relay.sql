@@ -165,39 +165,68 @@ SELECT EXISTS (SELECT 1 FROM outbox.parked p
 -- Commit one batch's outcome that only moves cursors (nothing to park, unpark or dead-letter: most
 -- batches), fenced as in checkpoint below, whose first step this is; the caller learns which buckets
 -- made it. A statement of its own: the whole checkpoint opens the park and the dead letters every time.
-UPDATE outbox.cursors c
-SET snapshot    = coalesce(v.seen::pg_snapshot, c.snapshot),
-    target      = CASE WHEN v.seen IS NULL THEN c.target ELSE v.target::pg_snapshot END,
-    after_xid   = CASE WHEN v.seen IS NULL THEN c.after_xid ELSE v.after_xid::xid8 END,
-    after_seq   = CASE WHEN v.seen IS NULL THEN c.after_seq ELSE v.after_seq END,
-    lapses      = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
-    advanced_at = clock_timestamp()
-FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(seen)s::text[], %(targets)s::text[],
-            %(after_xids)s::text[], %(after_seqs)s::bigint[], %(resets)s::boolean[])
-     AS v(bucket, fence, seen, target, after_xid, after_seq, reset)
-WHERE c.sink = %(sink)s AND c.bucket = v.bucket
-  AND c.owner = %(worker)s AND c.fence = v.fence
-  AND c.lease_expires_at > clock_timestamp()
-RETURNING c.bucket, clock_timestamp();
+-- A bucket whose cursor write the caller defers (``writes`` false: a sink without a transaction of its
+-- own, its cursor written recently) gets the same fence check as a read: a write per batch would leave a
+-- dead row version per batch while a long transaction holds vacuum back.
+WITH v AS (
+    -- One row per bucket of the batch.
+    SELECT *
+    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(seen)s::text[], %(targets)s::text[],
+                %(after_xids)s::text[], %(after_seqs)s::bigint[], %(resets)s::boolean[], %(writes)s::boolean[])
+         AS v(bucket, fence, seen, target, after_xid, after_seq, reset, write)
+),
+moved AS (
+    -- The buckets written now: the fence check and the cursor advance in one step.
+    UPDATE outbox.cursors c
+    SET snapshot    = coalesce(v.seen::pg_snapshot, c.snapshot),
+        target      = CASE WHEN v.seen IS NULL THEN c.target ELSE v.target::pg_snapshot END,
+        after_xid   = CASE WHEN v.seen IS NULL THEN c.after_xid ELSE v.after_xid::xid8 END,
+        after_seq   = CASE WHEN v.seen IS NULL THEN c.after_seq ELSE v.after_seq END,
+        lapses      = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
+        advanced_at = clock_timestamp(),
+        -- The row is written anyway: the lease is renewed with it, so that renew_leases need not write it.
+        lease_expires_at = greatest(c.lease_expires_at,
+                                    clock_timestamp() + make_interval(secs => %(lease_seconds)s::float8))
+    FROM v
+    WHERE v.write AND c.sink = %(sink)s AND c.bucket = v.bucket
+      AND c.owner = %(worker)s AND c.fence = v.fence
+      AND c.lease_expires_at > clock_timestamp()
+    RETURNING c.bucket
+)
+SELECT bucket, clock_timestamp() FROM moved
+UNION ALL
+-- The deferred ones: only the fence check (no row version).
+SELECT c.bucket, clock_timestamp()
+FROM v
+JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = v.bucket
+WHERE NOT v.write AND c.owner = %(worker)s AND c.fence = v.fence
+  AND c.lease_expires_at > clock_timestamp();
 
 -- name: checkpoint
 -- Commit one batch's outcome, fenced: for the buckets still leased under the same token, advance
 -- cursors, park or reschedule failures, drop finished parked rows and record dead letters.
 -- Buckets whose lease was lost get nothing; the caller learns which buckets made it.
-WITH fenced AS (
+WITH v AS (
+    -- One row per bucket of the batch.
+    SELECT *
+    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(seen)s::text[], %(targets)s::text[],
+                %(after_xids)s::text[], %(after_seqs)s::bigint[], %(resets)s::boolean[], %(writes)s::boolean[])
+         AS v(bucket, fence, seen, target, after_xid, after_seq, reset, write)
+),
+fenced AS (
     -- The fence check and the cursor advance in one step (a NULL seen: the bucket's cursor stays).
     UPDATE outbox.cursors c
     SET snapshot    = coalesce(v.seen::pg_snapshot, c.snapshot),
         target      = CASE WHEN v.seen IS NULL THEN c.target ELSE v.target::pg_snapshot END,
         after_xid   = CASE WHEN v.seen IS NULL THEN c.after_xid ELSE v.after_xid::xid8 END,
         after_seq   = CASE WHEN v.seen IS NULL THEN c.after_seq ELSE v.after_seq END,
-        -- The runner says when a bucket proved healthy (crash-loop isolation ends).
         lapses      = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
-        advanced_at = clock_timestamp()
-    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(seen)s::text[], %(targets)s::text[],
-                %(after_xids)s::text[], %(after_seqs)s::bigint[], %(resets)s::boolean[])
-         AS v(bucket, fence, seen, target, after_xid, after_seq, reset)
-    WHERE c.sink = %(sink)s AND c.bucket = v.bucket
+        advanced_at = clock_timestamp(),
+        -- The row is written anyway: the lease is renewed with it, so that renew_leases need not write it.
+        lease_expires_at = greatest(c.lease_expires_at,
+                                    clock_timestamp() + make_interval(secs => %(lease_seconds)s::float8))
+    FROM v
+    WHERE v.write AND c.sink = %(sink)s AND c.bucket = v.bucket
       AND c.owner = %(worker)s AND c.fence = v.fence
       AND c.lease_expires_at > clock_timestamp()
     RETURNING c.bucket

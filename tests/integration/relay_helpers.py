@@ -9,6 +9,7 @@ events it is told to fail.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import uuid
@@ -51,6 +52,9 @@ def make_settings(dsn: str, worker_id: str, **overrides: Any) -> RelaySettings:
         "backoff_max_seconds": 0.05,
         "listen": False,
         "drain_seconds": 20.0,
+        # Every batch writes its cursor row, so that a test can read the stored cursor right after a batch.
+        # test_cursor_writes.py tests deferred writes; OUTBOX_TEST_CURSOR_FLUSH_SECONDS runs any test with them.
+        "cursor_flush_seconds": float(os.environ.get("OUTBOX_TEST_CURSOR_FLUSH_SECONDS", "0")),
     }
     values.update(overrides)
     return RelaySettings(dsn=dsn, worker_id=worker_id, **values)
