@@ -90,7 +90,8 @@ WebhookUrl = Annotated[str | None, Field(
 WebhookSink = Annotated[str, Field(
     min_length=1, max_length=63, description="sink name of the webhook delivery (its own cursors)")]
 WebhookSecretText = Annotated[SecretStr | None, Field(
-    description="the webhook signing secret, whsec_<base64> (prefer --webhook-secret-file; never logged)"),
+    description="the webhook signing secret, whsec_<base64> (environment only, or --webhook-secret-file; never "
+                "logged)"),
     AfterValidator(_webhook_secret)]
 WebhookSecretFile = Annotated[Path | None, Field(
     description="read the webhook signing secret (whsec_<base64>) from this file")]
@@ -102,7 +103,7 @@ WebhookTimeout = Annotated[float, Field(
 WebhookConcurrency = Annotated[int, Field(
     ge=1, le=1024, description="webhook: keys delivered at once (each key stays in order)")]
 WebhookTopics = Annotated[list[str], NoDecode, Field(
-    description="webhook: only events of these topics (repeatable; in the environment: comma-separated; none: all)"),
+    description="webhook: only events of these topics (comma-separated; none: all)"),
     BeforeValidator(_names), AfterValidator(_topics)]
 WebhookCaFile = Annotated[Path | None, Field(
     description="webhook: trust the receiver's certificate from this CA file (PEM) instead of the system's")]

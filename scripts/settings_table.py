@@ -45,6 +45,8 @@ def _flag(name: str, field: Any) -> str:
         return "`--kafka-option KEY=VALUE` (repeatable; `KEY=@PATH` reads the value from a file)"
     if name == "projection":
         return "`--projection NAME` (repeatable)"
+    if name == "webhook_secret":
+        return "(environment only)"
     flag = "--" + name.replace("_", "-")
     if field.annotation is bool:
         return f"`{flag}` / `--no-{name.replace('_', '-')}`"
