@@ -7,6 +7,7 @@ use) and records what it got; ``respond`` decides each answer (status, headers, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import ssl
 import subprocess
@@ -31,6 +32,11 @@ class Received:
     at: float
     verified: str | None  # the webhook-id if the signature verified, else None
     connection: int  # which TCP connection it came on (1, 2, ...)
+    status: int | None = None  # what the receiver answered (None: it cut the connection)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
 
     @property
     def id(self) -> str:
@@ -59,7 +65,7 @@ Respond = Callable[[Received, int], Reply]  # (request, how many times this webh
 
 class Receiver:
     def __init__(self, respond: Respond | None = None, secret: str = SECRET,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, port: int = 0) -> None:
         self.respond: Respond = respond or (lambda _r, _n: Reply())
         self.secret = secret
         self.received: list[Received] = []
@@ -94,7 +100,7 @@ class Receiver:
                 if reply.delay:
                     time.sleep(reply.delay)
                 with receiver.got:
-                    receiver.received.append(request)
+                    receiver.received.append(dataclasses.replace(request, status=None if reply.close else reply.status))
                     receiver.got.notify_all()
                 if reply.close:
                     self.close_connection = True
@@ -109,7 +115,7 @@ class Receiver:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         if tls is not None:
             self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
@@ -145,7 +151,12 @@ class Receiver:
 
     def ok_ids(self) -> set[str]:
         """The webhook-ids answered 2xx at least once (what the receiver applied, deduped)."""
-        return {r.id for r in self.received if r.verified}
+        with self.lock:
+            return {r.id for r in self.received if r.ok and r.verified}
+
+    def accepted(self) -> list[Received]:
+        with self.lock:
+            return [r for r in self.received if r.ok]
 
 
 @contextlib.contextmanager
