@@ -118,6 +118,8 @@ def _add_setting(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -
         parser.add_argument(option, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     elif name == "projection":
         parser.add_argument(option, dest=name, action="append", metavar="NAME", default=None, help=help_text)
+    elif name == "sink":
+        parser.add_argument(option, dest=name, action="append", metavar="MODULE:ATTR", default=None, help=help_text)
     elif name == "kafka_config":
         parser.add_argument("--kafka-option", dest=name, action="append", metavar="KEY=VALUE", default=None,
                             help="librdkafka setting, repeatable (TLS/SASL pass through); KEY=@PATH reads the value "

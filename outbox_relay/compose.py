@@ -7,17 +7,23 @@ neither. Dependencies run one way: compose -> sinks (kafka_sink, projections) ->
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
+from .errors import ConfigurationError
 from .housekeeping import application_name
 from .kafka_sink import KafkaSink
 from .observer import NULL_OBSERVER, Observer, Observers
 from .settings import RelaySettings
 from .sink import Sink
+from .sink_adapter import EventSinkAdapter
+from .sinks import EventSink, check_sink
 from .worker import Worker
 
 
 def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER) -> list[Sink]:
-    """The Kafka sink (unless ``kafka`` is off) and each ``projection`` named in the settings, reporting
-    to ``observer`` (producer replacements; a projection's handler calls, for tracing)."""
+    """The Kafka sink (unless ``kafka`` is off), each ``projection`` and each user ``sink`` named in the
+    settings, reporting to ``observer`` (producer replacements; handler calls, for tracing)."""
     s = settings
     sinks: list[Sink] = []
     if s.kafka:
@@ -38,7 +44,50 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER) -
                                   handler_timeout_seconds=s.handler_timeout_seconds)
             sink.observer = observer
             sinks.append(sink)
+    for spec in s.sink:
+        adapter = EventSinkAdapter(load_sink(spec), handler_timeout_seconds=s.handler_timeout_seconds,
+                                   where=f"--sink {spec}")
+        adapter.observer = observer
+        sinks.append(adapter)
+    names = [made.name for made in sinks]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        for made in sinks:
+            made.close()
+        raise ConfigurationError(f"two sinks of this relay have the name {', '.join(map(repr, twice))} (each sink "
+                                 "has its own name: its cursors, dead letters and metrics); sinks: "
+                                 + ", ".join(f"{made.name} ({made.kind})" for made in sinks))
     return sinks
+
+
+def load_sink(spec: str) -> EventSink:
+    """The sink ``MODULE:ATTR`` names: the attribute itself, or what calling it (no arguments) returns.
+    ConfigurationError says which part is wrong: the module, the attribute, the object."""
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise ConfigurationError(f"--sink {spec}: expected MODULE:ATTR (e.g. myapp.sinks:audit)")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):  # not one it imports
+            raise ConfigurationError(f"--sink {spec}: no module named {missing!r} (is it installed, or on "
+                                     "PYTHONPATH?)") from None
+        raise ConfigurationError(f"--sink {spec}: importing module {module_name!r} failed: {exc}") from None
+    except Exception as exc:  # the module itself raised while it was imported
+        raise ConfigurationError(f"--sink {spec}: importing module {module_name!r} failed: "
+                                 f"{type(exc).__name__}: {exc}") from None
+    try:
+        found: Any = getattr(module, attr)
+    except AttributeError:
+        raise ConfigurationError(f"--sink {spec}: module {module_name!r} has no attribute {attr!r}") from None
+    if not hasattr(found, "deliver") and callable(found):
+        try:
+            found = found()
+        except Exception as exc:
+            raise ConfigurationError(f"--sink {spec}: calling {attr}() to make the sink failed: "
+                                     f"{type(exc).__name__}: {exc}") from None
+    return check_sink(found, f"--sink {spec}")
 
 
 def build_worker(settings: RelaySettings) -> Worker:

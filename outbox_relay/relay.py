@@ -278,7 +278,10 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
             if e.parked:
                 cp.done.append(e)
         else:
-            cp.park.append((e, attempts, backoff.delay(attempts), outcome.error))
+            delay = backoff.delay(attempts)
+            if outcome.retry_after is not None:
+                delay = max(delay, outcome.retry_after)
+            cp.park.append((e, attempts, delay, outcome.error))
             hold.hold(e.key)
     return cp
 

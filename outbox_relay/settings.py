@@ -196,6 +196,10 @@ class RelaySettings(BaseSettings):
         description="module (or module:attribute) that declares the projections, e.g. myapp.read_models")
     projection: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="run this projection (repeatable; in the environment: comma-separated)")
+    sink: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="run your own sink, MODULE:ATTR: an EventSink (outbox_relay.sinks) or a zero-argument callable "
+                    "returning one (repeatable; in the environment: separated by commas or spaces)")
     source: str = Field("outbox-relay", min_length=1, max_length=1000, description="CloudEvents ce_source header value")
 
     # the webhook sink (outbox_relay.webhook), on when webhook_url is set
@@ -260,9 +264,10 @@ class RelaySettings(BaseSettings):
                     "exits at most HARD_STOP_SECONDS (5) later even if a sink is blocked (exit 5)")
     handler_timeout_seconds: float = Field(
         30.0, ge=0.1, le=3600,
-        description="a projection handler that has not returned after this long is abandoned (its transaction "
-                    "ended) and charged to its event as a failed attempt; a sink that has not checked its stop "
-                    "flag for this long counts as stuck: it gives its buckets up and /readyz says so")
+        description="a projection handler (or a user sink's deliver) that has not returned after this long is "
+                    "abandoned (its transaction ended) and charged to its event as a failed attempt; a sink that has "
+                    "not checked its stop flag for this long counts as stuck: it gives its buckets up and /readyz "
+                    "says so")
 
     # history
     retention_seconds: float = Field(7 * DAY, ge=0, le=3650 * DAY, description="keep delivered events this long")
@@ -314,6 +319,25 @@ class RelaySettings(BaseSettings):
         for name in value:
             if not SINK_NAME.match(name):
                 raise ValueError(f"{name[:64]!r} is not a projection name (a-z 0-9 _, starting with a letter)")
+        return value
+
+    @field_validator("sink", mode="before")
+    @classmethod
+    def _sink_specs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list | tuple):
+            return [spec for item in value for spec in re.split(r"[\s,]+", str(item)) if spec]
+        return value
+
+    @field_validator("sink")
+    @classmethod
+    def _sink_spec(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            if not MODULE_SPEC.match(spec) or ":" not in spec:
+                raise ValueError(f"{spec[:100]!r} is not MODULE:ATTR (e.g. myapp.sinks:audit)")
+        if len(set(value)) != len(value):
+            raise ValueError(f"a sink is named twice: {value}")
         return value
 
     @field_validator("kafka_config")

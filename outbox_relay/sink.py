@@ -29,6 +29,9 @@ class Failure:
     # that denies it): the event waits this many seconds, parked like a retry but counting no
     # attempt, so a condition that lasts never dead-letters good events.
     hold_seconds: float | None = None
+    # A retry that must wait at least this long (a user sink's ``Retry(after_seconds=...)``, e.g. an
+    # HTTP Retry-After): the park lasts the longer of this and the relay's backoff.
+    retry_after: float | None = None
 
 
 # Per event id: None = delivered, Failure = failed; an id that is absent was not attempted.

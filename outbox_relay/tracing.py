@@ -195,7 +195,7 @@ class TracingObserver(Observer):
                 "cloudevents.event_type": event.type,
                 "outbox_relay.sink": sink,
                 "outbox_relay.attempt": event.attempt,
-                "outbox_relay.replay": event.replay,
+                "outbox_relay.replay": getattr(event, "replay", False),
             }
             if event.topic:
                 attributes["messaging.destination.name"] = event.topic

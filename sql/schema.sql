@@ -86,7 +86,8 @@ CREATE TABLE outbox.workers (
 CREATE TABLE outbox.sinks (
     name       text        NOT NULL
                CONSTRAINT sinks_name_valid CHECK (name ~ '^[a-z0-9][a-z0-9_.:-]{0,62}$'),
-    kind       text        NOT NULL CONSTRAINT sinks_kind_valid CHECK (kind IN ('kafka', 'projection')),
+    -- 0013: any short kind (a user's own sink registers under its own kind).
+    kind       text        NOT NULL CONSTRAINT sinks_kind_valid CHECK (kind ~ '^[a-z][a-z0-9_]{0,31}$'),
     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     -- 0005: set by `sinks drop` (a tombstone: relays refuse to register the sink again).
     dropped_at timestamptz,
@@ -443,4 +444,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (9, 'park_order', NULL),
     (10, 'quiet_producers', NULL),
     (11, 'history_watermark', NULL),
-    (12, 'event_versions', NULL);
+    (12, 'event_versions', NULL),
+    (13, 'sink_kinds', NULL);
