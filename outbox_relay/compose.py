@@ -49,6 +49,13 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER) -
                                    where=f"--sink {spec}")
         adapter.observer = observer
         sinks.append(adapter)
+    if s.webhook_url:
+        from .webhook import from_settings as webhook_from_settings
+
+        webhook = EventSinkAdapter(webhook_from_settings(s), handler_timeout_seconds=s.handler_timeout_seconds,
+                                   where="--webhook-url")
+        webhook.observer = observer
+        sinks.append(webhook)
     names = [made.name for made in sinks]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:

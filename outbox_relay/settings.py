@@ -101,7 +101,7 @@ WebhookTimeout = Annotated[float, Field(
     ge=0.01, le=3600, description="webhook: seconds to wait for the response (each read) before the attempt is "
                                   "retried")]
 WebhookConcurrency = Annotated[int, Field(
-    ge=1, le=1024, description="webhook: keys delivered at once (each key stays in order)")]
+    ge=1, le=256, description="webhook: keys delivered at once (each key stays in order)")]
 WebhookTopics = Annotated[list[str], NoDecode, Field(
     description="webhook: only events of these topics (comma-separated; none: all)"),
     BeforeValidator(_names), AfterValidator(_topics)]

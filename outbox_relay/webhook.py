@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .dsn import redact, remember_secret
 from .errors import ConfigurationError, OutboxError
-from .sinks import Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
+from .sinks import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
 
 if TYPE_CHECKING:
     from .settings import RelaySettings, WebhookSettings
@@ -269,8 +269,8 @@ class WebhookSink:
             raise ConfigurationError("webhook timeouts must be more than 0 and at most 3600 seconds")
         self.connect_timeout_seconds = connect_timeout_seconds
         self.timeout_seconds = timeout_seconds
-        if not 1 <= concurrency <= 1024:
-            raise ConfigurationError("webhook concurrency must be 1-1024 (keys delivered at once)")
+        if not 1 <= concurrency <= MAX_CONCURRENCY:
+            raise ConfigurationError(f"webhook concurrency must be 1-{MAX_CONCURRENCY} (keys delivered at once)")
         self.concurrency = concurrency
         self.topics = frozenset(topics) if topics is not None else None
         self.types = frozenset(types) if types is not None else None
