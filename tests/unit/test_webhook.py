@@ -386,6 +386,25 @@ def test_from_env(monkeypatch: pytest.MonkeyPatch, receiver: Receiver) -> None:
         from_env()
 
 
+def test_the_sink_option_loads_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # outbox-relay run --sink outbox_relay.webhook:from_env: the factory is called, the result checked
+    from outbox_relay.compose import load_sink
+
+    monkeypatch.setenv("OUTBOX_WEBHOOK_URL", "https://example.com/hook")
+    monkeypatch.setenv("OUTBOX_WEBHOOK_SECRET", SECRET)
+    sink = load_sink("outbox_relay.webhook:from_env")
+    assert isinstance(sink, WebhookSink) and (sink.name, sink.kind) == ("webhook", "webhook")
+
+
+def test_generating_a_secret(capsys: pytest.CaptureFixture[str]) -> None:
+    from outbox_relay.webhook import _main
+
+    assert _main(["secret"]) == 0
+    text = capsys.readouterr().out.strip()
+    assert text.startswith("whsec_") and WebhookSecret(text).signature("a", 1, b"") != WebhookSecret(
+        WebhookSecret.generate()).signature("a", 1, b"")
+
+
 def test_the_two_settings_models_agree() -> None:
     # RelaySettings (outbox-relay run --webhook-*) and WebhookSettings (from_env) share each field
     ours = {n: f for n, f in RelaySettings.model_fields.items() if n.startswith("webhook_")}
