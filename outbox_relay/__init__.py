@@ -2,7 +2,7 @@
 
 Producers: ``Outbox().publish(conn, ...)`` inside the business transaction. Importing this package
 loads neither the relay engine nor confluent-kafka.
-Relays: the ``outbox-relay`` command, or ``outbox_relay.compose.build_worker(RelaySettings(...)).run()``.
+Relays: the ``outbox-relay`` command, or ``Relay(RelaySettings(...), sinks=[...]).start()`` in your process.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -15,6 +15,7 @@ from .publish import Outbox, Published
 from .settings import RelaySettings
 
 if TYPE_CHECKING:
+    from .embedding import Relay
     from .worker import Worker
 
 
@@ -24,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from .worker import Worker
 
         return Worker
+    if name == "Relay":
+        from .embedding import Relay
+
+        return Relay
     raise AttributeError(f"module 'outbox_relay' has no attribute {name!r}")
 
 
@@ -35,6 +40,7 @@ __all__ = [
     "Outbox",
     "OutboxError",
     "Published",
+    "Relay",
     "RelaySettings",
     "SchemaError",
     "Worker",

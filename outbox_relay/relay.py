@@ -796,6 +796,9 @@ class SinkRunner:
                     held += 1
         if held:
             self.observer.held(self.sink.name, held)
+        if delivered or dead:
+            self.observer.checkpointed(self.sink.name, delivered=[e.id for e in delivered],
+                                       dead=[e.id for e, _, _ in dead])
         if delivered or retried or dead:
             at = cp.landed_at
             ages = [(at - e.stored_at).total_seconds() for e in delivered if at and e.stored_at]

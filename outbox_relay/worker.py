@@ -122,7 +122,7 @@ class Worker:
         dsn = s.dsn.get_secret_value()
         sinks = self._sinks
         if not sinks:
-            raise ConfigurationError("no sink to run: enable --kafka or name a --projection")
+            raise ConfigurationError("no sink to run: enable --kafka, name a --projection or a --sink")
         for service in self.services:  # first: a health endpoint answers (503) while the database is away
             service.start()
         # One connection for the runners' reads and checkpoints, heartbeats and housekeeping, which each

@@ -13,12 +13,15 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 from psycopg_pool import ConnectionPool
 
+from outbox_relay import Relay
+from outbox_relay.errors import OutboxError
+from outbox_relay.observer import Observer
 from outbox_relay.sink_adapter import EventSinkAdapter
 from outbox_relay.sinks import Delivered, GiveUp, Outcome, Retry, SinkEvent, SinkUnavailable
 from outbox_relay.worker import Worker
@@ -232,3 +235,59 @@ def test_concurrency_delivers_keys_at_once_and_keeps_each_keys_order(dsn: str) -
             ks.append(c.id)
     assert seen == per_key(ids, keys)
 
+
+
+# -- embedding (issue 17 item 5) ----------------------------------------------------------------
+
+
+class Checkpoints(Observer):
+    """What ``Observer.checkpointed`` told, per relay."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.delivered: list[uuid.UUID] = []
+        self.dead: list[uuid.UUID] = []
+
+    def checkpointed(self, sink: str, *, delivered: Sequence[uuid.UUID], dead: Sequence[uuid.UUID]) -> None:
+        with self.lock:
+            self.delivered.extend(delivered)
+            self.dead.extend(dead)
+
+
+def test_two_embedded_relays_split_the_keys_and_report_each_checkpoint(dsn: str) -> None:
+    sinks = [ScriptedSink(lambda e: GiveUp("no") if e.payload["n"] == 3 else None) for _ in range(2)]
+    seen = [Checkpoints(), Checkpoints()]
+    relays = [Relay(make_settings(dsn, f"embedded-{i}"), sinks=[sinks[i]], observer=seen[i]) for i in range(2)]
+    for relay in relays:
+        relay.start()
+    try:
+        wait_until(lambda: all(r.readiness() == [] for r in relays)
+                   and sum(len(leased(dsn, f"embedded-{i}")) for i in range(2)) == 256, timeout=30,
+                   message="both relays hold their share")
+        assert all(len(leased(dsn, f"embedded-{i}")) > 0 for i in range(2))
+        ids = publish(dsn, [(f"k{n % 40}", "t", {"n": n}) for n in range(200)])
+        wait_until(lambda: len(seen[0].delivered) + len(seen[1].delivered) == 199, timeout=30,
+                   message="every checkpoint reported")
+    finally:
+        assert all(relay.drain(30) for relay in relays)
+    assert not any(relay.running for relay in relays) and all(relay.fatal is None for relay in relays)
+    assert sorted(seen[0].delivered + seen[1].delivered) == sorted(ids[:3] + ids[4:])
+    assert seen[0].dead + seen[1].dead == [ids[3]]
+    assert all(s.calls for s in sinks), "each relay delivered its share"
+    assert set(seen[0].delivered) == sinks[0].ok and set(seen[1].delivered) == sinks[1].ok
+
+
+def leased(dsn: str, worker: str) -> list[int]:
+    return [r[0] for r in fetch_all(dsn, "SELECT bucket FROM outbox.cursors WHERE sink = %s AND owner = %s",
+                                    (NAME, worker))]
+
+
+def test_an_embedded_relay_as_a_context_manager_delivers_and_drains(dsn: str) -> None:
+    sink = ScriptedSink()
+    with Relay(make_settings(dsn, "embedded"), sinks=[sink]) as relay:
+        ids = publish(dsn, [("k", "t", {"n": n}) for n in range(5)])
+        wait_until(lambda: sink.ok == set(ids), timeout=20, message="delivered")
+        assert relay.running and relay.health() == []
+    assert not relay.running
+    with pytest.raises(OutboxError, match="started already"):
+        relay.start()
