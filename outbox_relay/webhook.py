@@ -254,7 +254,8 @@ class WebhookSink:
                  ca_file: str | os.PathLike[str] | None = None,
                  client_cert: str | os.PathLike[str] | None = None,
                  client_key: str | os.PathLike[str] | None = None, verify_tls: bool = True,
-                 hold_statuses: Collection[int] = HOLD_STATUSES) -> None:
+                 hold_statuses: Collection[int] = HOLD_STATUSES,
+                 unavailable_seconds: float = UNAVAILABLE_SECONDS) -> None:
         self.name = name
         self.source = source
         self._secret = _secret(secret)
@@ -275,6 +276,7 @@ class WebhookSink:
         self.topics = frozenset(topics) if topics is not None else None
         self.types = frozenset(types) if types is not None else None
         self.hold_statuses = frozenset(hold_statuses)
+        self.unavailable_seconds = unavailable_seconds  # the wait after a failed connect (tests shrink it)
         if not self._https and (ca_file or client_cert or client_key or not verify_tls):
             raise ConfigurationError("webhook TLS settings (CA file, client certificate, verify off) need an "
                                      "https:// URL")
@@ -391,7 +393,7 @@ class WebhookSink:
         except (OSError, ssl.SSLError) as exc:
             conn.close()
             what = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-            raise SinkUnavailable(f"POST {self.endpoint}: can not connect: {what}", UNAVAILABLE_SECONDS) from None
+            raise SinkUnavailable(f"POST {self.endpoint}: can not connect: {what}", self.unavailable_seconds) from None
         assert conn.sock is not None
         conn.sock.settimeout(self.timeout_seconds)  # the connect timeout was for connecting only
         self._local.conn = conn

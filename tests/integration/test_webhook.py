@@ -7,6 +7,7 @@ last test runs ``outbox-relay run`` processes and kills one mid-way.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -17,13 +18,15 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from outbox_relay.compose import build_worker
+from outbox_relay.sink_contract import SinkContract
+from outbox_relay.webhook import WebhookSink
 from tests.integration.relay_helpers import dead_letters, make_settings, parked_ids, publish, running
 from tests.webhook_receiver import SECRET, Received, Receiver, Reply, receiving, self_signed
 
@@ -258,3 +261,63 @@ def test_a_relay_killed_mid_way_loses_nothing_and_the_receiver_dedupes(
     assert firsts_per_key(got) == published_per_key(events, ids)
     duplicates = len(got) - len({r.id for r in got})
     print(f"{len(got)} requests for {len(ids)} events: {duplicates} redelivered after the kill (at {at_kill})")
+
+
+# -- the contract suite (outbox_relay.sink_contract) against the webhook sink
+
+
+class TestWebhookSinkContract(SinkContract):
+    """Every test of the suite, ``break_downstream`` included: the receiver stopped ("down"), answering
+    400 ("rejects"), or holding requests unanswered past the time limit ("hangs")."""
+
+    @pytest.fixture(autouse=True)
+    def _receivers(self) -> Iterator[None]:
+        self.release = threading.Event()
+        self.receivers = [Receiver(self._respond).start()]
+        self.rejecting = False
+        self.hanging = False
+        yield
+        self.release.set()
+        for r in self.receivers:
+            r.stop()
+
+    def _respond(self, _r: Received, _n: int) -> Reply:
+        if self.rejecting:
+            return Reply(400, body=b"no such order")
+        if self.hanging:
+            self.release.wait(10)
+        return Reply(204)
+
+    def make_sink(self) -> Any:
+        # a read timeout past the suite's time limit: "hangs" is the adapter's to abandon
+        return WebhookSink(self.receivers[0].url, SECRET, timeout_seconds=30.0, unavailable_seconds=0.2)
+
+    def received(self, sink: Any) -> Sequence[uuid.UUID]:
+        return [uuid.UUID(r.id) for receiver in self.receivers for r in receiver.accepted() if r.verified]
+
+    def break_downstream(self, sink: Any, how: str) -> contextlib.AbstractContextManager[None]:
+        return self._broken(sink, how)
+
+    @contextlib.contextmanager
+    def _broken(self, sink: WebhookSink, how: str) -> Iterator[None]:
+        if how == "down":
+            port = self.receivers[-1].port
+            self.receivers[-1].stop()
+            sink.close()  # its kept-alive connections went with the server
+            try:
+                yield
+            finally:
+                self.receivers.append(Receiver(self._respond, port=port).start())
+        elif how == "rejects":
+            self.rejecting = True
+            try:
+                yield
+            finally:
+                self.rejecting = False
+        else:
+            self.hanging = True
+            try:
+                yield
+            finally:
+                self.hanging = False
+                self.release.set()
