@@ -259,6 +259,8 @@ def test_a_relay_killed_mid_way_loses_nothing_and_the_receiver_dedupes(
     assert all(r.verified for r in got)
     # what a receiver that dedupes by webhook-id applied: every event, in publish order per key
     assert firsts_per_key(got) == published_per_key(events, ids)
+    for _proc, log in processes:
+        assert SECRET not in log.read_text(errors="replace") and SECRET[6:] not in log.read_text(errors="replace")
     duplicates = len(got) - len({r.id for r in got})
     print(f"{len(got)} requests for {len(ids)} events: {duplicates} redelivered after the kill (at {at_kill})")
 
