@@ -126,6 +126,13 @@ def _check_webhook(s: RelaySettings | WebhookSettings) -> None:
         raise ValueError("the webhook sink needs a signing secret: pass --webhook-secret-file PATH or set "
                          "OUTBOX_WEBHOOK_SECRET (whsec_<base64>; make one with `python -m outbox_relay.webhook "
                          "secret`)")
+    if s.webhook_secret_file is not None:
+        from .webhook import WebhookSecret
+
+        try:
+            WebhookSecret.from_file(s.webhook_secret_file)  # at start-up, and remembered for redaction
+        except ConfigurationError as exc:
+            raise ValueError(str(exc)) from None
     https = s.webhook_url.strip().lower().startswith("https:")
     if not https and (s.webhook_ca_file or s.webhook_client_cert or s.webhook_client_key or not s.webhook_tls_verify):
         raise ValueError("webhook TLS settings (CA file, client certificate, verify off) need an https:// URL")
@@ -488,6 +495,8 @@ def describe_validation_error(exc: ValidationError) -> str:
         else:
             name = loc[0]
             where = f" ({flag(name)}, {env_var(name)})" if name in RelaySettings.model_fields else ""
+            if name == "webhook_secret":  # no command-line option (a command line shows in `ps`)
+                where = f" ({env_var(name)})"
             problems.append(f"{name}{where}: {message}")
     return "; ".join(problems)
 

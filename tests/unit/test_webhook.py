@@ -358,6 +358,12 @@ def test_settings_need_one_secret_and_never_show_it(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="webhook_secret") as info:
         load_settings(dsn="postgresql://x@h/db", webhook_url=url, webhook_secret="whsec_" + "A" * 10)
     assert "AAAAAAAAAA" not in str(info.value)
+    with pytest.raises(ConfigurationError, match="cannot read the webhook secret file"):
+        load_settings(dsn="postgresql://x@h/db", webhook_url=url, webhook_secret_file=tmp_path / "missing")
+    (tmp_path / "bad").write_text("whsec_" + "B" * 10)
+    with pytest.raises(ConfigurationError, match=r"OUTBOX_WEBHOOK_SECRET\)|not valid base64|bytes") as info:
+        load_settings(dsn="postgresql://x@h/db", webhook_url=url, webhook_secret_file=tmp_path / "bad")
+    assert "BBBBBBBBBB" not in str(info.value)
     s = load_settings(dsn="postgresql://x@h/db", webhook_url=url, webhook_secret_file=path, webhook_topics="a, b",
                       kafka=False)
     assert s.sinks == ["webhook"]
