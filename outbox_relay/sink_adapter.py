@@ -15,8 +15,10 @@ failed attempt, and a new lane takes over the remaining keys. Past ``MAX_ABANDON
 calls that never returned, the batch is checkpointed and then ``SinkStuck`` stops the relay (exit 4),
 so that a fresh process takes over instead of piling up threads.
 
-Nothing of a batch is checkpointed until every lane is done with it; then ``commit`` writes the
-outcomes, fenced, once (the engine's rules for parking, backoff, dead letters and metrics apply).
+Once every lane is done with a batch, ``commit`` writes its outcomes, fenced, once (the engine's rules
+for parking, backoff, dead letters and metrics apply). A batch that takes longer than
+``PARTIAL_CHECKPOINT_SECONDS`` (slow calls) has what is delivered of it checkpointed early, every that
+often (``Commit.partial``), so that a crash or a lost lease hands over only the rest.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ log = logging.getLogger("outbox_relay.sinks")
 
 MAX_ABANDONED = 32  # threads left to calls that never returned, per process, before the relay exits
 WAIT_SLICE = 0.2  # how often the runner thread looks at the stop flag and the clock while lanes work
+# While a batch takes longer than this (slow calls), what is delivered of it is checkpointed every this
+# often (``Commit.partial``, as the Kafka sink does), so a relay that dies or loses its buckets meanwhile
+# hands over only the rest.
+PARTIAL_CHECKPOINT_SECONDS = 1.0
 
 _abandoned_lock = threading.Lock()
 _abandoned: list[threading.Thread] = []  # guarded by _abandoned_lock
@@ -212,6 +218,7 @@ class EventSinkAdapter:
             topics=None if topics is None else tuple(sorted(topics)))
         self.concurrency: int = getattr(sink, "concurrency", 1)
         self.timeout = handler_timeout_seconds
+        self.partial_seconds = PARTIAL_CHECKPOINT_SECONDS
         self.observer: Observer = NULL_OBSERVER  # set by the composition root (tracing: a span per call)
         # Lanes free for the next batch; the runner takes them, lanes put themselves back (hence the lock).
         self._lock = threading.Lock()
@@ -246,10 +253,12 @@ class EventSinkAdapter:
             failure = held(self._unavailable, self._unavailable_until - now)
             return commit({e.id: failure for e in events}, None)
         run = _Run(self, events)
+        # The runner's commit can checkpoint the delivered part of a long batch early; another may not.
+        partial: Callable[[Outcomes], set[int]] | None = getattr(commit, "partial", None)
         with run.cond:
             for _ in range(min(self.concurrency, len(run.keys))):
                 self._start_lane(run)
-            self._wait(run, abort)
+            self._wait(run, abort, partial)
         outcomes = run.outcomes
         if run.unavailable is not None:
             wait = min(run.unavailable.retry_after_seconds, MAX_WAIT_SECONDS)
@@ -280,9 +289,10 @@ class EventSinkAdapter:
         with self._lock:
             self._idle.append(lane)
 
-    def _wait(self, run: _Run, abort: threading.Event) -> None:
+    def _wait(self, run: _Run, abort: threading.Event, partial: Callable[[Outcomes], set[int]] | None) -> None:
         """Until the lanes are done with ``run`` (the caller holds ``run.cond``): abandon calls past the
-        limit, raise Aborted on a hard stop."""
+        limit, checkpoint what is delivered every ``partial_seconds``, raise Aborted on a hard stop."""
+        next_partial = time.monotonic() + self.partial_seconds
         while run.active:
             run.cond.wait(WAIT_SLICE)
             if abort.is_set():  # each check also tells the engine this thread is alive
@@ -294,6 +304,16 @@ class EventSinkAdapter:
             now = time.monotonic()
             for lane in [lane for lane in run.active if lane.event is not None and now - lane.since > self.timeout]:
                 self._abandon(run, lane)
+            if partial is not None and now >= next_partial and run.active:
+                settled = dict(run.outcomes)
+                run.cond.release()  # the lanes go on recording while the checkpoint is written
+                try:
+                    partial(settled)
+                except Exception as exc:  # an early checkpoint only saves redelivery: the final one decides
+                    log.warning("sink %s: early checkpoint of a long batch failed: %s", self.name, describe_error(exc))
+                finally:
+                    run.cond.acquire()
+                next_partial = time.monotonic() + self.partial_seconds
 
     def _abandon(self, run: _Run, lane: _Lane) -> None:
         e = lane.event
@@ -320,6 +340,14 @@ class EventSinkAdapter:
                             f"this process (more than {MAX_ABANDONED}); the relay stops so that a fresh process takes "
                             "over (their events' attempts were counted)")
         self._over_cap = False
+
+    def problem(self, timeout: float = 2.0) -> str | None:
+        """Why the sink can not deliver now (for /readyz): it said it is unavailable, and the wait is not over."""
+        unavailable, until = self._unavailable, self._unavailable_until
+        left = until - time.monotonic()
+        if unavailable is None or left <= 0:
+            return None
+        return f"unavailable: {_reason(unavailable.reason, 'no reason given')} (its events wait, {left:.0f}s more)"
 
     def idle(self) -> None:
         """The user's ``idle()``, if it has one (runner thread, between batches)."""

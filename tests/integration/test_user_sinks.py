@@ -35,6 +35,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     run_until,
     runner_for,
     running,
+    undelivered,
 )
 from tests.servers import wait_until
 
@@ -291,3 +292,97 @@ def test_an_embedded_relay_as_a_context_manager_delivers_and_drains(dsn: str) ->
     assert not relay.running
     with pytest.raises(OutboxError, match="started already"):
         relay.start()
+
+
+def test_a_long_batch_checkpoints_what_is_delivered_while_a_slow_call_runs(
+        dsn: str, pool: ConnectionPool[Any], release: threading.Event) -> None:
+    ids = publish(dsn, [("slow", "t", {})] + [(f"k{i}", "t", {}) for i in range(20)])
+
+    def script(e: SinkEvent) -> Outcome:
+        if e.id == ids[0]:
+            release.wait(30)  # slow, not stuck: returns once the test saw the early checkpoint
+        return None
+
+    sink = ScriptedSink(script, concurrency=2)
+    adapter = EventSinkAdapter(sink)
+    adapter.partial_seconds = 0.2
+    r = runner(adapter, pool, dsn)
+    done = threading.Thread(target=run_until, args=(r, lambda: sink.ok == set(ids)), kwargs={"timeout": 40})
+    done.start()
+    try:
+        wait_until(lambda: undelivered(dsn, NAME) == 1, timeout=20,
+                   message="the other keys' events checkpointed while the slow call runs")
+        assert ids[0] not in sink.ok
+    finally:
+        release.set()
+        done.join(40)
+    assert undelivered(dsn, NAME) == 0
+
+
+def test_a_hard_stop_leaves_the_call_in_flight_and_checkpoints_nothing_of_its_batch(
+        dsn: str, release: threading.Event) -> None:
+    ids = publish(dsn, [("k", "t", {"n": n}) for n in range(3)])
+    entered = threading.Event()
+
+    def script(e: SinkEvent) -> Outcome:
+        entered.set()
+        release.wait(60)
+        return None
+
+    sink = ScriptedSink(script)
+    worker = Worker(make_settings(dsn, "w"), sinks=[EventSinkAdapter(sink)])
+    assert worker.start()
+    waiter = threading.Thread(target=worker.wait)
+    waiter.start()
+    try:
+        assert entered.wait(20)
+        started = time.monotonic()
+        worker.stop_hard()
+        waiter.join(15)
+        assert not waiter.is_alive() and time.monotonic() - started < 5, "the runner did not wait for the call"
+    finally:
+        release.set()
+        waiter.join(10)
+    assert undelivered(dsn, NAME) == 3 and not parked_ids(dsn, NAME), "nothing of the batch was checkpointed"
+    assert len(sink.calls) == 1 and sink.calls[0].id == ids[0]
+
+
+def test_readiness_says_the_sink_is_unavailable(dsn: str, pool: ConnectionPool[Any]) -> None:
+    publish(dsn, [("k", "t", {})])
+
+    def down(e: SinkEvent) -> Outcome:
+        raise SinkUnavailable("endpoint answers 503", retry_after_seconds=60)
+
+    adapter = EventSinkAdapter(ScriptedSink(down))
+    r = runner(adapter, pool, dsn)
+    run_until(r, lambda: bool(parked_ids(dsn, NAME)))
+    problem = adapter.problem()
+    assert problem is not None and problem.startswith("unavailable: endpoint answers 503 (its events wait, ")
+
+
+def test_each_call_is_traced_under_its_batch(dsn: str, pool: ConnectionPool[Any]) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from outbox_relay.tracing import TracingObserver
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    try:
+        ids = publish(dsn, [("a", "OrderPlaced", {}), ("b", "OrderPaid", {})])
+        observer = TracingObserver(provider)
+        adapter = EventSinkAdapter(ScriptedSink(concurrency=2))
+        adapter.observer = observer
+        r = runner(adapter, pool, dsn)
+        r.observer = observer
+        run_until(r, lambda: undelivered(dsn, NAME) == 0)
+    finally:
+        provider.shutdown()
+    spans = exporter.get_finished_spans()
+    calls = [s for s in spans if s.name.startswith("handle ")]
+    assert sorted(s.name for s in calls) == ["handle OrderPaid", "handle OrderPlaced"]
+    assert {s.attributes["messaging.message.id"] for s in calls if s.attributes} == {str(i) for i in ids}
+    batches = {s.context.span_id for s in spans if not s.name.startswith("handle ")}
+    assert all(s.parent is not None and s.parent.span_id in batches for s in calls), "under the batch's span"
