@@ -276,6 +276,8 @@ class WebhookSink:
         self.topics = frozenset(topics) if topics is not None else None
         self.types = frozenset(types) if types is not None else None
         self.hold_statuses = frozenset(hold_statuses)
+        if not 0 <= unavailable_seconds <= 3600:
+            raise ConfigurationError("webhook unavailable_seconds must be 0-3600")
         self.unavailable_seconds = unavailable_seconds  # the wait after a failed connect (tests shrink it)
         if not self._https and (ca_file or client_cert or client_key or not verify_tls):
             raise ConfigurationError("webhook TLS settings (CA file, client certificate, verify off) need an "
@@ -318,7 +320,9 @@ class WebhookSink:
                 return Retry(f"POST {self.endpoint}: no response within {self.timeout_seconds:g}s (read timeout)")
             except ssl.SSLError as exc:
                 self._drop(conn)
-                if isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError):
+                if isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError):  # over TLS, a closed connection
+                    if reused and not fresh:
+                        continue
                     return Retry(f"POST {self.endpoint}: connection lost: {type(exc).__name__}: {exc}")
                 # A TLS alert after the handshake (TLS 1.3 checks the client certificate then): the
                 # server refuses this relay's TLS identity, a condition of the sink.

@@ -61,6 +61,7 @@ class Reply:
     body: bytes = b""
     delay: float = 0.0  # seconds before answering
     close: bool = False  # close the connection without answering
+    hang_up: bool = False  # answer, then close the connection without saying so (an idle timeout)
 
 
 def spec_signature_matches(secret: str, headers: dict[str, str], body: bytes) -> bool:
@@ -130,6 +131,8 @@ class Receiver:
                 self.send_header("content-length", str(len(reply.body)))
                 self.end_headers()
                 self.wfile.write(reply.body)
+                if reply.hang_up:
+                    self.close_connection = True
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
