@@ -90,6 +90,17 @@ def test_events_arrive_signed_once_each_in_order_per_key_with_keys_in_parallel(d
     assert all(r.headers["ce-topic"] == TOPIC and r.headers["ce-type"] == "order.placed" for r in got)
 
 
+def test_only_the_topics_asked_for_are_posted(dsn: str) -> None:
+    with receiving() as receiver, running(relay(dsn, receiver, webhook_topics="orders,refunds")):
+        wanted = publish(dsn, [("k", "t", {"n": 1})], topic="orders")
+        publish(dsn, [("k", "t", {"n": 2})], topic="payments")
+        wanted += publish(dsn, [("k", "t", {"n": 3})], topic="refunds")
+        got = receiver.wait_for(lambda got: len(got) >= 2)
+        time.sleep(0.5)  # time enough for the other one to come, were it not filtered out
+    assert [r.id for r in receiver.received] == [str(i) for i in wanted]
+    assert [r.headers["ce-topic"] for r in got] == ["orders", "refunds"]
+
+
 def test_a_5xx_is_retried_and_holds_only_its_key(dsn: str) -> None:
     events = batch(keys=3, per_key=5)
     failing: set[str] = set()
