@@ -1,6 +1,7 @@
 """How a sink with slow calls gets concurrency across keys (issue 17 item 5), measured in one run.
 
     python bench/user_sink_concurrency.py [--events 2000] [--keys 64] [--call-ms 5] [--runs 2]
+    python bench/user_sink_concurrency.py --overhead [--events 20000] [--runs 3]
 
 A private PostgreSQL 18; per case a fresh database, R embedded relays (``outbox_relay.Relay``, one
 process, R relay members splitting the buckets) each running an ``EventSink`` whose ``deliver`` sleeps
@@ -8,6 +9,11 @@ process, R relay members splitting the buckets) each running an ``EventSink`` wh
 holds its share, N events over K keys are published in one transaction; the time is taken until
 ``Observer.checkpointed`` reported all N. Prints events/s per (R, C), median (min-max), next to the
 ideal R*C*1000/call-ms.
+
+``--overhead``: what the adapter costs per event with a ``deliver`` that does nothing: N events (1,000
+keys) drained by the real ``SinkRunner`` in this process, a fresh sink per run, through (a) an engine sink
+that marks every event delivered (the floor: reads and checkpoints) and (b) the adapter around a no-op
+``EventSink`` with concurrency 1 and 4, interleaved. Prints events/s and microseconds per event.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -100,6 +107,75 @@ def _held(dsn: str, relays: int) -> int:
     return int(row[1]) if int(row[0]) == relays else 0
 
 
+class NoopEngineSink:
+    kind = "bench"
+    event_filter = None
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def deliver(self, events: Any, fences: Any, commit: Any, abort: Any) -> set[int]:
+        landed: set[int] = commit({e.id: None for e in events}, None)
+        return landed
+
+    def close(self) -> None:
+        pass
+
+
+class NoopSink:
+    kind = "bench"
+
+    def __init__(self, name: str, concurrency: int) -> None:
+        self.name, self.concurrency = name, concurrency
+
+    def deliver(self, event: SinkEvent) -> None:
+        return None
+
+
+def overhead(pg: Postgres, args: argparse.Namespace) -> None:
+    from psycopg_pool import ConnectionPool
+
+    from outbox_relay import store
+    from outbox_relay.relay import SinkRunner
+    from outbox_relay.sink_adapter import EventSinkAdapter
+
+    dsn = pg.dsn(pg.create_database())
+    migrate(dsn)
+    with psycopg.connect(dsn) as conn:
+        for start in range(0, args.events, 1000):
+            Outbox(default_topic="bench").publish_many(conn, [
+                {"key": f"k{i % 1000}", "type": "bench.noop", "payload": {"n": i}}
+                for i in range(start, min(args.events, start + 1000))])
+            conn.commit()
+    pool: ConnectionPool[Any] = ConnectionPool(dsn, min_size=1, max_size=2, kwargs={"autocommit": True})
+    modes = ["engine", "adapter-1", "adapter-4"]
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    for run in range(args.runs):
+        for mode in modes if run % 2 == 0 else list(reversed(modes)):
+            name = f"{mode}-{run}"
+            sink: Any = NoopEngineSink(name) if mode == "engine" else EventSinkAdapter(
+                NoopSink(name, int(mode.split("-")[1])))
+            with pool.connection() as conn:
+                store.register_sink(conn, name, sink.kind)
+            runner = SinkRunner(sink, pool, load_settings(dsn=dsn, worker_id="bench", kafka=False, listen=False))
+            runner.desired = set(range(256))
+            done, start_at = 0, time.perf_counter()
+            while done < args.events:
+                n = runner.run_once()
+                done += n
+                if n == 0:
+                    runner.hints.everything()
+            rates[mode].append(args.events / (time.perf_counter() - start_at))
+            sink.close()
+    pool.close()
+    floor = statistics.median(rates["engine"])
+    for mode in modes:
+        r = rates[mode]
+        med = statistics.median(r)
+        print(f"{mode:>10}: {med:8,.0f} ev/s (min {min(r):,.0f}, max {max(r):,.0f}); {1e6 / med:6.1f} us/event, "
+              f"{1e6 / med - 1e6 / floor:+6.1f} us/event over the engine floor")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--events", type=int, default=2000)
@@ -107,7 +183,17 @@ def main() -> None:
     ap.add_argument("--call-ms", type=float, default=5.0)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--cases", default="1x1,1x4,1x16,4x1,4x4", help="RELAYSxCONCURRENCY, comma-separated")
+    ap.add_argument("--overhead", action="store_true", help="the adapter's cost per event (no-op deliver)")
     args = ap.parse_args()
+    if args.overhead:
+        with tempfile.TemporaryDirectory() as tmp:
+            pg = Postgres(Path(tmp))
+            try:
+                print(f"machine: {machine()}; PostgreSQL {pg.version}; {args.events:,} events, {args.runs} runs")
+                overhead(pg, args)
+            finally:
+                pg.stop()
+        return
     cases = [tuple(int(n) for n in case.split("x")) for case in args.cases.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         pg = Postgres(Path(tmp))

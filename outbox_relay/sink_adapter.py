@@ -24,6 +24,7 @@ often (``Commit.partial``), so that a crash or a lost lease hands over only the 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import inspect
 import json
@@ -61,6 +62,9 @@ def abandoned_threads() -> int:
     with _abandoned_lock:
         _abandoned[:] = [t for t in _abandoned if t.is_alive()]
         return len(_abandoned)
+
+
+_ANSWERS = (Delivered, Retry, GiveUp)
 
 
 def sink_event(e: StoredEvent) -> SinkEvent | Failure:
@@ -112,7 +116,8 @@ class _Lane:
         self.event: StoredEvent | None = None  # whose call runs now
         self.since = 0.0  # when that call began (monotonic)
         self.detached = False  # the runner gave up on it (a call past the limit, or a hard stop)
-        self.loop: asyncio.AbstractEventLoop | None = None  # an async sink's, this thread's own
+        # An async sink's call in flight on the adapter's event loop (cancelled if the call is abandoned).
+        self.future: concurrent.futures.Future[Any] | None = None
         self._jobs: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=f"sink-{adapter.name}-{number}", daemon=True)
         self.thread.start()
@@ -124,15 +129,11 @@ class _Lane:
         self._jobs.put(None)
 
     def _loop(self) -> None:
-        try:
-            while (run := self._jobs.get()) is not None:
-                run.context.copy().run(run.work, self)
-                if self.detached:
-                    return  # its runner moved on without it
-                self.adapter.returned(self)
-        finally:
-            if self.loop is not None:
-                self.loop.close()
+        while (run := self._jobs.get()) is not None:
+            run.context.copy().run(run.work, self)
+            if self.detached:
+                return  # its runner moved on without it
+            self.adapter.returned(self)
 
 
 class _Run:
@@ -145,7 +146,7 @@ class _Run:
             by_key.setdefault(e.key, []).append(e)
         self.keys: deque[list[StoredEvent]] = deque(by_key.values())
         self.outcomes: Outcomes = {}
-        self.cond = threading.Condition()
+        self.cond = threading.Condition(threading.Lock())
         self.active: set[_Lane] = set()
         self.unavailable: SinkUnavailable | None = None  # a lane's call raised it: nothing more is attempted
         self.closed = False  # a hard stop: nothing more is attempted, nothing recorded
@@ -153,33 +154,36 @@ class _Run:
         self.handler = adapter.handler()
 
     def work(self, lane: _Lane) -> None:
-        """On a lane: take keys and deliver their events in order until none is left or the run stops."""
+        """On a lane: take keys and deliver their events in order until none is left or the run stops.
+        One hold of the condition per event: record the last call's outcome and take the next event."""
+        todo: deque[StoredEvent] = deque()  # the rest of this lane's current key
+        self.cond.acquire()
         try:
-            while True:
-                with self.cond:
-                    if not self.keys or self._stopped(lane):
+            while not self._stopped(lane):
+                if not todo:
+                    if not self.keys:
                         return
-                    events = self.keys.popleft()
-                for e in events:
-                    with self.cond:
-                        if self._stopped(lane):
-                            return
-                        lane.event, lane.since = e, time.monotonic()
+                    todo.extend(self.keys.popleft())
+                e = todo.popleft()
+                lane.event, lane.since = e, time.monotonic()
+                self.cond.release()
+                try:
                     result = self._call(e, lane)
-                    with self.cond:
-                        lane.event = None
-                        if lane.detached:
-                            return  # abandoned: the runner already charged this call
-                        if isinstance(result, SinkUnavailable):
-                            self.unavailable = result
-                            return
-                        self.outcomes[e.id] = result
-                    if result is not None and result.retriable:
-                        break  # the key waits for this event's retry: its later events are not attempted
+                finally:
+                    self.cond.acquire()
+                lane.event = None
+                if lane.detached:
+                    return  # abandoned: the runner already charged this call
+                if isinstance(result, SinkUnavailable):
+                    self.unavailable = result
+                    return
+                self.outcomes[e.id] = result
+                if result is not None and result.retriable:
+                    todo.clear()  # the key waits for this event's retry: its later events are not attempted
         finally:
-            with self.cond:
-                self.active.discard(lane)
-                self.cond.notify_all()
+            self.active.discard(lane)
+            self.cond.notify_all()
+            self.cond.release()
 
     def _stopped(self, lane: _Lane) -> bool:
         return self.closed or lane.detached or self.unavailable is not None
@@ -190,18 +194,51 @@ class _Run:
             return event
         try:
             result = self.handler(event, None)
-            if inspect.isawaitable(result):
-                lane.loop = lane.loop or asyncio.new_event_loop()
-                result = lane.loop.run_until_complete(_awaited(result))
+            if result is not None and not isinstance(result, _ANSWERS) and inspect.isawaitable(result):
+                # One event loop per sink for every lane's calls, so that a client the sink keeps (an HTTP
+                # session, a connection pool) serves them all; the lane waits for its call there.
+                lane.future = _submit(self.adapter.event_loop(), _awaited(result), contextvars.copy_context())
+                result = lane.future.result()
         except SinkUnavailable as exc:
             return exc
         except Exception as exc:  # the event's attempt failed; one failure never kills the lane
             return Failure(describe_error(exc))
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt from a sink's own code: charged to the
+            return Failure(describe_error(exc))  # event like any error (unrecorded, it would come back forever)
+        finally:
+            lane.future = None
         return outcome_of(result)
 
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
+
+
+def _submit(loop: asyncio.AbstractEventLoop, coro: Any, context: contextvars.Context) -> concurrent.futures.Future[Any]:
+    """``coro`` as a task on ``loop`` (another thread's) run in ``context`` (the lane's: the batch's span is
+    current there, so the call's span is its child); cancelling the returned future cancels the task."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def settle(task: asyncio.Task[Any]) -> None:
+        if future.cancelled():
+            return
+        if task.cancelled():
+            future.cancel()
+        elif task.exception() is not None:
+            future.set_exception(task.exception())
+        else:
+            future.set_result(task.result())
+
+    def start() -> None:
+        if future.cancelled():
+            coro.close()
+            return
+        task = loop.create_task(coro, context=context)
+        task.add_done_callback(settle)
+        future.add_done_callback(lambda f: loop.call_soon_threadsafe(task.cancel) if f.cancelled() else None)
+
+    loop.call_soon_threadsafe(start)
+    return future
 
 
 class EventSinkAdapter:
@@ -228,6 +265,19 @@ class EventSinkAdapter:
         self._unavailable_until = 0.0
         self._unavailable: SinkUnavailable | None = None
         self._over_cap = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # an async sink's, on a thread of its own
+        self._loop_thread: threading.Thread | None = None
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop an async sink's calls run on (started on first use, on its own thread)."""
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._loop_thread = threading.Thread(target=loop.run_forever, name=f"sink-{self.name}-loop",
+                                                     daemon=True)
+                self._loop_thread.start()
+                self._loop = loop
+            return self._loop
 
     def handler(self) -> Callable[[SinkEvent, None], Any]:
         """The user's ``deliver`` as the observer wraps it (a span per call), in the (event, tx) shape
@@ -320,6 +370,8 @@ class EventSinkAdapter:
         assert e is not None
         lane.detached = True
         lane.close()  # if its call ever returns, the thread ends
+        if lane.future is not None:
+            lane.future.cancel()  # an async call can be cancelled (if it awaits), which frees its lane too
         run.active.discard(lane)
         run.outcomes[e.id] = Failure(f"the sink's deliver did not return within {self.timeout:g}s "
                                      "(--handler-timeout-seconds); the call was abandoned")
@@ -366,6 +418,13 @@ class EventSinkAdapter:
                 close()
             except Exception as exc:
                 log.warning("sink %s: close failed: %s", self.name, describe_error(exc))
+        with self._lock:
+            loop, thread, self._loop = self._loop, self._loop_thread, None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5.0)
+            if not thread.is_alive():
+                loop.close()
 
 
 __all__ = ["EventSinkAdapter", "abandoned_threads", "sink_event"]

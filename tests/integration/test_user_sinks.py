@@ -8,6 +8,7 @@ is abandoned after the time limit while other keys go on.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -386,3 +387,52 @@ def test_each_call_is_traced_under_its_batch(dsn: str, pool: ConnectionPool[Any]
     assert {s.attributes["messaging.message.id"] for s in calls if s.attributes} == {str(i) for i in ids}
     batches = {s.context.span_id for s in spans if not s.name.startswith("handle ")}
     assert all(s.parent is not None and s.parent.span_id in batches for s in calls), "under the batch's span"
+
+
+class AsyncClientSink:
+    """An async sink holding one client for all its calls (here an asyncio.Lock and a semaphore, bound
+    to the event loop that first uses them, as an HTTP session is): every call must run on that loop."""
+
+    name = NAME
+    kind = "audit"
+    concurrency = 4
+
+    def __init__(self, hang: uuid.UUID | None = None) -> None:
+        self.client: tuple[asyncio.Lock, asyncio.Semaphore] | None = None
+        self.got: list[uuid.UUID] = []
+        self.hang = hang
+        self.cancelled = threading.Event()
+
+    async def deliver(self, event: SinkEvent) -> None:
+        if self.client is None:
+            self.client = (asyncio.Lock(), asyncio.Semaphore(2))
+        lock, slots = self.client
+        if event.id == self.hang and event.attempt == 1:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        async with slots:
+            await asyncio.sleep(0.001)
+            async with lock:
+                self.got.append(event.id)
+
+
+def test_an_async_sink_runs_every_call_on_one_loop_and_a_stuck_call_is_cancelled(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    keys = [f"k{i % 8}" for i in range(48)]
+    ids = publish(dsn, [(k, "t", {"n": n}) for n, k in enumerate(keys)])
+    sink = AsyncClientSink(hang=ids[5])
+    adapter = EventSinkAdapter(sink, handler_timeout_seconds=0.5)
+    r = runner(adapter, pool, dsn)
+    try:
+        run_until(r, lambda: undelivered(dsn, NAME) == 0 and not parked_ids(dsn, NAME), timeout=30)
+    finally:
+        adapter.close()
+    assert not dead_letters(dsn, NAME)
+    assert sink.cancelled.is_set(), "the abandoned coroutine was cancelled, not left running"
+    got: dict[str, list[uuid.UUID]] = defaultdict(list)
+    for i in sink.got:
+        got[dict(zip(ids, keys, strict=True))[i]].append(i)
+    assert dict(got) == per_key(ids, keys)

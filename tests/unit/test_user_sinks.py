@@ -156,3 +156,30 @@ def test_the_event_as_a_sink_gets_it() -> None:
         e.headers["x"] = "y"  # type: ignore[index,union-attr]
     bad = sink_event(stored('{"n": 1}'))
     assert not hasattr(bad, "payload") and not bad.retriable  # type: ignore[union-attr]
+
+
+def test_a_sink_that_raises_system_exit_is_charged_like_any_error() -> None:
+    import threading
+
+    from outbox_relay.sink import Failure
+
+    class Exits:
+        name, kind = "exits", "mine"
+
+        def deliver(self, event: object) -> None:
+            raise SystemExit(3)
+
+    adapter = EventSinkAdapter(Exits())
+    e = stored()
+    got: dict[str, object] = {}
+
+    def commit(outcomes: dict[uuid.UUID, Failure | None], tx: object) -> set[int]:
+        got.update(outcomes=outcomes)
+        return {1}
+
+    try:
+        assert adapter.deliver([e], {1: 1}, commit, threading.Event()) == {1}  # type: ignore[arg-type]
+    finally:
+        adapter.close()
+    outcome = got["outcomes"][e.id]  # type: ignore[index]
+    assert isinstance(outcome, Failure) and outcome.retriable and outcome.error == "SystemExit: 3"
