@@ -53,6 +53,13 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
                                    where=f"--sink {spec}")
         adapter.observer = observer
         sinks.append(adapter)
+    if s.webhook_url:
+        from .webhook import from_settings as webhook_from_settings
+
+        webhook = EventSinkAdapter(webhook_from_settings(s), handler_timeout_seconds=s.handler_timeout_seconds,
+                                   where="--webhook-url")
+        webhook.observer = observer
+        sinks.append(webhook)
     for given in extra:
         sinks.append(as_engine_sink(given, s.handler_timeout_seconds, observer))
     names = [made.name for made in sinks]

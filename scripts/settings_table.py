@@ -47,6 +47,8 @@ def _flag(name: str, field: Any) -> str:
         return "`--projection NAME` (repeatable)"
     if name == "sink":
         return "`--sink MODULE:ATTR` (repeatable)"
+    if name == "webhook_secret":
+        return "(environment only)"
     flag = "--" + name.replace("_", "-")
     if field.annotation is bool:
         return f"`{flag}` / `--no-{name.replace('_', '-')}`"
