@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from outbox_relay.errors import ConfigurationError, describe_error
+from outbox_relay.dsn import describe_error
+from outbox_relay.errors import ConfigurationError
 from outbox_relay.settings import RelaySettings, WebhookSettings, load_settings
 from outbox_relay.sinks import Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
 from outbox_relay.webhook import (
