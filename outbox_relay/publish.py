@@ -206,6 +206,10 @@ class Outbox:
         None: not that call, or a value to be judged by ``Event`` (whose error names the problem)."""
         if headers is not None or id is not None:
             return None
+        cls = self.__class__  # (type is a parameter here)
+        if cls is not Outbox and (cls.publish_many is not Outbox.publish_many
+                                  or cls.apublish_many is not Outbox.apublish_many):
+            return None  # a subclass that overrides them (FakeOutbox, a user's wrapper) sees every publish
         if topic is None:
             topic = self.default_topic
         if not plain_fields_valid(type, key, payload, topic, idempotency_key, time, version):
