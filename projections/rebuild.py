@@ -22,13 +22,14 @@ key's events that live processing applied.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TextIO
@@ -47,9 +48,9 @@ from outbox_relay.sqlfiles import query
 from outbox_relay.store import StoredEvent, event_reader
 from outbox_relay.worker import Worker
 
-from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, describe, reserved_schema
-from .event import ProjectionEvent
-from .sink import ENDED_STATES, ProjectionSink
+from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, reserved_schema
+from .sink import ProjectionSink
+from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, adrive, drive, walk
 
 log = logging.getLogger("outbox_relay.rebuild")
 
@@ -474,18 +475,13 @@ def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3, *, a
                     conn.execute(query("projections", "begin_batch"), _key_begin(token))
                     cursor, events = _key_history(conn, projection, key)
                     projection.clear_key(key, conn)
-                    for event in _replayed(projection, cursor, events):
-                        projection.handler(event, conn)
-                    conn.execute(query("projections", "end_batch"), {"token": token})
-                    return len(events)
+                    batch = _key_batch(projection, key, cursor, events, token)
+                    with _key_failures(projection, key):
+                        drive(walk(batch, careful=False), conn, projection.handler)
+                    return _replayed(projection, key, batch)
         except psycopg.errors.DeadlockDetected:  # a live batch of the same bucket: it retries, so do we
             if attempt == tries:
                 raise
-        except psycopg.Error as exc:
-            if exc.sqlstate in ENDED_STATES:
-                raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
-                                   "transaction (COMMIT, END or ROLLBACK); nothing was changed") from exc
-            raise
     raise AssertionError("unreachable")
 
 
@@ -510,10 +506,42 @@ async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
             read, _ = event_reader(cur)
             events = [read(r) for r in await cur.fetchall()]
             await projection.clear_key(key, conn)
-            for event in _replayed(projection, cursor, events):
-                await projection.handler(event, conn)
-            await conn.execute(query("projections", "end_batch"), {"token": token})
-            return len(events)
+            batch = _key_batch(projection, key, cursor, events, token)
+            with _key_failures(projection, key):
+                await adrive(walk(batch, careful=False), conn, projection.handler)
+            return _replayed(projection, key, batch)
+
+
+def _key_batch(projection: Projection, key: str, cursor: Sequence[Any], events: Sequence[StoredEvent],
+               token: str) -> Batch:
+    """The key's history as one batch of the shared walk (walk.py), begun by the caller.
+
+    Its tokens are (live fence, 0, xid, seq): increasing in the (xid, seq) order they are applied
+    in, and below every token the live owner of that fence gave (its reads are numbered from 1), so
+    a store outside the transaction (``fenced_upsert``) keeps what live processing wrote there."""
+    fence = int(cursor[2])
+    return Batch(projection, events, {e.bucket: fence for e in events}, replay=True, name=projection.name,
+                 token=token)
+
+
+@contextlib.contextmanager
+def _key_failures(projection: Projection, key: str) -> Iterator[None]:
+    """A key rebuild is all or nothing: what would make the walk redo a batch fails it instead."""
+    try:
+        yield
+    except Redo as redo:
+        if redo.ended is not None or any(f is ENDED_TRANSACTION for f in redo.failed.values()):
+            raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
+                               "transaction (COMMIT, END or ROLLBACK); nothing was changed") from redo
+        if isinstance(redo.__cause__, Exception):
+            raise redo.__cause__ from None  # the handler's own error, as it raised it
+        raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: a statement of its handler failed "
+                           "(or the handler ended the transaction); nothing was changed") from redo
+    except psycopg.Error as exc:
+        if exc.sqlstate in ENDED_STATES:
+            raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
+                               "transaction (COMMIT, END or ROLLBACK); nothing was changed") from exc
+        raise
 
 
 def _key_params(projection: Projection, key: str, cursor: Sequence[Any]) -> dict[str, Any]:
@@ -532,23 +560,10 @@ def _key_history(conn: psycopg.Connection[Any], projection: Projection,
     return cursor, [event(r) for r in cur.fetchall()]
 
 
-def _replayed(projection: Projection, cursor: Sequence[Any],
-              events: Sequence[StoredEvent]) -> list[ProjectionEvent[Any]]:
-    """The events as the handler sees them in a replay; one that no longer prepares is an error.
-
-    Their tokens are (live fence, 0, xid, seq): increasing in the (xid, seq) order they are applied
-    in, and below every token the live owner of that fence gave (its reads are numbered from 1), so
-    a store outside the transaction (``fenced_upsert``) keeps what live processing wrote there."""
-    out = []
-    for e in events:
-        try:
-            prepared = projection.prepare(e, int(cursor[2]), replay=True)  # e.read is 0: not a relay's read
-        except Exception as exc:
-            raise RebuildError(f"event {e.id} of key {e.key!r} could not be prepared for the handler: "
-                               f"{describe(exc)}") from exc
-        if prepared is None:
-            continue
-        if not isinstance(prepared, ProjectionEvent):
-            raise RebuildError(f"event {e.id} of key {e.key!r} no longer applies: {prepared.error}")
-        out.append(prepared)
-    return out
+def _replayed(projection: Projection, key: str, batch: Batch) -> int:
+    """The events the key rebuild replayed; an event that no longer applies fails it (rolled back)."""
+    for e in batch.events:
+        outcome = batch.outcomes.get(e.id)
+        if outcome is not None:
+            raise RebuildError(f"event {e.id} of key {e.key!r} no longer applies: {outcome.error}")
+    return len(batch.events)
