@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from outbox_relay.sink import Commit, Failure, KeyHold, Outcomes
-from outbox_relay.store import StoredEvent
+from outbox_relay.store import EventFilter, StoredEvent
 
 from .published import _SHOWN, PublishedEvent, _published_event
 
@@ -48,9 +48,14 @@ class RecordingSink:
     ``delivered()`` lists each delivered event once, in the order of its first delivery (a relay
     redelivers a batch whose checkpoint did not land: at-least-once); ``deliveries`` every attempt.
     Thread-safe: the relay calls ``deliver`` on its runner thread.
+
+    To record more (per-batch timing, fences, a gate that holds a batch in flight), subclass it and
+    override the hooks ``deliver`` calls on the runner thread: ``begin(events, fences, abort)``
+    before the batch, ``attempt(e, fence) -> Failure | None`` per event it attempts (the default asks
+    ``fail``), ``end(events, landed)`` after the checkpoint.
     """
 
-    event_filter = None  # every event, like the Kafka sink
+    event_filter: EventFilter | None = None  # every event, like the Kafka sink
 
     def __init__(self, name: str = "kafka", *, fail: FailWith | None = None, kind: str = "kafka") -> None:
         if kind not in ("kafka", "projection"):
@@ -61,29 +66,38 @@ class RecordingSink:
 
     def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                 abort: threading.Event) -> set[int]:
+        self.begin(events, fences, abort)
         outcomes: Outcomes = {}
         hold = KeyHold()
         attempts: list[Delivery] = []
         for e in events:
             if not hold.allows(e):
                 continue
-            event = _published_event(e, None, None)
-            outcome = self._outcome(event, e.attempts + 1)
+            outcome = self.attempt(e, fences[e.bucket])
             outcomes[e.id] = outcome
-            attempts.append(Delivery(event, e.attempts + 1, outcome.error if outcome else None))
+            attempts.append(Delivery(_published_event(e, None, None), e.attempts + 1,
+                                     outcome.error if outcome else None))
             hold.record(e, outcome)
         landed = commit(outcomes, None)
         with self._lock:
             # Only what landed counts: a batch whose checkpoint was fenced out is delivered again.
             self._deliveries.extend(d for d in attempts if d.event.id in {e.id for e in events if e.bucket in landed})
             self._lock.notify_all()
+        self.end(events, landed)
         return landed
 
-    def _outcome(self, event: PublishedEvent, attempt: int) -> Failure | None:
-        result = self.fail(event, attempt) if self.fail is not None else None
+    def begin(self, events: Sequence[StoredEvent], fences: dict[int, int], abort: threading.Event) -> None:
+        """Hook: a batch is about to be delivered (may raise ``Aborted`` when ``abort`` is set)."""
+
+    def attempt(self, e: StoredEvent, fence: int) -> Failure | None:
+        """Hook: deliver ``e`` (its bucket's fence is ``fence``); its outcome. The default asks ``fail``."""
+        result = self.fail(_published_event(e, None, None), e.attempts + 1) if self.fail is not None else None
         if result is None or isinstance(result, Failure):
             return result
         return Failure(str(result))
+
+    def end(self, events: Sequence[StoredEvent], landed: set[int]) -> None:
+        """Hook: the batch's checkpoint was written; ``landed`` are the buckets whose fence held."""
 
     def close(self) -> None:
         pass
