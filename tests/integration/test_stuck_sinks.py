@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -127,12 +126,13 @@ def test_a_handler_that_never_returns_is_charged_to_its_event_and_other_keys_flo
     sink.close()
 
 
-@dataclass
 class BlockingSink(RecordingSink):
     """A sink written against the contract that blocks on key "block" without ever checking its stop flag."""
 
-    release: threading.Event = field(default_factory=threading.Event)
-    blocked: threading.Event = field(default_factory=threading.Event)
+    def __init__(self, *, release: threading.Event, **options: Any) -> None:
+        super().__init__(**options)
+        self.release = release
+        self.blocked = threading.Event()
 
     def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                 abort: threading.Event) -> set[int]:
@@ -237,7 +237,6 @@ def test_past_the_cap_of_abandoned_handlers_the_runner_stops_the_relay(
         sink.close()
 
 
-@dataclass
 class FailingSink(RecordingSink):
     """A sink whose every batch fails as a whole with a connection error (not an event's fault)."""
 
