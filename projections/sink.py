@@ -94,6 +94,9 @@ class ProjectionSink:
         self.fatal: OutboxError | None = None  # set when a rebuild must stop (see _refuse_outside_writes)
         self.observer: Observer = NULL_OBSERVER  # set by the composition root (tracing: a span per handler call)
         self._guard = Guard(self.name, handler_timeout_seconds, self._end_walk)
+        # Events whose batch landed (applied, parked or dead-lettered), written by the runner thread: a
+        # rebuild's progress between its exact counts.
+        self.passed = 0
 
     def _refuse_outside_writes(self, tables: list[str]) -> None:
         """A rebuild's batch wrote tables outside its shadow schema: it rolls back, and the rebuild stops."""
@@ -118,6 +121,7 @@ class ProjectionSink:
             run = functools.partial(self._walk, events=events, fences=fences, commit=commit, abort=abort, known=known)
             try:
                 result: set[int] = self._guard.run(run, abort)
+                self.passed += sum(1 for e in events if e.bucket in result)
                 self._guard.check_cap()  # after the batch that charged the abandoned handlers landed
                 return result
             except Redo as redo:
