@@ -180,6 +180,23 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "p
             "output": outputs}
 
 
+def rebuild_sql_once(dsn: str, n: int, run: int) -> dict[str, Any]:
+    """The same read model built by one plain ``INSERT ... SELECT`` over the stored events, into a
+    scratch table: what the database alone takes, the floor a rebuild through the relay is compared with."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS bench_totals_sql")
+        conn.execute(SCHEMA.replace("bench_totals", "bench_totals_sql"))
+        t = time.monotonic()
+        with conn.transaction():
+            conn.execute("INSERT INTO bench_totals_sql (customer, orders, cents) "
+                         "SELECT payload->>'customer', count(*), sum((payload->>'amount_cents')::bigint) "
+                         "FROM outbox.events WHERE type = 'bench.order_paid' GROUP BY 1")
+        seconds = time.monotonic() - t
+        conn.execute("DROP TABLE bench_totals_sql")
+    return {"handler": "sql", "processes": 0, "run": run, "events": n, "applied": n, "seconds": seconds,
+            "events_per_s": n / seconds}
+
+
 def case_rebuild(bench: Bench) -> None:
     n = bench.args.rebuild_events
     name, dsn = bench.fresh_outbox_db()
@@ -193,7 +210,13 @@ def case_rebuild(bench: Bench) -> None:
             log(f"rebuild: {n:,} events loaded in {time.monotonic() - t:.0f}s, "
                 f"{bench.table_sizes(conn)['total_bytes'] / 2**20:.0f} MiB")
         for run in range(bench.args.runs):
-            for procs, handler in ((p, h) for p in bench.args.rebuild_procs for h in bench.args.rebuild_handlers):
+            if "sql" in bench.args.rebuild_handlers:
+                r = rebuild_sql_once(dsn, n, run)
+                log(f"rebuild {n:,} events, plain INSERT ... SELECT (the floor: no relay) run {run + 1}: "
+                    f"{r['events_per_s']:,.0f} ev/s ({r['seconds']:.1f}s)")
+                runs.append(r)
+            for procs, handler in ((p, h) for p in bench.args.rebuild_procs for h in bench.args.rebuild_handlers
+                                   if h != "sql"):
                 r = rebuild_once(bench, dsn, procs, run, handler)  # handlers interleaved: ratios on one machine state
                 log(f"rebuild {n:,} events, {handler} handler, {procs} process{'es' if procs > 1 else ''} run "
                     f"{run + 1}: "
