@@ -1366,10 +1366,15 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     "transaction",
                     "events/s", "ev/s", [r["events_per_s"] for r in rs])
     if "rebuild" in results:
-        for procs in a["rebuild_procs"]:
-            rs = [r for r in results["rebuild"] if r["processes"] == procs]
-            case = (f"rebuild of the projection from {a['rebuild_events']:,} stored events, {procs} `outbox-relay "
-                    f"rebuild` process{'es' if procs > 1 else ''} (spawn to exit)")
+        rs = [r for r in results["rebuild"] if r.get("handler") == "sql"]
+        if rs:
+            row(f"the same read model from {a['rebuild_events']:,} stored events by one plain INSERT ... SELECT "
+                "(the database alone, no relay)", "events/s", "ev/s", [r["events_per_s"] for r in rs])
+        for procs, handler in ((p, h) for p in a["rebuild_procs"] for h in a.get("rebuild_handlers", ["per-event"])
+                               if h != "sql"):
+            rs = [r for r in results["rebuild"] if r["processes"] == procs and r.get("handler", "per-event") == handler]
+            case = (f"rebuild of the projection from {a['rebuild_events']:,} stored events, {handler} handler, "
+                    f"{procs} `outbox-relay rebuild` process{'es' if procs > 1 else ''} (spawn to exit)")
             row(case, "events/s", "ev/s", [r["events_per_s"] for r in rs])
             row(case, "seconds", "s", [r["seconds"] for r in rs])
             if procs > 1:
@@ -1453,11 +1458,13 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
         lines.append("")
         lines.append("Rebuild check (bench_totals after the switch against the events the rebuild passed, per "
                      "customer): " + "; ".join(
-                         f"{r['processes']} process{'es' if r['processes'] > 1 else ''} run {r['run'] + 1}: "
+                         f"{r.get('handler', 'per-event')}, {r['processes']} "
+                         f"process{'es' if r['processes'] > 1 else ''} run {r['run'] + 1}: "
                          f"{r['check']['mismatched_customers']} mismatched, {r['check']['cents']:,} cents of "
                          f"{r['check']['all_events']['expected_cents']:,} stored, {r['left_to_live_relay']} events "
                          f"left to the live relay, most buckets held per process "
-                         f"{sorted(r['bucket_owners'].values(), reverse=True)}" for r in rs))
+                         f"{sorted(r['bucket_owners'].values(), reverse=True)}"
+                         for r in rs if r.get("handler") != "sql"))
     if "profile" in results and results["profile"].get("top"):
         p = results["profile"]
         lines.append("")
@@ -1539,6 +1546,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rebuild-events", type=int, default=None,
                    help="stored events the rebuild case replays (default 1000000)")
     p.add_argument("--rebuild-procs", default="1,2", help="`outbox-relay rebuild` processes started together")
+    p.add_argument("--rebuild-handlers", default="sql,per-event,batched",
+                   help="rebuild with the per-event handler (bench_totals), the batched set-based one "
+                        "(bench_totals_batched), and the same model by one plain INSERT ... SELECT (sql), "
+                        "interleaved in one run")
     p.add_argument("--history-events", type=int, default=None,
                    help="delivered events past the retention for the history case (default 1000000)")
     p.add_argument("--retention-batch", type=int, default=RelaySettings.model_fields["retention_batch"].default,
@@ -1577,6 +1588,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.rebuild_events = args.rebuild_events or (100_000 if quick else 1_000_000)
     args.history_events = args.history_events or (100_000 if quick else 1_000_000)
     args.rebuild_procs = [int(x) for x in args.rebuild_procs.split(",")]
+    args.rebuild_handlers = [h.strip() for h in args.rebuild_handlers.split(",") if h.strip()]
+    unknown = sorted(set(args.rebuild_handlers) - {"sql", "per-event", "batched"})
+    if unknown:
+        p.error(f"--rebuild-handlers: unknown {', '.join(unknown)} (sql, per-event, batched)")
     args.relays = [int(x) for x in (args.relays or ("1,4" if wants_issue8 else "1,2,4")).split(",")]
     args.relay_args = shlex.split(args.relay_args)
     args.ref_workers = [int(x) for x in args.ref_workers.split(",")]

@@ -40,7 +40,10 @@ wanted AS (
            CASE WHEN w.after_xid::xid8 >= pg_snapshot_xmax(w.seen::pg_snapshot) THEN w.after_xid::xid8
                 ELSE pg_snapshot_xmax(w.seen::pg_snapshot) END AS later_xid,
            CASE WHEN w.after_xid::xid8 >= pg_snapshot_xmax(w.seen::pg_snapshot) THEN w.after_seq
-                ELSE -1 END AS later_seq
+                ELSE -1 END AS later_seq,
+           -- Transactions open in the cursor's snapshot that are visible in the target: committed since.
+           ARRAY(SELECT x FROM pg_snapshot_xip(w.seen::pg_snapshot) AS x
+                 WHERE pg_visible_in_snapshot(x, coalesce(w.target::pg_snapshot, n.snapshot))) AS committed_since
     FROM unnest(%(buckets)s::int[], %(limits)s::int[], %(seen)s::text[], %(targets)s::text[],
                 %(after_xids)s::text[], %(after_seqs)s::bigint[])
          AS w(bucket, lim, seen, target, after_xid, after_seq)
@@ -73,10 +76,13 @@ CROSS JOIN LATERAL (
         -- Transactions still open when the cursor's snapshot was taken that have committed since
         -- (one index probe per such transaction id). Their ids are below the snapshot's xmax, so
         -- they come first.
+        -- With none, the scan is skipped (a one-time filter): an empty ANY would still walk the bucket
+        -- from the cursor on, the whole of it in a rebuild from the start of history.
         (SELECT e.*
          FROM outbox.events e
-         WHERE e.bucket = w.bucket
-           AND e.xid = ANY(ARRAY(SELECT x FROM pg_snapshot_xip(w.seen) AS x WHERE pg_visible_in_snapshot(x, w.target)))
+         WHERE cardinality(w.committed_since) > 0
+           AND e.bucket = w.bucket
+           AND e.xid = ANY(w.committed_since)
            AND (e.xid, e.seq) > (w.open_xid, w.open_seq)
            AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
            AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))

@@ -1,4 +1,4 @@
-"""The contract suite (outbox_relay/sink_contract.py) against every sink the project ships.
+"""The contract suite (outbox_relay/testing/sink_contract.py) against every sink the project ships.
 
 - the example sink of docs/writing-a-sink.md (examples/jsonl_sink.py), an ``EventSink`` through the
   adapter: every test, ``break_downstream("down")`` included (its directory taken away);
@@ -25,9 +25,8 @@ import psycopg
 import pytest
 
 from outbox_relay.kafka_sink import KafkaSink
-from outbox_relay.sink_contract import SinkContract
 from outbox_relay.sinks import SinkEvent
-from outbox_relay.testing import RecordingSink
+from outbox_relay.testing import RecordingSink, SinkContract
 from projections import ProjectionEvent, projection
 from projections.sink import ProjectionSink
 from tests.servers import consume_all

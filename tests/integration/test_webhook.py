@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from outbox_relay.compose import build_worker
-from outbox_relay.sink_contract import SinkContract
+from outbox_relay.testing import SinkContract
 from outbox_relay.webhook import WebhookSink
 from tests.integration.relay_helpers import dead_letters, make_settings, parked_ids, publish, running
 from tests.webhook_receiver import SECRET, Received, Receiver, Reply, receiving, self_signed
@@ -276,7 +276,7 @@ def test_a_relay_killed_mid_way_loses_nothing_and_the_receiver_dedupes(
     print(f"{len(got)} requests for {len(ids)} events: {duplicates} redelivered after the kill (at {at_kill})")
 
 
-# -- the contract suite (outbox_relay.sink_contract) against the webhook sink
+# -- the contract suite (outbox_relay.testing.SinkContract) against the webhook sink
 
 
 class TestWebhookSinkContract(SinkContract):

@@ -1,6 +1,6 @@
 """A contract test suite for a sink you wrote: inherit, say how to make your sink, run pytest.
 
-    from outbox_relay.sink_contract import SinkContract
+    from outbox_relay.testing import SinkContract
 
     class TestAuditSink(SinkContract):
         def make_sink(self):
@@ -52,15 +52,15 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import ConnectionPool
 
-from . import store
-from .migrate import migrate
-from .publish import Outbox
-from .relay import SinkRunner
-from .settings import load_settings
-from .sink import Commit, Failure, KeyHold, Outcomes
-from .sink_adapter import EventSinkAdapter
-from .sinks import Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
-from .store import StoredEvent
+from .. import store
+from ..migrate import migrate
+from ..publish import Outbox
+from ..relay import SinkRunner
+from ..settings import load_settings
+from ..sink import Commit, Failure, KeyHold, Outcomes
+from ..sink_adapter import EventSinkAdapter
+from ..sinks import Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
+from ..store import StoredEvent
 
 __all__ = ["SinkContract"]
 
@@ -232,7 +232,7 @@ def _server_dsn() -> str:
         return given
     global _server
     if _server is None:
-        from .embedded import EmbeddedPostgres
+        from ..embedded import EmbeddedPostgres
 
         _server = EmbeddedPostgres().start()
         atexit.register(_server.stop)
