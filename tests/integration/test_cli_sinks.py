@@ -17,7 +17,7 @@ from psycopg_pool import ConnectionPool
 
 from outbox_relay import cli, store
 from outbox_relay.housekeeping import Housekeeping
-from tests.integration.relay_helpers import fetch_all, make_settings, publish, register
+from tests.integration.relay_helpers import close_history, fetch_all, make_settings, publish, register
 from tests.servers import wait_until
 
 SINK = "old_model"
@@ -200,6 +200,7 @@ def test_retention_ignores_a_dropped_sink(dsn: str, capsys: pytest.CaptureFixtur
     with psycopg.connect(dsn, autocommit=True) as conn:
         # The live sink delivered everything: its cursors are past every stored event.
         conn.execute("UPDATE outbox.cursors SET snapshot = pg_current_snapshot() WHERE sink = 'live'")
+    close_history(dsn)
     settings = make_settings(dsn, "housekeeper", retention_seconds=0.0)
     with ConnectionPool(dsn, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
         assert Housekeeping(pool, settings).run_once().deleted_events == 0, "the lagging sink holds retention"
