@@ -35,6 +35,7 @@ import psycopg
 from confluent_kafka import KafkaException
 from pydantic.fields import FieldInfo
 
+from . import history
 from .dsn import check_dsn, connection_problem, describe, one_line, redact, remember_dsn
 from .errors import ConfigurationError, OutboxError, WorkerIdInUse
 from .event import MAX_KEY_BYTES
@@ -174,6 +175,25 @@ def _seconds(text: str) -> float:
     return value
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _keep(text: str) -> float | str:
+    """A retention: seconds, a number with a unit (s, m, h, d), 'forever' or 'relays'."""
+    word = text.strip().lower()
+    if word in ("forever", "relays"):
+        return word
+    unit = _UNITS.get(word[-1:])
+    try:
+        value = float(word[:-1] if unit else word) * (unit or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text[:100]!r} (seconds, 7d, 12h, 30m, 'forever' or "
+                                         "'relays')") from None
+    if not 0 <= value <= 3650 * 86400:
+        raise argparse.ArgumentTypeError(f"must be 0 to 3650 days, not {text[:100]}")
+    return value
+
+
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
@@ -267,6 +287,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a relay heard from within this long still runs the sink (0.02-3600; default: the relays' "
                         f"setting from {env_var('worker_ttl_seconds')}, else 10)")
 
+    summary = "how long history is kept, per retention class of topics (docs/history.md)"
+    p = sub.add_parser("retention", help=summary, description=_actions_description(summary, RETENTION_ACTIONS))
+    _dsn_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output (every action)")
+    p.add_argument("action", choices=list(RETENTION_ACTIONS), help="what to do (see actions above)")
+    p.add_argument("name", nargs="?", default=None, help="the class (class, drop-class) or topic (topic)")
+    p.add_argument("--keep", type=_keep, default=None, metavar="DURATION",
+                   help="class: how long its events are kept after delivery: seconds, or a number with s, m, h or d "
+                        "(7d), or 'forever'; for the default class, 'relays' returns to the relays' "
+                        f"--retention-seconds ({env_var('retention_seconds')})")
+    p.add_argument("--class", dest="class_name", default=None, help="topic: the class to put it in")
+    p.add_argument("--retention-seconds", type=float, default=None, metavar="SECONDS",
+                   help=f"the relays' --retention-seconds, for list and partitions (default: "
+                        f"{env_var('retention_seconds')}, else 7 days)")
+
     summary = "list, retry or discard dead letters"
     p = sub.add_parser("dead-letters", help=summary, description=_actions_description(summary, DEAD_LETTERS_ACTIONS))
     _dsn_arg(p)
@@ -322,6 +357,15 @@ SINKS_ACTIONS = {
     "drop": "retire a sink NAME: its cursors, parked events and dead letters are deleted (refused while relays "
             "use it, unless --force)",
     "recreate": "let relays register a dropped sink NAME again (it starts from the oldest retained event)",
+}
+RETENTION_ACTIONS = {
+    "list": "retention classes (keep, topics) and history per class: partitions, size, oldest event, what holds "
+            "its oldest partition",
+    "partitions": "every partition of outbox.events: xid range, class, topics, size, what holds it",
+    "class": "create class NAME or change its --keep (NAME default: every topic not mapped to a class)",
+    "drop-class": "remove class NAME (no topic may be mapped to it, no partition hold it)",
+    "topic": "put topic NAME in --class (default: back to the default class); applies from the next partition",
+    "roll": "end the partition being written and start the next one now (class changes apply from it)",
 }
 DEAD_LETTERS_ACTIONS = {
     "list": "dead letters, newest first, with their last error (--sink, --key, --limit; --after pages)",
@@ -589,6 +633,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             "dead_letters_by_key": ("dead letters by key",
                                     _rows(conn, "admin", "dead_letters_by_key", {"sink": None, "limit": 20})),
             "rebuilds": ("rebuilds in progress", _rows(conn, "admin", "rebuilds")),
+            "retention": ("history per retention class (partitions, size, oldest event, what holds its oldest "
+                          "partition back; `outbox-relay retention list`)",
+                          history.rows(conn, "by_class", _retention_seconds(args))),
             "history": ("history per projection (how far back a rebuild goes; incomplete: retention removed "
                         "events it applied, so a full rebuild needs --accept-partial)",
                         _rows(conn, "admin", "history")),
@@ -694,6 +741,69 @@ def cmd_sinks(args: argparse.Namespace) -> int:
     else:
         for line in lines:
             _say(line)
+    return EXIT_OK
+
+
+def _retention_seconds(args: argparse.Namespace) -> float:
+    if getattr(args, "retention_seconds", None) is not None:
+        return float(args.retention_seconds)
+    text = os.environ.get(env_var("retention_seconds"))
+    try:
+        return float(text) if text else float(RelaySettings.model_fields["retention_seconds"].default)
+    except ValueError:
+        raise ConfigurationError(f"{env_var('retention_seconds')}={text!r} is not a number of seconds") from None
+
+
+def cmd_retention(args: argparse.Namespace) -> int:
+    dsn = _dsn(args)
+    keep_default = _retention_seconds(args)
+    with _database(dsn) as conn:
+        if args.action in ("list", "partitions"):
+            sections = ({"classes": history.rows(conn, "classes", keep_default),
+                         "history": history.rows(conn, "by_class", keep_default)} if args.action == "list"
+                        else {"partitions": history.rows(conn, "partitions", keep_default)})
+            if args.json:
+                _print_json({k: _records(cols, rows) for k, (cols, rows) in sections.items()})
+                return EXIT_OK
+            for title, (cols, rows) in sections.items():
+                _say(f"\n{title}:")
+                _print_table(rows, cols) if rows else _say("  (none)")
+            return EXIT_OK
+        if args.action == "roll":
+            made = history.roll(conn, float(RelaySettings.model_fields["partition_seconds"].default))
+            result: dict[str, Any] = {"action": "roll", "partition": made}
+            line = f"the partition being written ended; events now go to {made}"
+        elif not args.name:
+            raise ConfigurationError(f"retention {args.action} needs a name")
+        elif args.action == "class":
+            if args.keep is None:
+                raise ConfigurationError("retention class needs --keep (a duration, 'forever' or, for default, "
+                                         "'relays')")
+            if args.keep == "relays":
+                if args.name != "default":
+                    raise ConfigurationError("--keep relays is for the default class only")
+                history.reset_default(conn)
+            else:
+                history.set_class(conn, args.name, None if args.keep == "forever" else float(args.keep))
+            result = {"action": "class", "class": args.name, "keep": args.keep}
+            line = f"retention class {args.name!r} keeps events " + (
+                "for good" if args.keep == "forever" else "as the relays' --retention-seconds says"
+                if args.keep == "relays" else f"{args.keep:g} seconds")
+        elif args.action == "drop-class":
+            history.drop_class(conn, args.name)
+            result = {"action": "drop-class", "class": args.name}
+            line = f"retention class {args.name!r} removed"
+        else:
+            if not args.class_name:
+                raise ConfigurationError("retention topic needs --class (default: back to the default class)")
+            history.map_topic(conn, args.name, args.class_name)
+            result = {"action": "topic", "topic": args.name, "class": args.class_name}
+            line = (f"topic {args.name!r} is in retention class {args.class_name!r} from the next partition on "
+                    "(`outbox-relay retention roll` starts it now)")
+    if args.json:
+        _print_json(result)
+    else:
+        _say(line)
     return EXIT_OK
 
 
@@ -1240,6 +1350,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": cmd_status,
     "lag": cmd_lag,
     "dead-letters": cmd_dead_letters,
+    "retention": cmd_retention,
     "keys": cmd_keys,
     "sinks": cmd_sinks,
     "rebuild": cmd_rebuild,

@@ -472,13 +472,19 @@ BEGIN
     IF p.name IS NULL THEN
         RETURN 'no such partition';
     END IF;
+    EXECUTE format('SELECT max(created_at), min(xid), max(xid) FROM outbox.%I', p.name) INTO newest, lo, hi;
+    IF newest IS NULL THEN
+        -- Nothing to keep: a closed range's empty leaf goes (events_default stays, empty).
+        IF p.range_name IS NULL THEN
+            RETURN 'empty';
+        ELSIF pg_snapshot_xmin(pg_current_snapshot()) < p.xid_to THEN
+            RETURN 'still being written';
+        END IF;
+        RETURN NULL;
+    END IF;
     k := outbox.class_keep_v1(p.class, default_keep);
     IF k.forever THEN
         RETURN format('retention class %s keeps history for good', coalesce(p.class, '(all classes)'));
-    END IF;
-    EXECUTE format('SELECT max(created_at), min(xid), max(xid) FROM outbox.%I', p.name) INTO newest, lo, hi;
-    IF newest IS NULL AND p.range_name IS NULL THEN
-        RETURN 'empty';
     END IF;
     IF newest >= clock_timestamp() - k.keep THEN
         RETURN format('within retention (class %s keeps %s; newest event %s)',

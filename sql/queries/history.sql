@@ -23,7 +23,8 @@ WITH classes AS (
     SELECT name, false FROM outbox.retention_classes
 )
 SELECT c.name AS class,
-       CASE WHEN k.forever THEN 'for good' ELSE k.keep::text END AS keep,
+       CASE WHEN k.forever THEN 'for good' ELSE justify_interval(k.keep)::text END AS keep,
+       CASE WHEN NOT k.forever THEN extract(epoch FROM k.keep)::float8 END AS keep_seconds,
        c.from_relays AS keep_from_relays,
        CASE WHEN c.name = 'default' THEN NULL
             ELSE (SELECT array_agg(t.topic ORDER BY t.topic) FROM outbox.topic_retention t WHERE t.class = c.name)
