@@ -541,6 +541,7 @@ CREATE FUNCTION outbox.retire_partition_v1(default_keep interval,
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     p       outbox.partitions;
+    bottom  xid8;
     top     xid8;
 BEGIN
     FOR p IN SELECT * FROM outbox.partitions ORDER BY xid_from NULLS FIRST, name LOOP
@@ -554,9 +555,12 @@ BEGIN
                 CONTINUE;
             END IF;
         END IF;
-        EXECUTE format('SELECT count(*), max(created_at), max(xid) FROM outbox.%I', p.name) INTO removed, newest, top;
-        EXECUTE format('DELETE FROM outbox.idempotency_keys k USING outbox.%I e '
-                       'WHERE k.event_id = e.id AND k.xid = e.xid AND e.idempotency_key IS NOT NULL', p.name);
+        EXECUTE format('SELECT count(*), max(created_at), min(xid), max(xid) FROM outbox.%I', p.name)
+            INTO removed, newest, bottom, top;
+        -- Its events' keys: those of its xid range (index idempotency_keys_xid) whose event it holds.
+        EXECUTE format('DELETE FROM outbox.idempotency_keys k WHERE k.xid >= $1 AND k.xid <= $2 '
+                       'AND EXISTS (SELECT FROM outbox.%I e WHERE e.id = k.event_id AND e.xid = k.xid)', p.name)
+            USING bottom, top;
         IF removed > 0 THEN
             UPDATE outbox.history
             SET removed_through = greatest(removed_through, newest), removed_xid = greatest(removed_xid, top),
