@@ -18,7 +18,7 @@ from outbox_relay.housekeeping import Housekeeping
 from outbox_relay.migrate import migrate, migrations
 from outbox_relay.positions import Cursor
 from outbox_relay.publish import Outbox, Published
-from outbox_relay.sqlfiles import query
+from outbox_relay.sqlfiles import compact, query, sql_dir
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     DELIVER_ALL_SQL,
     SINK,
@@ -194,15 +194,20 @@ def _migrate_to(dsn: str, version: int) -> None:
             conn.execute("INSERT INTO outbox.schema_migrations (version, name) VALUES (%s, %s)", (m.version, m.name))
 
 
-# The statements of a relay and producer of schema version 12 (sql/queries at that release) that touch
-# outbox.events, as they were: they must keep running against the partitioned table.
-OLD_FETCH = """
-SELECT e.bucket, e.xid, e.seq, e.id FROM outbox.events e
-WHERE e.bucket = %(bucket)s AND (e.xid, e.seq) > (%(xid)s::xid8, %(seq)s)
-  AND e.xid < pg_snapshot_xmax(pg_current_snapshot())
-  AND pg_visible_in_snapshot(e.xid, pg_current_snapshot())
-ORDER BY e.xid, e.seq LIMIT 100
-"""
+def version_12_fetch() -> str:
+    """The relay's read as schema version 12 shipped it: today's fetch_events without the xid bounds 0015
+    wrote out for partition pruning (the only change 0015 made to it)."""
+    text = (sql_dir() / "queries" / "relay.sql").read_text()
+    block = text[text.index("-- name: fetch_events"):text.index("-- name: fetch_parked")]
+    lines = block.splitlines()
+    drop = {"AND e.xid >= pg_snapshot_xmin(w.seen) AND e.xid < pg_snapshot_xmax(w.seen)", "AND e.xid >= w.later_xid"}
+    kept = [ln for ln in lines if ln.strip() not in drop]
+    assert len(lines) - len(kept) == 2, "fetch_events changed: update version_12_fetch"
+    return compact("\n".join(kept[2:]))
+
+
+# A version-12 relay's retention step, as it was (sql/queries/housekeeping.sql, apply_retention): a
+# DELETE by row address, which on a partitioned table names a row in every partition.
 OLD_RETENTION = """
 WITH old AS (SELECT e.ctid FROM outbox.events e WHERE e.created_at < clock_timestamp() ORDER BY e.created_at LIMIT 10)
 DELETE FROM outbox.events WHERE ctid = ANY(ARRAY(SELECT ctid FROM old)) RETURNING created_at, xid
@@ -246,8 +251,15 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
         # A relay of the previous version reads the new table as before ...
         with psycopg.connect(dsn, autocommit=True) as conn:
             bucket = fetch_all(dsn, "SELECT outbox.bucket_v1('k0')")[0][0]
-            rows = conn.execute(OLD_FETCH, {"bucket": bucket, "xid": "0", "seq": 0}).fetchall()
-            assert rows, "the old read finds the bucket's events across the legacy and new partitions"
+            store.register_sink(conn, "old", "projection")
+            store.acquire_leases(conn, "old", "w", [bucket], 60.0)
+            origin = Cursor.at((0, 0)).params()
+            params = {"sink": "old", "worker": "w", "buckets": [bucket], "limits": [1000], "seen": [origin[0]],
+                      "targets": [origin[1]], "after_xids": [origin[2]], "after_seqs": [origin[3]],
+                      "types": None, "topics": None}
+            old = [r[3] for r in conn.execute(version_12_fetch(), params).fetchall() if r[3] is not None]
+            new = [e.id for e in store.fetch_events(conn, "old", "w", {bucket: (1000, Cursor.at((0, 0)))}).events]
+            assert old and old == new, "the old read finds the bucket's events across the legacy and new partitions"
             # ... and its retention is refused (a DELETE by ctid would name a row in every partition).
             with pytest.raises(psycopg.errors.FeatureNotSupported, match="events leave by partition"):
                 conn.execute(OLD_RETENTION)
