@@ -491,6 +491,21 @@ BEGIN
 END
 $$;
 
+-- Whether a transaction may still write events with an id in [lo, hi): ids not handed out yet, or one
+-- running now (a transaction's events go to the partition of its own id). Transactions ids are
+-- cluster-wide: one running in another database (pg_stat_activity, pg_prepared_xacts) writes nothing
+-- here; one this role can not place counts as open.
+CREATE FUNCTION outbox.range_open_v1(lo xid8, hi xid8) RETURNS boolean
+    LANGUAGE sql STABLE AS $$
+    SELECT pg_snapshot_xmax(pg_current_snapshot()) < hi
+        OR EXISTS (SELECT FROM pg_snapshot_xip(pg_current_snapshot()) AS x
+                   WHERE x >= lo AND x < hi
+                     AND NOT EXISTS (SELECT FROM pg_stat_activity a
+                                     WHERE a.backend_xid = x::xid AND a.datname <> current_database())
+                     AND NOT EXISTS (SELECT FROM pg_prepared_xacts t
+                                     WHERE t.transaction = x::xid AND t.database <> current_database()))
+$$;
+
 -- The keep of a class: NULL for good; 'default' keeps default_keep (the relays' --retention-seconds)
 -- unless a row names it. NULL class (a mixed leaf: every topic): the longest keep of any class.
 CREATE FUNCTION outbox.class_keep_v1(class text, default_keep interval, OUT keep interval, OUT forever boolean)
@@ -529,7 +544,7 @@ BEGIN
         -- Nothing to keep: a closed range's empty leaf goes (events_default stays, empty).
         IF p.range_name IS NULL THEN
             RETURN 'empty';
-        ELSIF pg_snapshot_xmin(pg_current_snapshot()) < p.xid_to THEN
+        ELSIF outbox.range_open_v1(p.xid_from, p.xid_to) THEN
             RETURN 'still being written';
         END IF;
         RETURN NULL;
@@ -552,8 +567,7 @@ BEGIN
     IF who IS NOT NULL THEN
         RETURN format('a rebuild of projection %s is in progress', who);
     END IF;
-    -- A transaction older than the range's end may still insert into it.
-    IF pg_snapshot_xmin(pg_current_snapshot()) < hi THEN
+    IF outbox.range_open_v1(coalesce(p.xid_from, '0'::xid8), hi) THEN
         RETURN 'still being written';
     END IF;
     IF NOT EXISTS (SELECT FROM outbox.cursors) THEN
