@@ -322,3 +322,19 @@ def test_a_read_of_the_relay_finds_events_of_every_partition(dsn: str) -> None:
         got = store.fetch_events(conn, SINK, "w", {bucket: (100, Cursor.at((0, 0)))}).events
     assert [e.id for e in got] == ids
     assert query("relay", "fetch_events")  # the statement under test is the relay's own
+
+
+def test_a_parked_head_blocks_its_key_across_a_partition_boundary(dsn: str, pool: ConnectionPool[Any]) -> None:
+    """G6/G9 across partitions: a key's head fails and is parked in one partition; its next event, in the
+    next partition, waits behind it; after the retry both arrive in publish order."""
+    from outbox_relay.sink import Failure
+
+    (head,) = publish(dsn, [("k", "t", {"n": 1})])
+    close_history(dsn)
+    (behind,) = publish(dsn, [("k", "t", {"n": 2})])
+    assert where(dsn)[head] != where(dsn)[behind]
+    sink = RecordingSink("w", fail=lambda e, n: Failure("not yet") if e.id == head and n == 0 else None)
+    runner = runner_for(sink, pool, make_settings(dsn, "w", backoff_base_seconds=0.05, backoff_max_seconds=0.05))
+    run_until(runner, lambda: sink.delivered_ids() == {head, behind})
+    assert dedup_per_key(sink.attempts) == {"k": [head, behind]}
+    assert [a.event_id for a in sink.attempts] == [head, head, behind], "the second waited for the head's retry"
