@@ -611,6 +611,14 @@ DECLARE
     top     xid8;
 BEGIN
     FOR p IN SELECT * FROM outbox.partitions ORDER BY xid_from NULLS FIRST, name LOOP
+        -- Cheap exits first, so that a pass costs little however long history is: ranges from the first
+        -- one still being written on are all open; a class kept for good is never looked into.
+        IF p.range_name IS NOT NULL AND outbox.range_open_v1(p.xid_from, p.xid_to) THEN
+            EXIT;
+        END IF;
+        IF p.range_name IS NOT NULL AND (outbox.class_keep_v1(p.class, default_keep)).forever THEN
+            CONTINUE;
+        END IF;
         IF outbox.partition_hold_v1(p.name, default_keep) IS NOT NULL THEN
             CONTINUE;
         END IF;
