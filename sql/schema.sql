@@ -621,9 +621,11 @@ BEGIN
 END
 $$;
 
--- The oldest event of a leaf of outbox.events (NULL: empty); one probe of its created_at index.
+-- The oldest event of a leaf of outbox.events (NULL: empty); one probe of its created_at index. As the
+-- schema's owner, like partition_hold_v1: grants on outbox.events do not reach its partitions when read
+-- directly, and `status` and the metrics run as the relays' role.
 CREATE FUNCTION outbox.partition_oldest_v1(leaf text) RETURNS timestamptz
-    LANGUAGE plpgsql STABLE AS $$
+    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     oldest timestamptz;
 BEGIN
@@ -667,7 +669,7 @@ $$;
 -- retention, a rebuild in progress, a range still being written, a sink that has not delivered all of
 -- it, a parked event or a dead letter in its xid range (a retry needs the event).
 CREATE FUNCTION outbox.partition_hold_v1(leaf text, default_keep interval) RETURNS text
-    LANGUAGE plpgsql STABLE AS $$
+    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     p       outbox.partitions;
     k       record;

@@ -123,6 +123,11 @@ def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]
             open_tx.rollback()
         runner._release_all()
         close_history(dsn)
+        with psycopg.connect(relay_dsn, autocommit=True) as relay:  # status and the metrics, as the relays' role
+            from outbox_relay import history
+
+            assert history.rows(relay, "by_class", 0.0)[1], "history per retention class"
+            assert history.rows(relay, "partitions", 0.0)[1]
         assert Housekeeping(pool, make_settings(relay_dsn, "r", retention_seconds=0.0)).run_once().deleted_events == 1
 
     # A service's read-model role keeps its projection and rebuilds it; readers keep their grants.
