@@ -105,19 +105,25 @@ def case_projection(bench: Bench) -> None:
 # -- rebuild: `outbox-relay rebuild` over stored history -----------------------------------------
 
 
-def rebuild_once(bench: Bench, dsn: str, procs: int, run: int) -> dict[str, Any]:
+# The projections a rebuild can replay into bench_totals: per-event upserts, or one set-based upsert per batch.
+REBUILD_HANDLERS = {"per-event": PROJECTION, "batched": PROJECTION + "_batched"}
+
+
+def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "per-event") -> dict[str, Any]:
     """Time `outbox-relay rebuild` (procs processes started together) from spawn to the last exit."""
     n = bench.args.rebuild_events
+    projection = REBUILD_HANDLERS[handler]
     with psycopg.connect(dsn, autocommit=True) as conn:
         # Each run from the same state: no live sink (a switch-over leaves one), an empty live table.
-        conn.execute("DELETE FROM outbox.sinks WHERE name IN (%s, %s)", (PROJECTION, REBUILD_SINK))
+        conn.execute("DELETE FROM outbox.sinks WHERE name = ANY(%s)",
+                     ([p for name in REBUILD_HANDLERS.values() for p in (name, name + ".rebuild")],))
         conn.execute("DROP TABLE IF EXISTS bench_totals")
         conn.execute(SCHEMA)
         conn.execute("CHECKPOINT")  # no dirty buffers of the previous run left to write
     env = bench.relay_env(dsn, projections=True)
-    cmd = [sys.executable, "-m", "outbox_relay.cli", "--log-level", "warning", "rebuild", PROJECTION,
+    cmd = [sys.executable, "-m", "outbox_relay.cli", "--log-level", "warning", "rebuild", projection,
            "--projections", "bench_projection", "--batch-size", str(bench.args.batch_size)]
-    logs = [bench.base / f"rebuild-{procs}p-r{run}-{i}.log" for i in range(procs)]
+    logs = [bench.base / f"rebuild-{handler}-{procs}p-r{run}-{i}.log" for i in range(procs)]
     owners: dict[str, int] = {}  # most buckets each rebuild worker held at once
     exits: dict[int, float] = {}
     files = [f.open("wb") for f in logs]
@@ -133,7 +139,7 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int) -> dict[str, Any]
                     raise RuntimeError(f"rebuild did not finish within {bench.args.drain_timeout * 4:.0f}s")
                 # Who holds the rebuild sink's buckets: do the processes share the work?
                 for owner, held in poll.execute("SELECT owner, count(*) FROM outbox.cursors WHERE sink = %s "
-                                                "AND owner IS NOT NULL GROUP BY owner", (REBUILD_SINK,)):
+                                                "AND owner IS NOT NULL GROUP BY owner", (projection + ".rebuild",)):
                     owners[owner] = max(owners.get(owner, 0), held)
                 time.sleep(0.05)
         seconds = max(exits.values())
@@ -151,20 +157,38 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int) -> dict[str, Any]
     with psycopg.connect(dsn, autocommit=True) as conn:
         # The switch hands the live projection the rebuild's cursors; with no live relay running,
         # whatever the rebuild left for it (at most a batch) is still unapplied.
-        row = conn.execute(query("rebuild", "remaining"), {"sink": PROJECTION, "types": None, "topics": None}
+        row = conn.execute(query("rebuild", "remaining"), {"sink": projection, "types": None, "topics": None}
                            ).fetchone()
         left = int(row[0]) if row else 0
-        check = check_totals(conn, applied_by=PROJECTION)
+        check = check_totals(conn, applied_by=projection)
         check["all_events"] = check_totals(conn)
     if not check["ok"] or check["expected_orders"] + left != n:  # (no live cursors: not switched over)
         raise RuntimeError(f"rebuild: bench_totals does not match the events the rebuild passed: {check}, "
                            f"{left} left")
     applied = n - left
-    return {"processes": procs, "run": run, "events": n, "applied": applied, "left_to_live_relay": left,
+    return {"handler": handler, "processes": procs, "run": run, "events": n, "applied": applied,
+            "left_to_live_relay": left,
             "seconds": seconds, "events_per_s": applied / seconds, "bucket_owners": owners, "check": check,
             # The process that switches over exits first; the others notice at their next progress poll.
             "first_exit_seconds": min(exits.values()),
             "output": outputs}
+
+
+def rebuild_sql_once(dsn: str, n: int, run: int) -> dict[str, Any]:
+    """The same read model built by one plain ``INSERT ... SELECT`` over the stored events, into a
+    scratch table: what the database alone takes, the floor a rebuild through the relay is compared with."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS bench_totals_sql")
+        conn.execute(SCHEMA.replace("bench_totals", "bench_totals_sql"))
+        t = time.monotonic()
+        with conn.transaction():
+            conn.execute("INSERT INTO bench_totals_sql (customer, orders, cents) "
+                         "SELECT payload->>'customer', count(*), sum((payload->>'amount_cents')::bigint) "
+                         "FROM outbox.events WHERE type = 'bench.order_paid' GROUP BY 1")
+        seconds = time.monotonic() - t
+        conn.execute("DROP TABLE bench_totals_sql")
+    return {"handler": "sql", "processes": 0, "run": run, "events": n, "applied": n, "seconds": seconds,
+            "events_per_s": n / seconds}
 
 
 def case_rebuild(bench: Bench) -> None:
@@ -180,9 +204,16 @@ def case_rebuild(bench: Bench) -> None:
             log(f"rebuild: {n:,} events loaded in {time.monotonic() - t:.0f}s, "
                 f"{bench.table_sizes(conn)['total_bytes'] / 2**20:.0f} MiB")
         for run in range(bench.args.runs):
-            for procs in bench.args.rebuild_procs:
-                r = rebuild_once(bench, dsn, procs, run)
-                log(f"rebuild {n:,} events, {procs} process{'es' if procs > 1 else ''} run {run + 1}: "
+            if "sql" in bench.args.rebuild_handlers:
+                r = rebuild_sql_once(dsn, n, run)
+                log(f"rebuild {n:,} events, plain INSERT ... SELECT (the floor: no relay) run {run + 1}: "
+                    f"{r['events_per_s']:,.0f} ev/s ({r['seconds']:.1f}s)")
+                runs.append(r)
+            for procs, handler in ((p, h) for p in bench.args.rebuild_procs for h in bench.args.rebuild_handlers
+                                   if h != "sql"):
+                r = rebuild_once(bench, dsn, procs, run, handler)  # handlers interleaved: ratios on one machine state
+                log(f"rebuild {n:,} events, {handler} handler, {procs} process{'es' if procs > 1 else ''} run "
+                    f"{run + 1}: "
                     f"{r['events_per_s']:,.0f} ev/s ({r['seconds']:.1f}s, {r['left_to_live_relay']} left to the "
                     f"live relay, bucket owners {r['bucket_owners']}, table total {r['check']['cents']:,} cents "
                     f"= events {r['check']['expected_cents']:,})")

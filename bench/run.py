@@ -34,10 +34,12 @@ import datetime as dt
 import json
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -595,6 +597,15 @@ class Bench:
                 held_db, held = self.open_long_transaction()
                 out["held_from"] = time.time()
             out["table_before"] = self.hot_table(dsn, kind)
+            notes = NotifyLog(dsn) if kind == "ours" and self.args.latency_stages else None
+            spy = None
+            if kind == "ours" and self.args.latency_spy:
+                spy_raw = self.base / f"lat-spy-{tag}.txt"
+                spy = subprocess.Popen(
+                    [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
+                     str(relays[-1][1].pid), "--idle", "--threads", "--format", "raw", "--rate", "200",
+                     "--duration", str(max(1, int(seconds) - 2)), "--output", str(spy_raw), "--nonblocking"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             producer = subprocess.Popen(
                 [sys.executable, str(PROCS), "latency-producer", "--dsn", dsn, "--topic", topic,
                  "--rate", str(rate), "--duration", str(seconds),
@@ -632,6 +643,9 @@ class Bench:
             time.sleep(max(0.5, seconds - 1.0))
             out["cpu"] = window.stop()
             pstdout, _ = producer.communicate(timeout=seconds + 60)
+            if spy is not None:
+                spy.wait(60)
+                out["spy"] = str(spy_raw)
             sent = json.loads(pstdout.strip().splitlines()[-1])
             consumer.stdin.write(f"expect {sent['sent'] + warmups}\n")
             consumer.stdin.flush()
@@ -641,6 +655,12 @@ class Bench:
                 out["held_until"] = time.time()
                 out["held_seconds"] = self.close_long_transaction(held, out["held_from"])
                 held = None
+            if notes is not None:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    buckets = dict(conn.execute("SELECT id::text, bucket FROM outbox.events").fetchall())
+                out.update(notify_stages(json.loads(commits_path.read_text())["commits"],
+                                         json.loads(received_path.read_text()).get("produced", {}), buckets,
+                                         notes.stop()))
             if kind == "ours":
                 out["peak_rss_mb"] = {wid: self.peak_rss_mb(p.pid) for wid, p in relays}
                 out["missing_diagnosis"] = self.diagnose_missing(dsn, commits_path, received_path, topic)
@@ -813,6 +833,11 @@ class Bench:
                 f"p50/p99 {f(r['p50_ms'])}/{f(r['p99_ms'])} ms ({r['received']}/{r['sent']} received, "
                 f"{r['ack_measured']} acked, {r['achieved_rate']:.0f} ev/s achieved)"
                 + (f"; acked while held {r['acked_while_held']}, held {r['held_seconds']:.0f}s" if r["longtx"] else "")
+                + (f"; commit->notified p50/p99 {f(r['notified_p50_ms'])}/{f(r['notified_p99_ms'])} ms, "
+                   f"notified->produce "
+                   f"p50/p99 {f(r['woken_to_produce_p50_ms'])}/{f(r['woken_to_produce_p99_ms'])} ms, "
+                   f"produce->ack p50/p99 {f(r['settle_p50_ms'])}/{f(r['settle_p99_ms'])} ms"
+                   if "notified_p50_ms" in r else "")
                 + "; cpu (cores) " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("cpu", {}).items()))
 
     def case_latency(self) -> None:
@@ -1027,7 +1052,6 @@ class Bench:
 
     def case_profile(self) -> None:
         """One warm drain with one relay under py-spy; summarise where its time goes."""
-        import shutil
 
         spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         n = self.args.events
@@ -1058,6 +1082,59 @@ class Bench:
     # -- entry --------------------------------------------------------------------------------------
 
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+class NotifyLog:
+    """A LISTEN client on the relays' wake-up channel that records when each notification arrived
+    (the watching relay's NOTIFY, as every other relay's listener receives it)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.notes: list[tuple[float, str]] = []
+        self._conn = psycopg.connect(dsn, autocommit=True)
+        self._conn.execute("LISTEN outbox_events_v2")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for n in self._conn.notifies(timeout=0.2):
+                self.notes.append((time.time(), n.payload))
+
+    def stop(self) -> list[tuple[float, str]]:
+        self._stop.set()
+        self._thread.join(5)
+        self._conn.close()
+        return self.notes
+
+
+def notify_stages(commits: dict[str, float], produced: dict[str, float], buckets: dict[str, int],
+                  notes: list[tuple[float, str]]) -> dict[str, Any]:
+    """Split commit -> produce() at the first wake-up notification after the commit that names the
+    event's bucket: commit -> notified (the watcher's look and its NOTIFY) and notified -> produce()
+    (the owner's wake-up, its cycle in progress, its read)."""
+    import bisect
+
+    times = [t for t, _ in notes]
+    named = [set(p.split(",")) for _, p in notes]
+    seen, pickup = [], []
+    for eid, committed in commits.items():
+        b = buckets.get(eid)
+        if b is None:
+            continue
+        i = bisect.bisect_left(times, committed)
+        while i < len(times) and not (str(b) in named[i] or "*" in named[i]):
+            i += 1
+        if i == len(times):
+            continue
+        seen.append((times[i] - committed) * 1000)
+        if eid in produced:
+            pickup.append((produced[eid] - times[i]) * 1000)
+    seen.sort()
+    pickup.sort()
+    return {"notified_p50_ms": pct(50, seen), "notified_p99_ms": pct(99, seen),
+            "woken_to_produce_p50_ms": pct(50, pickup), "woken_to_produce_p99_ms": pct(99, pickup),
+            "notifications": len(notes), "notified_measured": len(seen)}
 
 
 def _frame_key(frame: str) -> str:
@@ -1286,10 +1363,15 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     "transaction",
                     "events/s", "ev/s", [r["events_per_s"] for r in rs])
     if "rebuild" in results:
-        for procs in a["rebuild_procs"]:
-            rs = [r for r in results["rebuild"] if r["processes"] == procs]
-            case = (f"rebuild of the projection from {a['rebuild_events']:,} stored events, {procs} `outbox-relay "
-                    f"rebuild` process{'es' if procs > 1 else ''} (spawn to exit)")
+        rs = [r for r in results["rebuild"] if r.get("handler") == "sql"]
+        if rs:
+            row(f"the same read model from {a['rebuild_events']:,} stored events by one plain INSERT ... SELECT "
+                "(the database alone, no relay)", "events/s", "ev/s", [r["events_per_s"] for r in rs])
+        for procs, handler in ((p, h) for p in a["rebuild_procs"] for h in a.get("rebuild_handlers", ["per-event"])
+                               if h != "sql"):
+            rs = [r for r in results["rebuild"] if r["processes"] == procs and r.get("handler", "per-event") == handler]
+            case = (f"rebuild of the projection from {a['rebuild_events']:,} stored events, {handler} handler, "
+                    f"{procs} `outbox-relay rebuild` process{'es' if procs > 1 else ''} (spawn to exit)")
             row(case, "events/s", "ev/s", [r["events_per_s"] for r in rs])
             row(case, "seconds", "s", [r["seconds"] for r in rs])
             if procs > 1:
@@ -1339,11 +1421,13 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
         lines.append("")
         lines.append("Rebuild check (bench_totals after the switch against the events the rebuild passed, per "
                      "customer): " + "; ".join(
-                         f"{r['processes']} process{'es' if r['processes'] > 1 else ''} run {r['run'] + 1}: "
+                         f"{r.get('handler', 'per-event')}, {r['processes']} "
+                         f"process{'es' if r['processes'] > 1 else ''} run {r['run'] + 1}: "
                          f"{r['check']['mismatched_customers']} mismatched, {r['check']['cents']:,} cents of "
                          f"{r['check']['all_events']['expected_cents']:,} stored, {r['left_to_live_relay']} events "
                          f"left to the live relay, most buckets held per process "
-                         f"{sorted(r['bucket_owners'].values(), reverse=True)}" for r in rs))
+                         f"{sorted(r['bucket_owners'].values(), reverse=True)}"
+                         for r in rs if r.get("handler") != "sql"))
     if "profile" in results and results["profile"].get("top"):
         p = results["profile"]
         lines.append("")
@@ -1364,8 +1448,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="about 2 minutes: fewer events, runs and sizes")
     p.add_argument("--cases", default="drain,tuned,projection,reference,latency,enqueue,claim,rebuild",
                    help="comma list of drain, tuned, projection, reference, latency, longtx, fleet, enqueue, claim, "
-                        "rebuild, history, profile, write; issue8 = drain,tuned,reference,latency,longtx,fleet and "
-                        "the issue's table")
+                        "rebuild, profile, write (history: bench/history.py); issue8 = drain,tuned,reference,"
+                        "latency,longtx,fleet and the issue's table")
     p.add_argument("--events", type=int, default=None, help="N for drain and reference (default 20000)")
     p.add_argument("--runs", type=int, default=None, help="runs per case (default 3)")
     p.add_argument("--keys", type=int, default=1000)
@@ -1410,6 +1494,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fleet-start-timeout", type=float, default=300.0)
     p.add_argument("--latency-tick-ms", type=float, default=10.0,
                    help="the producer commits the events due every tick in one transaction")
+    p.add_argument("--latency-stages", action="store_true",
+                   help="latency case: also time the wake-up notifications (commit -> notified -> produce())")
+    p.add_argument("--latency-spy", action="store_true",
+                   help="latency case: py-spy record (--idle, raw) the last relay while events flow")
     p.add_argument("--no-cursor-log", action="store_true",
                    help="latency: no cursor-move trigger (so no commit -> checkpoint figures); to gauge its cost")
     p.add_argument("--producers", type=int, default=4, help="producer processes for the enqueue case")
@@ -1421,6 +1509,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rebuild-events", type=int, default=None,
                    help="stored events the rebuild case replays (default 1000000)")
     p.add_argument("--rebuild-procs", default="1,2", help="`outbox-relay rebuild` processes started together")
+    p.add_argument("--rebuild-handlers", default="sql,per-event,batched",
+                   help="rebuild with the per-event handler (bench_totals), the batched set-based one "
+                        "(bench_totals_batched), and the same model by one plain INSERT ... SELECT (sql), "
+                        "interleaved in one run")
     p.add_argument("--profile", action="store_true", help="also run one drain under py-spy (same as --cases +profile)")
     p.add_argument("--keep", action="store_true", help="keep the server directory under /tmp")
     write_path.add_arguments(p)
@@ -1454,6 +1546,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                              else "10000,1000000,5000000")).split(",")]
     args.rebuild_events = args.rebuild_events or (100_000 if quick else 1_000_000)
     args.rebuild_procs = [int(x) for x in args.rebuild_procs.split(",")]
+    args.rebuild_handlers = [h.strip() for h in args.rebuild_handlers.split(",") if h.strip()]
+    unknown = sorted(set(args.rebuild_handlers) - {"sql", "per-event", "batched"})
+    if unknown:
+        p.error(f"--rebuild-handlers: unknown {', '.join(unknown)} (sql, per-event, batched)")
     args.relays = [int(x) for x in (args.relays or ("1,4" if wants_issue8 else "1,2,4")).split(",")]
     args.relay_args = shlex.split(args.relay_args)
     args.ref_workers = [int(x) for x in args.ref_workers.split(",")]

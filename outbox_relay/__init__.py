@@ -2,7 +2,7 @@
 
 Producers: ``Outbox().publish(conn, ...)`` inside the business transaction. Importing this package
 loads neither the relay engine nor confluent-kafka.
-Relays: the ``outbox-relay`` command, or ``outbox_relay.compose.build_worker(RelaySettings(...)).run()``.
+Relays: the ``outbox-relay`` command, or ``Relay(RelaySettings(...), sinks=[...]).start()`` in your process.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -15,6 +15,7 @@ from .publish import Outbox, Published
 from .settings import RelaySettings
 
 if TYPE_CHECKING:
+    from .embedding import Relay
     from .worker import Worker
 
 
@@ -24,6 +25,12 @@ def __getattr__(name: str) -> Any:
         from .worker import Worker
 
         return Worker
+    if name == "__version__":
+        return _version()
+    if name == "Relay":
+        from .embedding import Relay
+
+        return Relay
     raise AttributeError(f"module 'outbox_relay' has no attribute {name!r}")
 
 
@@ -35,6 +42,7 @@ __all__ = [
     "Outbox",
     "OutboxError",
     "Published",
+    "Relay",
     "RelaySettings",
     "SchemaError",
     "Worker",
@@ -42,4 +50,13 @@ __all__ = [
     "wait_for",
     "wait_for_async",
 ]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml is its one source."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("outbox-relay")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"

@@ -7,17 +7,27 @@ neither. Dependencies run one way: compose -> sinks (kafka_sink, projections) ->
 
 from __future__ import annotations
 
+import importlib
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import ConfigurationError
 from .housekeeping import application_name
 from .kafka_sink import KafkaSink
 from .observer import NULL_OBSERVER, Observer, Observers
 from .settings import RelaySettings
 from .sink import Sink
+from .sink_adapter import EventSinkAdapter
+from .sinks import EventSink, check_sink
 from .worker import Worker
 
 
-def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER) -> list[Sink]:
-    """The Kafka sink (unless ``kafka`` is off) and each ``projection`` named in the settings, reporting
-    to ``observer`` (producer replacements; a projection's handler calls, for tracing)."""
+def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
+                  extra: Sequence[object] = ()) -> list[Sink]:
+    """The Kafka sink (unless ``kafka`` is off), each ``projection`` and each user ``sink`` named in the
+    settings, then ``extra`` (sink objects), reporting to ``observer`` (producer replacements; handler
+    calls, for tracing). ConfigurationError if two have one name."""
     s = settings
     sinks: list[Sink] = []
     if s.kafka:
@@ -38,12 +48,76 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER) -
                                   handler_timeout_seconds=s.handler_timeout_seconds)
             sink.observer = observer
             sinks.append(sink)
+    for spec in s.sink:
+        adapter = EventSinkAdapter(load_sink(spec), handler_timeout_seconds=s.handler_timeout_seconds,
+                                   where=f"--sink {spec}")
+        adapter.observer = observer
+        sinks.append(adapter)
+    if s.webhook_url:
+        from .webhook import from_settings as webhook_from_settings
+
+        webhook = EventSinkAdapter(webhook_from_settings(s), handler_timeout_seconds=s.handler_timeout_seconds,
+                                   where="--webhook-url")
+        webhook.observer = observer
+        sinks.append(webhook)
+    for given in extra:
+        sinks.append(as_engine_sink(given, s.handler_timeout_seconds, observer))
+    names = [made.name for made in sinks]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        for made in sinks:
+            made.close()
+        raise ConfigurationError(f"two sinks of this relay have the name {', '.join(map(repr, twice))} (each sink "
+                                 "has its own name: its cursors, dead letters and metrics); sinks: "
+                                 + ", ".join(f"{made.name} ({made.kind})" for made in sinks))
     return sinks
 
 
-def build_worker(settings: RelaySettings) -> Worker:
-    """A relay process's worker with the sinks its settings name, its metrics server when
-    ``metrics_port`` is set and its spans when ``tracing`` is on: what ``outbox-relay run`` runs."""
+def as_engine_sink(sink: object, handler_timeout_seconds: float, observer: Observer = NULL_OBSERVER) -> Sink:
+    """``sink`` as the engine runs it: an ``EventSink`` in its adapter; an engine ``Sink`` (a
+    ``deliver(events, fences, commit, abort)``, e.g. ``RecordingSink``) as it is."""
+    deliver = getattr(sink, "deliver", None)
+    if callable(deliver) and len(inspect.signature(deliver).parameters) == 4 and hasattr(sink, "event_filter"):
+        return sink  # type: ignore[return-value]  # the engine's own protocol
+    adapter = EventSinkAdapter(check_sink(sink), handler_timeout_seconds=handler_timeout_seconds)
+    adapter.observer = observer
+    return adapter
+
+
+def load_sink(spec: str) -> EventSink:
+    """The sink ``MODULE:ATTR`` names: the attribute itself, or what calling it (no arguments) returns.
+    ConfigurationError says which part is wrong: the module, the attribute, the object."""
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise ConfigurationError(f"--sink {spec}: expected MODULE:ATTR (e.g. myapp.sinks:audit)")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):  # not one it imports
+            raise ConfigurationError(f"--sink {spec}: no module named {missing!r} (is it installed, or on "
+                                     "PYTHONPATH?)") from None
+        raise ConfigurationError(f"--sink {spec}: importing module {module_name!r} failed: {exc}") from None
+    except Exception as exc:  # the module itself raised while it was imported
+        raise ConfigurationError(f"--sink {spec}: importing module {module_name!r} failed: "
+                                 f"{type(exc).__name__}: {exc}") from None
+    try:
+        found: Any = getattr(module, attr)
+    except AttributeError:
+        raise ConfigurationError(f"--sink {spec}: module {module_name!r} has no attribute {attr!r}") from None
+    if not hasattr(found, "deliver") and callable(found):
+        try:
+            found = found()
+        except Exception as exc:
+            raise ConfigurationError(f"--sink {spec}: calling {attr}() to make the sink failed: "
+                                     f"{type(exc).__name__}: {exc}") from None
+    return check_sink(found, f"--sink {spec}")
+
+
+def build_worker(settings: RelaySettings, sinks: Sequence[object] = (), observer: Observer | None = None) -> Worker:
+    """A relay process's worker with the sinks its settings name (and ``sinks``, EventSinks or engine
+    sinks, after them), its metrics server when ``metrics_port`` is set and its spans when ``tracing``
+    is on, reporting to ``observer`` too: what ``outbox-relay run`` runs, and ``Relay`` embeds."""
     observers: list[Observer] = []
     metrics = None
     if settings.metrics_port is not None:
@@ -58,13 +132,15 @@ def build_worker(settings: RelaySettings) -> Worker:
         from .tracing import relay_observer
 
         observers.append(relay_observer())
+    if observer is not None:
+        observers.append(observer)
     observer = observers[0] if len(observers) == 1 else Observers(*observers) if observers else NULL_OBSERVER
-    sinks = default_sinks(settings, observer)
-    worker = Worker(settings, sinks, observer)
+    made = default_sinks(settings, observer, sinks)
+    worker = Worker(settings, made, observer)
     if metrics is not None and settings.metrics_port is not None:
         from .metrics import MetricsServer
 
-        prometheus.sinks(s.name for s in sinks)  # every sink's series exist from the first scrape
+        prometheus.sinks(s.name for s in made)  # every sink's series exist from the first scrape
         worker.services.append(MetricsServer(worker, metrics, settings.metrics_host, settings.metrics_port,
                                              settings.metrics_refresh_seconds))
     return worker

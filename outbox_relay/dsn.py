@@ -23,7 +23,7 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
-from .errors import ConfigurationError
+from .errors import MAX_ERROR_CHARS, ConfigurationError
 
 MASK = "***"
 
@@ -123,6 +123,11 @@ def redact(text: str) -> str:
     text = _URL_PASSWORD.sub(rf"\g<scheme>:{MASK}@", text)
     text = _KEYWORD_PASSWORD.sub(rf"\g<1>{MASK}", text)
     return _known.mask(text)
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception as a parked event's or dead letter's last error: type and message, no secrets, bounded."""
+    return redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_CHARS]
 
 
 def one_line(text: str) -> str:

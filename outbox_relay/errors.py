@@ -130,9 +130,3 @@ class WaitTimeout(OutboxError, TimeoutError):
         # One argument: OSError (TimeoutError's base) reads two as (errno, strerror).
         super().__init__(message)
 
-
-def describe_error(exc: BaseException) -> str:
-    """An exception as a parked event's or dead letter's last error: type and message, no secrets, bounded."""
-    from .dsn import redact  # dsn.py raises errors of this module
-
-    return redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_CHARS]

@@ -24,7 +24,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from . import history, store
-from .errors import describe_error
+from .dsn import describe_error
 from .settings import RelaySettings
 from .sqlfiles import query
 from .store import Conn

@@ -46,8 +46,8 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .backoff import Backoff
-from .dsn import redact_kafka_config
-from .errors import ConfigurationError, describe_error
+from .dsn import describe_error, redact_kafka_config
+from .errors import ConfigurationError
 from .observer import NULL_OBSERVER, Observer
 from .sink import Aborted, Commit, Failure, KeyHold, Outcomes
 from .store import EventFilter, StoredEvent

@@ -40,8 +40,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from . import history
-from .dsn import redact
-from .errors import describe_error
+from .dsn import describe_error, redact
 from .observer import Observer
 from .sqlfiles import query
 

@@ -11,6 +11,7 @@ engine.
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -48,6 +49,12 @@ class Observer:
     def ages(self, sink: str, seconds: Sequence[float]) -> None:
         """A checkpoint landed for delivered events stored ``seconds`` ago each (from their transaction's
         start, by the database's clock); ``batch`` has the relay's own latency."""
+
+    def checkpointed(self, sink: str, *, delivered: Sequence[uuid.UUID], dead: Sequence[uuid.UUID]) -> None:
+        """A batch's checkpoint committed, fenced: ``delivered`` are done for ``sink`` (no relay delivers them
+        again, short of a replay), ``dead`` went to its dead letters. The hook for "this batch is safe",
+        e.g. to acknowledge upstream or to wake a waiter. Called on the sink's runner thread right after
+        the commit: keep it short (hand work to a queue of your own)."""
 
     def held(self, sink: str, events: int) -> None:
         """A checkpoint parked ``events`` events that wait for a condition of the sink (a Kafka topic that
@@ -94,6 +101,10 @@ class Observers(Observer):
     def ages(self, sink: str, seconds: Sequence[float]) -> None:
         for o in self.observers:
             o.ages(sink, seconds)
+
+    def checkpointed(self, sink: str, *, delivered: Sequence[uuid.UUID], dead: Sequence[uuid.UUID]) -> None:
+        for o in self.observers:
+            o.checkpointed(sink, delivered=delivered, dead=dead)
 
     def held(self, sink: str, events: int) -> None:
         for o in self.observers:

@@ -40,7 +40,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
 from .backoff import Backoff
-from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck, describe_error
+from .dsn import describe_error
+from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor, Snapshot
 from .settings import RelaySettings
@@ -278,7 +279,10 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
             if e.parked:
                 cp.done.append(e)
         else:
-            cp.park.append((e, attempts, backoff.delay(attempts), outcome.error))
+            delay = backoff.delay(attempts)
+            if outcome.retry_after is not None:
+                delay = max(delay, outcome.retry_after)
+            cp.park.append((e, attempts, delay, outcome.error))
             hold.hold(e.key)
     return cp
 
@@ -312,10 +316,18 @@ class SinkRunner:
         self.park_changed = threading.Event()  # set by the listener (PARKED_NOTICE), cleared by the runner
         # Runner thread only:
         self._cursors: dict[int, Cursor] = {}  # held bucket -> its cursor as written in outbox.cursors
-        # Held buckets whose read cursor passed an empty delta (nothing to deliver there): written
-        # with the next checkpoint of the bucket, or by ``_flush_ahead`` every few seconds.
+        # Held buckets whose read cursor is ahead of the stored one: it passed an empty delta (nothing to
+        # deliver there), or a delivered batch whose cursor write was deferred (``_owed``). Written with
+        # the next written checkpoint of the bucket, by ``_flush_owed``, or by ``_flush_ahead``.
         self._ahead: dict[int, Cursor] = {}
         self._flushed_at = time.monotonic()
+        # Bounded checkpoint writes (``_deferrable``): held bucket -> monotonic time its cursor row was last
+        # written (or acquired); held buckets whose ``_ahead`` cursor passed delivered events that are not
+        # written yet (``_flush_owed`` writes them once ``cursor_flush_seconds`` passed); held buckets
+        # acquired with lapses counted, written at once until a reset lands.
+        self._written_at: dict[int, float] = {}
+        self._owed: set[int] = set()
+        self._lapsed: set[int] = set()
         self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
         # Held bucket -> (fence, reads of it numbered under that fence): see ``_number_read``.
         self._reads: dict[int, tuple[int, int]] = {}
@@ -357,7 +369,8 @@ class SinkRunner:
                 jitter = 0.8 + 0.4 * (time.monotonic() % 1)
                 until_retry = max(0.0, self._check_parked_at - time.monotonic())
                 self._idle = True
-                wait_idle(self.sink, self.wake, min(self._idle_poll() * jitter, until_retry + 0.001))
+                wait_idle(self.sink, self.wake, min(self._idle_poll() * jitter, until_retry + 0.001,
+                                                    max(0.0, self._until_owed_flush()) + 0.001))
         self._idle = True
         self._release_all()
 
@@ -416,12 +429,17 @@ class SinkRunner:
             handled += self._deliver_new(normal)
         if self._ahead and time.monotonic() - self._flushed_at >= self._flush_every():
             self._flush_ahead(held)
+        elif self._owed and self._until_owed_flush() <= 0:
+            self._flush_owed(held)
         return handled
 
     def _forget_lost(self, held: dict[int, int]) -> None:
         for b in set(self._cursors) - held.keys():
             del self._cursors[b]
             self._ahead.pop(b, None)
+            self._written_at.pop(b, None)
+            self._owed.discard(b)
+            self._lapsed.discard(b)
         for b in set(self._reads) - held.keys():
             del self._reads[b]
 
@@ -454,11 +472,49 @@ class SinkRunner:
     def _flush_ahead(self, held: dict[int, int]) -> None:
         """Write the read cursors that passed empty deltas: for a sink that skips most events (a
         projection), so that retention can delete what it passed; for all, so that a next owner does
-        not read those deltas again."""
+        not read those deltas again. Deferred cursor writes (``_owed``) go with them."""
         self._flushed_at = time.monotonic()
         ahead = {b: c for b, c in self._ahead.items() if b in held}
         if ahead:
             self._write(Checkpoint(fences={b: held[b] for b in ahead}, advance=ahead))
+
+    # -- bounded checkpoint writes ------------------------------------------------------------
+    #
+    # Every write of a cursor row leaves a dead row version, and while a long transaction anywhere on
+    # the server holds vacuum back none of them can be removed: a write per bucket per batch piled up
+    # tens of thousands in outbox.cursors (issue 16). A sink without a transaction of its own (Kafka)
+    # has delivered before its checkpoint, so writing its cursor later only means more redelivery after
+    # a crash, never a loss or a reorder: its batches check their fence without writing (a read), and a
+    # bucket's cursor is written at most once per ``cursor_flush_seconds`` (and when its lease is handed
+    # back). A projection's checkpoint commits with its read-model writes (G7) and is never deferred.
+
+    def _deferrable(self, cp: Checkpoint) -> set[int]:
+        """The buckets of a sink-less-transaction batch checkpoint whose cursor write can wait."""
+        every = self.settings.cursor_flush_seconds
+        if every <= 0 or not cp.moves_only:
+            return set()
+        now = time.monotonic()
+        return {b for b in cp.advance
+                # A crash-loop suspect's progress is what its isolation counts on; a lapse count is reset
+                # only by a write.
+                if not self._ramp.get(b) and not (b in cp.resets and b in self._lapsed)
+                and now - self._written_at.get(b, -every) < every}
+
+    def _until_owed_flush(self) -> float:
+        """Seconds until the oldest deferred cursor write is due (inf: none is owed)."""
+        if not self._owed:
+            return float("inf")
+        oldest = min(self._written_at.get(b, 0.0) for b in self._owed)
+        return oldest + self.settings.cursor_flush_seconds - time.monotonic()
+
+    def _flush_owed(self, held: dict[int, int]) -> None:
+        """Write the deferred cursors that are due (one statement for all of them)."""
+        now = time.monotonic()
+        every = self.settings.cursor_flush_seconds
+        due = {b: self._ahead[b] for b in self._owed
+               if b in held and b in self._ahead and now - self._written_at.get(b, 0.0) >= every}
+        if due:
+            self._write(Checkpoint(fences={b: held[b] for b in due}, advance=due))
 
     # -- leases ----------------------------------------------------------------------------
 
@@ -492,8 +548,15 @@ class SinkRunner:
                     self.observer.leases(self.sink.name, acquired=len(acquired))
                     self.leases.add({b: a.fence for b, a in acquired.items()})
                     self._cursors.update({b: a.cursor for b, a in acquired.items()})
-                    for b in acquired:
+                    at = time.monotonic()  # the acquisition wrote the row
+                    for b, a in acquired.items():
                         self._ahead.pop(b, None)
+                        self._owed.discard(b)
+                        self._written_at[b] = at
+                        if a.lapses:
+                            self._lapsed.add(b)
+                        else:
+                            self._lapsed.discard(b)
                     suspects = sorted(b for b, a in acquired.items() if a.lapses >= self.settings.max_lapses)
                     self._ramp.update({b: 1 if b in suspects else 0 for b in acquired})
                     self._check_parked_at = 0.0  # new buckets may come with parked keys
@@ -733,6 +796,7 @@ class SinkRunner:
 
     def _checkpoint(self, cp: Checkpoint, tx: Conn | None) -> set[int]:
         """Write ``cp`` in the sink's transaction ``tx``, or on its own; returns the buckets whose fence held."""
+        cp.lease_seconds = self.settings.lease_seconds
         try:
             ok = (store.checkpoint(tx, self.sink.name, self.worker, cp) if tx is not None
                   else self._checkpoint_alone(cp))
@@ -772,10 +836,19 @@ class SinkRunner:
         return ok
 
     def _landed(self, cp: Checkpoint, ok: set[int]) -> None:
+        now = time.monotonic()
         for b, cursor in cp.advance.items():
-            if b in ok:
+            if b not in ok:
+                continue
+            if b in cp.defer:  # fenced, not written: the read cursor moves, the row waits (``_flush_owed``)
+                self._ahead[b] = cursor
+                self._owed.add(b)
+            else:
                 self._cursors[b] = cursor
                 self._ahead.pop(b, None)
+                self._owed.discard(b)
+                self._written_at[b] = now
+        self._lapsed -= (cp.resets & ok) - cp.defer  # their lapses are 0 in the row now
         if cp.park:
             self._check_parked_at = 0.0
         dead = [(e, attempts, error) for e, attempts, error in cp.dead if e.bucket in ok]
@@ -793,6 +866,9 @@ class SinkRunner:
                     held += 1
         if held:
             self.observer.held(self.sink.name, held)
+        if delivered or dead:
+            self.observer.checkpointed(self.sink.name, delivered=[e.id for e in delivered],
+                                       dead=[e.id for e, _, _ in dead])
         if delivered or retried or dead:
             at = cp.landed_at
             ages = [(at - e.stored_at).total_seconds() for e in delivered if at and e.stored_at]
@@ -890,6 +966,8 @@ class _BatchCommit:
 
     def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]:
         cp = self._plan(outcomes)
+        if tx is None:  # delivered already: its cursor write may wait (never in a sink's own transaction)
+            cp.defer = self.runner._deferrable(cp)
         ok = self.runner._checkpoint(cp, tx)
         self.checkpoint = cp
         return ok
@@ -897,6 +975,7 @@ class _BatchCommit:
     async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]:
         r = self.runner
         cp = self._plan(outcomes)
+        cp.lease_seconds = r.settings.lease_seconds
         try:
             written = await store.acheckpoint(tx, r.sink.name, r.worker, cp)
         except psycopg.Error as exc:

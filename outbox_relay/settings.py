@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -36,6 +44,127 @@ DAY = 86400.0
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+# -- the webhook sink's settings (outbox_relay.webhook): shared by RelaySettings (``outbox-relay run
+# --webhook-url ...``) and WebhookSettings (``--sink outbox_relay.webhook:from_env``).
+
+
+def _webhook_url(value: str | None) -> str | None:
+    if value is not None:
+        from .webhook import check_url
+
+        try:
+            check_url(value)
+        except ConfigurationError as exc:
+            raise ValueError(str(exc)) from None
+    return value
+
+
+def _webhook_secret(value: SecretStr | None) -> SecretStr | None:
+    if value is not None:
+        from .webhook import WebhookSecret
+
+        try:
+            WebhookSecret(value.get_secret_value())  # remembers it for redaction first
+        except ConfigurationError as exc:
+            raise ValueError(str(exc)) from None
+    return value
+
+
+def _names(value: Any) -> Any:
+    return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
+
+
+def _topics(value: list[str]) -> list[str]:
+    for topic in value:
+        if not TOPIC_NAME.match(topic):
+            raise ValueError(f"{topic[:64]!r} is not a topic name (1-249 characters of A-Z a-z 0-9 . _ -)")
+    return value
+
+
+WebhookUrl = Annotated[str | None, Field(
+    min_length=1, max_length=4096,
+    description="POST every event to this http(s) URL, signed (turns the webhook sink on; see docs/webhooks.md)"),
+    AfterValidator(_webhook_url)]
+WebhookSink = Annotated[str, Field(
+    min_length=1, max_length=63, description="sink name of the webhook delivery (its own cursors)")]
+WebhookSecretText = Annotated[SecretStr | None, Field(
+    description="the webhook signing secret, whsec_<base64> (environment only, or --webhook-secret-file; never "
+                "logged)"),
+    AfterValidator(_webhook_secret)]
+WebhookSecretFile = Annotated[Path | None, Field(
+    description="read the webhook signing secret (whsec_<base64>) from this file")]
+WebhookConnectTimeout = Annotated[float, Field(
+    ge=0.01, le=600, description="webhook: seconds to connect (TCP and TLS) before the receiver counts as down")]
+WebhookTimeout = Annotated[float, Field(
+    ge=0.01, le=3600, description="webhook: seconds to wait for the response (each read) before the attempt is "
+                                  "retried")]
+WebhookConcurrency = Annotated[int, Field(
+    ge=1, le=256, description="webhook: keys delivered at once (each key stays in order)")]
+WebhookTopics = Annotated[list[str], NoDecode, Field(
+    description="webhook: only events of these topics (comma-separated; none: all)"),
+    BeforeValidator(_names), AfterValidator(_topics)]
+WebhookCaFile = Annotated[Path | None, Field(
+    description="webhook: trust the receiver's certificate from this CA file (PEM) instead of the system's")]
+WebhookClientCert = Annotated[Path | None, Field(description="webhook: client certificate (PEM) for mutual TLS")]
+WebhookClientKey = Annotated[Path | None, Field(
+    description="webhook: the client certificate's private key (PEM), if not in the certificate file")]
+WebhookTlsVerify = Annotated[bool, Field(
+    description="webhook: verify the receiver's TLS certificate (turn off only for tests)")]
+
+
+def _check_webhook(s: RelaySettings | WebhookSettings) -> None:
+    if not SINK_NAME.match(s.webhook_sink):
+        raise ValueError("webhook_sink: a sink name is 1-63 characters of a-z 0-9 _ . : - and starts with a letter "
+                         "or digit")
+    if s.webhook_url is None:
+        return
+    if s.webhook_secret is not None and s.webhook_secret_file is not None:
+        raise ValueError("give the webhook secret once: --webhook-secret-file or OUTBOX_WEBHOOK_SECRET, not both")
+    if s.webhook_secret is None and s.webhook_secret_file is None:
+        raise ValueError("the webhook sink needs a signing secret: pass --webhook-secret-file PATH or set "
+                         "OUTBOX_WEBHOOK_SECRET (whsec_<base64>; make one with `python -m outbox_relay.webhook "
+                         "secret`)")
+    if s.webhook_secret_file is not None:
+        from .webhook import WebhookSecret
+
+        try:
+            WebhookSecret.from_file(s.webhook_secret_file)  # at start-up, and remembered for redaction
+        except ConfigurationError as exc:
+            raise ValueError(str(exc)) from None
+    https = s.webhook_url.strip().lower().startswith("https:")
+    if not https and (s.webhook_ca_file or s.webhook_client_cert or s.webhook_client_key or not s.webhook_tls_verify):
+        raise ValueError("webhook TLS settings (CA file, client certificate, verify off) need an https:// URL")
+    if s.webhook_client_key is not None and s.webhook_client_cert is None:
+        raise ValueError("--webhook-client-key needs --webhook-client-cert")
+
+
+class WebhookSettings(BaseSettings):
+    """The webhook sink's settings alone, from ``OUTBOX_WEBHOOK_*`` (and ``OUTBOX_SOURCE``)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True,
+                                      allow_inf_nan=False)
+
+    source: str = Field(default="outbox-relay", min_length=1, max_length=1000,
+                        description="CloudEvents ce-source value")
+    webhook_url: WebhookUrl = None
+    webhook_sink: WebhookSink = "webhook"
+    webhook_secret: WebhookSecretText = None
+    webhook_secret_file: WebhookSecretFile = None
+    webhook_connect_timeout_seconds: WebhookConnectTimeout = 5.0
+    webhook_timeout_seconds: WebhookTimeout = 30.0
+    webhook_concurrency: WebhookConcurrency = 4
+    webhook_topics: WebhookTopics = Field(default_factory=list)
+    webhook_ca_file: WebhookCaFile = None
+    webhook_client_cert: WebhookClientCert = None
+    webhook_client_key: WebhookClientKey = None
+    webhook_tls_verify: WebhookTlsVerify = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WebhookSettings:
+        _check_webhook(self)
+        return self
 
 
 class RelaySettings(BaseSettings):
@@ -74,7 +203,25 @@ class RelaySettings(BaseSettings):
         description="module (or module:attribute) that declares the projections, e.g. myapp.read_models")
     projection: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="run this projection (repeatable; in the environment: comma-separated)")
+    sink: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="run your own sink, MODULE:ATTR: an EventSink (outbox_relay.sinks) or a zero-argument callable "
+                    "returning one (repeatable; in the environment: separated by commas or spaces)")
     source: str = Field("outbox-relay", min_length=1, max_length=1000, description="CloudEvents ce_source header value")
+
+    # the webhook sink (outbox_relay.webhook), on when webhook_url is set
+    webhook_url: WebhookUrl = None
+    webhook_sink: WebhookSink = "webhook"
+    webhook_secret: WebhookSecretText = None
+    webhook_secret_file: WebhookSecretFile = None
+    webhook_connect_timeout_seconds: WebhookConnectTimeout = 5.0
+    webhook_timeout_seconds: WebhookTimeout = 30.0
+    webhook_concurrency: WebhookConcurrency = 4
+    webhook_topics: WebhookTopics = Field(default_factory=list)
+    webhook_ca_file: WebhookCaFile = None
+    webhook_client_cert: WebhookClientCert = None
+    webhook_client_key: WebhookClientKey = None
+    webhook_tls_verify: WebhookTlsVerify = True
 
     # observability
     metrics_port: int | None = Field(
@@ -90,6 +237,12 @@ class RelaySettings(BaseSettings):
     # batching and leases
     batch_size: int = Field(1000, ge=1, le=100_000, description="events read per fetch")
     lease_seconds: float = Field(30.0, ge=0.1, le=3600, description="bucket lease; renewed every third of it")
+    cursor_flush_seconds: float = Field(
+        5.0, ge=0, le=600,
+        description="a sink without a transaction of its own (Kafka) writes a bucket's cursor at most this often "
+                    "(every batch still checks its fence, and a released bucket's cursor is written at once): fewer "
+                    "dead row versions in outbox.cursors while a long transaction holds vacuum back, at the cost "
+                    "of up to this much more redelivery after a crash; 0: every batch writes (projections always do)")
     heartbeat_seconds: float = Field(2.0, ge=0.01, le=600,
                                      description="registry heartbeat interval; each heartbeat also reads the stored "
                                                  "assignment (and stores a new one when members changed)")
@@ -124,9 +277,10 @@ class RelaySettings(BaseSettings):
                     "exits at most HARD_STOP_SECONDS (5) later even if a sink is blocked (exit 5)")
     handler_timeout_seconds: float = Field(
         30.0, ge=0.1, le=3600,
-        description="a projection handler that has not returned after this long is abandoned (its transaction "
-                    "ended) and charged to its event as a failed attempt; a sink that has not checked its stop "
-                    "flag for this long counts as stuck: it gives its buckets up and /readyz says so")
+        description="a projection handler (or a user sink's deliver) that has not returned after this long is "
+                    "abandoned (its transaction ended) and charged to its event as a failed attempt; a sink that has "
+                    "not checked its stop flag for this long counts as stuck: it gives its buckets up and /readyz "
+                    "says so")
 
     # history
     retention_seconds: float = Field(7 * DAY, ge=0, le=3650 * DAY, description="keep delivered events this long")
@@ -185,6 +339,25 @@ class RelaySettings(BaseSettings):
                 raise ValueError(f"{name[:64]!r} is not a projection name (a-z 0-9 _, starting with a letter)")
         return value
 
+    @field_validator("sink", mode="before")
+    @classmethod
+    def _sink_specs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list | tuple):
+            return [spec for item in value for spec in re.split(r"[\s,]+", str(item)) if spec]
+        return value
+
+    @field_validator("sink")
+    @classmethod
+    def _sink_spec(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            if not MODULE_SPEC.match(spec) or ":" not in spec:
+                raise ValueError(f"{spec[:100]!r} is not MODULE:ATTR (e.g. myapp.sinks:audit)")
+        if len(set(value)) != len(value):
+            raise ValueError(f"a sink is named twice: {value}")
+        return value
+
     @field_validator("kafka_config")
     @classmethod
     def _kafka_values(cls, value: dict[str, str]) -> dict[str, str]:
@@ -203,11 +376,13 @@ class RelaySettings(BaseSettings):
             raise ValueError("--projection needs --projections (the module that declares them)")
         if len(set(self.projection)) != len(self.projection):
             raise ValueError(f"a projection is named twice: {self.projection}")
+        _check_webhook(self)
         return self
 
     @property
     def sinks(self) -> list[str]:
-        return ([self.kafka_sink] if self.kafka else []) + list(self.projection)
+        return (([self.kafka_sink] if self.kafka else []) + list(self.projection)
+                + ([self.webhook_sink] if self.webhook_url else []))
 
     def require_kafka(self) -> str:
         """The bootstrap servers, or ConfigurationError saying how to give them."""
@@ -331,6 +506,8 @@ def describe_validation_error(exc: ValidationError) -> str:
         else:
             name = loc[0]
             where = f" ({flag(name)}, {env_var(name)})" if name in RelaySettings.model_fields else ""
+            if name == "webhook_secret":  # no command-line option (a command line shows in `ps`)
+                where = f" ({env_var(name)})"
             problems.append(f"{name}{where}: {message}")
     return "; ".join(problems)
 

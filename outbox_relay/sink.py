@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import psycopg
 
-from .errors import describe_error
+from .dsn import describe_error
 from .store import Checkpoint, Conn, EventFilter, StoredEvent
 
 log = logging.getLogger("outbox_relay.sink")
@@ -29,6 +29,9 @@ class Failure:
     # that denies it): the event waits this many seconds, parked like a retry but counting no
     # attempt, so a condition that lasts never dead-letters good events.
     hold_seconds: float | None = None
+    # A retry that must wait at least this long (a user sink's ``Retry(after_seconds=...)``, e.g. an
+    # HTTP Retry-After): the park lasts the longer of this and the relay's backoff.
+    retry_after: float | None = None
 
 
 # Per event id: None = delivered, Failure = failed; an id that is absent was not attempted.
@@ -60,7 +63,8 @@ class Commit(Protocol):
 
     A sink with its own transaction (a projection) passes it, so that its writes and the
     checkpoint commit together; if a bucket's fence did not hold, ``LeaseLost`` is raised
-    inside that transaction so that it rolls back. Others pass None.
+    inside that transaction so that it rolls back. Others pass None: they have delivered already, so
+    the fence is checked now and the cursor row may be written later (``cursor_flush_seconds``).
     """
 
     def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]: ...

@@ -74,6 +74,12 @@ class Checkpoint:
     done: list[StoredEvent] = field(default_factory=list)  # parked events that left the park
     dead: list[tuple[StoredEvent, int, str]] = field(default_factory=list)  # attempts, error
     resets: set[int] = field(default_factory=set)  # buckets that proved healthy: lapses back to 0
+    # Buckets of ``advance`` whose cursor is not written now, only fenced (the runner writes it later:
+    # SinkRunner._deferrable). Only in a checkpoint that moves cursors only.
+    defer: set[int] = field(default_factory=set)
+    # A checkpoint that moves cursors only renews the leases of the rows it writes for this long (the
+    # runner's lease_seconds; None: the leases stay as they are).
+    lease_seconds: float | None = None
     delivered: list[StoredEvent] = field(default_factory=list)  # what the sink delivered (for observers)
     landed_at: datetime | None = None  # the database's clock when the checkpoint was written (set by it)
 
@@ -89,7 +95,7 @@ class Checkpoint:
     def params(self, sink: str, worker: str) -> dict[str, Any]:
         buckets = sorted(self.fences)
         cursors = [self.advance[b].params() if b in self.advance else (None, None, None, None) for b in buckets]
-        moves = {
+        moves: dict[str, Any] = {
             "sink": sink,
             "worker": worker,
             "buckets": buckets,
@@ -100,6 +106,10 @@ class Checkpoint:
             "after_seqs": [c[3] for c in cursors],
             "resets": [b in self.resets for b in buckets],
         }
+        if self.defer and not self.moves_only:
+            raise ValueError("a checkpoint that parks, unparks or dead-letters writes every cursor it moves")
+        moves["writes"] = [b not in self.defer for b in buckets]
+        moves["lease_seconds"] = self.lease_seconds
         if self.moves_only:
             return moves
         return {

@@ -186,6 +186,13 @@ class TracingObserver(Observer):
         tracer = self._tracer
 
         def span(event: Any) -> contextlib.AbstractContextManager[Span]:
+            if isinstance(event, list):  # a batched handler's call: one span, linked to each producer
+                links = [link for e in event if (link := self._producer(e.headers))]
+                return tracer.start_as_current_span(
+                    "handle batch", kind=SpanKind.INTERNAL, links=links or None,
+                    attributes={"messaging.system": SYSTEM, "messaging.operation.type": "process",
+                                "messaging.consumer.group.name": sink, "messaging.batch.message_count": len(event),
+                                "outbox_relay.sink": sink})
             link = self._producer(event.headers)
             attributes: dict[str, Any] = {
                 "messaging.system": SYSTEM,
@@ -195,7 +202,7 @@ class TracingObserver(Observer):
                 "cloudevents.event_type": event.type,
                 "outbox_relay.sink": sink,
                 "outbox_relay.attempt": event.attempt,
-                "outbox_relay.replay": event.replay,
+                "outbox_relay.replay": getattr(event, "replay", False),
             }
             if event.topic:
                 attributes["messaging.destination.name"] = event.topic

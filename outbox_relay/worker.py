@@ -31,7 +31,7 @@ from typing import Protocol
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from . import store
+from . import __version__, store
 from .assignment import buckets_of, rebalance
 from .backoff import Backoff
 from .dsn import connection_problem, probe_connection, redact
@@ -61,7 +61,6 @@ HOUSEKEEPING_STANDBY = 6  # intervals between claim attempts of a relay that is 
 # before the process exits without them (a sink blocked in a call that never returns).
 HARD_STOP_SECONDS = 5.0
 EXIT_HARD_STOP = 5  # `outbox-relay run`'s exit status when it had to leave a blocked sink thread behind
-VERSION = "0.1.0"
 
 
 def _ignore(_signum: int, _frame: FrameType | None) -> None:
@@ -122,7 +121,7 @@ class Worker:
         dsn = s.dsn.get_secret_value()
         sinks = self._sinks
         if not sinks:
-            raise ConfigurationError("no sink to run: enable --kafka or name a --projection")
+            raise ConfigurationError("no sink to run: enable --kafka, name a --projection or a --sink")
         for service in self.services:  # first: a health endpoint answers (503) while the database is away
             service.start()
         # One connection for the runners' reads and checkpoints, heartbeats and housekeeping, which each
@@ -181,7 +180,7 @@ class Worker:
 
     def _metadata(self) -> dict[str, object]:
         """What a heartbeat records: who this relay process is, and the TTL the others judge it by."""
-        return {"version": VERSION, "host": socket.gethostname(), "pid": os.getpid(), "instance": self.instance,
+        return {"version": __version__, "host": socket.gethostname(), "pid": os.getpid(), "instance": self.instance,
                 "ttl_seconds": self.settings.worker_ttl_seconds,
                 "listening": self.listening if self.settings.listen else None, "watching": self.watching}
 

@@ -43,7 +43,7 @@ RESERVED_PREFIXES = ("pg_", SHADOW_PREFIX, RETIRED_PREFIX)
 def reserved_schema(schema: str) -> bool:
     return schema in RESERVED_SCHEMAS or schema.startswith(RESERVED_PREFIXES)
 
-Handler = Callable[[ProjectionEvent[Any], Any], Any]
+Handler = Callable[[Any, Any], Any]  # (event, tx), or (events, tx) for batch=True
 KeyReset = Callable[[str, Any], Any]
 OnUnknown = Literal["ignore", "reject"]
 
@@ -67,6 +67,7 @@ class Projection:
     on_unknown: OnUnknown = "ignore"
     clear_key: KeyReset | None = None
     upcasters: Upcasters | None = None  # older payload shapes turned into the current one (upcast.py)
+    batch: bool = False  # the handler takes a list of events (walk.py: how a failing batch is charged)
 
     @property
     def is_async(self) -> bool:
@@ -112,8 +113,8 @@ class Projection:
             position=e.position, token=FenceToken(fence, e.read, e.xid, e.seq), attempt=e.attempts + 1, replay=replay,
             version=version)
 
-    def __call__(self, event: ProjectionEvent[Any], tx: Any) -> Any:
-        """Call the handler directly (in tests of the handler itself)."""
+    def __call__(self, event: Any, tx: Any) -> Any:
+        """Call the handler directly (in tests of the handler itself; a list of events if ``batch``)."""
         return self.handler(event, tx)
 
     def key_reset(self, fn: KeyReset) -> KeyReset:
@@ -130,6 +131,7 @@ def projection(
     tables: Iterable[str] = (),
     on_unknown: OnUnknown = "ignore",
     upcasters: Upcasters | None = None,
+    batch: bool = False,
 ) -> Callable[[Handler], Projection]:
     """Declare a projection. The decorated function becomes a ``Projection``.
 
@@ -140,7 +142,9 @@ def projection(
     reason, for models that must know every event on their topics). ``topics`` narrows
     which events are this projection's business at all. ``upcasters``: payloads of older schema
     versions are turned into the current shape first (``outbox_relay.upcast.Upcasters``), live and in
-    rebuilds.
+    rebuilds. ``batch``: the handler is called as ``handler(events, tx)`` with a list of events in
+    delivery order (per key order kept), for set-based writes; exactly-once is unchanged, and a
+    failing batch is walked again one event at a time so that only the failing event is charged.
     """
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigurationError(
@@ -166,6 +170,8 @@ def projection(
                                  f"not {type(upcasters).__name__}")
     if on_unknown == "reject" and types is None:
         raise ConfigurationError(f"projection {name!r}: on_unknown='reject' needs the list of events it handles")
+    if not isinstance(batch, bool):
+        raise ConfigurationError(f"projection {name!r}: batch must be True or False, not {batch!r}")
     table_names = _table_names(name, tables)
 
     def decorate(handler: Handler) -> Projection:
@@ -173,7 +179,7 @@ def projection(
             raise ConfigurationError(f"projection {name!r}: the handler is not callable")
         return Projection(name=name, handler=handler, events=types, models=models,
                           topics=tuple(topics) if topics is not None else None, tables=table_names,
-                          on_unknown=on_unknown, upcasters=upcasters)
+                          on_unknown=on_unknown, upcasters=upcasters, batch=batch)
 
     return decorate
 

@@ -22,13 +22,14 @@ key's events that live processing applied.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TextIO
@@ -47,9 +48,9 @@ from outbox_relay.sqlfiles import query
 from outbox_relay.store import StoredEvent, event_reader
 from outbox_relay.worker import Worker
 
-from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, describe, reserved_schema
-from .event import ProjectionEvent
-from .sink import ENDED_STATES, ProjectionSink
+from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, reserved_schema
+from .sink import ProjectionSink
+from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, adrive, drive, walk
 
 log = logging.getLogger("outbox_relay.rebuild")
 
@@ -344,11 +345,17 @@ class Rebuild:
 
         Caught up: nothing left, or, for a long replay under live traffic, at most a batch (and
         1% of the total) behind: the live projection applies the rest after the switch, from the
-        rebuild's positions, as it would any new event."""
+        rebuild's positions, as it would any new event.
+
+        What is left is counted exactly (``remaining``: a scan of what the cursors have not passed,
+        about a second per million events on an idle machine) only as often as it costs at most a
+        tenth of the time, and at once when this process's own progress says the end is near; in
+        between, progress is this process's batches (``sink.passed``) since the last count."""
         first = time.monotonic()
         line = ProgressLine(self.progress, f"rebuild {self.projection.name}", total)
         with psycopg.connect(self.dsn, autocommit=True) as conn:
-            start_left = self._remaining(conn, self.sink)
+            start_left = left = self._remaining(conn, self.sink)
+            counted_at, passed_then, next_count = time.monotonic(), sink.passed, 0.0
             while not (self.stopping.is_set() or worker.stopping.is_set()):
                 # Before anything else: a rebuild cancelled elsewhere has no cursors left (0 to do).
                 row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
@@ -357,11 +364,18 @@ class Rebuild:
                     return "switched"
                 if sink.fatal is not None:
                     raise RebuildError(str(sink.fatal))
-                left = self._remaining(conn, self.sink)
-                line.update(max(0, total - left), (start_left - left) / max(1e-3, time.monotonic() - first))
-                if left == 0 or left <= min(self.settings.batch_size, total // 100):
-                    return "caught up"
-                self.stopping.wait(PROGRESS_SECONDS if left > self.settings.batch_size else 0.1)
+                near = min(self.settings.batch_size, total // 100)
+                estimate = left - (sink.passed - passed_then)
+                if time.monotonic() >= next_count or estimate <= near:
+                    started = time.monotonic()
+                    left, passed_then = self._remaining(conn, self.sink), sink.passed
+                    counted_at = time.monotonic()
+                    next_count = counted_at + max(PROGRESS_SECONDS, 10 * (counted_at - started))
+                    estimate = left
+                    if left == 0 or left <= near:
+                        return "caught up"
+                line.update(max(0, total - estimate), (start_left - estimate) / max(1e-3, time.monotonic() - first))
+                self.stopping.wait(PROGRESS_SECONDS if estimate > self.settings.batch_size else 0.1)
         return "stopped"
 
     def _gone(self, conn: psycopg.Connection[Any], restarted: bool) -> None:
@@ -474,18 +488,13 @@ def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3, *, a
                     conn.execute(query("projections", "begin_batch"), _key_begin(token))
                     cursor, events = _key_history(conn, projection, key)
                     projection.clear_key(key, conn)
-                    for event in _replayed(projection, cursor, events):
-                        projection.handler(event, conn)
-                    conn.execute(query("projections", "end_batch"), {"token": token})
-                    return len(events)
+                    batch = _key_batch(projection, key, cursor, events, token)
+                    with _key_failures(projection, key):
+                        drive(walk(batch, careful=False), conn, projection.handler)
+                    return _replayed(projection, key, batch)
         except psycopg.errors.DeadlockDetected:  # a live batch of the same bucket: it retries, so do we
             if attempt == tries:
                 raise
-        except psycopg.Error as exc:
-            if exc.sqlstate in ENDED_STATES:
-                raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
-                                   "transaction (COMMIT, END or ROLLBACK); nothing was changed") from exc
-            raise
     raise AssertionError("unreachable")
 
 
@@ -510,10 +519,42 @@ async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
             read, _ = event_reader(cur)
             events = [read(r) for r in await cur.fetchall()]
             await projection.clear_key(key, conn)
-            for event in _replayed(projection, cursor, events):
-                await projection.handler(event, conn)
-            await conn.execute(query("projections", "end_batch"), {"token": token})
-            return len(events)
+            batch = _key_batch(projection, key, cursor, events, token)
+            with _key_failures(projection, key):
+                await adrive(walk(batch, careful=False), conn, projection.handler)
+            return _replayed(projection, key, batch)
+
+
+def _key_batch(projection: Projection, key: str, cursor: Sequence[Any], events: Sequence[StoredEvent],
+               token: str) -> Batch:
+    """The key's history as one batch of the shared walk (walk.py), begun by the caller.
+
+    Its tokens are (live fence, 0, xid, seq): increasing in the (xid, seq) order they are applied
+    in, and below every token the live owner of that fence gave (its reads are numbered from 1), so
+    a store outside the transaction (``fenced_upsert``) keeps what live processing wrote there."""
+    fence = int(cursor[2])
+    return Batch(projection, events, {e.bucket: fence for e in events}, replay=True, name=projection.name,
+                 token=token)
+
+
+@contextlib.contextmanager
+def _key_failures(projection: Projection, key: str) -> Iterator[None]:
+    """A key rebuild is all or nothing: what would make the walk redo a batch fails it instead."""
+    try:
+        yield
+    except Redo as redo:
+        if redo.ended is not None or any(f is ENDED_TRANSACTION for f in redo.failed.values()):
+            raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
+                               "transaction (COMMIT, END or ROLLBACK); nothing was changed") from redo
+        if isinstance(redo.__cause__, Exception):
+            raise redo.__cause__ from None  # the handler's own error, as it raised it
+        raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: a statement of its handler failed "
+                           "(or the handler ended the transaction); nothing was changed") from redo
+    except psycopg.Error as exc:
+        if exc.sqlstate in ENDED_STATES:
+            raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
+                               "transaction (COMMIT, END or ROLLBACK); nothing was changed") from exc
+        raise
 
 
 def _key_params(projection: Projection, key: str, cursor: Sequence[Any]) -> dict[str, Any]:
@@ -532,23 +573,10 @@ def _key_history(conn: psycopg.Connection[Any], projection: Projection,
     return cursor, [event(r) for r in cur.fetchall()]
 
 
-def _replayed(projection: Projection, cursor: Sequence[Any],
-              events: Sequence[StoredEvent]) -> list[ProjectionEvent[Any]]:
-    """The events as the handler sees them in a replay; one that no longer prepares is an error.
-
-    Their tokens are (live fence, 0, xid, seq): increasing in the (xid, seq) order they are applied
-    in, and below every token the live owner of that fence gave (its reads are numbered from 1), so
-    a store outside the transaction (``fenced_upsert``) keeps what live processing wrote there."""
-    out = []
-    for e in events:
-        try:
-            prepared = projection.prepare(e, int(cursor[2]), replay=True)  # e.read is 0: not a relay's read
-        except Exception as exc:
-            raise RebuildError(f"event {e.id} of key {e.key!r} could not be prepared for the handler: "
-                               f"{describe(exc)}") from exc
-        if prepared is None:
-            continue
-        if not isinstance(prepared, ProjectionEvent):
-            raise RebuildError(f"event {e.id} of key {e.key!r} no longer applies: {prepared.error}")
-        out.append(prepared)
-    return out
+def _replayed(projection: Projection, key: str, batch: Batch) -> int:
+    """The events the key rebuild replayed; an event that no longer applies fails it (rolled back)."""
+    for e in batch.events:
+        outcome = batch.outcomes.get(e.id)
+        if outcome is not None:
+            raise RebuildError(f"event {e.id} of key {e.key!r} no longer applies: {outcome.error}")
+    return len(batch.events)

@@ -45,6 +45,10 @@ def _flag(name: str, field: Any) -> str:
         return "`--kafka-option KEY=VALUE` (repeatable; `KEY=@PATH` reads the value from a file)"
     if name == "projection":
         return "`--projection NAME` (repeatable)"
+    if name == "sink":
+        return "`--sink MODULE:ATTR` (repeatable)"
+    if name == "webhook_secret":
+        return "(environment only)"
     flag = "--" + name.replace("_", "-")
     if field.annotation is bool:
         return f"`{flag}` / `--no-{name.replace('_', '-')}`"
@@ -55,7 +59,8 @@ def table() -> str:
     lines = ["| option | environment | default | allowed | meaning |", "|---|---|---|---|---|"]
     for name, field in RelaySettings.model_fields.items():
         env = f"`{ENV_PREFIX}{name.upper()}`" + {"kafka_config": " (JSON object)",
-                                                 "projection": " (comma-separated)"}.get(name, "")
+                                                 "projection": " (comma-separated)",
+                                                 "sink": " (comma- or space-separated)"}.get(name, "")
         allowed = bounds(field) or ""
         lines.append(f"| {_flag(name, field)} | {env} | {_default(name, field)} | {allowed} | "
                      f"{field.description or ''} |")

@@ -136,7 +136,8 @@ CREATE TABLE outbox.workers (
 CREATE TABLE outbox.sinks (
     name       text        NOT NULL
                CONSTRAINT sinks_name_valid CHECK (name ~ '^[a-z0-9][a-z0-9_.:-]{0,62}$'),
-    kind       text        NOT NULL CONSTRAINT sinks_kind_valid CHECK (kind IN ('kafka', 'projection')),
+    -- 0013: any short kind (a user's own sink registers under its own kind).
+    kind       text        NOT NULL CONSTRAINT sinks_kind_valid CHECK (kind ~ '^[a-z][a-z0-9_]{0,31}$'),
     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     -- 0005: set by `sinks drop` (a tombstone: relays refuse to register the sink again).
     dropped_at timestamptz,
@@ -147,7 +148,8 @@ CREATE TABLE outbox.sinks (
 );
 
 -- One row per (sink, bucket): what it delivered there plus the lease on the bucket.
--- Updated once per batch, so keep it HOT-friendly: no index on mutable columns.
+-- Updated by a projection's every batch and a Kafka sink's at most every cursor_flush_seconds (relay.advance),
+-- so keep it HOT-friendly: no index on mutable columns.
 CREATE TABLE outbox.cursors (
     sink             text        NOT NULL,
     bucket           integer     NOT NULL CONSTRAINT cursors_bucket_valid CHECK (bucket >= 0 AND bucket < 256),
@@ -818,4 +820,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (10, 'quiet_producers', NULL),
     (11, 'history_watermark', NULL),
     (12, 'event_versions', NULL),
+    (13, 'sink_kinds', NULL),
     (15, 'partitioned_history', NULL);

@@ -12,6 +12,7 @@ Servers start on first use, so a run of ``tests/unit`` starts none.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -37,6 +38,17 @@ def pytest_report_header() -> list[str]:
         f"outbox postgres: {redact(pg) if pg else 'docker postgres:18 if reachable, else embedded 18'}",
         f"outbox kafka: {kafka or 'docker kafka if reachable, else tansu'}",
     ]
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """``cli.main`` (and a relay's setup) configures the root logger, with handlers on the captured
+    stderr: every test gets it back as it was."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(autouse=True)

@@ -112,14 +112,33 @@ WHERE c.sink = %(sink)s
 RETURNING c.bucket, c.fence, c.lapses, c.snapshot::text, c.target::text, c.after_xid::text, c.after_seq;
 
 -- name: renew_leases
--- Extend the leases this worker still holds under the same fence; missing buckets were lost.
-UPDATE outbox.cursors c
-SET lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
-FROM unnest(%(buckets)s::int[], %(fences)s::bigint[]) AS v(bucket, fence)
-WHERE c.sink = %(sink)s AND c.bucket = v.bucket
-  AND c.owner = %(worker)s AND c.fence = v.fence
-  AND c.lease_expires_at > clock_timestamp()
-RETURNING c.bucket;
+-- Extend the leases this worker still holds under the same fence; missing buckets were lost. A lease
+-- that a cursor write extended within the last sixth of its length (relay.advance) is only confirmed
+-- (locked, which leaves no row version): every write is a dead row version while a long transaction
+-- holds vacuum back, and renewals come every third of the lease.
+WITH t AS MATERIALIZED (
+    -- One clock for both decisions below.
+    SELECT clock_timestamp() AS now
+),
+held AS (
+    -- Still ours: locked, so that a concurrent change of owner or fence is waited for and seen.
+    SELECT c.bucket, c.lease_expires_at
+    FROM outbox.cursors c
+    JOIN unnest(%(buckets)s::int[], %(fences)s::bigint[]) AS v(bucket, fence)
+      ON c.sink = %(sink)s AND c.bucket = v.bucket
+    CROSS JOIN t
+    WHERE c.owner = %(worker)s AND c.fence = v.fence AND c.lease_expires_at > t.now
+    FOR NO KEY UPDATE OF c
+),
+renewed AS (
+    -- Written only where the lease is not fresh.
+    UPDATE outbox.cursors c
+    SET lease_expires_at = t.now + make_interval(secs => %(lease_seconds)s)
+    FROM held h CROSS JOIN t
+    WHERE c.sink = %(sink)s AND c.bucket = h.bucket
+      AND h.lease_expires_at <= t.now + make_interval(secs => %(lease_seconds)s * 5 / 6)
+)
+SELECT bucket FROM held;
 
 -- name: release_leases
 -- Hand buckets back without waiting for expiry (a changed assignment, drain).

@@ -40,7 +40,10 @@ wanted AS (
            CASE WHEN w.after_xid::xid8 >= pg_snapshot_xmax(w.seen::pg_snapshot) THEN w.after_xid::xid8
                 ELSE pg_snapshot_xmax(w.seen::pg_snapshot) END AS later_xid,
            CASE WHEN w.after_xid::xid8 >= pg_snapshot_xmax(w.seen::pg_snapshot) THEN w.after_seq
-                ELSE -1 END AS later_seq
+                ELSE -1 END AS later_seq,
+           -- Transactions open in the cursor's snapshot that are visible in the target: committed since.
+           ARRAY(SELECT x FROM pg_snapshot_xip(w.seen::pg_snapshot) AS x
+                 WHERE pg_visible_in_snapshot(x, coalesce(w.target::pg_snapshot, n.snapshot))) AS committed_since
     FROM unnest(%(buckets)s::int[], %(limits)s::int[], %(seen)s::text[], %(targets)s::text[],
                 %(after_xids)s::text[], %(after_seqs)s::bigint[])
          AS w(bucket, lim, seen, target, after_xid, after_seq)
@@ -73,10 +76,13 @@ CROSS JOIN LATERAL (
         -- Transactions still open when the cursor's snapshot was taken that have committed since
         -- (one index probe per such transaction id). Their ids are below the snapshot's xmax, so
         -- they come first.
+        -- With none, the scan is skipped (a one-time filter): an empty ANY would still walk the bucket
+        -- from the cursor on, the whole of it in a rebuild from the start of history.
         (SELECT e.*
          FROM outbox.events e
-         WHERE e.bucket = w.bucket
-           AND e.xid = ANY(ARRAY(SELECT x FROM pg_snapshot_xip(w.seen) AS x WHERE pg_visible_in_snapshot(x, w.target)))
+         WHERE cardinality(w.committed_since) > 0
+           AND e.bucket = w.bucket
+           AND e.xid = ANY(w.committed_since)
            -- Implied by the line above; written out so that only the partitions of the snapshot's
            -- [xmin, xmax) are probed (0015: outbox.events is partitioned by xid ranges).
            AND e.xid >= pg_snapshot_xmin(w.seen) AND e.xid < pg_snapshot_xmax(w.seen)
@@ -170,39 +176,68 @@ SELECT EXISTS (SELECT 1 FROM outbox.parked p
 -- Commit one batch's outcome that only moves cursors (nothing to park, unpark or dead-letter: most
 -- batches), fenced as in checkpoint below, whose first step this is; the caller learns which buckets
 -- made it. A statement of its own: the whole checkpoint opens the park and the dead letters every time.
-UPDATE outbox.cursors c
-SET snapshot    = coalesce(v.seen::pg_snapshot, c.snapshot),
-    target      = CASE WHEN v.seen IS NULL THEN c.target ELSE v.target::pg_snapshot END,
-    after_xid   = CASE WHEN v.seen IS NULL THEN c.after_xid ELSE v.after_xid::xid8 END,
-    after_seq   = CASE WHEN v.seen IS NULL THEN c.after_seq ELSE v.after_seq END,
-    lapses      = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
-    advanced_at = clock_timestamp()
-FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(seen)s::text[], %(targets)s::text[],
-            %(after_xids)s::text[], %(after_seqs)s::bigint[], %(resets)s::boolean[])
-     AS v(bucket, fence, seen, target, after_xid, after_seq, reset)
-WHERE c.sink = %(sink)s AND c.bucket = v.bucket
-  AND c.owner = %(worker)s AND c.fence = v.fence
-  AND c.lease_expires_at > clock_timestamp()
-RETURNING c.bucket, clock_timestamp();
+-- A bucket whose cursor write the caller defers (``writes`` false: a sink without a transaction of its
+-- own, its cursor written recently) gets the same fence check as a read: a write per batch would leave a
+-- dead row version per batch while a long transaction holds vacuum back.
+WITH v AS (
+    -- One row per bucket of the batch.
+    SELECT *
+    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(seen)s::text[], %(targets)s::text[],
+                %(after_xids)s::text[], %(after_seqs)s::bigint[], %(resets)s::boolean[], %(writes)s::boolean[])
+         AS v(bucket, fence, seen, target, after_xid, after_seq, reset, write)
+),
+moved AS (
+    -- The buckets written now: the fence check and the cursor advance in one step.
+    UPDATE outbox.cursors c
+    SET snapshot    = coalesce(v.seen::pg_snapshot, c.snapshot),
+        target      = CASE WHEN v.seen IS NULL THEN c.target ELSE v.target::pg_snapshot END,
+        after_xid   = CASE WHEN v.seen IS NULL THEN c.after_xid ELSE v.after_xid::xid8 END,
+        after_seq   = CASE WHEN v.seen IS NULL THEN c.after_seq ELSE v.after_seq END,
+        lapses      = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
+        advanced_at = clock_timestamp(),
+        -- The row is written anyway: the lease is renewed with it, so that renew_leases need not write it.
+        lease_expires_at = greatest(c.lease_expires_at,
+                                    clock_timestamp() + make_interval(secs => %(lease_seconds)s::float8))
+    FROM v
+    WHERE v.write AND c.sink = %(sink)s AND c.bucket = v.bucket
+      AND c.owner = %(worker)s AND c.fence = v.fence
+      AND c.lease_expires_at > clock_timestamp()
+    RETURNING c.bucket
+)
+SELECT bucket, clock_timestamp() FROM moved
+UNION ALL
+-- The deferred ones: only the fence check (no row version).
+SELECT c.bucket, clock_timestamp()
+FROM v
+JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = v.bucket
+WHERE NOT v.write AND c.owner = %(worker)s AND c.fence = v.fence
+  AND c.lease_expires_at > clock_timestamp();
 
 -- name: checkpoint
 -- Commit one batch's outcome, fenced: for the buckets still leased under the same token, advance
 -- cursors, park or reschedule failures, drop finished parked rows and record dead letters.
 -- Buckets whose lease was lost get nothing; the caller learns which buckets made it.
-WITH fenced AS (
+WITH v AS (
+    -- One row per bucket of the batch.
+    SELECT *
+    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(seen)s::text[], %(targets)s::text[],
+                %(after_xids)s::text[], %(after_seqs)s::bigint[], %(resets)s::boolean[], %(writes)s::boolean[])
+         AS v(bucket, fence, seen, target, after_xid, after_seq, reset, write)
+),
+fenced AS (
     -- The fence check and the cursor advance in one step (a NULL seen: the bucket's cursor stays).
     UPDATE outbox.cursors c
     SET snapshot    = coalesce(v.seen::pg_snapshot, c.snapshot),
         target      = CASE WHEN v.seen IS NULL THEN c.target ELSE v.target::pg_snapshot END,
         after_xid   = CASE WHEN v.seen IS NULL THEN c.after_xid ELSE v.after_xid::xid8 END,
         after_seq   = CASE WHEN v.seen IS NULL THEN c.after_seq ELSE v.after_seq END,
-        -- The runner says when a bucket proved healthy (crash-loop isolation ends).
         lapses      = CASE WHEN v.reset THEN 0 ELSE c.lapses END,
-        advanced_at = clock_timestamp()
-    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[], %(seen)s::text[], %(targets)s::text[],
-                %(after_xids)s::text[], %(after_seqs)s::bigint[], %(resets)s::boolean[])
-         AS v(bucket, fence, seen, target, after_xid, after_seq, reset)
-    WHERE c.sink = %(sink)s AND c.bucket = v.bucket
+        advanced_at = clock_timestamp(),
+        -- The row is written anyway: the lease is renewed with it, so that renew_leases need not write it.
+        lease_expires_at = greatest(c.lease_expires_at,
+                                    clock_timestamp() + make_interval(secs => %(lease_seconds)s::float8))
+    FROM v
+    WHERE v.write AND c.sink = %(sink)s AND c.bucket = v.bucket
       AND c.owner = %(worker)s AND c.fence = v.fence
       AND c.lease_expires_at > clock_timestamp()
     RETURNING c.bucket

@@ -24,6 +24,8 @@ CREATE TABLE counts (key text PRIMARY KEY, applied int NOT NULL, last_n int NOT 
 CREATE TABLE flaky_ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL, n int NOT NULL);
 CREATE TABLE switches (name text PRIMARY KEY);
 CREATE TABLE blocking_ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL, n int NOT NULL);
+CREATE TABLE batched_ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL, n int NOT NULL,
+                             pid int NOT NULL);
 """
 
 
@@ -66,3 +68,27 @@ def blocking(event: ProjectionEvent[Any], tx: Any) -> None:
         threading.Event().wait()
     tx.execute("INSERT INTO blocking_ledger (event_id, key, n) VALUES (%s, %s, %s)",
                (event.id, event.key, event.payload["n"]))
+
+
+@registry.projection("ledger_batched", events=["acceptance.counted"], tables=["batched_ledger"], batch=True)
+def ledger_batched(events: list[ProjectionEvent[Any]], tx: Any) -> None:
+    """Set-based: one INSERT per call. An event whose payload says ``pause`` splits the call: the
+    events before it are written, then the handler sleeps (marking OUTBOX_TEST_PAUSE_DIR), so a
+    test can kill the process with half the batch written in its transaction. Only the first
+    process to get there pauses (the one that takes over applies the batch at once)."""
+    def write(part: list[ProjectionEvent[Any]]) -> None:
+        if part:
+            tx.execute("INSERT INTO batched_ledger (event_id, key, n, pid) "
+                       "SELECT * FROM unnest(%s::uuid[], %s::text[], %s::int[], %s::int[])",
+                       ([e.id for e in part], [e.key for e in part], [e.payload["n"] for e in part],
+                        [os.getpid()] * len(part)))
+
+    pause_dir = os.environ.get("OUTBOX_TEST_PAUSE_DIR")
+    for i, event in enumerate(events):
+        if event.payload.get("pause") and pause_dir and not event.replay and not any(Path(pause_dir).iterdir()):
+            write(events[:i])
+            Path(pause_dir, f"{os.getpid()}-{event.id}").touch()
+            time.sleep(float(event.payload["pause"]))
+            write(events[i:])
+            return
+    write(events)

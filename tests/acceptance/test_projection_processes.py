@@ -102,6 +102,49 @@ def test_a_stopped_relay_cannot_land_its_projection_batch(dsn: str, relays: Rela
     assert a.terminate() == 0 and b.terminate() == 0
 
 
+def test_a_relay_killed_mid_batch_leaves_nothing_of_a_batched_projection(dsn: str, relays: Relays, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """G7 for batched handlers: relay A is SIGKILLed inside a batch call that has written half of its
+    batch; B takes the buckets over and applies the batch: every event exactly once, in order."""
+    setup(dsn)
+    pause_dir = tmp_path / "paused"
+    pause_dir.mkdir()
+    monkeypatch.setenv("OUTBOX_TEST_PAUSE_DIR", str(pause_dir))
+    args = ["--no-kafka", *APP, "--projection", "ledger_batched", *FAST_RETRY]
+    a = relays.start("a", dsn, "unused:9", "unused", args)
+    keys = [f"key-{i:02d}" for i in range(20)]
+    published = Published()
+    Producers(dsn, "t", keys, 300, published, producers=2, rate=600).join()
+    wait_until(lambda: applied_count(dsn, "batched_ledger") == 300, 60, 0.2, "relay A applying the first 300")
+
+    from outbox_relay import Outbox
+    with psycopg.connect(dsn) as conn:  # one transaction: one batch, the pause in its middle
+        held = [Outbox(default_topic="t").publish(conn, type="acceptance.counted", key=f"held-{n % 3}",
+                                                  payload={"key": f"held-{n % 3}", "n": n // 3 + 1,
+                                                           "pause": 60.0 if n == 6 else 0})
+                for n in range(12)]
+    for k in range(3):
+        published.add(f"held-{k}", [str(p.id) for n, p in enumerate(held) if n % 3 == k])
+    wait_until(lambda: any(pause_dir.iterdir()), 30, 0.02, "A's handler to write half its batch and pause")
+    a.signal(signal.SIGKILL)
+    a.proc.wait(10)
+    b = relays.start("b", dsn, "unused:9", "unused", args)
+    more = Producers(dsn, "t", keys, 200, published, producers=2, rate=300)
+    more.join()
+    wait_until(lambda: applied_count(dsn, "batched_ledger") >= published.count(), 60, 0.2, "every event applied")
+    time.sleep(0.5)
+    assert applied_count(dsn, "batched_ledger") == published.count()
+    rows = db_rows(dsn, "SELECT count(*), count(DISTINCT event_id) FROM batched_ledger")[0]
+    assert rows[0] == rows[1], f"{rows[0] - rows[1]} events were applied more than once"
+    by_key: dict[str, list[str]] = {}
+    for event_id, key in db_rows(dsn, "SELECT event_id::text, key FROM batched_ledger ORDER BY id"):
+        by_key.setdefault(key, []).append(event_id)
+    assert by_key == published.by_key, "lost or out of order"
+    held_pids = {pid for (pid,) in db_rows(dsn, "SELECT DISTINCT pid FROM batched_ledger WHERE key LIKE 'held-%'")}
+    assert held_pids == {b.proc.pid}, "the killed relay's half batch landed"
+    assert b.terminate() == 0
+
+
 def test_kafka_and_two_projections_on_the_same_events_with_one_failing(
         dsn: str, relays: Relays, kafka_bootstrap: str, kafka_topic: str) -> None:
     """Each sink has its own progress: a projection whose handler fails for a while holds back

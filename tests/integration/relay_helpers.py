@@ -9,12 +9,13 @@ events it is told to fail.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -22,12 +23,12 @@ import pytest
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
-from outbox_relay import history, store
+from outbox_relay import history, store, testing
 from outbox_relay.positions import Cursor
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import SinkRunner
 from outbox_relay.settings import RelaySettings
-from outbox_relay.sink import Aborted, Commit, Failure, KeyHold, Outcomes
+from outbox_relay.sink import Aborted, Commit, Failure, Outcomes
 from outbox_relay.store import StoredEvent
 from outbox_relay.worker import Worker
 
@@ -51,6 +52,9 @@ def make_settings(dsn: str, worker_id: str, **overrides: Any) -> RelaySettings:
         "backoff_max_seconds": 0.05,
         "listen": False,
         "drain_seconds": 20.0,
+        # Every batch writes its cursor row, so that a test can read the stored cursor right after a batch.
+        # test_cursor_writes.py tests deferred writes; OUTBOX_TEST_CURSOR_FLUSH_SECONDS runs any test with them.
+        "cursor_flush_seconds": float(os.environ.get("OUTBOX_TEST_CURSOR_FLUSH_SECONDS", "0")),
     }
     values.update(overrides)
     return RelaySettings(dsn=dsn, worker_id=worker_id, **values)
@@ -98,30 +102,35 @@ class Batch:
     events: tuple[uuid.UUID, ...] = ()
 
 
-@dataclass
-class RecordingSink:
-    """A sink that records what it is given and fails what ``fail`` says.
+class RecordingSink(testing.RecordingSink):
+    """The testing kit's sink with the bookkeeping these tests read: every attempt as it is made
+    (landed or not) with its worker, bucket and fence, and each batch with its timing.
 
-    Like a correct sink it stops a key at its first failure within a batch (the events of that
-    key behind it are left out of the outcomes, i.e. "not attempted").
+    ``fail(e, n)``: the outcome of an attempt, given the stored event and how many attempts this
+    sink saw of it before (0 on the first). Like a correct sink it stops a key at its first
+    failure within a batch (the kit's deliver does).
     """
 
-    worker: str = "w"
-    fail: FailFn | None = None
-    name: str = SINK
-    kind: str = "projection"
-    event_filter: store.EventFilter | None = None
-    hold: float = 0.0  # seconds to spend "delivering" each batch (widens the windows G8 checks)
-    gate: threading.Event | None = None  # when given, deliver waits for it (in-flight batch)
-    entered: threading.Event = field(default_factory=threading.Event)
-    attempts: list[Attempt] = field(default_factory=list)
-    batches: list[Batch] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    _seen: dict[uuid.UUID, int] = field(default_factory=lambda: defaultdict(int))
+    def __init__(self, worker: str = "w", fail: FailFn | None = None, name: str = SINK, kind: str = "projection",
+                 event_filter: store.EventFilter | None = None, hold: float = 0.0,
+                 gate: threading.Event | None = None) -> None:
+        super().__init__(name, kind="projection")
+        self.kind = kind  # any kind, also one the database refuses (tests of that)
+        self.worker = worker
+        self.fail_with = fail
+        self.event_filter = event_filter
+        self.hold = hold  # seconds to spend "delivering" each batch (widens the windows G8 checks)
+        self.gate = gate  # when given, deliver waits for it (in-flight batch)
+        self.entered = threading.Event()
+        self.attempts: list[Attempt] = []
+        self.batches: list[Batch] = []
+        self.lock = threading.Lock()
+        self._seen: dict[uuid.UUID, int] = defaultdict(int)
+        self._batch: Batch | None = None  # the batch in flight (runner thread)
 
-    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
-                abort: threading.Event) -> set[int]:
-        batch = Batch(self.worker, frozenset(fences), time.monotonic(), events=tuple(e.id for e in events))
+    def begin(self, events: Sequence[StoredEvent], fences: dict[int, int], abort: threading.Event) -> None:
+        batch = self._batch = Batch(self.worker, frozenset(fences), time.monotonic(),
+                                    events=tuple(e.id for e in events))
         with self.lock:
             self.batches.append(batch)
         self.entered.set()
@@ -129,33 +138,36 @@ class RecordingSink:
             while not self.gate.wait(0.05):
                 if abort.is_set():
                     raise Aborted()
-        outcomes: Outcomes = {}
-        hold = KeyHold()
-        for e in events:
-            if not hold.allows(e):
-                continue
-            with self.lock:
-                n = self._seen[e.id]
-                self._seen[e.id] = n + 1
-            outcome = self.fail(e, n) if self.fail is not None else None
-            outcomes[e.id] = outcome
-            with self.lock:
-                self.attempts.append(Attempt(self.worker, e.id, e.key, e.bucket, fences[e.bucket], e.position,
-                                             outcome.error if outcome else None))
-            hold.record(e, outcome)
-        if self.hold:
-            time.sleep(self.hold)
-        ok = commit(outcomes, None)
-        batch.end = time.monotonic()
-        batch.committed = frozenset(ok)
-        return ok
 
-    def close(self) -> None:
-        pass
+    def attempt(self, e: StoredEvent, fence: int) -> Failure | None:
+        with self.lock:
+            n = self._seen[e.id]
+            self._seen[e.id] = n + 1
+        outcome = self.fail_with(e, n) if self.fail_with is not None else None
+        with self.lock:
+            self.attempts.append(Attempt(self.worker, e.id, e.key, e.bucket, fence, e.position,
+                                         outcome.error if outcome else None))
+        return outcome
+
+    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
+                abort: threading.Event) -> set[int]:
+        if not self.hold:
+            return super().deliver(events, fences, commit, abort)
+
+        def slow(outcomes: Outcomes, tx: Any) -> set[int]:  # the batch stays in flight a while
+            time.sleep(self.hold)
+            return commit(outcomes, tx)
+
+        return super().deliver(events, fences, slow, abort)  # type: ignore[arg-type]
+
+    def end(self, events: Sequence[StoredEvent], landed: set[int]) -> None:
+        assert self._batch is not None
+        self._batch.end = time.monotonic()
+        self._batch.committed = frozenset(landed)
 
     # views
 
-    def delivered(self) -> list[Attempt]:
+    def delivered(self) -> list[Attempt]:  # type: ignore[override]
         with self.lock:
             return [a for a in self.attempts if a.ok]
 
@@ -340,3 +352,21 @@ def running(worker: Worker) -> Iterator[Worker]:
     finally:
         worker.drain()
         thread.join(30)
+
+
+def fail_ids(ids: set[uuid.UUID], error: str = "broker said no") -> Any:
+    """A RecordingSink ``fail``: these events fail every time they are attempted."""
+    def fail(e: StoredEvent, _n: int) -> Failure | None:
+        return Failure(error) if e.id in ids else None
+    return fail
+
+
+def attempts_of(sink: RecordingSink, key: str) -> list[uuid.UUID]:
+    with sink.lock:
+        return [a.event_id for a in sink.attempts if a.key == key]
+
+
+def parked_rows(dsn: str, key: str, sink: str = SINK) -> list[tuple[uuid.UUID, int, str | None]]:
+    return [(r[0], r[1], r[2]) for r in fetch_all(
+        dsn, "SELECT event_id, attempts, last_error FROM outbox.parked WHERE sink = %s AND partition_key = %s "
+             "ORDER BY xid, seq", (sink, key))]

@@ -21,6 +21,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from outbox_relay import cli
+from outbox_relay.cli import logs
 from outbox_relay.dsn import connection_problem, probe_connection, remember_dsn
 from outbox_relay.migrate import migrate
 from tests.servers import EmbeddedPg, PgServer, free_port
@@ -62,15 +63,6 @@ def private() -> Iterator[PrivateServer]:
         server.server.close()
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 def fragments(password: str) -> list[str]:
     """Pieces of a password that must not appear anywhere (each is 4+ characters)."""
     return [p for p in password.replace("\t", " ").replace("%", " ").split() if len(p) >= 4]
@@ -105,7 +97,7 @@ def test_pool_warnings_and_log_lines_are_masked(private: PrivateServer) -> None:
     remember_dsn(dsn)  # what RelaySettings does with its DSN
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(cli._RedactingFormatter("%(levelname)s %(name)s %(message)s"))
+    handler.setFormatter(logs._RedactingFormatter("%(levelname)s %(name)s %(message)s"))
     pool_log = logging.getLogger("psycopg.pool")
     pool_log.addHandler(handler)
     try:

@@ -5,9 +5,8 @@ and `status` naming the oldest open writing transaction without showing its SQL.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime
 
 import psycopg
@@ -36,15 +35,6 @@ READ_COMMANDS = [
     ["rebuild", "order_totals", *APP, "--cancel"],
     ["replay", "--topic", "orders", "--kafka-bootstrap-servers", "127.0.0.1:1"],
 ]
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.mark.parametrize("argv", READ_COMMANDS, ids=" ".join)

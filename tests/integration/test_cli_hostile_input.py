@@ -5,34 +5,18 @@ refused with exit 2 by every command that takes --sink."""
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 
 import psycopg
 import pytest
 
 from outbox_relay import cli, store
+from tests.cli_helpers import run_cli
 
 # ESC (a colour and a window title), BEL, CR (overwrites the line), a C1 CSI, DEL, and a right-to-left override.
 HOSTILE_KEY = "k\x1b[31mred\x07\rX\x9b2J\x7f\u202eevil"
 HOSTILE_TYPE = "order.\x1b]0;pwned\x07placed"
 HOSTILE_ERROR = "broker said\x1b[2J no\u2066"
 RAW = ("\x1b", "\x07", "\r", "\x9b", "\x7f", "\u202e", "\u2066")
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def dead_letter(dsn: str, sink: str, key: str, type_: str, error: str) -> None:
@@ -52,9 +36,9 @@ def dead_letter(dsn: str, sink: str, key: str, type_: str, error: str) -> None:
 def test_producer_strings_reach_the_terminal_escaped(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     dead_letter(dsn, "kafka", HOSTILE_KEY, HOSTILE_TYPE, HOSTILE_ERROR)
     outputs = {
-        "status": run(capsys, "status", "--dsn", dsn),
-        "dead-letters list": run(capsys, "dead-letters", "list", "--dsn", dsn),
-        "keys show": run(capsys, "keys", "show", "--dsn", dsn, HOSTILE_KEY),
+        "status": run_cli(capsys, "status", "--dsn", dsn),
+        "dead-letters list": run_cli(capsys, "dead-letters", "list", "--dsn", dsn),
+        "keys show": run_cli(capsys, "keys", "show", "--dsn", dsn, HOSTILE_KEY),
     }
     for command, (code, out, err) in outputs.items():
         assert code == cli.EXIT_OK, (command, err)
@@ -67,20 +51,20 @@ def test_producer_strings_reach_the_terminal_escaped(dsn: str, capsys: pytest.Ca
 
 def test_json_output_stays_exact(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     dead_letter(dsn, "kafka", HOSTILE_KEY, HOSTILE_TYPE, HOSTILE_ERROR)
-    code, out, _ = run(capsys, "dead-letters", "list", "--dsn", dsn, "--json")
+    code, out, _ = run_cli(capsys, "dead-letters", "list", "--dsn", dsn, "--json")
     assert code == cli.EXIT_OK
     [row] = json.loads(out)
     assert (row["partition_key"], row["type"], row["last_error"]) == (HOSTILE_KEY, HOSTILE_TYPE, HOSTILE_ERROR)
-    code, out, _ = run(capsys, "keys", "show", "--dsn", dsn, HOSTILE_KEY, "--json")
+    code, out, _ = run_cli(capsys, "keys", "show", "--dsn", dsn, HOSTILE_KEY, "--json")
     assert code == cli.EXIT_OK and json.loads(out)["key"] == HOSTILE_KEY
 
 
 @pytest.mark.parametrize("action", [["list"], ["retry", "--all"], ["discard", "--all"]], ids=" ".join)
 def test_dead_letters_refuses_an_unknown_sink(dsn: str, capsys: pytest.CaptureFixture[str], action: list[str]) -> None:
     dead_letter(dsn, "kafka", "k", "t", "boom")
-    code, out, err = run(capsys, "dead-letters", *action, "--sink", "no-such-sink", "--dsn", dsn)
+    code, out, err = run_cli(capsys, "dead-letters", *action, "--sink", "no-such-sink", "--dsn", dsn)
     assert code == cli.EXIT_ERROR, (out, err)
     assert "no sink named 'no-such-sink'" in err and out == "", (out, err)
     # The known sink still works, and the refusal touched nothing.
-    code, out, err = run(capsys, "dead-letters", "list", "--sink", "kafka", "--dsn", dsn, "--json")
+    code, out, err = run_cli(capsys, "dead-letters", "list", "--sink", "kafka", "--dsn", dsn, "--json")
     assert code == cli.EXIT_OK and len(json.loads(out)) == 1, err

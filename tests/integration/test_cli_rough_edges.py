@@ -6,31 +6,16 @@ only with --all-databases), and the backlog is a library call."""
 from __future__ import annotations
 
 import json
-import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import psycopg
 import pytest
 
 from outbox_relay import cli, store
+from tests.cli_helpers import run_cli
 from tests.integration.relay_helpers import publish
 from tests.servers import wait_until
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def dead_letter(dsn: str, key: str, n: int) -> list[str]:
@@ -50,7 +35,7 @@ def dead_letter(dsn: str, key: str, n: int) -> list[str]:
 def test_each_command_names_its_database_once_and_json_stays_json(dsn: str, capsys: pytest.CaptureFixture[str],
                                                                   argv: list[str]) -> None:
     dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
-    code, out, err = run(capsys, *argv, "--dsn", dsn, "--json")
+    code, out, err = run_cli(capsys, *argv, "--dsn", dsn, "--json")
     assert code == cli.EXIT_OK, err
     json.loads(out)  # stdout is JSON and nothing else
     assert err.count("outbox-relay: using database ") == 1 and f"database {dbname} on " in err, err
@@ -58,13 +43,13 @@ def test_each_command_names_its_database_once_and_json_stays_json(dsn: str, caps
 
 def test_migrate_names_its_database(database_factory: Callable[..., str], capsys: pytest.CaptureFixture[str]) -> None:
     fresh = database_factory()
-    code, out, err = run(capsys, "migrate", "--dsn", fresh)
+    code, out, err = run_cli(capsys, "migrate", "--dsn", fresh)
     assert code == cli.EXIT_OK and "applied" in out, err
     assert err.count("outbox-relay: using database ") == 1, err
 
 
 def test_keys_show_json_without_sinks_is_json(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "keys", "show", "order-1", "--dsn", dsn, "--json")
+    code, out, err = run_cli(capsys, "keys", "show", "order-1", "--dsn", dsn, "--json")
     assert code == cli.EXIT_OK, err
     assert json.loads(out) == {"key": "order-1", "bucket": None, "max_attempts": 10, "sinks": []}, out
 
@@ -74,14 +59,14 @@ def test_keys_show_says_a_key_never_published_is_unknown(dsn: str, capsys: pytes
         store.register_sink(conn, "kafka", "kafka")
     publish(dsn, [("order-1", "t", {})])
 
-    code, out, err = run(capsys, "keys", "show", "order-l", "--dsn", dsn, "--json")  # a typo: l for 1
+    code, out, err = run_cli(capsys, "keys", "show", "order-l", "--dsn", dsn, "--json")  # a typo: l for 1
     assert code == cli.EXIT_OK, err
     [sink] = json.loads(out)["sinks"]
     assert sink["state"] == "unknown" and sink["stored"] == 0, sink
-    _, out, _ = run(capsys, "keys", "show", "order-l", "--dsn", dsn)
+    _, out, _ = run_cli(capsys, "keys", "show", "order-l", "--dsn", dsn)
     assert "unknown" in out and "flowing" not in out, out
 
-    _, out, _ = run(capsys, "keys", "show", "order-1", "--dsn", dsn, "--json")
+    _, out, _ = run_cli(capsys, "keys", "show", "order-1", "--dsn", dsn, "--json")
     [sink] = json.loads(out)["sinks"]
     assert sink["state"] == "flowing" and sink["stored"] == 1 and sink["unread"] == 1, sink
 
@@ -91,14 +76,14 @@ def test_dead_letters_list_pages(dsn: str, capsys: pytest.CaptureFixture[str]) -
         store.register_sink(conn, "kafka", "kafka")
     newest_first = dead_letter(dsn, "k", 5)
 
-    code, out, err = run(capsys, "dead-letters", "list", "--dsn", dsn, "--limit", "2", "--json")
+    code, out, err = run_cli(capsys, "dead-letters", "list", "--dsn", dsn, "--limit", "2", "--json")
     assert code == cli.EXIT_OK
     page = [d["event_id"] for d in json.loads(out)]
     assert page == newest_first[:2], page
     assert f"--after {newest_first[1]}" in err, err  # says there are more, and how to get them
     seen = page
     while True:
-        code, out, err = run(capsys, "dead-letters", "list", "--dsn", dsn, "--limit", "2", "--after", seen[-1],
+        code, out, err = run_cli(capsys, "dead-letters", "list", "--dsn", dsn, "--limit", "2", "--after", seen[-1],
                              "--json")
         assert code == cli.EXIT_OK, err
         page = [d["event_id"] for d in json.loads(out)]
@@ -107,10 +92,10 @@ def test_dead_letters_list_pages(dsn: str, capsys: pytest.CaptureFixture[str]) -
             break
     assert seen == newest_first, seen
 
-    code, out, _ = run(capsys, "dead-letters", "list", "--dsn", dsn, "--limit", "4")
+    code, out, _ = run_cli(capsys, "dead-letters", "list", "--dsn", dsn, "--limit", "4")
     assert "more: outbox-relay dead-letters list" in out and f"--after {newest_first[3]}" in out, out
 
-    code, _, err = run(capsys, "dead-letters", "list", "--dsn", dsn, "--after", str(uuid.uuid4()))
+    code, _, err = run_cli(capsys, "dead-letters", "list", "--dsn", dsn, "--after", str(uuid.uuid4()))
     assert code == cli.EXIT_ERROR and "no dead letter" in err, err
 
 
@@ -119,16 +104,17 @@ def test_dead_letter_actions_and_sink_actions_answer_json(dsn: str, capsys: pyte
         store.register_sink(conn, "kafka", "kafka")
         store.register_sink(conn, "old", "kafka")
     ids = dead_letter(dsn, "k", 2)
-    code, out, err = run(capsys, "dead-letters", "retry", "--dsn", dsn, "--sink", "kafka", "--event", ids[0], "--json")
+    code, out, err = run_cli(capsys, "dead-letters", "retry", "--dsn", dsn, "--sink", "kafka", "--event", ids[0],
+                             "--json")
     assert code == cli.EXIT_OK, err
     assert json.loads(out) == {"action": "retry", "sink": "kafka", "count": 1, "event_ids": [ids[0]]}
-    code, out, err = run(capsys, "dead-letters", "discard", "--dsn", dsn, "--sink", "kafka", "--all", "--json")
+    code, out, err = run_cli(capsys, "dead-letters", "discard", "--dsn", dsn, "--sink", "kafka", "--all", "--json")
     assert json.loads(out) == {"action": "discard", "sink": "kafka", "count": 1, "event_ids": [ids[1]]}
-    code, out, err = run(capsys, "sinks", "drop", "old", "--dsn", dsn, "--json")
+    code, out, err = run_cli(capsys, "sinks", "drop", "old", "--dsn", dsn, "--json")
     assert code == cli.EXIT_OK, err
     dropped = json.loads(out)
     assert dropped["action"] == "drop" and dropped["sink"] == "old" and dropped["dropped"] is True, dropped
-    code, out, err = run(capsys, "sinks", "recreate", "old", "--dsn", dsn, "--json")
+    code, out, err = run_cli(capsys, "sinks", "recreate", "old", "--dsn", dsn, "--json")
     assert code == cli.EXIT_OK and json.loads(out)["action"] == "recreate", err
 
 
@@ -140,11 +126,11 @@ def test_status_shows_this_databases_transactions_unless_asked_for_all(
         other.execute("INSERT INTO scratch VALUES (1)")  # an open writing transaction in another database
         pid = other.info.backend_pid
 
-        _, out, _ = run(capsys, "status", "--dsn", dsn, "--json")
+        _, out, _ = run_cli(capsys, "status", "--dsn", dsn, "--json")
         assert json.loads(out)["oldest_open_transaction"] == [], out
 
         def server_wide() -> bool:
-            _, text, _ = run(capsys, "status", "--dsn", dsn, "--json", "--all-databases")
+            _, text, _ = run_cli(capsys, "status", "--dsn", dsn, "--json", "--all-databases")
             holders = json.loads(text)["oldest_open_transaction"]
             return bool(holders) and holders[0]["pid"] == pid
 

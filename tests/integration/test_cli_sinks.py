@@ -6,36 +6,21 @@ a lease while the drop checks. Retention then ignores the dropped sink."""
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg_pool import ConnectionPool
 
 from outbox_relay import cli, store
-from outbox_relay.housekeeping import Housekeeping
-from tests.integration.relay_helpers import close_history, fetch_all, make_settings, publish, register
+from tests.cli_helpers import run_cli
+from tests.integration.relay_helpers import fetch_all, publish, register
 from tests.servers import wait_until
 
 SINK = "old_model"
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 def sinks(capsys: pytest.CaptureFixture[str], dsn: str, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(["sinks", "--dsn", dsn, *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(capsys, "sinks", "--dsn", dsn, *argv)
 
 
 def heartbeat(dsn: str, worker: str, sink_names: list[str], status: str = "alive") -> None:
@@ -123,26 +108,6 @@ def test_forced_drop_says_what_it_costs_and_leaves_a_tombstone(dsn: str, capsys:
     assert code == cli.EXIT_OK and "already dropped at" in out
 
 
-def test_a_lease_taken_while_the_drop_checks_is_seen(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """The drop locks the sink's cursors before it looks for leases: a relay acquiring a lease at that
-    moment either commits first (and the drop refuses) or waits for the drop (and finds no cursor)."""
-    register(dsn, SINK)
-    result: dict[str, Any] = {}
-    with psycopg.connect(dsn) as relay:
-        relay.execute("SET application_name = 'racing-relay'")
-        store.acquire_leases(relay, SINK, "relay-c", range(0, 3), 30.0)  # not committed yet
-        drop = threading.Thread(target=lambda: result.update(code=cli.main(["sinks", "--dsn", dsn, "drop", SINK])))
-        drop.start()
-        wait_until(lambda: fetch_all(dsn, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                                          "AND application_name = 'outbox-relay cli' AND wait_event_type = 'Lock'"
-                                     )[0][0] == 1,
-                   10, message="the drop to wait for the lease's row locks")
-        relay.commit()
-        drop.join(30)
-    _, err = capsys.readouterr()
-    assert result["code"] == cli.EXIT_ERROR and "3 bucket(s) leased by relay-c" in err, err
-    assert state(dsn)["cursors"] == 256 and not state(dsn)["dropped"]
-
 
 def test_list_shows_dropped_sinks_and_recreate_clears_the_tombstone(dsn: str,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -191,19 +156,3 @@ def test_a_rebuild_in_progress_holds_a_drop_and_a_rebuilds_own_sink_takes_its_ro
     assert fetch_all(dsn, "SELECT count(*) FROM outbox.rebuilds") == [(0,)]
     assert sinks(capsys, dsn, "drop", SINK)[0] == cli.EXIT_OK
 
-
-def test_retention_ignores_a_dropped_sink(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """A lagging sink holds retention back; once dropped, retention deletes what the live sink passed."""
-    register(dsn, "live")
-    register(dsn, SINK)
-    publish(dsn, [(f"key-{i}", "t", {}) for i in range(50)])
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        # The live sink delivered everything: its cursors are past every stored event.
-        conn.execute("UPDATE outbox.cursors SET snapshot = pg_current_snapshot() WHERE sink = 'live'")
-    close_history(dsn)
-    settings = make_settings(dsn, "housekeeper", retention_seconds=0.0)
-    with ConnectionPool(dsn, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
-        assert Housekeeping(pool, settings).run_once().deleted_events == 0, "the lagging sink holds retention"
-        assert sinks(capsys, dsn, "drop", SINK)[0] == cli.EXIT_OK
-        assert Housekeeping(pool, settings).run_once().deleted_events == 50
-    assert fetch_all(dsn, "SELECT count(*) FROM outbox.events") == [(0,)]

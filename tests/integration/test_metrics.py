@@ -156,7 +156,9 @@ def test_the_keys_that_lag_are_named(dsn: str, kafka_topic: str, relay: tuple[Wo
     samples = wait_until(lagging, 15, message="the hot key's lag to show")
     assert value(samples, "outbox_relay_pending_events", sink="stalled") == 33
     assert (value(samples, "outbox_relay_key_oldest_pending_age_seconds", sink="stalled", key="hot") or 0) >= 0
-    assert value(samples, "outbox_relay_key_pending_events", sink="kafka", key="hot") is None, "kafka keeps up"
+    # Kafka keeps up; its stored cursor (what the gauges read) trails by up to --cursor-flush-seconds.
+    wait_until(lambda: value(scrape(port), "outbox_relay_key_pending_events", sink="kafka", key="hot") is None, 15,
+               message="kafka's lag to clear")
 
 
 def test_history_per_retention_class_and_what_holds_it(dsn: str, kafka_topic: str,

@@ -9,9 +9,7 @@ retry.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -36,16 +34,6 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
 )
 
 REASON = "fixing its read model"
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """cli.main sets up the root logger's handlers (on the captured stderr): put them back."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def pause(dsn: str, key: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -53,8 +53,9 @@ def shop(dsn: str) -> str:
 def stored(dsn: str) -> list[dict[str, Any]]:
     """The events as another session sees them (committed only), in position order."""
     with psycopg.connect(dsn, autocommit=True) as conn, conn.cursor(row_factory=dict_row) as cur:
+        # e.xid, not xid: the bare name would sort by the output column xid::text ('1000' < '999').
         cur.execute("SELECT id, xid::text, seq, partition_key, topic, type, payload, headers, idempotency_key "
-                    "FROM outbox.events ORDER BY xid, seq")
+                    "FROM outbox.events e ORDER BY e.xid, e.seq")
         return list(cur.fetchall())
 
 

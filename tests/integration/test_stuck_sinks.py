@@ -8,11 +8,9 @@ process is never held back by it.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -45,16 +43,6 @@ from tests.servers import wait_until
 
 LOG = "CREATE TABLE applied_log (n bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL)"
 LOG_SQL = "INSERT INTO applied_log (event_id, key) VALUES (%s, %s)"
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """cli.main sets up logging on the captured stderr: undo it."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.fixture(name="release")
@@ -127,12 +115,51 @@ def test_a_handler_that_never_returns_is_charged_to_its_event_and_other_keys_flo
     sink.close()
 
 
-@dataclass
+def test_a_batched_handler_that_never_returns_is_charged_to_the_event_whose_call_hangs(
+        dsn: str, pool: ConnectionPool[Any], release: threading.Event) -> None:
+    """A hang of a call with many events can not be pinned on one: the batch is walked again one event
+    per call, and the call that hangs again is charged to its event alone."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(LOG)
+    ids = publish(dsn, [("stuck", "OrderPlaced", {}), ("stuck", "OrderPlaced", {}),
+                        *[(f"ok-{i}", "OrderPlaced", {}) for i in range(30)]])
+    sizes: list[int] = []
+
+    def handler(events: list[ProjectionEvent[Any]], tx: Any) -> None:
+        sizes.append(len(events))
+        if any(e.id == ids[0] for e in events):
+            release.wait()
+        for e in events:
+            tx.execute(LOG_SQL, (e.id, e.key))
+
+    p = projection("stuckable", events=["OrderPlaced"], batch=True)(handler)
+    sink = ProjectionSink(p, dsn, handler_timeout_seconds=1.0)
+    r, loop = start(sink, pool, dsn, max_attempts=2, handler_timeout_seconds=1.0)
+    try:
+        wait_until(lambda: len(applied(dsn)) == len(ids) - 1, 60, 0.05, "every event but the stuck one applied")
+        wait_until(lambda: ids[0] in dead_letters(dsn, "stuckable"), 30, 0.05, "the stuck event dead-lettered")
+        attempts, error = dead_letters(dsn, "stuckable")[ids[0]]
+        assert attempts == 2 and "did not return within 1s" in error, error
+        assert set(dead_letters(dsn, "stuckable")) == {ids[0]}, "only the event whose call hangs was charged"
+        assert sorted(applied(dsn)) == sorted(ids[1:]), "each other event exactly once"
+        assert sizes[0] > 1 and 1 in sizes, sizes
+    finally:
+        r.draining.set()
+        loop.join(30)
+    assert not loop.is_alive()
+    release.set()
+    time.sleep(0.5)
+    assert sorted(applied(dsn)) == sorted(ids[1:])
+    sink.close()
+
+
 class BlockingSink(RecordingSink):
     """A sink written against the contract that blocks on key "block" without ever checking its stop flag."""
 
-    release: threading.Event = field(default_factory=threading.Event)
-    blocked: threading.Event = field(default_factory=threading.Event)
+    def __init__(self, *, release: threading.Event, **options: Any) -> None:
+        super().__init__(**options)
+        self.release = release
+        self.blocked = threading.Event()
 
     def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                 abort: threading.Event) -> set[int]:
@@ -237,7 +264,6 @@ def test_past_the_cap_of_abandoned_handlers_the_runner_stops_the_relay(
         sink.close()
 
 
-@dataclass
 class FailingSink(RecordingSink):
     """A sink whose every batch fails as a whole with a connection error (not an event's fault)."""
 

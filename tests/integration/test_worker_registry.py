@@ -6,11 +6,9 @@ nobody declared dead)."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -21,15 +19,6 @@ from outbox_relay.errors import WorkerIdInUse
 from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import SINK, RecordingSink, fetch_all, make_settings, register, running, settled
 from tests.servers import wait_until
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def meta(instance: str, host: str = "elsewhere", pid: int = 4242, ttl: float = 10.0) -> dict[str, Any]:

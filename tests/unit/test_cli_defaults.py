@@ -4,7 +4,6 @@ action, tables fit the terminal, and the database a command uses is described wi
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Iterator
@@ -13,30 +12,22 @@ from pathlib import Path
 import pytest
 
 from outbox_relay import cli
+from outbox_relay.cli import common, output
 from outbox_relay.dsn import describe
 from outbox_relay.errors import ConfigurationError
-from outbox_relay.settings import RelaySettings, load_settings
+from outbox_relay.settings import RelaySettings, flag, load_settings
+from tests.cli_helpers import run_cli
 
 UNREACHABLE = "postgresql://relay:Unre4chable-pw@127.0.0.1:1/app"  # nothing listens on port 1
 
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No OUTBOX_* or PG* from the caller's environment; the root logger as it was."""
+    """No OUTBOX_* or PG* from the caller's environment. (conftest puts the root logger back.)"""
     for name in list(os.environ):
         if name.startswith(("OUTBOX_", "PG")):
             monkeypatch.delenv(name)
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
     yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # -- a DSN is required --------------------------------------------------------------------------
@@ -47,7 +38,7 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
     ["replay", "--topic", "orders", "--kafka-bootstrap-servers", "127.0.0.1:1"],
 ])
 def test_every_database_command_needs_a_dsn(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
-    code, out, err = run_main(capsys, *argv)
+    code, out, err = run_cli(capsys, *argv)
     assert code == cli.EXIT_ERROR, (code, err)
     assert out == "" and err.count("\n") == 1, err
     assert "--dsn" in err and "OUTBOX_DSN" in err and "postgres" in err.lower(), err
@@ -86,7 +77,7 @@ def test_describe_falls_back_to_the_libpq_environment(monkeypatch: pytest.Monkey
 def test_run_with_kafka_and_no_bootstrap_servers_is_refused(capsys: pytest.CaptureFixture[str],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTBOX_DSN", UNREACHABLE)
-    code, _, err = run_main(capsys, "run")
+    code, _, err = run_cli(capsys, "run")
     assert code == cli.EXIT_ERROR, err
     assert "--kafka-bootstrap-servers" in err and "OUTBOX_KAFKA_BOOTSTRAP_SERVERS" in err and "--no-kafka" in err, err
     assert err.count("\n") == 1 and "Unre4chable" not in err, err
@@ -95,7 +86,7 @@ def test_run_with_kafka_and_no_bootstrap_servers_is_refused(capsys: pytest.Captu
 def test_replay_without_bootstrap_servers_is_refused(capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTBOX_DSN", UNREACHABLE)
-    code, _, err = run_main(capsys, "replay", "--topic", "orders")
+    code, _, err = run_cli(capsys, "replay", "--topic", "orders")
     assert code == cli.EXIT_ERROR and "--kafka-bootstrap-servers" in err, err
 
 
@@ -109,7 +100,7 @@ def test_projection_only_settings_need_no_kafka_setting() -> None:
 def test_projections_module_without_a_projection_is_refused(capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTBOX_DSN", UNREACHABLE)
-    code, _, err = run_main(capsys, "run", "--no-kafka", "--projections", "app.models")
+    code, _, err = run_cli(capsys, "run", "--no-kafka", "--projections", "app.models")
     assert code == cli.EXIT_ERROR, err
     assert "--projections" in err and "--projection" in err and err.count("\n") == 1, err
 
@@ -119,14 +110,14 @@ def test_replay_accepts_a_kafka_config_file(tmp_path: Path) -> None:
     config.write_text("security.protocol=SSL\n")
     args = cli.build_parser().parse_args(["replay", "--topic", "t", "--dsn", UNREACHABLE,
                                           "--kafka-bootstrap-servers", "k:9092", "--kafka-config-file", str(config)])
-    assert cli._settings_from(args).kafka_producer_config()["security.protocol"] == "SSL"
+    assert common._settings_from(args).kafka_producer_config()["security.protocol"] == "SSL"
 
 
 # -- --help ------------------------------------------------------------------------------------
 
 def _help(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *argv: str) -> str:
     monkeypatch.setenv("COLUMNS", "250")  # one option per line, whatever the terminal running the tests
-    code, out, _ = run_main(capsys, *argv, "--help")
+    code, out, _ = run_cli(capsys, *argv, "--help")
     assert code == 0
     return " ".join(out.split())
 
@@ -138,8 +129,11 @@ def test_run_help_shows_every_default(capsys: pytest.CaptureFixture[str], monkey
         assert expected in text, expected
     # Every setting says its default (or that it has none).
     for name in RelaySettings.model_fields:
-        flag = cli.flag(name)
-        start = max(m.start() for m in re.finditer(re.escape(flag) + "[ ,]", text))  # its help, not the usage
+        if name == "webhook_secret":  # environment only (a command line shows in `ps`)
+            assert "--webhook-secret " not in text
+            continue
+        option = flag(name)
+        start = max(m.start() for m in re.finditer(re.escape(option) + "[ ,]", text))  # its help, not the usage
         assert "(default " in text[start:start + 900] or "(required)" in text[start:start + 900], name
 
 
@@ -154,7 +148,7 @@ def test_every_action_has_help(capsys: pytest.CaptureFixture[str], monkeypatch: 
         # "list   list dead letters ..." : the action followed by its own help text
         assert f" {action} " in text and text.count(action) >= 2, (action, text)
     for action in actions:
-        assert run_main(capsys, *command, action, "--help")[0] == 0
+        assert run_cli(capsys, *command, action, "--help")[0] == 0
 
 
 def test_other_commands_show_defaults(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,7 +164,7 @@ def test_tables_fit_the_terminal(capsys: pytest.CaptureFixture[str], monkeypatch
     monkeypatch.setenv("COLUMNS", "80")
     rows = [("kafka", "01900000-0000-7000-8000-000000000000", "order-1", "x" * 500 + "\x1b[31m"),
             ("totals", "01900000-0000-7000-8000-000000000001", "k\x1b]0;title\x07", "short")]
-    cli._print_table(rows, ["sink", "event_id", "partition_key", "last_error"])
+    output._print_table(rows, ["sink", "event_id", "partition_key", "last_error"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert all(len(line) <= 80 for line in lines), [len(line) for line in lines]
@@ -180,7 +174,7 @@ def test_tables_fit_the_terminal(capsys: pytest.CaptureFixture[str], monkeypatch
 
 def test_tables_are_whole_when_they_fit(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    cli._print_table([("kafka", "x" * 100)], ["sink", "last_error"])
+    output._print_table([("kafka", "x" * 100)], ["sink", "last_error"])
     out = capsys.readouterr().out
     assert "x" * 100 in out and "\u2026" not in out
 
@@ -190,5 +184,5 @@ def test_an_empty_dsn_is_no_dsn(capsys: pytest.CaptureFixture[str], monkeypatch:
                                 argv: list[str]) -> None:
     """libpq reads "" as "every default" (the local server's database named after the user): refused."""
     monkeypatch.setenv("OUTBOX_DSN", " ")
-    code, _, err = run_main(capsys, *argv)
+    code, _, err = run_cli(capsys, *argv)
     assert code == cli.EXIT_ERROR and "no database given" in err, err

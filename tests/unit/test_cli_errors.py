@@ -4,7 +4,6 @@ debug). Nothing here reaches a database: every case fails before connecting."""
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,28 +11,19 @@ from pathlib import Path
 import pytest
 
 from outbox_relay import cli
+from tests.cli_helpers import run_cli
 
 UNREACHABLE = "postgresql://relay:Unre4chable-pw@127.0.0.1:1/app"  # nothing listens on port 1
 
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No OUTBOX_* from the caller's environment; the root logger as it was (main() configures it)."""
+    """No OUTBOX_* from the caller's environment. (conftest puts the root logger back.)"""
     for name in list(os.environ):
         if name.startswith("OUTBOX_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("OUTBOX_DSN", UNREACHABLE)
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
     yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -55,20 +45,20 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
 ])
 def test_bad_input_is_one_line_with_exit_code_2(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                  message: str) -> None:
-    code, _, err = run_main(capsys, *argv)
+    code, _, err = run_cli(capsys, *argv)
     assert code == cli.EXIT_ERROR, err
     assert message in err, err
     assert "Traceback" not in err and "pa ss" not in err and "pa%zz" not in err, err
 
 
 def test_usage_errors_from_argparse_return_2_instead_of_exiting(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run_main(capsys, "no-such-command")
+    code, _, err = run_cli(capsys, "no-such-command")
     assert code == 2 and "invalid choice" in err
 
 
 def test_a_database_that_is_not_reachable_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["status"], ["lag"], ["dead-letters", "list"], ["sinks", "list"], ["migrate"]):
-        code, _, err = run_main(capsys, *argv)
+        code, _, err = run_cli(capsys, *argv)
         assert code == cli.EXIT_ERROR, (argv, err)
         assert err.count("\n") == 1 and ("not reachable" in err or "cannot connect" in err), (argv, err)
         assert "Unre4chable" not in err, (argv, err)
@@ -83,7 +73,7 @@ def test_a_projection_module_that_raises_at_import_is_a_configuration_error(
     monkeypatch.syspath_prepend(str(tmp_path))
     for argv in (["run", "--no-kafka", "--projections", module, "--projection", "totals"],
                  ["rebuild", "totals", "--projections", module]):
-        code, _, err = run_main(capsys, *argv)
+        code, _, err = run_cli(capsys, *argv)
         assert code == cli.EXIT_ERROR, err
         assert f"cannot import projections module {module!r}: " in err, err
         assert ("the module is broken" if raised != "SyntaxError" else "SyntaxError") in err, err
@@ -96,12 +86,12 @@ def test_an_unexpected_exception_is_one_line_with_exit_code_3(capsys: pytest.Cap
         raise RuntimeError(f"something broke near {UNREACHABLE}")
 
     monkeypatch.setitem(cli.COMMANDS, "status", boom)
-    code, _, err = run_main(capsys, "status")
+    code, _, err = run_cli(capsys, "status")
     assert code == cli.EXIT_INTERNAL
     assert err.startswith("outbox-relay: unexpected error: RuntimeError: something broke near "), err
     assert err.count("\n") == 1 and "Traceback" not in err and "Unre4chable" not in err, err
 
-    code, _, err = run_main(capsys, "--log-level", "debug", "status")
+    code, _, err = run_cli(capsys, "--log-level", "debug", "status")
     assert code == cli.EXIT_INTERNAL
     assert "Traceback" in err and "RuntimeError" in err and "Unre4chable" not in err, err
 
@@ -122,4 +112,4 @@ def test_ctrl_c_is_one_line_with_exit_code_130(capsys: pytest.CaptureFixture[str
 
 def test_log_level_is_case_insensitive(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(cli.COMMANDS, "status", lambda _args: 0)
-    assert run_main(capsys, "--log-level", "WARNING", "status")[0] == 0
+    assert run_cli(capsys, "--log-level", "WARNING", "status")[0] == 0

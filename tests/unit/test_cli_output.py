@@ -11,6 +11,7 @@ from decimal import Decimal
 import pytest
 
 from outbox_relay import cli
+from outbox_relay.cli import output
 
 
 def test_json_values() -> None:
@@ -18,14 +19,14 @@ def test_json_values() -> None:
     row = {"seen_seconds_ago": Decimal("0.4"), "pending": Decimal("12"), "leased": 141,
            "dead_at": datetime(2026, 11, 23, 12, 0, 1, tzinfo=UTC), "event_id": event,
            "buckets": {"kafka": 141}, "sinks": ["kafka", "totals"], "prepared": False, "gid": None}
-    assert json.loads(json.dumps(cli._json_value(row))) == {
+    assert json.loads(json.dumps(output._json_value(row))) == {
         "seen_seconds_ago": 0.4, "pending": 12, "leased": 141, "dead_at": "2026-11-23T12:00:01+00:00",
         "event_id": str(event), "buckets": {"kafka": 141}, "sinks": ["kafka", "totals"], "prepared": False,
         "gid": None}
 
 
 def test_table_cells_are_not_python_reprs(capsys: pytest.CaptureFixture[str]) -> None:
-    cli._print_table([("relay-a", ["kafka", "totals"], {"kafka": 141, "totals": 12}, True,
+    output._print_table([("relay-a", ["kafka", "totals"], {"kafka": 141, "totals": 12}, True,
                        datetime(2026, 11, 23, 12, 0, 1, 250000, tzinfo=UTC), None, "line one\nline two")],
                      ["id", "sinks", "buckets", "prepared", "since", "gid", "error"])
     out = capsys.readouterr().out
@@ -66,5 +67,5 @@ def test_every_read_command_has_json(command: list[str]) -> None:
     ("caf\u00e9 \u00fc\u00df \u65e5\u672c", "caf\u00e9 \u00fc\u00df \u65e5\u672c"),  # letters stay letters
 ])
 def test_printable_escapes_what_a_terminal_would_act_on(raw: str, shown: str) -> None:
-    assert cli.printable(raw) == shown
-    assert cli._cell(raw) == shown
+    assert output.printable(raw) == shown
+    assert output._cell(raw) == shown

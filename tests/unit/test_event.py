@@ -216,3 +216,61 @@ def test_idempotency_conflict_is_an_invalid_event() -> None:
     exc = IdempotencyConflict("k-1", None, "stands for another event")
     assert isinstance(exc, InvalidEvent) and (exc.idempotency_key, exc.topic) == ("k-1", None)
     assert str(exc) == "idempotency key 'k-1' of events without a topic stands for another event"
+
+
+# Values that reach publish's quick check (event.plain_fields_valid): each must either be judged "not
+# sure" or pass Event unchanged, so that the model never has to be built for them.
+QUICK_CASES: list[dict[str, Any]] = [
+    {}, {"type": ""}, {"type": "x" * 255}, {"type": "x" * 256}, {"type": b"t"}, {"key": ""}, {"key": "k" * 1024},
+    {"key": "k" * 1025}, {"key": "é" * 512}, {"key": "é" * 513}, {"key": "\ud800"}, {"key": 1}, {"topic": "."},
+    {"topic": ".."}, {"topic": "orders\n"}, {"topic": "a" * 249}, {"topic": "a" * 250}, {"topic": "or ders"},
+    {"idempotency_key": ""}, {"idempotency_key": "i" * 512}, {"idempotency_key": "i" * 513},
+    {"idempotency_key": 5}, {"version": 0}, {"version": 32767}, {"version": 32768}, {"version": True},
+    {"version": "2"}, {"version": 2.0}, {"time": datetime(2026, 1, 1)}, {"time": datetime(2026, 1, 1, tzinfo=UTC)},
+    {"time": "2026-01-01T00:00:00Z"}, {"payload": {"a": [1, {"b": None}]}},
+    {"payload": "x"}, {"payload": [[[]]]},
+]
+
+
+@pytest.mark.parametrize("change", QUICK_CASES, ids=repr)
+def test_the_quick_check_only_passes_what_event_keeps_as_given(change: dict[str, Any]) -> None:
+    fields: dict[str, Any] = {"type": "t", "key": "k", "payload": {}, "topic": "orders", "idempotency_key": None,
+                              "time": None, "version": 1, **change}
+    if not event.plain_fields_valid(**fields):
+        return
+    built = make_event(**fields)
+    for name, value in fields.items():
+        kept = getattr(built, name)
+        assert kept is value or (kept == value and type(kept) is type(value)), name
+
+
+def test_the_quick_check_refuses_what_event_refuses() -> None:
+    nested: Any = []
+    for _ in range(MAX_PAYLOAD_DEPTH):
+        nested = [nested]
+    assert not event.plain_fields_valid("t", "k", nested, "orders", None, None, 1)
+    assert event.plain_fields_valid("t", "k", nested[0], "orders", None, None, 1)
+    assert not event.plain_fields_valid("", "k", {}, "orders", None, None, 1)
+    assert event.plain_fields_valid("t", "k", {}, "orders", "i", datetime(2026, 1, 1, tzinfo=UTC), 2)
+
+
+@pytest.mark.parametrize("bad", [
+    {"type": ""}, {"key": ""}, {"key": "é" * 513}, {"key": "a\x00b"}, {"type": "a\x00"}, {"topic": ".."},
+    {"payload": {"x": math.nan}}, {"payload": {"s": {1}}}, {"payload": "a\x00"}, {"payload": "\ud800"},
+    {"idempotency_key": ""}, {"idempotency_key": "a\x00"}, {"version": 0}, {"time": datetime(2026, 1, 1)},
+    {"headers": {"ce_id": "x"}},
+], ids=repr)
+def test_publish_refuses_as_publish_many_does(bad: dict[str, Any]) -> None:
+    """publish's quick path (no Event built) names the problem in the words of the general path."""
+    outbox = Outbox(default_topic="orders")
+    fields: dict[str, Any] = {"type": "t", "key": "k", "payload": {}, **bad}
+    with pytest.raises(InvalidEvent) as quick:
+        outbox.publish(object(), **fields)
+    with pytest.raises(InvalidEvent) as general:
+        outbox.publish_many(object(), [fields])
+    assert str(quick.value) == str(general.value)
+
+
+def test_random_bits_are_not_reused_across_buffer_refills() -> None:
+    ids = {uuid7().int & (2**62 - 1) for _ in range(1000)}  # 1000 ids span several 128-id buffers
+    assert len(ids) == 1000

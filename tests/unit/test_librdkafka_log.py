@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from outbox_relay.cli import _JsonFormatter
+from outbox_relay.cli.logs import _JsonFormatter
 from outbox_relay.dsn import remember_kafka_secrets
 from outbox_relay.kafka_sink import KafkaSink
 from outbox_relay.sink import Aborted, Outcomes

@@ -33,10 +33,9 @@ def test_every_named_query_fits_psycopg_s_query_cache() -> None:
 def test_the_cursor_only_checkpoint_is_the_first_step_of_the_whole_one() -> None:
     # store.Checkpoint.statement picks relay.advance for a batch that only moves cursors: the same
     # fenced UPDATE as the whole checkpoint's first step, or the two would fence differently.
-    def words(sql: str) -> str:
-        return " ".join(sql.split("\n", 1)[1].split())  # without the purpose line
+    def fenced_update(sql: str) -> str:  # the batch's rows (v) and the fenced UPDATE, without comments
+        text = " ".join(line.split("--", 1)[0] for line in sql.splitlines())
+        return " ".join(text.split("WITH v AS (", 1)[1].split("RETURNING c.bucket", 1)[0].split()).replace(
+            "moved AS (", "fenced AS (")
 
-    advance = words(queries("relay")["advance"])
-    checkpoint = words(queries("relay")["checkpoint"])
-    fenced = checkpoint.split("WITH fenced AS ( ", 1)[1].split(" RETURNING c.bucket", 1)[0]
-    assert advance.split(" RETURNING c.bucket", 1)[0] == fenced
+    assert fenced_update(queries("relay")["advance"]) == fenced_update(queries("relay")["checkpoint"])

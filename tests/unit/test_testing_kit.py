@@ -18,11 +18,11 @@ from outbox_relay import IdempotencyConflict, Outbox, Published
 from outbox_relay.testing import (
     FakeOutbox,
     PublishedEvent,
-    _canonical,
     assert_not_published,
     assert_published,
     published,
 )
+from outbox_relay.testing.fake import _canonical
 
 
 def test_a_fake_outbox_is_an_outbox_that_records_in_publish_order() -> None:

@@ -1,0 +1,553 @@
+"""The inbox consumer: Kafka partitions leased through PostgreSQL, each message applied exactly once.
+
+Why ``assign()`` with positions and leases in PostgreSQL, not a consumer group: the position must
+commit in the handler's transaction anyway (a group's committed offsets would be a second,
+non-transactional copy), the relays already coordinate through PostgreSQL the same way (leases with
+fences, heartbeats, an even share per live process), and a group join costs a rebalance round
+(about 20 s on Tansu) at every start, crash and deploy. A partition is applied by the process that
+holds its lease; an apply locks the partition's row and checks the lease's fence, so a process that
+lost its lease writes nothing.
+
+Order: one thread applies the messages of all leased partitions, each partition in offset order. A
+message whose handler fails holds its partition only (the partition is unassigned from the Kafka
+client meanwhile; others go on) and is retried with backoff; after ``max_attempts`` it goes to the
+inbox's dead letters and the partition moves on: a poison message never blocks a partition for
+longer than its attempts' backoff.
+
+A broker that lost its log (memory storage, a rebuilt cluster) numbers a topic's messages from 0
+again, so a stored position can point past its end, where nothing ever arrives. Each claimed
+partition is therefore *verified*: it is read from the last applied offset, and that message must be
+the one applied (``last_message_id``); if another message is there, or nothing arrives for
+``verify_seconds`` while the broker answers, the partition is read from the start and the dedupe
+records skip what was applied. The same check runs again after the client lost every broker.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, Message, TopicPartition
+
+from ..backoff import Backoff
+from ..dsn import redact
+from ..errors import LeaseLost
+from ..sqlfiles import query
+from .message import InboxMessage
+from .schema import check_inbox_schema, connect
+from .settings import InboxSettings
+from .store import (
+    Handler,
+    HandlerTimeout,
+    InboxStuck,
+    Lease,
+    TimeLimit,
+    apply_batch,
+    dead_letter,
+    retry_one_dead_letter,
+)
+
+log = logging.getLogger("outbox_relay.inbox")
+
+DEAD_LETTER_CHECK_SECONDS = 1.0  # how often a consumer looks for dead letters an operator asked to retry
+DATABASE_BACKOFF = Backoff(0.5, 10.0)  # a database that is down: the message waits, no attempt counted
+MAX_RETENTION_BATCHES = 100  # per housekeeping pass; the next pass goes on
+
+
+@dataclass
+class _Partition:
+    """A partition this process holds the lease of. Only the consumer's thread touches it."""
+
+    topic: str
+    partition: int
+    fence: int
+    next_offset: int | None
+    last_message_id: str | None
+    verify_until: float | None = None  # while the log is checked at next_offset - 1 (monotonic deadline)
+    held: InboxMessage | None = None  # a message waiting for its next attempt (partition unassigned meanwhile)
+    attempts: int = 0  # failed attempts of ``held``
+    retry_at: float = 0.0
+    last_error: str = ""
+
+    @property
+    def tp(self) -> tuple[str, int]:
+        return self.topic, self.partition
+
+
+@dataclass
+class Stats:
+    applied: int = 0
+    duplicates: int = 0
+    dead: int = 0
+    retries: int = 0  # failed attempts that will be retried
+    log_resets: int = 0  # partitions read again from the start (the broker lost the log)
+    gaps: int = 0  # offsets a partition skipped
+
+
+class InboxConsumer:
+    """``start()``, then ``run_once()`` in a loop (``run(stop)`` does both), then ``close()``."""
+
+    def __init__(self, settings: InboxSettings, handler: Handler, *, backoff: Backoff | None = None) -> None:
+        self.settings = settings
+        self.handler = handler
+        self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
+        self.limit = TimeLimit(settings.handler_timeout_seconds)
+        self.stats = Stats()
+        self.partitions: dict[tuple[str, int], _Partition] = {}
+        self._known: dict[str, int] = {}  # topic -> partition count, from the broker's metadata
+        self._db: psycopg.Connection[Any] | None = None  # applies (transactions); the consumer's thread only
+        self._control: psycopg.Connection[Any] | None = None  # leases, heartbeats (autocommit)
+        self._kafka: Consumer | None = None
+        self._next_membership = 0.0
+        self._next_dead_letters = 0.0
+        self._next_housekeeping = 0.0
+        self._db_failures = 0
+        self._db_retry_at = 0.0
+        self._brokers_lost = False  # set by the client's error callback, on this thread (inside poll)
+        # Partitions reassigned while a fetched batch is handled: the rest of the batch's messages of
+        # them are from before (the client drops what it holds itself, not what it already returned).
+        self._reassigned: set[tuple[str, int]] = set()
+
+    @property
+    def dsn(self) -> str:
+        return self.settings.dsn.get_secret_value()
+
+    def _lease(self, p: _Partition) -> Lease:
+        return Lease(self.settings.consumer, self.settings.member_id, p.fence)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._control = connect(self.dsn, autocommit=True)
+        check_inbox_schema(self._control)
+        self._db = connect(self.dsn)
+        self._kafka = Consumer({**self.settings.consumer_config(), "error_cb": self._on_error,
+                                "logger": logging.getLogger("outbox_relay.librdkafka")})
+        log.info("inbox consumer %s (member %s) consuming %s", self.settings.consumer, self.settings.member_id,
+                 ", ".join(self.settings.topics))
+
+    def run(self, stop: threading.Event) -> None:
+        self.start()
+        try:
+            while not stop.is_set():
+                try:
+                    self.run_once()
+                except InboxStuck:
+                    raise
+                except Exception:  # one failure never ends the consumer: log it and go on
+                    log.exception("inbox consumer: unexpected error; going on in 1s")
+                    stop.wait(1.0)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Give the leases up now (another process takes the partitions at once) and disconnect."""
+        if self._control is not None and not self._control.closed:
+            try:
+                self._control.execute(query("inbox", "leave"), self._member())
+            except psycopg.Error as exc:
+                log.warning("could not release the leases (they lapse after %gs): %s", self.settings.lease_seconds,
+                            redact(str(exc)))
+            self._control.close()
+        if self._db is not None:
+            self._db.close()
+        if self._kafka is not None:
+            self._kafka.close()
+            self._kafka = None
+        self.limit.close()
+        self.partitions.clear()
+
+    def _member(self) -> dict[str, Any]:
+        return {"consumer": self.settings.consumer, "member": self.settings.member_id,
+                "host": socket.gethostname(), "pid": os.getpid()}
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            self._brokers_lost = True
+        log.log(logging.ERROR if err.fatal() else logging.INFO, "kafka: %s", err.str())
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run_once(self) -> int:
+        """One round: membership when due, due retries, one poll of messages; returns messages handled."""
+        now = time.monotonic()
+        if now >= self._next_membership:
+            self._membership()
+            self._next_membership = now + self.settings.lease_seconds / 3
+        handled = self._retry_held()
+        if now >= self._next_dead_letters:
+            handled += self._retry_dead_letters()
+            self._next_dead_letters = now + DEAD_LETTER_CHECK_SECONDS
+        if now >= self._next_housekeeping:
+            self.housekeeping()
+            self._next_housekeeping = now + self.settings.housekeeping_seconds
+        self._check_verifications()
+        assert self._kafka is not None
+        if not any(p.held is None for p in self.partitions.values()):
+            time.sleep(self.settings.poll_seconds)
+            return handled
+        self._reassigned.clear()
+        groups: dict[tuple[str, int], list[InboxMessage]] = {}
+        for m in self._kafka.consume(num_messages=500, timeout=self.settings.poll_seconds):
+            message = self._accept(m)
+            if message is not None:
+                groups.setdefault((message.topic, message.partition), []).append(message)
+        size = self.settings.batch_size
+        for key, messages in groups.items():
+            for i in range(0, len(messages), size):
+                p = self.partitions.get(key)
+                if p is None or p.held is not None or key in self._reassigned:
+                    break  # the rest is read again from the partition's position
+                handled += self._apply(p, messages[i:i + size])
+        self._reassigned.clear()
+        if self._brokers_lost:
+            self._brokers_lost = False
+            self._verify_all("the client lost every broker")
+        return handled
+
+    # -- membership: heartbeat, leases, an even share -------------------------------------
+
+    def _membership(self) -> None:
+        assert self._control is not None and self._kafka is not None
+        s = self.settings
+        try:
+            self._control.execute(query("inbox", "join"), self._member())
+            self._discover()
+            topics = list(self.settings.topics)
+            held = {(r[0], r[1]): r[2] for r in self._control.execute(query("inbox", "renew"), {
+                "consumer": s.consumer, "member": s.member_id, "topics": topics, "lease": s.lease_seconds})}
+            for key, p in list(self.partitions.items()):
+                if held.get(key) != p.fence:
+                    log.warning("lost the lease of %s/%d: another process applies it now", *key)
+                    self._drop(p)
+            row = self._control.execute(query("inbox", "live_members"),
+                                        {"consumer": s.consumer, "ttl": s.lease_seconds}).fetchone()
+            live = max(1, int(row[0]) if row else 1)
+            total = sum(self._known.values())
+            share = math.ceil(total / live) if total else 0
+            for p in sorted(self.partitions.values(), key=lambda p: p.tp)[share:]:
+                self._release(p)
+            if len(self.partitions) < share:
+                claimed = self._control.execute(query("inbox", "claim"), {
+                    "consumer": s.consumer, "member": s.member_id, "topics": topics, "lease": s.lease_seconds,
+                    "limit": share - len(self.partitions)}).fetchall()
+                for topic, partition, fence, next_offset, last_id in claimed:
+                    self._take(_Partition(topic, partition, fence, next_offset, last_id))
+        except psycopg.OperationalError as exc:
+            # Leases run out meanwhile; the next round renews or finds them lost. Reconnect then.
+            log.warning("inbox membership: database unavailable: %s", redact(str(exc)))
+            if self._control.closed or self._control.broken:
+                self._control = _try_connect(self.dsn, autocommit=True) or self._control
+
+    def _discover(self) -> None:
+        """Partitions of the topics, from the broker; a broker that does not answer keeps the last ones."""
+        assert self._control is not None and self._kafka is not None
+        topics: list[str] = []
+        partitions: list[int] = []
+        for topic in self.settings.topics:
+            try:
+                md = self._kafka.list_topics(topic, timeout=2.0).topics.get(topic)
+            except Exception as exc:  # KafkaException: broker unreachable
+                log.debug("metadata of %s: %s", topic, exc)
+                continue
+            if md is None or md.error is not None or not md.partitions:
+                continue
+            self._known[topic] = len(md.partitions)
+            for partition in md.partitions:
+                topics.append(topic)
+                partitions.append(partition)
+        if topics:
+            self._control.execute(query("inbox", "add_partitions"),
+                                  {"consumer": self.settings.consumer, "topics": topics, "partitions": partitions})
+
+    def _take(self, p: _Partition) -> None:
+        self.partitions[p.tp] = p
+        if p.next_offset is not None and p.next_offset > 0 and p.last_message_id is not None:
+            p.verify_until = time.monotonic() + self.settings.verify_seconds
+            self._assign(p, p.next_offset - 1)
+        elif p.next_offset is not None:
+            self._assign(p, p.next_offset)
+        else:
+            self._assign(p, OFFSET_BEGINNING if self.settings.start == "earliest" else OFFSET_END)
+        log.info("leased %s/%d (fence %d) from offset %s", p.topic, p.partition, p.fence, p.next_offset)
+
+    def _assign(self, p: _Partition, offset: int) -> None:
+        assert self._kafka is not None
+        self._reassigned.add(p.tp)
+        self._kafka.incremental_assign([TopicPartition(p.topic, p.partition, offset)])
+
+    def _unassign(self, p: _Partition) -> None:
+        assert self._kafka is not None
+        try:
+            self._kafka.incremental_unassign([TopicPartition(p.topic, p.partition)])
+        except Exception as exc:  # KafkaException: not assigned (held for a retry)
+            log.debug("unassign %s/%d: %s", p.topic, p.partition, exc)
+
+    def _drop(self, p: _Partition) -> None:
+        if p.held is None:
+            self._unassign(p)
+        del self.partitions[p.tp]
+
+    def _release(self, p: _Partition) -> None:
+        assert self._control is not None
+        self._drop(p)
+        self._control.execute(query("inbox", "release"), {"consumer": self.settings.consumer, "topic": p.topic,
+                                                          "partition": p.partition, "member": self.settings.member_id,
+                                                          "fence": p.fence})
+        log.info("released %s/%d (more than this process's share)", p.topic, p.partition)
+
+    # -- the log check (a broker that lost its log) -----------------------------------------
+
+    def _verify_all(self, why: str) -> None:
+        log.warning("%s: checking that the broker still has what was applied", why)
+        for p in self.partitions.values():
+            if p.held is None and p.next_offset and p.last_message_id is not None:
+                self._unassign(p)
+                p.verify_until = time.monotonic() + self.settings.verify_seconds
+                self._assign(p, p.next_offset - 1)
+
+    def _check_verifications(self) -> None:
+        now = time.monotonic()
+        late = [p for p in self.partitions.values() if p.verify_until is not None and now >= p.verify_until]
+        if not late:
+            return
+        assert self._kafka is not None
+        try:
+            self._kafka.list_topics(late[0].topic, timeout=2.0)
+        except Exception:  # the broker does not answer: silence says nothing about its log yet
+            for p in late:
+                p.verify_until = now + self.settings.verify_seconds
+            return
+        for p in late:
+            self._read_from_start(p, f"its last applied message (offset {(p.next_offset or 1) - 1}) was not fetched "
+                                     f"within {self.settings.verify_seconds:g}s")
+
+    def _read_from_start(self, p: _Partition, why: str) -> None:
+        log.warning("%s/%d: %s: the broker lost its log; reading it from the start (messages applied before are "
+                    "skipped by their ce_id)", p.topic, p.partition, why)
+        self.stats.log_resets += 1
+        p.verify_until = None
+        self._unassign(p)
+        self._assign(p, OFFSET_BEGINNING)
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def _accept(self, m: Message) -> InboxMessage | None:
+        """The message to apply, or None: an error, a partition no longer ours or held, or the log check."""
+        err = m.error()
+        if err is not None:
+            if err.code() != KafkaError._PARTITION_EOF:
+                log.info("kafka: %s/%s: %s", m.topic(), m.partition(), err.str())
+            return None
+        topic, partition = m.topic(), m.partition()
+        assert topic is not None and partition is not None
+        p = self.partitions.get((topic, partition))
+        if p is None or p.held is not None or p.tp in self._reassigned:
+            return None  # fetched before the partition was released or held; it is read again from its position
+        message = _message(m)
+        if p.verify_until is not None:
+            expected = (p.next_offset or 1) - 1
+            p.verify_until = None
+            if message.offset == expected and message.id == p.last_message_id:
+                return None  # the log still holds what was applied: go on after it
+            if message.offset == expected:
+                self._read_from_start(p, f"offset {expected} holds another message than the one applied")
+                return None
+            if message.offset < expected:
+                log.warning("%s/%d: the log ends before offset %d: the broker lost it; its messages from offset %d on "
+                            "are applied unless their ce_id was", topic, partition, expected, message.offset)
+                self.stats.log_resets += 1
+        elif p.next_offset is not None and message.offset > p.next_offset:
+            # Normal under compaction and transaction markers; otherwise a broker that skipped a batch
+            # (Tansu can, while several producers write a partition): worth a line in the log.
+            self.stats.gaps += 1
+            log.info("%s/%d: offsets %d-%d were not delivered (compacted, transaction markers, or skipped by the "
+                     "broker)", topic, partition, p.next_offset, message.offset - 1)
+        return message
+
+    def _apply(self, p: _Partition, messages: list[InboxMessage]) -> int:
+        """Apply consecutive messages of ``p`` in one transaction; returns how many were applied or skipped."""
+        assert self._db is not None
+        if self._db.closed or self._db.broken:
+            reconnected = _try_connect(self.dsn)
+            if reconnected is None:
+                self._hold_for_database(p, messages[0])
+                return 0
+            self._db = reconnected
+        try:
+            batch = apply_batch(self._db, self._lease(p), messages, self.handler, self.limit)
+        except LeaseLost as exc:
+            log.warning("%s", exc)
+            self._drop(p)
+            return 0
+        except InboxStuck:
+            raise
+        except Exception as exc:
+            # Nothing of the batch committed. A handler past its time limit: the messages before it
+            # again, then its own failure; a database that went away: the first message waits.
+            index = getattr(exc, "inbox_index", 0)
+            if isinstance(exc, HandlerTimeout):
+                done = self._apply(p, messages[:index]) if index else 0
+                if p.tp in self.partitions and (p.held is None or p.held is messages[index]):
+                    self._failed(p, messages[index], f"{type(exc).__name__}: {exc}")
+                return done
+            # The inbox's own statements failed (the database went away, a lock or statement timeout):
+            # not the message's fault, so no attempt is counted; the first message waits.
+            log.warning("database: %s: %s", type(exc).__name__, redact(str(exc)))
+            self._hold_for_database(p, messages[0])
+            return 0
+        self._db_failures = 0
+        done = len(batch.outcomes)
+        if done:
+            last = messages[done - 1]
+            p.next_offset, p.last_message_id = last.offset + 1, last.id
+            applied = batch.outcomes.count("applied")
+            self.stats.applied += applied
+            self.stats.duplicates += done - applied
+            if p.held is not None:  # a retry that succeeded: read on after it
+                p.held, p.attempts, p.last_error = None, 0, ""
+                self._assign(p, last.offset + 1)
+        if batch.failure is not None:
+            error = batch.failure
+            self._failed(p, messages[done], f"{type(error).__name__}: {error}")
+        return done
+
+    def _hold(self, p: _Partition, message: InboxMessage, delay: float) -> None:
+        if p.held is None:
+            self._unassign(p)
+        p.held = message
+        p.retry_at = time.monotonic() + delay
+
+    def _hold_for_database(self, p: _Partition, message: InboxMessage) -> None:
+        self._db_failures += 1
+        self._hold(p, message, DATABASE_BACKOFF.delay(self._db_failures))
+
+    def _failed(self, p: _Partition, message: InboxMessage, error: str) -> None:
+        p.attempts += 1
+        p.last_error = error
+        if p.attempts < self.settings.max_attempts:
+            self.stats.retries += 1
+            delay = self.backoff.delay(p.attempts)
+            log.warning("handler failed on %s/%d@%d (id %s), attempt %d of %d, retry in %.1fs: %s", message.topic,
+                        message.partition, message.offset, message.id, p.attempts, self.settings.max_attempts, delay,
+                        error)
+            self._hold(p, message, delay)
+            return
+        assert self._db is not None
+        if self._db.closed or self._db.broken:
+            self._db = _try_connect(self.dsn) or self._db
+        try:
+            dead_letter(self._db, self._lease(p), message, p.attempts, error)
+        except LeaseLost as exc:
+            log.warning("%s", exc)
+            self._drop(p)
+            return
+        except psycopg.OperationalError as exc:
+            log.warning("database unavailable: %s", redact(str(exc)))
+            p.attempts -= 1  # not the handler's failure: try to dead-letter it again
+            self._hold_for_database(p, message)
+            return
+        log.error("handler failed on %s/%d@%d (id %s) %d times: moved to the inbox's dead letters: %s", message.topic,
+                  message.partition, message.offset, message.id, p.attempts, error)
+        self.stats.dead += 1
+        was_held = p.held is not None
+        p.held, p.attempts, p.last_error = None, 0, ""
+        p.next_offset, p.last_message_id = message.offset + 1, message.id
+        if was_held:
+            self._assign(p, message.offset + 1)
+
+    def _retry_held(self) -> int:
+        now = time.monotonic()
+        handled = 0
+        for p in list(self.partitions.values()):
+            if p.held is not None and now >= p.retry_at and p.tp in self.partitions:
+                handled += self._apply(p, [p.held])
+        return handled
+
+    def _retry_dead_letters(self) -> int:
+        assert self._db is not None
+        if self._db.closed or self._db.broken:
+            reconnected = _try_connect(self.dsn)
+            if reconnected is None:
+                return 0
+            self._db = reconnected
+        done = 0
+        try:
+            for _ in range(100):
+                result = retry_one_dead_letter(self._db, self.settings.consumer, self.handler, self.limit)
+                if result is None:
+                    break
+                ident, outcome = result
+                if outcome in ("applied", "duplicate"):
+                    log.info("dead letter %d retried: %s", ident, outcome)
+                    done += 1
+                else:
+                    log.warning("dead letter %d failed again: %s", ident, outcome)
+        except InboxStuck:
+            raise
+        except HandlerTimeout as exc:
+            timed_out = getattr(exc, "dead_letter_id", None)
+            log.warning("dead letter %s failed again: %s", timed_out, exc)
+            self._db = _try_connect(self.dsn) or self._db
+            if timed_out is not None and not self._db.closed:
+                with suppress(psycopg.Error), self._db.transaction():
+                    self._db.execute(query("inbox", "retry_failed"),
+                                     {"id": timed_out, "error": f"HandlerTimeout: {exc}"})
+        except psycopg.OperationalError as exc:
+            log.warning("retrying dead letters: %s", redact(str(exc)))
+        return done
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    def housekeeping(self) -> int:
+        """Delete dedupe records past retention, a bounded batch per transaction; returns how many."""
+        assert self._control is not None
+        s = self.settings
+        deleted = 0
+        try:
+            self._control.execute(query("inbox", "delete_stale_members"),
+                                  {"consumer": s.consumer, "ttl": s.lease_seconds})
+            for _ in range(MAX_RETENTION_BATCHES):
+                n = self._control.execute(query("inbox", "delete_old_messages"), {
+                    "consumer": s.consumer, "retention": s.retention_seconds, "batch": s.retention_batch}).rowcount
+                deleted += n
+                if n < s.retention_batch:
+                    break
+        except psycopg.Error as exc:
+            log.warning("inbox housekeeping: %s", redact(str(exc)))
+        if deleted:
+            log.info("retention: deleted %d dedupe records older than %gs", deleted, s.retention_seconds)
+        return deleted
+
+
+def _message(m: Message) -> InboxMessage:
+    kind, ms = m.timestamp()
+    stamp = datetime.fromtimestamp(ms / 1000, UTC) if kind != 0 and ms is not None and ms >= 0 else None
+    topic, partition, offset = m.topic(), m.partition(), m.offset()
+    assert topic is not None and partition is not None and offset is not None
+    key, value = m.key(), m.value()
+    found = m.headers() or []
+    raw = list(found.items()) if isinstance(found, dict) else list(found)
+    return InboxMessage(topic=topic, partition=partition, offset=offset,
+                        key=key.encode() if isinstance(key, str) else key,
+                        value=value.encode() if isinstance(value, str) else value,
+                        headers=tuple((str(k), v.encode() if isinstance(v, str) else v)
+                                      for k, v in raw),
+                        timestamp=stamp)
+
+
+def _try_connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any] | None:
+    try:
+        return psycopg.connect(dsn, connect_timeout=5, **kwargs)
+    except psycopg.OperationalError as exc:
+        log.warning("database unavailable: %s", redact(str(exc)))
+        return None

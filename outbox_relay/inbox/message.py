@@ -1,0 +1,55 @@
+"""What a handler is given: one consumed message, decoded from the relay's CloudEvents binary mode."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True)
+class InboxMessage:
+    """One Kafka message. ``id`` is its ``ce_id`` header (the relay's event id), the inbox's dedupe key.
+
+    A message without ``ce_id`` (not written by the relay) gets ``kafka:TOPIC:PARTITION:OFFSET``:
+    it is then deduplicated by its position only, which a broker that lost its log hands out again.
+    """
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...] = field(default=())
+    timestamp: datetime | None = None
+
+    def header(self, name: str) -> str | None:
+        """The last header of this name, decoded as UTF-8 (None if absent)."""
+        for k, v in reversed(self.headers):
+            if k == name:
+                return None if v is None else v.decode("utf-8", errors="replace")
+        return None
+
+    @property
+    def id(self) -> str:
+        return self.header("ce_id") or f"kafka:{self.topic}:{self.partition}:{self.offset}"
+
+    @property
+    def type(self) -> str | None:
+        """The event type (``ce_type``)."""
+        return self.header("ce_type")
+
+    @property
+    def partition_key(self) -> str | None:
+        """The relay's partition key (``ce_partitionkey``, also the message key)."""
+        return self.header("ce_partitionkey") or (self.key.decode("utf-8", errors="replace") if self.key else None)
+
+    def json(self) -> Any:
+        """The value as JSON (the relay's payloads are JSON); None for an empty value."""
+        return None if self.value is None else json.loads(self.value)
+
+
+def header_lists(headers: Sequence[tuple[str, bytes | None]]) -> tuple[list[str], list[bytes | None]]:
+    return [k for k, _ in headers], [v for _, v in headers]

@@ -1,0 +1,149 @@
+"""The inbox consumer's settings in one model; every field is also read from ``OUTBOX_INBOX_<FIELD>``."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from ..dsn import check_dsn, remember_dsn, remember_kafka_secrets
+from ..errors import ConfigurationError
+from ..settings import MODULE_SPEC, TOPIC_NAME, default_worker_id
+
+ENV_PREFIX = "OUTBOX_INBOX_"
+CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}$")  # the members table's CHECK
+
+
+class InboxSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
+                                      allow_inf_nan=False)
+
+    dsn: SecretStr = Field(description="PostgreSQL connection string of the consuming service's database")
+    bootstrap_servers: str = Field(min_length=1, max_length=4096,
+                                   description="Kafka bootstrap servers, HOST:PORT[,...]")
+    topics: Annotated[list[str], NoDecode] = Field(min_length=1, description="topics to consume (comma-separated)")
+    handler: str | None = Field(None, description="the handler, MODULE:ATTR: called as handler(message, connection) "
+                                                  "inside the message's transaction")
+    consumer: str = Field("inbox", description="the consumer's name: its positions, dedupe records and dead letters "
+                                               "(like a consumer group id)")
+    member_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200,
+                           description="unique per process")
+    kafka_config: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings (passed through)")
+    start: Literal["earliest", "latest"] = Field(
+        "earliest", description="where a partition nothing was applied from yet starts")
+    max_attempts: int = Field(5, ge=1, le=1000, description="handler attempts before a message goes to dead letters")
+    backoff_base_seconds: float = Field(0.5, gt=0, le=3600, description="first retry delay (doubling, with jitter)")
+    backoff_max_seconds: float = Field(30.0, gt=0, le=3600, description="longest retry delay")
+    handler_timeout_seconds: float = Field(
+        60.0, gt=0, le=86400,
+        description="a handler that has not returned after this long fails its attempt (its transaction is "
+                    "rolled back by closing its connection)")
+    batch_size: int = Field(
+        100, ge=1, le=10_000,
+        description="consecutive messages of a partition applied in one transaction (one commit), each in a "
+                    "savepoint of its own")
+    lease_seconds: float = Field(10.0, ge=1, le=3600,
+                                 description="a partition's lease; a crashed process's partitions move after this")
+    verify_seconds: float = Field(
+        10.0, gt=0, le=3600,
+        description="how long a claimed partition waits for its last applied message to be fetched again before it "
+                    "reads its log from the start (the broker lost it: dedupe by ce_id skips what was applied)")
+    retention_seconds: float = Field(7 * 86400.0, ge=60, le=3650 * 86400.0,
+                                     description="keep dedupe records this long (longer than any redelivery or replay)")
+    retention_batch: int = Field(5000, ge=1, le=1_000_000, description="dedupe records deleted per transaction")
+    housekeeping_seconds: float = Field(300.0, ge=1, le=86400, description="between retention passes")
+    poll_seconds: float = Field(0.1, ge=0.01, le=10, description="longest wait for a message per loop")
+
+    @field_validator("dsn")
+    @classmethod
+    def _dsn(cls, value: SecretStr) -> SecretStr:
+        dsn = value.get_secret_value()
+        if not dsn.strip():
+            raise ValueError(f"no database given: pass --dsn or set {ENV_PREFIX}DSN")
+        remember_dsn(dsn)
+        check_dsn(dsn)
+        return value
+
+    @field_validator("topics", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [t.strip() for t in value.split(",") if t.strip()]
+        if isinstance(value, list | tuple):
+            return [t.strip() for item in value for t in str(item).split(",") if t.strip()]
+        return value
+
+    @field_validator("topics")
+    @classmethod
+    def _topics(cls, value: list[str]) -> list[str]:
+        for t in value:
+            if not TOPIC_NAME.match(t) or t in (".", ".."):
+                raise ValueError(f"{t[:100]!r} is not a Kafka topic name (1-249 characters of A-Z a-z 0-9 . _ -)")
+        return list(dict.fromkeys(value))
+
+    @field_validator("handler")
+    @classmethod
+    def _handler(cls, value: str | None) -> str | None:
+        if value is not None and not (MODULE_SPEC.match(value) and ":" in value):
+            raise ValueError("expected MODULE:ATTR, e.g. myservice.inbox:apply")
+        return value
+
+    @field_validator("consumer")
+    @classmethod
+    def _consumer(cls, value: str) -> str:
+        if not CONSUMER_NAME.match(value):
+            raise ValueError("a consumer name is 1-200 characters of A-Z a-z 0-9 _ . : - and starts with a letter "
+                             "or digit")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> InboxSettings:
+        remember_kafka_secrets(self.kafka_config)
+        if self.backoff_base_seconds > self.backoff_max_seconds:
+            raise ValueError("backoff_base_seconds must not exceed backoff_max_seconds")
+        return self
+
+    def consumer_config(self) -> dict[str, Any]:
+        """librdkafka settings: assign() only (no group join; positions live in PostgreSQL)."""
+        return {
+            "bootstrap.servers": self.bootstrap_servers,
+            # Required by the client, never joined: partitions are assigned from PostgreSQL leases.
+            "group.id": f"outbox-inbox-{self.consumer}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": False,
+            # A position past the log's end (a broker that lost its log, on a broker that says so):
+            # read from the start; the ce_id records skip what was applied.
+            "auto.offset.reset": "earliest",
+            **self.kafka_config,
+        }
+
+
+def flag(name: str) -> str:
+    """The command-line option of a setting."""
+    return {"topics": "--topic", "kafka_config": "--kafka-option"}.get(name, "--" + name.replace("_", "-"))
+
+
+def env_var(name: str) -> str:
+    return f"{ENV_PREFIX}{name.upper()}"
+
+
+def load_inbox_settings(**values: Any) -> InboxSettings:
+    """Settings from keyword arguments (None: not given) and the environment; ConfigurationError names the
+    option and its variable, never the value."""
+    try:
+        return InboxSettings(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors(include_input=False, include_url=False):
+            message = str(error["msg"]).removeprefix("Value error, ")
+            loc = [str(p) for p in error["loc"]]
+            if loc and loc[0] in InboxSettings.model_fields:
+                problems.append(f"{loc[0]} ({flag(loc[0])}, {env_var(loc[0])}): {message}")
+            else:
+                problems.append(message)
+        raise ConfigurationError(f"invalid inbox settings: {'; '.join(problems)}") from None
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None

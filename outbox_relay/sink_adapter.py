@@ -1,0 +1,430 @@
+"""A user's ``EventSink`` (sinks.py) as the engine's ``Sink`` (sink.py): every guarantee is kept here.
+
+Per batch, the events are grouped by key (in batch order, which is publish order per key) and the
+keys are handed to ``concurrency`` lanes, threads that call the user's ``deliver`` one event at a time
+for one key at a time. A key stops at its first failure that will be retried (its later events are
+not attempted: the checkpoint parks them behind it, so order holds); a ``GiveUp`` lets it go on. A
+``SinkUnavailable`` stops the whole batch: what was not attempted waits (held, no attempt counted),
+and the next batches are held without calling the sink until the wait is over.
+
+The runner thread (the one the engine calls ``deliver`` on) only waits, looking at the stop flag and
+the clock every ``WAIT_SLICE`` (each look also tells the engine it is alive). A call that has not
+returned within ``handler_timeout_seconds`` is abandoned as projections/guard.py does: Python can not
+kill a thread, so the lane is left to it (whatever it returns is ignored), the event is charged a
+failed attempt, and a new lane takes over the remaining keys. Past ``MAX_ABANDONED`` threads left to
+calls that never returned, the batch is checkpointed and then ``SinkStuck`` stops the relay (exit 4),
+so that a fresh process takes over instead of piling up threads.
+
+Once every lane is done with a batch, ``commit`` writes its outcomes, fenced, once (the engine's rules
+for parking, backoff, dead letters and metrics apply). A batch that takes longer than
+``PARTIAL_CHECKPOINT_SECONDS`` (slow calls) has what is delivered of it checkpointed early, every that
+often (``Commit.partial``), so that a crash or a lost lease hands over only the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import inspect
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from .dsn import describe_error, redact
+from .errors import MAX_ERROR_CHARS, SinkStuck
+from .observer import NULL_OBSERVER, Observer
+from .sink import Aborted, Commit, Failure, Outcomes
+from .sinks import MAX_WAIT_SECONDS, Delivered, EventSink, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
+from .store import EventFilter, StoredEvent
+
+log = logging.getLogger("outbox_relay.sinks")
+
+MAX_ABANDONED = 32  # threads left to calls that never returned, per process, before the relay exits
+WAIT_SLICE = 0.2  # how often the runner thread looks at the stop flag and the clock while lanes work
+# While a batch takes longer than this (slow calls), what is delivered of it is checkpointed every this
+# often (``Commit.partial``, as the Kafka sink does), so a relay that dies or loses its buckets meanwhile
+# hands over only the rest.
+PARTIAL_CHECKPOINT_SECONDS = 1.0
+
+_abandoned_lock = threading.Lock()
+_abandoned: list[threading.Thread] = []  # guarded by _abandoned_lock
+
+
+def abandoned_threads() -> int:
+    """Lane threads left to calls that have not returned yet (this process)."""
+    with _abandoned_lock:
+        _abandoned[:] = [t for t in _abandoned if t.is_alive()]
+        return len(_abandoned)
+
+
+_ANSWERS = (Delivered, Retry, GiveUp)
+
+
+def sink_event(e: StoredEvent) -> SinkEvent | Failure:
+    """The event as the user's sink is given it, or why it can not be (never retried: the row never
+    changes). Rows written before migration 0005's trigger may hold headers of any JSON shape."""
+    headers: dict[str, str] = {}
+    if e.headers_text != "{}":
+        try:
+            value = json.loads(e.headers_text)
+        except ValueError as exc:
+            return Failure(f"the event's headers are not JSON: {exc}", retriable=False)
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            return Failure("the event's headers must be a JSON object of strings", retriable=False)
+        headers = value
+    return SinkEvent(id=e.id, topic=e.topic, key=e.key, type=e.type, payload_json=e.payload_text,
+                     headers=MappingProxyType(headers), time=e.time, version=e.version, attempt=e.attempts + 1)
+
+
+def _reason(text: object, default: str) -> str:
+    reason = str(text).strip() if text is not None else ""
+    return redact(reason or default)[:MAX_ERROR_CHARS]
+
+
+def outcome_of(result: object) -> Failure | None:
+    """What the engine makes of ``deliver``'s answer."""
+    if result is None or isinstance(result, Delivered):
+        return None
+    if isinstance(result, Retry):
+        after = None if result.after_seconds is None else min(float(result.after_seconds), MAX_WAIT_SECONDS)
+        return Failure(_reason(result.reason, "the sink asked for a retry"), retry_after=after)
+    if isinstance(result, GiveUp):
+        return Failure(_reason(result.reason, "the sink gave up on the event"), retriable=False)
+    return Failure(f"the sink's deliver returned a {type(result).__name__}: expected Delivered, Retry, GiveUp or None "
+                   "(a bug in the sink; retried)")
+
+
+def held(unavailable: SinkUnavailable, wait: float) -> Failure:
+    reason = _reason(unavailable.reason, "no reason given")
+    return Failure(f"the sink is unavailable: {reason} (a condition of the sink: the event waits, no attempt "
+                   "counted)", hold_seconds=max(0.0, wait))
+
+
+class _Lane:
+    """A thread that calls the user's ``deliver``. Reused from batch to batch until it is abandoned.
+    ``event``/``since``/``detached`` are guarded by the condition of the run it works on."""
+
+    def __init__(self, adapter: EventSinkAdapter, number: int) -> None:
+        self.adapter = adapter
+        self.event: StoredEvent | None = None  # whose call runs now
+        self.since = 0.0  # when that call began (monotonic)
+        self.detached = False  # the runner gave up on it (a call past the limit, or a hard stop)
+        # An async sink's call in flight on the adapter's event loop (cancelled if the call is abandoned).
+        self.future: concurrent.futures.Future[Any] | None = None
+        self._jobs: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=f"sink-{adapter.name}-{number}", daemon=True)
+        self.thread.start()
+
+    def submit(self, run: _Run) -> None:
+        self._jobs.put(run)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while (run := self._jobs.get()) is not None:
+            run.context.copy().run(run.work, self)
+            if self.detached:
+                return  # its runner moved on without it
+            self.adapter.returned(self)
+
+
+class _Run:
+    """One batch's delivery: the keys still to do, what became of each event, which lanes work on it."""
+
+    def __init__(self, adapter: EventSinkAdapter, events: Sequence[StoredEvent]) -> None:
+        self.adapter = adapter
+        by_key: dict[str, list[StoredEvent]] = {}
+        for e in events:
+            by_key.setdefault(e.key, []).append(e)
+        self.keys: deque[list[StoredEvent]] = deque(by_key.values())
+        self.outcomes: Outcomes = {}
+        self.cond = threading.Condition(threading.Lock())
+        self.active: set[_Lane] = set()
+        self.unavailable: SinkUnavailable | None = None  # a lane's call raised it: nothing more is attempted
+        self.closed = False  # a hard stop: nothing more is attempted, nothing recorded
+        self.context = contextvars.copy_context()  # the runner's (the batch's span): calls are traced under it
+        self.handler = adapter.handler()
+
+    def work(self, lane: _Lane) -> None:
+        """On a lane: take keys and deliver their events in order until none is left or the run stops.
+        One hold of the condition per event: record the last call's outcome and take the next event."""
+        todo: deque[StoredEvent] = deque()  # the rest of this lane's current key
+        self.cond.acquire()
+        try:
+            while not self._stopped(lane):
+                if not todo:
+                    if not self.keys:
+                        return
+                    todo.extend(self.keys.popleft())
+                e = todo.popleft()
+                lane.event, lane.since = e, time.monotonic()
+                self.cond.release()
+                try:
+                    result = self._call(e, lane)
+                finally:
+                    self.cond.acquire()
+                lane.event = None
+                if lane.detached:
+                    return  # abandoned: the runner already charged this call
+                if isinstance(result, SinkUnavailable):
+                    self.unavailable = result
+                    return
+                self.outcomes[e.id] = result
+                if result is not None and result.retriable:
+                    todo.clear()  # the key waits for this event's retry: its later events are not attempted
+        finally:
+            self.active.discard(lane)
+            self.cond.notify_all()
+            self.cond.release()
+
+    def _stopped(self, lane: _Lane) -> bool:
+        return self.closed or lane.detached or self.unavailable is not None
+
+    def _call(self, e: StoredEvent, lane: _Lane) -> Failure | SinkUnavailable | None:
+        event = sink_event(e)
+        if isinstance(event, Failure):
+            return event
+        try:
+            result = self.handler(event, None)
+            if result is not None and not isinstance(result, _ANSWERS) and inspect.isawaitable(result):
+                # One event loop per sink for every lane's calls, so that a client the sink keeps (an HTTP
+                # session, a connection pool) serves them all; the lane waits for its call there.
+                lane.future = _submit(self.adapter.event_loop(), _awaited(result), contextvars.copy_context())
+                result = lane.future.result()
+        except SinkUnavailable as exc:
+            return exc
+        except Exception as exc:  # the event's attempt failed; one failure never kills the lane
+            return Failure(describe_error(exc))
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt from a sink's own code: charged to the
+            return Failure(describe_error(exc))  # event like any error (unrecorded, it would come back forever)
+        finally:
+            lane.future = None
+        return outcome_of(result)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _submit(loop: asyncio.AbstractEventLoop, coro: Any, context: contextvars.Context) -> concurrent.futures.Future[Any]:
+    """``coro`` as a task on ``loop`` (another thread's) run in ``context`` (the lane's: the batch's span is
+    current there, so the call's span is its child); cancelling the returned future cancels the task."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def settle(task: asyncio.Task[Any]) -> None:
+        if future.cancelled():
+            return
+        if task.cancelled():
+            future.cancel()
+        elif task.exception() is not None:
+            future.set_exception(task.exception())
+        else:
+            future.set_result(task.result())
+
+    def start() -> None:
+        if future.cancelled():
+            coro.close()
+            return
+        task = loop.create_task(coro, context=context)
+        task.add_done_callback(settle)
+        future.add_done_callback(lambda f: loop.call_soon_threadsafe(task.cancel) if f.cancelled() else None)
+
+    loop.call_soon_threadsafe(start)
+    return future
+
+
+class EventSinkAdapter:
+    """Runs a user's ``EventSink`` for a relay: the engine's ``Sink`` around it."""
+
+    def __init__(self, sink: EventSink, *, handler_timeout_seconds: float = 30.0, where: str = "") -> None:
+        self.user = check_sink(sink, where)
+        self.name: str = sink.name
+        self.kind: str = sink.kind
+        topics = getattr(sink, "topics", None)
+        types = getattr(sink, "types", None)
+        self.event_filter: EventFilter | None = None if topics is None and types is None else EventFilter(
+            types=None if types is None else tuple(sorted(types)),
+            topics=None if topics is None else tuple(sorted(topics)))
+        self.concurrency: int = getattr(sink, "concurrency", 1)
+        self.timeout = handler_timeout_seconds
+        self.partial_seconds = PARTIAL_CHECKPOINT_SECONDS
+        self.observer: Observer = NULL_OBSERVER  # set by the composition root (tracing: a span per call)
+        # Lanes free for the next batch; the runner takes them, lanes put themselves back (hence the lock).
+        self._lock = threading.Lock()
+        self._idle: list[_Lane] = []
+        self._lanes_made = 0
+        # The sink said it is unavailable: batches are held without calling it until then (runner thread only).
+        self._unavailable_until = 0.0
+        self._unavailable: SinkUnavailable | None = None
+        self._over_cap = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # an async sink's, on a thread of its own
+        self._loop_thread: threading.Thread | None = None
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop an async sink's calls run on (started on first use, on its own thread)."""
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._loop_thread = threading.Thread(target=loop.run_forever, name=f"sink-{self.name}-loop",
+                                                     daemon=True)
+                self._loop_thread.start()
+                self._loop = loop
+            return self._loop
+
+    def handler(self) -> Callable[[SinkEvent, None], Any]:
+        """The user's ``deliver`` as the observer wraps it (a span per call), in the (event, tx) shape
+        observers know from projection handlers."""
+        deliver = self.user.deliver
+        if inspect.iscoroutinefunction(deliver):
+            async def call_async(event: SinkEvent, _tx: None) -> Any:
+                return await deliver(event)
+            return self.observer.handler(self.name, call_async)
+
+        def call(event: SinkEvent, _tx: None) -> Any:
+            return deliver(event)
+        return self.observer.handler(self.name, call)
+
+    # -- the engine's Sink --------------------------------------------------------------------
+
+    def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
+                abort: threading.Event) -> set[int]:
+        if not events:
+            return commit({}, None)  # only events queued behind parked keys
+        now = time.monotonic()
+        if self._unavailable is not None and now < self._unavailable_until:
+            failure = held(self._unavailable, self._unavailable_until - now)
+            return commit({e.id: failure for e in events}, None)
+        run = _Run(self, events)
+        # The runner's commit can checkpoint the delivered part of a long batch early; another may not.
+        partial: Callable[[Outcomes], set[int]] | None = getattr(commit, "partial", None)
+        with run.cond:
+            for _ in range(min(self.concurrency, len(run.keys))):
+                self._start_lane(run)
+            self._wait(run, abort, partial)
+        outcomes = run.outcomes
+        if run.unavailable is not None:
+            wait = min(run.unavailable.retry_after_seconds, MAX_WAIT_SECONDS)
+            self._unavailable, self._unavailable_until = run.unavailable, time.monotonic() + wait
+            failure = held(run.unavailable, wait)
+            log.warning("sink %s: unavailable: %s; its events wait %.1fs (no attempt counted)", self.name,
+                        _reason(run.unavailable.reason, "no reason given"), wait)
+            for e in events:
+                outcomes.setdefault(e.id, failure)
+        else:
+            self._unavailable = None
+        landed = commit(outcomes, None)
+        self._check_cap()
+        return landed
+
+    def _start_lane(self, run: _Run) -> None:
+        """Put a lane on ``run`` (the caller holds ``run.cond``)."""
+        with self._lock:
+            lane = self._idle.pop() if self._idle else None
+            if lane is None:
+                self._lanes_made += 1
+                lane = _Lane(self, self._lanes_made)
+        run.active.add(lane)
+        lane.submit(run)
+
+    def returned(self, lane: _Lane) -> None:
+        """A lane finished its run (on the lane's thread): free for the next batch."""
+        with self._lock:
+            self._idle.append(lane)
+
+    def _wait(self, run: _Run, abort: threading.Event, partial: Callable[[Outcomes], set[int]] | None) -> None:
+        """Until the lanes are done with ``run`` (the caller holds ``run.cond``): abandon calls past the
+        limit, checkpoint what is delivered every ``partial_seconds``, raise Aborted on a hard stop."""
+        next_partial = time.monotonic() + self.partial_seconds
+        while run.active:
+            run.cond.wait(WAIT_SLICE)
+            if abort.is_set():  # each check also tells the engine this thread is alive
+                run.closed = True
+                for lane in run.active:
+                    lane.detached = True  # it ends after its call; nothing of it is recorded
+                    lane.close()
+                raise Aborted()
+            now = time.monotonic()
+            for lane in [lane for lane in run.active if lane.event is not None and now - lane.since > self.timeout]:
+                self._abandon(run, lane)
+            if partial is not None and now >= next_partial and run.active:
+                settled = dict(run.outcomes)
+                run.cond.release()  # the lanes go on recording while the checkpoint is written
+                try:
+                    partial(settled)
+                except Exception as exc:  # an early checkpoint only saves redelivery: the final one decides
+                    log.warning("sink %s: early checkpoint of a long batch failed: %s", self.name, describe_error(exc))
+                finally:
+                    run.cond.acquire()
+                next_partial = time.monotonic() + self.partial_seconds
+
+    def _abandon(self, run: _Run, lane: _Lane) -> None:
+        e = lane.event
+        assert e is not None
+        lane.detached = True
+        lane.close()  # if its call ever returns, the thread ends
+        if lane.future is not None:
+            lane.future.cancel()  # an async call can be cancelled (if it awaits), which frees its lane too
+        run.active.discard(lane)
+        run.outcomes[e.id] = Failure(f"the sink's deliver did not return within {self.timeout:g}s "
+                                     "(--handler-timeout-seconds); the call was abandoned")
+        log.warning("sink %s: deliver of event %s (key %r) did not return within %gs; abandoned, the attempt counted",
+                    self.name, e.id, e.key, self.timeout)
+        with _abandoned_lock:
+            _abandoned.append(lane.thread)
+        if abandoned_threads() > MAX_ABANDONED:
+            self._over_cap = True
+        if run.keys and run.unavailable is None:
+            self._start_lane(run)  # the other keys go on
+
+    def _check_cap(self) -> None:
+        """After the batch that charged them landed: too many threads left to calls that never returned."""
+        left = abandoned_threads()
+        if self._over_cap and left > MAX_ABANDONED:
+            raise SinkStuck(f"sink {self.name}: {left} calls of deliver that never returned are left on threads of "
+                            f"this process (more than {MAX_ABANDONED}); the relay stops so that a fresh process takes "
+                            "over (their events' attempts were counted)")
+        self._over_cap = False
+
+    def problem(self, timeout: float = 2.0) -> str | None:
+        """Why the sink can not deliver now (for /readyz): it said it is unavailable, and the wait is not over."""
+        unavailable, until = self._unavailable, self._unavailable_until
+        left = until - time.monotonic()
+        if unavailable is None or left <= 0:
+            return None
+        return f"unavailable: {_reason(unavailable.reason, 'no reason given')} (its events wait, {left:.0f}s more)"
+
+    def idle(self) -> None:
+        """The user's ``idle()``, if it has one (runner thread, between batches)."""
+        idle: Callable[[], None] | None = getattr(self.user, "idle", None)
+        if idle is not None:
+            idle()
+
+    def close(self) -> None:
+        with self._lock:
+            lanes, self._idle = self._idle, []
+        for lane in lanes:
+            lane.close()
+        close: Callable[[], None] | None = getattr(self.user, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception as exc:
+                log.warning("sink %s: close failed: %s", self.name, describe_error(exc))
+        with self._lock:
+            loop, thread, self._loop = self._loop, self._loop_thread, None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5.0)
+            if not thread.is_alive():
+                loop.close()
+
+
+__all__ = ["EventSinkAdapter", "abandoned_threads", "sink_event"]

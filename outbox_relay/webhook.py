@@ -1,0 +1,520 @@
+"""The webhook sink: one signed HTTP POST per event.
+
+Each event goes out in CloudEvents HTTP binary mode (``ce-*`` headers, the payload as the body, as
+stored) and is signed per Standard Webhooks (``webhook-id``, ``webhook-timestamp``,
+``webhook-signature``). The response decides the outcome: 2xx delivered; 408, 429 and 5xx retried
+(honouring ``Retry-After``); other 4xx dead-lettered with the status and an excerpt of the body.
+Ordering per key, concurrency across keys, retries, dead letters and fencing are the relay's (the
+sink contract's adapter); this module only speaks HTTP. Standard library only (http.client + ssl):
+one keep-alive connection per delivering thread is all a webhook needs.
+
+Receivers verify with ``verify(secret, headers, body)`` and dedupe by ``webhook-id`` (the event
+id: the same on every attempt and redelivery).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import http.client
+import json
+import logging
+import os
+import re
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Collection, Mapping
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import __version__
+from .dsn import redact, remember_secret
+from .errors import ConfigurationError, OutboxError
+from .sinks import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
+
+if TYPE_CHECKING:
+    from .settings import RelaySettings, WebhookSettings
+
+log = logging.getLogger("outbox_relay.webhook")
+
+SECRET_PREFIX = "whsec_"
+MIN_SECRET_BYTES = 24  # Standard Webhooks: 24 to 64 random bytes
+MAX_SECRET_BYTES = 64
+TOLERANCE_SECONDS = 300  # how far a receiver accepts webhook-timestamp from its clock (replay window)
+RETRY_STATUSES = frozenset({408, 429})  # plus every 5xx
+HOLD_STATUSES = frozenset({401, 403})  # the receiver refuses us, not the event: see WebhookSink
+MAX_RETRY_AFTER_SECONDS = 3600.0  # a longer Retry-After is cut to this (one key would wait for a day)
+UNAVAILABLE_SECONDS = 5.0  # wait after a connection failure when the server said nothing
+MAX_RESPONSE_BYTES = 64 * 1024  # read of a response body; a longer one closes the connection
+EXCERPT_CHARS = 300  # of a refusing response's body, in the dead letter's reason
+USER_AGENT = f"outbox-relay/{__version__}"
+
+# HTTP token (RFC 9110 5.6.2): what a header name may be.
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+# Header names the sink sets (lower-case), plus every ce-* and webhook-* name: an event's own header
+# of such a name is left out (the receiver must be able to trust them).
+_RESERVED = frozenset({"content-type", "content-length", "host", "user-agent", "connection", "transfer-encoding",
+                       "te", "trailer", "upgrade", "keep-alive", "proxy-connection", "expect"})
+_RESERVED_PREFIXES = ("ce-", "webhook-")
+# CloudEvents HTTP binding 3.1.3.2: header values are percent-encoded outside printable ASCII, and space,
+# '"' and '%' are encoded too.
+_CE_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
+
+
+class InvalidSignature(OutboxError):
+    """A webhook's signature did not verify (missing header, stale timestamp, no matching signature)."""
+
+
+# -- signing --------------------------------------------------------------------------------------
+
+
+class WebhookSecret:
+    """A Standard Webhooks signing secret, ``whsec_`` + base64 of 24-64 random bytes.
+
+    Never shown: ``repr`` and ``str`` say only that it is a secret, errors never quote it, and the
+    text is added to the values ``describe_error`` / log redaction masks.
+    """
+
+    __slots__ = ("_key",)
+
+    def __init__(self, text: str) -> None:
+        text = text.strip()
+        if text:
+            remember_secret(text)
+        if not text.startswith(SECRET_PREFIX):
+            raise ConfigurationError(f"the webhook secret must start with {SECRET_PREFIX!r} (Standard Webhooks: "
+                                     f"{SECRET_PREFIX}<base64 of {MIN_SECRET_BYTES}-{MAX_SECRET_BYTES} random bytes>; "
+                                     "make one with `python -m outbox_relay.webhook secret`)")
+        encoded = text[len(SECRET_PREFIX):]
+        remember_secret(encoded)
+        try:
+            key = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise ConfigurationError(f"the webhook secret is not {SECRET_PREFIX}<base64>: the part after "
+                                     f"{SECRET_PREFIX!r} is not valid base64") from None
+        if not MIN_SECRET_BYTES <= len(key) <= MAX_SECRET_BYTES:
+            raise ConfigurationError(f"the webhook secret holds {len(key)} bytes; Standard Webhooks asks for "
+                                     f"{MIN_SECRET_BYTES}-{MAX_SECRET_BYTES}")
+        self._key = key
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> WebhookSecret:
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigurationError(f"cannot read the webhook secret file {str(path)!r}: "
+                                     f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+        return cls(text)
+
+    @classmethod
+    def generate(cls) -> str:
+        """A new secret's text (32 random bytes)."""
+        return SECRET_PREFIX + base64.b64encode(os.urandom(32)).decode()
+
+    def signature(self, msg_id: str, timestamp: int, body: bytes) -> str:
+        """The ``v1,<base64>`` signature of one message."""
+        signed = f"{msg_id}.{timestamp}.".encode() + body
+        return "v1," + base64.b64encode(hmac.new(self._key, signed, hashlib.sha256).digest()).decode()
+
+    def __repr__(self) -> str:
+        return "WebhookSecret('***')"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> str | tuple[object, ...]:  # no pickling a secret into a traceback or a queue by accident
+        raise TypeError("a WebhookSecret can not be pickled")
+
+
+def _secret(secret: WebhookSecret | str) -> WebhookSecret:
+    return secret if isinstance(secret, WebhookSecret) else WebhookSecret(secret)
+
+
+def verify(secret: WebhookSecret | str, headers: Mapping[str, str], body: bytes, *,
+           tolerance_seconds: float = TOLERANCE_SECONDS, now: float | None = None) -> str:
+    """Check a received webhook; returns its ``webhook-id`` (dedupe by it), or raises InvalidSignature.
+
+    ``headers`` is looked up without regard to case (a dict, ``http.client.HTTPMessage``, a framework's
+    headers); ``body`` is the raw request body, before any JSON parsing. A timestamp further than
+    ``tolerance_seconds`` from ``now`` is refused (replays of captured requests).
+    """
+    key = _secret(secret)
+    lowered = {k.lower(): v for k, v in headers.items()}
+    msg_id = lowered.get("webhook-id")
+    stamp = lowered.get("webhook-timestamp")
+    signatures = lowered.get("webhook-signature")
+    if not msg_id or not stamp or not signatures:
+        raise InvalidSignature("missing webhook-id, webhook-timestamp or webhook-signature header")
+    try:
+        timestamp = int(stamp)
+    except ValueError:
+        raise InvalidSignature("webhook-timestamp is not an integer") from None
+    current = time.time() if now is None else now
+    if abs(current - timestamp) > tolerance_seconds:
+        raise InvalidSignature(f"webhook-timestamp is {current - timestamp:+.0f}s from now (tolerance "
+                               f"{tolerance_seconds:g}s)")
+    expected = key.signature(msg_id, timestamp, body).encode()
+    # Several space-separated signatures may come (a secret being rotated): one match is enough.
+    if any(hmac.compare_digest(expected, s.encode()) for s in signatures.split() if s.startswith("v1,")):
+        return msg_id
+    raise InvalidSignature("no webhook-signature matches the body")
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """``Retry-After`` as seconds from now (delay-seconds or an HTTP date), at most
+    MAX_RETRY_AFTER_SECONDS; None when absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        seconds = float(value)
+    else:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # an HTTP date is GMT
+            when = when.replace(tzinfo=UTC)
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
+
+
+def excerpt(body: bytes, limit: int = EXCERPT_CHARS) -> str:
+    """The start of a response body, safe for a log line or a dead letter: bounded, control characters
+    and non-ASCII escaped, known secrets masked."""
+    text = body.decode("utf-8", errors="replace")
+    cut = len(text) > limit
+    shown = json.dumps(text[:limit])[1:-1]  # escapes quotes, newlines, control and non-ASCII characters
+    return redact(shown) + ("..." if cut else "")
+
+
+def _ce_value(value: str) -> str:
+    return urllib.parse.quote(value, safe=_CE_SAFE)
+
+
+def _rfc3339(when: datetime) -> str:
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _ssl_context(ca_file: Path | None, client_cert: Path | None, client_key: Path | None,
+                 verify_tls: bool) -> ssl.SSLContext:
+    try:
+        context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+        if client_cert is not None:
+            context.load_cert_chain(str(client_cert), str(client_key) if client_key else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigurationError(f"webhook TLS files are not usable: {type(exc).__name__}: "
+                                 f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not verify_tls:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+# -- the sink -------------------------------------------------------------------------------------
+
+
+class WebhookSink:
+    """POSTs each event to ``url``, signed with ``secret``. An ``EventSink`` (outbox_relay.sinks).
+
+    Outcomes:
+
+    - 2xx: delivered. Redirects are not followed: the signed request would go to a host the operator
+      did not configure, and clients turn a redirected POST into a GET; a 3xx holds the sink (no
+      attempt counted) with the ``Location`` in the reason, so the operator configures the final URL.
+    - 408, 429, 5xx, a timeout or a connection lost after the request was sent: ``Retry`` after
+      ``Retry-After`` if the response had one, else the relay's backoff (counts an attempt).
+    - the connection can not be made (refused, DNS, TLS handshake, certificate): ``SinkUnavailable``
+      (the request never reached the receiver, so it is not the event's fault: nothing is counted and
+      no good event is dead-lettered while the receiver is down).
+    - ``hold_statuses`` (401 and 403 unless told otherwise): the receiver refuses this relay (a rotated
+      secret, a token, an ACL), a condition of the sink: ``SinkUnavailable`` too. Pass ``()`` to
+      dead-letter them like other 4xx.
+    - other 4xx (and 1xx, anything else): ``GiveUp`` with the status and an excerpt of the body.
+
+    Thread-safe: each delivering thread keeps its own keep-alive connection.
+    """
+
+    kind = "webhook"
+
+    def __init__(self, url: str, secret: WebhookSecret | str, *, name: str = "webhook",
+                 source: str = "outbox-relay", connect_timeout_seconds: float = 5.0,
+                 timeout_seconds: float = 30.0, concurrency: int = 4,
+                 topics: Collection[str] | None = None, types: Collection[str] | None = None,
+                 ca_file: str | os.PathLike[str] | None = None,
+                 client_cert: str | os.PathLike[str] | None = None,
+                 client_key: str | os.PathLike[str] | None = None, verify_tls: bool = True,
+                 hold_statuses: Collection[int] = HOLD_STATUSES,
+                 unavailable_seconds: float = UNAVAILABLE_SECONDS) -> None:
+        self.name = name
+        self.source = source
+        self._secret = _secret(secret)
+        parts = check_url(url)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or ""
+        self._port = parts.port or (443 if self._https else 80)
+        self._target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # What logs and reasons show: no query string (it may carry a token).
+        self.endpoint = f"{parts.scheme}://{parts.netloc}{parts.path or '/'}"
+        if not 0 < connect_timeout_seconds <= 3600 or not 0 < timeout_seconds <= 3600:
+            raise ConfigurationError("webhook timeouts must be more than 0 and at most 3600 seconds")
+        self.connect_timeout_seconds = connect_timeout_seconds
+        self.timeout_seconds = timeout_seconds
+        if not 1 <= concurrency <= MAX_CONCURRENCY:
+            raise ConfigurationError(f"webhook concurrency must be 1-{MAX_CONCURRENCY} (keys delivered at once)")
+        self.concurrency = concurrency
+        self.topics = frozenset(topics) if topics is not None else None
+        self.types = frozenset(types) if types is not None else None
+        self.hold_statuses = frozenset(hold_statuses)
+        if not 0 <= unavailable_seconds <= 3600:
+            raise ConfigurationError("webhook unavailable_seconds must be 0-3600")
+        self.unavailable_seconds = unavailable_seconds  # the wait after a failed connect (tests shrink it)
+        if not self._https and (ca_file or client_cert or client_key or not verify_tls):
+            raise ConfigurationError("webhook TLS settings (CA file, client certificate, verify off) need an "
+                                     "https:// URL")
+        if client_key and not client_cert:
+            raise ConfigurationError("a webhook client key needs its client certificate")
+        self._context = (_ssl_context(Path(ca_file) if ca_file else None, Path(client_cert) if client_cert else None,
+                                      Path(client_key) if client_key else None, verify_tls)
+                         if self._https else None)
+        if not verify_tls:
+            log.warning("webhook sink %s: TLS certificate verification is OFF for %s", name, self.endpoint)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open: set[http.client.HTTPConnection] = set()  # every thread's connection, for close()
+
+    def __repr__(self) -> str:
+        return f"WebhookSink(name={self.name!r}, endpoint={self.endpoint!r})"
+
+    # -- the contract
+
+    def deliver(self, event: SinkEvent) -> Delivered | Retry | GiveUp:
+        request = self._request(event)
+        if isinstance(request, GiveUp):
+            return request
+        headers, body = request
+        for fresh in (False, True):
+            conn, reused = self._connection(fresh)
+            try:
+                conn.request("POST", self._target, body, headers)
+                response = conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+                self._drop(conn)
+                if reused and not fresh:
+                    # A kept-alive connection the server closed while idle: that request never reached
+                    # it. Send once more on a new one (the receiver dedupes by webhook-id if it did).
+                    continue
+                return Retry(f"POST {self.endpoint}: connection lost: {type(exc).__name__}: {exc}")
+            except TimeoutError:
+                self._drop(conn)
+                return Retry(f"POST {self.endpoint}: no response within {self.timeout_seconds:g}s (read timeout)")
+            except ssl.SSLError as exc:
+                self._drop(conn)
+                if isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError):  # over TLS, a closed connection
+                    if reused and not fresh:
+                        continue
+                    return Retry(f"POST {self.endpoint}: connection lost: {type(exc).__name__}: {exc}")
+                # A TLS alert after the handshake (TLS 1.3 checks the client certificate then): the
+                # server refuses this relay's TLS identity, a condition of the sink.
+                raise SinkUnavailable(f"POST {self.endpoint}: TLS refused: {exc}", 30.0) from None
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(conn)
+                return Retry(f"POST {self.endpoint}: {type(exc).__name__}: {exc}")
+            return self._outcome(conn, response)
+        raise AssertionError("unreachable")  # the loop returns
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._open = self._open, set()
+        for conn in conns:
+            conn.close()
+
+    # -- HTTP
+
+    def _request(self, event: SinkEvent) -> tuple[dict[str, str | bytes], bytes] | GiveUp:
+        body = event.payload_json.encode()
+        msg_id = str(event.id)
+        timestamp = int(time.time())
+        headers: dict[str, str | bytes] = {}
+        for name, value in event.headers.items():
+            lowered = name.lower()
+            if lowered in _RESERVED or lowered.startswith(_RESERVED_PREFIXES):
+                log.warning("webhook sink %s: event %s has a header %r, a name the sink sets; sending the event "
+                            "without it", self.name, event.id, name)
+                continue
+            if not _TOKEN.match(name):
+                return GiveUp(f"the event's header {name[:100]!r} is not a valid HTTP header name")
+            encoded = value.encode()
+            if any(c in encoded for c in b"\r\n\0"):
+                return GiveUp(f"the event's header {name!r} holds a line break or NUL (not allowed in HTTP)")
+            headers[name] = encoded
+        headers.update({
+            "content-type": "application/json",
+            "user-agent": USER_AGENT,
+            "ce-specversion": "1.0",
+            "ce-id": msg_id,
+            "ce-source": _ce_value(self.source),
+            "ce-type": _ce_value(event.type),
+            "ce-time": _rfc3339(event.time),
+            "ce-partitionkey": _ce_value(event.key),
+            "ce-schemaversion": str(event.version),
+            "webhook-id": msg_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": self._secret.signature(msg_id, timestamp, body),
+        })
+        if event.topic is not None:
+            headers["ce-topic"] = _ce_value(event.topic)
+        return headers, body
+
+    def _connection(self, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection (a new one if ``fresh`` or none is open) and whether it was used before."""
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and conn.sock is not None and not fresh:
+            return conn, True
+        if conn is not None:
+            self._drop(conn)
+        if self._context is not None:
+            conn = http.client.HTTPSConnection(self._host, self._port, timeout=self.connect_timeout_seconds,
+                                               context=self._context)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self.connect_timeout_seconds)
+        try:
+            conn.connect()
+        except ssl.SSLCertVerificationError as exc:
+            conn.close()
+            raise SinkUnavailable(f"POST {self.endpoint}: the server's TLS certificate does not verify: "
+                                  f"{exc.verify_message or exc}", 30.0) from None
+        except (OSError, ssl.SSLError) as exc:
+            conn.close()
+            what = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            raise SinkUnavailable(f"POST {self.endpoint}: can not connect: {what}", self.unavailable_seconds) from None
+        assert conn.sock is not None
+        conn.sock.settimeout(self.timeout_seconds)  # the connect timeout was for connecting only
+        self._local.conn = conn
+        with self._lock:
+            self._open.add(conn)
+        return conn, False
+
+    def _drop(self, conn: http.client.HTTPConnection) -> None:
+        conn.close()
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+        with self._lock:
+            self._open.discard(conn)
+
+    def _outcome(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse
+                 ) -> Delivered | Retry | GiveUp:
+        status = response.status
+        try:
+            data = response.read(MAX_RESPONSE_BYTES + 1)
+            if len(data) > MAX_RESPONSE_BYTES or not response.isclosed():
+                self._drop(conn)  # the rest was not read: the connection can not be reused
+        except (OSError, http.client.HTTPException):
+            # The status line arrived; a body cut short does not change the answer.
+            self._drop(conn)
+            data = b""
+        if response.will_close:
+            self._drop(conn)
+        if 200 <= status < 300:
+            return Delivered()
+        what = f"POST {self.endpoint}: HTTP {status} {excerpt(response.reason.encode(), 100)}"
+        if data:
+            what += f": {excerpt(data)}"
+        retry_after = parse_retry_after(response.getheader("retry-after"))
+        if status in RETRY_STATUSES or 500 <= status < 600:
+            return Retry(what, retry_after)
+        if 300 <= status < 400:
+            location = response.getheader("location")
+            where = f" to {excerpt(location.encode(), 200)}" if location else ""
+            raise SinkUnavailable(f"{what} (a redirect{where}, not followed: configure the final URL)",
+                                  retry_after or 60.0)
+        if status in self.hold_statuses:
+            raise SinkUnavailable(f"{what} (the receiver refuses this relay: check the secret or credentials)",
+                                  retry_after or 60.0)
+        return GiveUp(what)
+
+
+def check_url(url: str) -> urllib.parse.SplitResult:
+    """The parts of a webhook URL, or ConfigurationError saying what is wrong (never quoting it whole:
+    its query may hold a token)."""
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise ConfigurationError(f"the webhook URL is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ConfigurationError("the webhook URL must start with http:// or https://")
+    if not parts.hostname:
+        raise ConfigurationError("the webhook URL has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigurationError("the webhook URL must not hold user:password@ (it would end up in logs); the "
+                                 "signature authenticates the relay")
+    if parts.fragment:
+        raise ConfigurationError("the webhook URL must not have a #fragment")
+    if any(c in url.strip() for c in " \r\n\t"):
+        raise ConfigurationError("the webhook URL holds whitespace")
+    return parts
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+
+def from_settings(settings: RelaySettings | WebhookSettings) -> WebhookSink:
+    """The webhook sink that ``settings`` (``webhook_*``) describe; ConfigurationError without a URL."""
+    s = settings
+    if not s.webhook_url:
+        raise ConfigurationError("no webhook URL: pass --webhook-url or set OUTBOX_WEBHOOK_URL")
+    if s.webhook_secret_file is not None:
+        secret = WebhookSecret.from_file(s.webhook_secret_file)
+    elif s.webhook_secret is not None:
+        secret = WebhookSecret(s.webhook_secret.get_secret_value())
+    else:
+        raise ConfigurationError("the webhook sink needs a signing secret: pass --webhook-secret-file PATH or set "
+                                 "OUTBOX_WEBHOOK_SECRET (whsec_<base64>; make one with "
+                                 "`python -m outbox_relay.webhook secret`)")
+    return WebhookSink(s.webhook_url, secret, name=s.webhook_sink, source=s.source,
+                       connect_timeout_seconds=s.webhook_connect_timeout_seconds,
+                       timeout_seconds=s.webhook_timeout_seconds, concurrency=s.webhook_concurrency,
+                       topics=s.webhook_topics or None, ca_file=s.webhook_ca_file,
+                       client_cert=s.webhook_client_cert, client_key=s.webhook_client_key,
+                       verify_tls=s.webhook_tls_verify)
+
+
+def from_env() -> WebhookSink:
+    """The webhook sink the ``OUTBOX_WEBHOOK_*`` variables describe: ``--sink outbox_relay.webhook:from_env``."""
+    from pydantic import ValidationError
+
+    from .settings import WebhookSettings, describe_validation_error
+
+    try:
+        settings = WebhookSettings()
+    except ValidationError as exc:
+        raise ConfigurationError(f"invalid webhook settings: {describe_validation_error(exc)}") from None
+    return from_settings(settings)
+
+
+def _main(argv: list[str]) -> int:
+    if argv == ["secret"]:
+        print(WebhookSecret.generate())
+        return 0
+    print("usage: python -m outbox_relay.webhook secret   (prints a new signing secret)")
+    return 2
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_main(sys.argv[1:]))
+
+
+__all__ = ["InvalidSignature", "WebhookSecret", "WebhookSink", "from_env", "from_settings", "verify"]

@@ -1,0 +1,164 @@
+-- Queries of the consumer-side inbox (outbox_relay.inbox); tables of sql/inbox/*.sql.
+
+-- name: join
+-- Register (or refresh) a consumer process: its heartbeat keeps its share of the partitions.
+INSERT INTO outbox_inbox.members (consumer, member, host, pid)
+VALUES (%(consumer)s, %(member)s, %(host)s, %(pid)s)
+ON CONFLICT (consumer, member) DO UPDATE SET heartbeat_at = clock_timestamp(), host = excluded.host, pid = excluded.pid;
+
+-- name: leave
+-- A consumer process that stops: its registration goes, its leases end now (not at their expiry).
+WITH gone AS (
+    DELETE FROM outbox_inbox.members WHERE consumer = %(consumer)s AND member = %(member)s
+)
+UPDATE outbox_inbox.positions SET owner = NULL, lease_until = NULL
+WHERE consumer = %(consumer)s AND owner = %(member)s;
+
+-- name: live_members
+-- How many processes of the consumer are alive (heard from within the time to live).
+SELECT count(*) FROM outbox_inbox.members
+WHERE consumer = %(consumer)s AND heartbeat_at > clock_timestamp() - make_interval(secs => %(ttl)s);
+
+-- name: add_partitions
+-- Positions for partitions seen for the first time (nothing applied yet: next_offset NULL).
+INSERT INTO outbox_inbox.positions (consumer, topic, partition)
+SELECT %(consumer)s, t, p FROM unnest(%(topics)s::text[], %(partitions)s::int[]) AS x (t, p)
+ON CONFLICT DO NOTHING;
+
+-- name: renew
+-- Extend this process's leases; returns the ones it still holds (a missing one was taken over).
+UPDATE outbox_inbox.positions
+SET lease_until = clock_timestamp() + make_interval(secs => %(lease)s)
+WHERE consumer = %(consumer)s AND owner = %(member)s AND topic = ANY(%(topics)s)
+RETURNING topic, partition, fence;
+
+-- name: claim
+-- Take up to `limit` partitions nobody holds (or whose lease expired), each with a new fence.
+WITH free AS (
+    -- SKIP LOCKED: a row locked by an apply in flight (of a lease that lapsed) is taken next time
+    SELECT consumer, topic, partition FROM outbox_inbox.positions
+    WHERE consumer = %(consumer)s AND topic = ANY(%(topics)s)
+      AND (owner IS NULL OR lease_until IS NULL OR lease_until < clock_timestamp())
+    ORDER BY topic, partition
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox_inbox.positions p
+SET owner = %(member)s, fence = p.fence + 1, lease_until = clock_timestamp() + make_interval(secs => %(lease)s)
+FROM free
+WHERE p.consumer = free.consumer AND p.topic = free.topic AND p.partition = free.partition
+RETURNING p.topic, p.partition, p.fence, p.next_offset, p.last_message_id;
+
+-- name: release
+-- Give one partition up (more than this process's share, or stopping); only while its fence is ours.
+UPDATE outbox_inbox.positions SET owner = NULL, lease_until = NULL
+WHERE consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s
+  AND owner = %(member)s AND fence = %(fence)s;
+
+-- name: lock_position
+-- First statement of a message's transaction: the partition is still ours (fence), and it stays so
+-- until commit (the row lock makes a takeover wait for this transaction).
+SELECT next_offset FROM outbox_inbox.positions
+WHERE consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s
+  AND owner = %(member)s AND fence = %(fence)s
+FOR UPDATE;
+
+-- name: record_message
+-- The dedupe record; no row back: this message id was applied before (a duplicate).
+INSERT INTO outbox_inbox.messages (consumer, message_id, topic, partition, "offset")
+VALUES (%(consumer)s, %(message_id)s, %(topic)s, %(partition)s, %(offset)s)
+ON CONFLICT DO NOTHING
+RETURNING 1;
+
+-- name: record_messages
+-- The dedupe records of a batch of one partition; returns the ids inserted (the others are duplicates).
+INSERT INTO outbox_inbox.messages (consumer, message_id, topic, partition, "offset")
+SELECT %(consumer)s, id, %(topic)s, %(partition)s, o FROM unnest(%(ids)s::text[], %(offsets)s::bigint[]) AS x (id, o)
+ON CONFLICT DO NOTHING
+RETURNING message_id;
+
+-- name: advance
+-- The partition's next offset and counters, in the message's transaction (row locked by lock_position).
+UPDATE outbox_inbox.positions
+SET next_offset = %(next_offset)s, last_message_id = %(message_id)s, applied = applied + %(applied)s,
+    duplicates = duplicates + %(duplicates)s, dead = dead + %(dead)s, updated_at = clock_timestamp()
+WHERE consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s;
+
+-- name: add_dead_letter
+-- A message whose handler kept failing, kept whole (the position moves past it in the same transaction).
+INSERT INTO outbox_inbox.dead_letters (consumer, message_id, topic, partition, "offset", key, value, header_names,
+                                       header_values, message_time, attempts, error)
+VALUES (%(consumer)s, %(message_id)s, %(topic)s, %(partition)s, %(offset)s, %(key)s, %(value)s, %(header_names)s,
+        %(header_values)s, %(message_time)s, %(attempts)s, %(error)s);
+
+-- name: due_dead_letters
+-- Dead letters an operator asked to retry, oldest first, locked for this transaction.
+SELECT id, message_id, topic, partition, "offset", key, value, header_names, header_values, message_time, attempts
+FROM outbox_inbox.dead_letters
+WHERE consumer = %(consumer)s AND retry_requested_at IS NOT NULL
+ORDER BY id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: delete_dead_letter
+-- A dead letter applied (or found applied) by a retry.
+DELETE FROM outbox_inbox.dead_letters WHERE id = %(id)s;
+
+-- name: retry_failed
+-- A retried dead letter that failed again: it stays, with its new error, until asked again.
+UPDATE outbox_inbox.dead_letters
+SET attempts = attempts + 1, error = %(error)s, retry_requested_at = NULL, dead_at = clock_timestamp()
+WHERE id = %(id)s;
+
+-- name: delete_old_messages
+-- Retention: one bounded batch of dedupe records older than the cutoff (oldest first).
+DELETE FROM outbox_inbox.messages m
+USING (
+    SELECT consumer, message_id FROM outbox_inbox.messages
+    WHERE consumer = %(consumer)s AND applied_at < clock_timestamp() - make_interval(secs => %(retention)s)
+    ORDER BY applied_at
+    LIMIT %(batch)s
+) old
+WHERE m.consumer = old.consumer AND m.message_id = old.message_id;
+
+-- name: delete_stale_members
+-- Registrations not heard from for ten times their time to live (crashed processes).
+DELETE FROM outbox_inbox.members
+WHERE consumer = %(consumer)s AND heartbeat_at < clock_timestamp() - make_interval(secs => %(ttl)s * 10);
+
+-- name: list_dead_letters
+-- Operator: dead letters of a consumer, newest first, one page (after the id given).
+SELECT id, topic, partition, "offset", message_id, attempts, dead_at, retry_requested_at IS NOT NULL AS retry_requested,
+       left(error, 200) AS error
+FROM outbox_inbox.dead_letters
+WHERE consumer = %(consumer)s AND (%(topic)s::text IS NULL OR topic = %(topic)s)
+  AND (%(after)s::bigint IS NULL OR id < %(after)s)
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: show_dead_letter
+-- Operator: one dead letter whole.
+SELECT id, consumer, message_id, topic, partition, "offset", key, value, header_names, header_values, message_time,
+       attempts, error, dead_at, retry_requested_at
+FROM outbox_inbox.dead_letters
+WHERE consumer = %(consumer)s AND id = %(id)s;
+
+-- name: request_retry
+-- Operator: ask the running consumers to apply these dead letters again (all of the consumer's when ids is NULL).
+UPDATE outbox_inbox.dead_letters SET retry_requested_at = clock_timestamp()
+WHERE consumer = %(consumer)s AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s))
+RETURNING id;
+
+-- name: drop_dead_letters
+-- Operator: delete dead letters for good (all of the consumer's when ids is NULL).
+DELETE FROM outbox_inbox.dead_letters
+WHERE consumer = %(consumer)s AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s))
+RETURNING id;
+
+-- name: positions
+-- Operator: per partition of a consumer, where it stands and who holds it.
+SELECT topic, partition, next_offset, owner, lease_until > clock_timestamp() AS leased, applied, duplicates, dead,
+       updated_at
+FROM outbox_inbox.positions
+WHERE consumer = %(consumer)s
+ORDER BY topic, partition;

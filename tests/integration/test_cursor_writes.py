@@ -1,0 +1,203 @@
+"""Bounded checkpoint writes (issue 16): a sink without a transaction of its own (Kafka, or the test sink
+here, which commits with ``tx=None`` as the Kafka sink does) writes a bucket's cursor row at most once
+per ``cursor_flush_seconds``; its other batches only check their fence. Every row write is a dead row
+version that a long transaction keeps from vacuum, so the write count is what these tests pin, with a
+trigger that logs each write of a cursor row. Real PostgreSQL.
+
+G3 (no loss), G5 (a fenced-out relay writes nothing) and G6 (redelivery duplicates, never reorders)
+hold across deferred writes: a released bucket's cursor is written at once, a crashed relay's next
+owner starts from the last written cursor and sends the rest again in order.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from outbox_relay import store
+from outbox_relay.relay import SinkRunner
+from projections.sink import ProjectionSink
+from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
+    SINK,
+    RecordingSink,
+    cursor_row,
+    dedup_per_key,
+    fetch_all,
+    keys_in_bucket,
+    make_settings,
+    pool_fixture,
+    publish,
+    run_until,
+    runner_for,
+    undelivered,
+)
+
+BUCKET = 91
+BATCHES = 20
+
+WRITE_LOG = """
+CREATE TABLE public.cursor_writes (bucket int, fence bigint, at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE FUNCTION public.log_cursor_write() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO public.cursor_writes (bucket, fence) VALUES (NEW.bucket, NEW.fence);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER log_cursor_write AFTER UPDATE ON outbox.cursors FOR EACH ROW EXECUTE FUNCTION public.log_cursor_write();
+"""
+
+
+def log_writes(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(WRITE_LOG)
+
+
+def writes(dsn: str, bucket: int = BUCKET) -> int:
+    return int(fetch_all(dsn, "SELECT count(*) FROM public.cursor_writes WHERE bucket = %s", (bucket,))[0][0])
+
+
+def deliver_one_by_one(dsn: str, runner: Any, sink: RecordingSink, key: str, n: int) -> list[uuid.UUID]:
+    """``n`` transactions of one event each, each delivered (a batch of its own) before the next commits."""
+    ids: list[uuid.UUID] = []
+    for i in range(n):
+        ids += publish(dsn, [(key, "t", {"n": i})])
+        wanted = ids[-1]
+
+        def delivered(wanted: uuid.UUID = wanted) -> bool:
+            return wanted in sink.delivered_ids()
+
+        run_until(runner, delivered)
+    return ids
+
+
+def test_many_batches_of_one_bucket_write_its_cursor_once_per_flush_interval(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    sink = RecordingSink("worker-a", kind="kafka")
+    runner = runner_for(sink, pool, make_settings(dsn, "worker-a", cursor_flush_seconds=60.0), {BUCKET})
+    runner.run_once()  # acquires the lease (a write)
+    log_writes(dsn)
+    ids = deliver_one_by_one(dsn, runner, sink, key, BATCHES)
+    assert len(sink.batches) == BATCHES
+    assert writes(dsn) == 0, "every batch checked its fence without writing the cursor row"
+    assert all(b.committed == {BUCKET} for b in sink.batches), "and learned that its fence held"
+    assert undelivered(dsn) == BATCHES, "the stored cursor is where the lease began"
+    runner._release_all()  # a graceful stop (drain) or a hand-over: the cursor is written before the release
+    assert writes(dsn) == 2, "one cursor write, then the release"
+    assert undelivered(dsn) == 0
+    assert [a.event_id for a in sink.delivered()] == ids
+
+
+def test_every_batch_writes_its_cursor_with_a_flush_interval_of_zero(dsn: str, pool: ConnectionPool[Any]) -> None:
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    sink = RecordingSink("worker-a", kind="kafka")
+    runner = runner_for(sink, pool, make_settings(dsn, "worker-a", cursor_flush_seconds=0), {BUCKET})
+    runner.run_once()
+    log_writes(dsn)
+    deliver_one_by_one(dsn, runner, sink, key, 5)
+    assert writes(dsn) == 5
+    assert undelivered(dsn) == 0
+
+
+def test_a_deferred_cursor_is_written_once_the_interval_passed_without_more_batches(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    sink = RecordingSink("worker-a", kind="kafka")
+    runner = runner_for(sink, pool, make_settings(dsn, "worker-a", cursor_flush_seconds=0.3), {BUCKET})
+    runner.run_once()
+    log_writes(dsn)
+    deliver_one_by_one(dsn, runner, sink, key, 3)
+    run_until(runner, lambda: undelivered(dsn) == 0, timeout=5.0, interval=0.05)
+    assert 1 <= writes(dsn) <= 2, "the batches' cursor moves coalesced"
+    assert runner._owed == set()
+
+
+def test_a_crash_before_the_write_redelivers_the_rest_in_order_and_loses_nothing(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    keys = keys_in_bucket(dsn, BUCKET, 2)
+    sink_a = RecordingSink("worker-a", kind="kafka")
+    runner_a = runner_for(sink_a, pool, make_settings(dsn, "worker-a", cursor_flush_seconds=60.0), {BUCKET})
+    runner_a.run_once()
+    first = [*deliver_one_by_one(dsn, runner_a, sink_a, keys[0], 3),
+             *deliver_one_by_one(dsn, runner_a, sink_a, keys[1], 3)]
+    # Worker A dies (no release, no flush): its lease runs out.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.cursors SET lease_expires_at = clock_timestamp() - interval '1 ms' "
+                     "WHERE sink = %s AND bucket = %s", (SINK, BUCKET))
+    later = publish(dsn, [(k, "t", {"n": "later"}) for k in keys])
+    sink_b = RecordingSink("worker-b", kind="kafka")
+    runner_b = runner_for(sink_b, pool, make_settings(dsn, "worker-b", cursor_flush_seconds=60.0), {BUCKET})
+    run_until(runner_b, lambda: set(later) <= sink_b.delivered_ids())
+    # B starts from the last written cursor: A's six events again, then the new ones, per key in order.
+    assert [a.event_id for a in sink_b.delivered()] == [*first, *later]
+    merged = dedup_per_key([*sink_a.attempts, *sink_b.attempts])
+    assert merged == {keys[0]: [*first[:3], later[0]], keys[1]: [*first[3:], later[1]]}
+
+
+def test_a_relay_fenced_out_while_its_cursor_write_waits_writes_nothing(dsn: str, pool: ConnectionPool[Any]) -> None:
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    sink = RecordingSink("worker-a", kind="kafka")
+    runner = runner_for(sink, pool, make_settings(dsn, "worker-a", cursor_flush_seconds=60.0), {BUCKET})
+    runner.run_once()
+    deliver_one_by_one(dsn, runner, sink, key, 2)
+    before = cursor_row(dsn, BUCKET)
+    with psycopg.connect(dsn, autocommit=True) as conn:  # an operator's `keys skip` or a new owner: a new fence
+        conn.execute("UPDATE outbox.cursors SET fence = fence + 1 WHERE sink = %s AND bucket = %s", (SINK, BUCKET))
+    log_writes(dsn)
+    publish(dsn, [(key, "t", {"n": 2})])
+    run_until(runner, lambda: len(sink.batches) == 3)
+    assert sink.batches[-1].committed == frozenset(), "the fence check of the batch failed"
+    assert BUCKET not in runner.leases.snapshot(), "the relay let the bucket go"
+    runner._release_all()  # a stop: nothing of the lost bucket is flushed
+    assert writes(dsn) == 0
+    after = cursor_row(dsn, BUCKET)
+    assert after["cursor"] == before["cursor"] and after["fence"] == before["fence"] + 1
+
+
+def test_a_renewal_leaves_a_lease_a_cursor_write_just_extended_alone(dsn: str, pool: ConnectionPool[Any]) -> None:
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    other = BUCKET + 1
+    sink = RecordingSink("worker-a", kind="kafka")
+    runner = runner_for(sink, pool, make_settings(dsn, "worker-a", cursor_flush_seconds=0), {BUCKET, other})
+    runner.run_once()
+    deliver_one_by_one(dsn, runner, sink, key, 1)  # writes BUCKET's cursor, and its lease with it
+    with psycopg.connect(dsn, autocommit=True) as conn:  # OTHER's lease has run for a while
+        conn.execute("UPDATE outbox.cursors SET lease_expires_at = clock_timestamp() + interval '10 s' "
+                     "WHERE sink = %s AND bucket = %s", (SINK, other))
+    log_writes(dsn)
+    runner.renew()
+    assert runner.leases.snapshot().keys() == {BUCKET, other}, "both still held"
+    assert (writes(dsn, BUCKET), writes(dsn, other)) == (0, 1), "only the lease that was not fresh is written"
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a new owner's fence
+        conn.execute("UPDATE outbox.cursors SET fence = fence + 1 WHERE sink = %s AND bucket = %s", (SINK, BUCKET))
+    runner.renew()
+    assert runner.leases.snapshot().keys() == {other}, "a fresh lease under another fence is lost all the same"
+
+
+def test_a_projection_writes_its_cursor_with_every_batch(dsn: str, pool: ConnectionPool[Any]) -> None:
+    """G7: a projection's checkpoint commits with its read-model writes, whatever cursor_flush_seconds says."""
+    from tests.integration.test_projections import setup_tables, totals_projection
+
+    setup_tables(dsn)
+    sink = ProjectionSink(totals_projection("totals_cursor_writes"), dsn, lease_seconds=30.0)
+    try:
+        with pool.connection() as conn:
+            store.register_sink(conn, sink.name, sink.kind)
+        runner = SinkRunner(sink, pool, make_settings(dsn, "worker-a", cursor_flush_seconds=60.0))
+        runner.desired = {BUCKET}
+        runner.run_once()
+        log_writes(dsn)
+        [key] = keys_in_bucket(dsn, BUCKET, 1)
+        for n in range(1, 4):
+            publish(dsn, [(key, "OrderPlaced", {"customer": key})])
+
+            def applied(n: int = n) -> bool:
+                return int(fetch_all(dsn, "SELECT count(*) FROM applied_log")[0][0]) == n
+
+            run_until(runner, applied)
+            assert undelivered(dsn, sink.name) == 0, "the cursor row moved with the batch"
+        assert writes(dsn) == 3
+    finally:
+        sink.close()

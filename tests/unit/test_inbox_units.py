@@ -1,0 +1,87 @@
+"""The inbox's settings, message decoding and handler time limit, without servers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from outbox_relay.errors import ConfigurationError
+from outbox_relay.inbox import HandlerTimeout, InboxMessage, load_inbox_settings, make_message
+from outbox_relay.inbox.store import InboxStuck, TimeLimit
+
+BASE = {"dsn": "postgresql://u@h/db", "bootstrap_servers": "127.0.0.1:9092", "topics": "a, b,a"}
+
+
+def test_settings_split_topics_and_name_the_option_and_variable_of_a_bad_value() -> None:
+    assert load_inbox_settings(**BASE).topics == ["a", "b"]
+    with pytest.raises(ConfigurationError, match=r"consumer \(--consumer, OUTBOX_INBOX_CONSUMER\)"):
+        load_inbox_settings(**BASE, consumer="no spaces")
+    with pytest.raises(ConfigurationError, match=r"topics \(--topic, OUTBOX_INBOX_TOPICS\)"):
+        load_inbox_settings(**{**BASE, "topics": "ok,bad/topic"})
+    with pytest.raises(ConfigurationError, match="backoff_base_seconds must not exceed"):
+        load_inbox_settings(**BASE, backoff_base_seconds=10, backoff_max_seconds=1)
+    with pytest.raises(ConfigurationError, match=r"handler .*MODULE:ATTR"):
+        load_inbox_settings(**BASE, handler="just_a_module")
+
+
+def test_settings_never_echo_the_dsn(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        load_inbox_settings(**{**BASE, "dsn": "postgresql://u:hunter2@h/db", "batch_size": 0})
+    assert "hunter2" not in str(info.value) and "batch_size" in str(info.value)
+
+
+def test_the_message_id_is_ce_id_or_the_position() -> None:
+    m = make_message({"x": 1}, ce_id="e-1", key="k1", topic="t", partition=2, offset=9)
+    assert (m.id, m.type, m.partition_key, m.json()) == ("e-1", "test.event", "k1", {"x": 1})
+    bare = InboxMessage(topic="t", partition=2, offset=9, key=None, value=None)
+    assert bare.id == "kafka:t:2:9" and bare.json() is None
+
+
+class _Conn:
+    """What TimeLimit touches of a connection when a handler overruns."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def cancel_safe(self, timeout: float) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_handler_past_its_time_limit_is_abandoned_and_too_many_stop_the_consumer() -> None:
+    limit = TimeLimit(0.05, max_abandoned=2)
+    release = threading.Event()
+    seen: list[int] = []
+
+    def handler(message: InboxMessage, conn: Any) -> None:
+        seen.append(message.offset)
+        if message.offset < 2:
+            release.wait(5)
+
+    limit.call(handler, make_message(offset=5), _Conn())  # type: ignore[arg-type]
+    for offset in (0, 1):
+        conn = _Conn()
+        started = time.monotonic()
+        with pytest.raises(HandlerTimeout):
+            limit.call(handler, make_message(offset=offset), conn)  # type: ignore[arg-type]
+        assert conn.closed and time.monotonic() - started < 2
+    with pytest.raises(InboxStuck, match="2 handlers did not return"):
+        limit.call(handler, make_message(offset=3), _Conn())  # type: ignore[arg-type]
+    release.set()
+    assert seen == [5, 0, 1]
+
+
+def test_what_a_handler_raises_reaches_the_caller() -> None:
+    def handler(message: InboxMessage, conn: Any) -> None:
+        raise KeyError("missing")
+
+    limit = TimeLimit(5)
+    with pytest.raises(KeyError, match="missing"):
+        limit.call(handler, make_message(), _Conn())  # type: ignore[arg-type]
+    limit.call(lambda m, c: None, make_message(), _Conn())  # type: ignore[arg-type]  # the thread goes on
+    limit.close()

@@ -1,0 +1,185 @@
+"""The sink contract's checks without a database: what `--sink MODULE:ATTR` accepts and the errors it
+gives (module, attribute, not a sink, duplicate names), the answers' mapping, the event as given."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from outbox_relay.compose import default_sinks, load_sink
+from outbox_relay.errors import ConfigurationError
+from outbox_relay.settings import load_settings
+from outbox_relay.sink_adapter import EventSinkAdapter, outcome_of, sink_event
+from outbox_relay.sinks import Delivered, GiveUp, Retry, SinkUnavailable, check_sink
+from outbox_relay.store import EventFilter, StoredEvent
+
+DSN = "postgresql://relay@db.invalid/app"
+
+
+@pytest.fixture
+def sinks_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    name = f"user_sinks_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+        class Audit:
+            kind = "audit"
+            def __init__(self, name="audit"):
+                self.name = name
+            def deliver(self, event):
+                return None
+
+        audit = Audit()
+        twin = Audit()
+        def make():
+            return Audit("made")
+        def broken():
+            raise RuntimeError("no endpoint configured")
+        class NoKind:
+            name = "x"
+            def deliver(self, event):
+                return None
+        no_kind = NoKind()
+        not_callable = 42
+    """))
+    (tmp_path / f"{name}_raises.py").write_text("raise RuntimeError('boom at import')\n")
+    (tmp_path / f"{name}_imports.py").write_text("import no_such_dependency_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_load_sink_takes_an_instance_or_a_factory(sinks_module: str) -> None:
+    assert load_sink(f"{sinks_module}:audit").name == "audit"
+    assert load_sink(f"{sinks_module}:make").name == "made"
+
+
+@pytest.mark.parametrize(("attr", "message"), [
+    (":nothing", "has no attribute 'nothing'"),
+    (":no_kind", "is not a sink: no `kind` attribute"),
+    (":not_callable", "int object (--sink {m}:not_callable) is not a sink: no `name` attribute"),
+    (":broken", "calling broken() to make the sink failed: RuntimeError: no endpoint configured"),
+])
+def test_load_sink_names_what_is_wrong(sinks_module: str, attr: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=None) as caught:
+        load_sink(sinks_module + attr)
+    assert message.format(m=sinks_module) in str(caught.value)
+
+
+def test_load_sink_tells_a_missing_module_from_a_module_that_fails(sinks_module: str) -> None:
+    with pytest.raises(ConfigurationError, match="no module named 'nowhere_at_all'"):
+        load_sink("nowhere_at_all.sinks:audit")
+    with pytest.raises(ConfigurationError, match=r"importing module .* failed: RuntimeError: boom at import"):
+        load_sink(f"{sinks_module}_raises:audit")
+    with pytest.raises(ConfigurationError, match=r"importing module .* failed: No module named 'no_such_dependency"):
+        load_sink(f"{sinks_module}_imports:audit")
+
+
+def test_two_sinks_of_one_name_are_refused(sinks_module: str) -> None:
+    settings = load_settings(dsn=DSN, kafka=False, sink=[f"{sinks_module}:audit", f"{sinks_module}:twin"])
+    with pytest.raises(ConfigurationError, match="two sinks of this relay have the name 'audit'"):
+        default_sinks(settings)
+
+
+def test_settings_read_several_sinks_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_SINK", "a.b:c, d:e  f.g:make")
+    assert load_settings(dsn=DSN, kafka=False).sink == ["a.b:c", "d:e", "f.g:make"]
+    with pytest.raises(ConfigurationError, match=r"sink \(--sink, OUTBOX_SINK\): 'a\.b' is not MODULE:ATTR"):
+        load_settings(dsn=DSN, kafka=False, sink=["a.b"])
+
+
+class Minimal:
+    name, kind = "m", "mine"
+
+    def deliver(self, event: object) -> None:
+        return None
+
+
+def test_check_sink_lists_every_problem() -> None:
+    class Bad:
+        name = "Bad Name"
+        kind = "Web-Hook"
+        topics = "orders"
+        concurrency = 0
+
+    with pytest.raises(ConfigurationError) as caught:
+        check_sink(Bad())
+    text = str(caught.value)
+    for part in ("name 'Bad Name' is not a sink name", "kind 'Web-Hook' is not a sink kind",
+                 "no `deliver(event)` method", "`topics` must be None or a collection of str",
+                 "`concurrency` must be an int from 1 to 256, not 0"):
+        assert part in text, text
+    assert check_sink(Minimal()).name == "m"
+
+
+def test_the_adapter_reads_the_optional_attributes() -> None:
+    sink = Minimal()
+    assert EventSinkAdapter(sink).event_filter is None
+    sink.topics = {"orders"}  # type: ignore[attr-defined]
+    sink.types = ["OrderPaid", "OrderPlaced"]  # type: ignore[attr-defined]
+    sink.concurrency = 8  # type: ignore[attr-defined]
+    adapter = EventSinkAdapter(sink)
+    assert adapter.event_filter == EventFilter(types=("OrderPaid", "OrderPlaced"), topics=("orders",))
+    assert adapter.concurrency == 8 and adapter.kind == "mine"
+
+
+def test_answers_map_to_the_engines_outcomes() -> None:
+    assert outcome_of(None) is None and outcome_of(Delivered()) is None
+    retry = outcome_of(Retry("HTTP 503", after_seconds=1e9))
+    assert retry is not None and retry.retriable and retry.error == "HTTP 503" and retry.retry_after == 86400.0
+    give_up = outcome_of(GiveUp("HTTP 400"))
+    assert give_up is not None and not give_up.retriable
+    wrong = outcome_of(True)
+    assert wrong is not None and wrong.retriable and "returned a bool" in wrong.error
+    secret = outcome_of(Retry("failed: postgresql://u:hunter2@db/x"))
+    assert secret is not None and "hunter2" not in secret.error
+    with pytest.raises(ValueError, match="after_seconds"):
+        Retry("x", after_seconds=float("inf"))
+    with pytest.raises(ValueError, match="retry_after_seconds"):
+        SinkUnavailable("x", retry_after_seconds=-1)
+
+
+def stored(headers: str = "{}") -> StoredEvent:
+    return StoredEvent(bucket=1, xid=5, seq=2, id=uuid.uuid4(), key="k", topic="t", type="T",
+                       payload_text='{"a": 1}', headers_text=headers, time=datetime(2026, 1, 1, tzinfo=UTC),
+                       attempts=2, version=3)
+
+
+def test_the_event_as_a_sink_gets_it() -> None:
+    e = sink_event(stored(json.dumps({"traceparent": "00-x"})))
+    assert not isinstance(e, type(None)) and hasattr(e, "payload")
+    assert e.payload == {"a": 1} and e.payload_json == '{"a": 1}'  # type: ignore[union-attr]
+    assert e.attempt == 3 and e.version == 3 and e.headers == {"traceparent": "00-x"}  # type: ignore[union-attr]
+    with pytest.raises(TypeError):
+        e.headers["x"] = "y"  # type: ignore[index,union-attr]
+    bad = sink_event(stored('{"n": 1}'))
+    assert not hasattr(bad, "payload") and not bad.retriable  # type: ignore[union-attr]
+
+
+def test_a_sink_that_raises_system_exit_is_charged_like_any_error() -> None:
+    import threading
+
+    from outbox_relay.sink import Failure
+
+    class Exits:
+        name, kind = "exits", "mine"
+
+        def deliver(self, event: object) -> None:
+            raise SystemExit(3)
+
+    adapter = EventSinkAdapter(Exits())
+    e = stored()
+    got: dict[str, object] = {}
+
+    def commit(outcomes: dict[uuid.UUID, Failure | None], tx: object) -> set[int]:
+        got.update(outcomes=outcomes)
+        return {1}
+
+    try:
+        assert adapter.deliver([e], {1: 1}, commit, threading.Event()) == {1}  # type: ignore[arg-type]
+    finally:
+        adapter.close()
+    outcome = got["outcomes"][e.id]  # type: ignore[index]
+    assert isinstance(outcome, Failure) and outcome.retriable and outcome.error == "SystemExit: 3"
