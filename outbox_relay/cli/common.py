@@ -140,7 +140,8 @@ def _retention_seconds(args: argparse.Namespace) -> float:
     try:
         return float(text) if text else float(RelaySettings.model_fields["retention_seconds"].default)
     except ValueError:
-        raise ConfigurationError(f"{env_var('retention_seconds')}={str(text)[:100]!r} is not a number of seconds") from None
+        raise ConfigurationError(f"{env_var('retention_seconds')}={str(text)[:100]!r} is not a number of "
+                                 "seconds") from None
 
 
 def _global_options(parser: argparse.ArgumentParser, default: Callable[[Any], Any]) -> None:
