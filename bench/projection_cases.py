@@ -2,27 +2,21 @@
 
     projection  a released backlog applied by 1/2/4 `outbox-relay run --no-kafka --projection` processes
     rebuild     `outbox-relay rebuild` of that projection over --rebuild-events stored events, 1 and 2 processes
-    history     retention over --history-events delivered events: sizes, deletion rate, longest
+    (history: retention by partition is measured by bench/history.py since schema version 15)
                 transaction, then the claim cost on what is left
 """
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from bench_projection import SCHEMA
-from psycopg_pool import ConnectionPool
 
-from outbox_relay.housekeeping import Housekeeping
-from outbox_relay.settings import RelaySettings
 from outbox_relay.sqlfiles import query
-from outbox_relay.worker import _configure  # the relay pool's session settings
 
 if TYPE_CHECKING:
     from run import Bench
@@ -227,146 +221,6 @@ def case_rebuild(bench: Bench) -> None:
     finally:
         bench.pg.drop_database(name)
     bench.results["rebuild"] = runs
-
-
-# -- history: retention, VACUUM, and the claim path afterwards -------------------------------------
-
-
-RETENTION_SQL = query("housekeeping", "apply_retention")
-
-
-class TimedConnection(psycopg.Connection[Any]):
-    """Times every transaction that ran the retention DELETE, around the unchanged housekeeping
-    code: a writing transaction holds back vacuum (and, before migration 0007, every relay's read
-    horizon) while it is open. Housekeeping runs each slice as a statement of its own on an
-    autocommit connection (its own transaction); a slice inside an explicit transaction is timed
-    from BEGIN to COMMIT."""
-
-    slices: ClassVar[list[tuple[float, int]]] = []  # (seconds from BEGIN to COMMIT, rows deleted), in order
-    _deleted: int | None = None
-
-    @contextlib.contextmanager
-    def transaction(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        self._deleted = None
-        start = time.perf_counter()
-        with super().transaction(*args, **kwargs) as tx:
-            yield tx
-        if self._deleted is not None:  # committed (an exception skips this)
-            self.slices.append((time.perf_counter() - start, self._deleted))
-
-    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        if query != RETENTION_SQL:
-            return super().execute(query, params, **kwargs)
-        alone = self.autocommit and self.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-        start = time.perf_counter()
-        cur = super().execute(query, params, **kwargs)
-        if alone:
-            self.slices.append((time.perf_counter() - start, cur.rowcount))
-        else:
-            self._deleted = cur.rowcount
-        return cur
-
-
-def explain_retention(conn: psycopg.Connection[Any], settings: RelaySettings, retention: float | None = None
-                      ) -> dict[str, Any]:
-    """EXPLAIN (ANALYZE, BUFFERS) of one retention slice, rolled back."""
-    params = {"retention": settings.retention_seconds if retention is None else retention,
-              "limit": settings.retention_batch}
-    with conn.transaction():
-        plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + RETENTION_SQL, params).fetchone()
-        raise psycopg.Rollback()  # EXPLAIN ANALYZE really deletes
-    with conn.transaction():
-        text = "\n".join(r[0] for r in conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + RETENTION_SQL, params))
-        raise psycopg.Rollback()
-    assert plan is not None
-    p = plan[0][0]
-    return {"execution_ms": p["Execution Time"], "planning_ms": p["Planning Time"],
-            "shared_hit": p["Plan"].get("Shared Hit Blocks"), "shared_read": p["Plan"].get("Shared Read Blocks"),
-            "plan": text}
-
-
-def history_once(bench: Bench, run: int) -> dict[str, Any]:
-    n = bench.args.history_events
-    name, dsn = bench.fresh_outbox_db()
-    owner = "bench-history"
-    settings = RelaySettings(dsn=dsn, kafka=False, retention_seconds=7 * 86400,
-                             retention_batch=bench.args.retention_batch)
-    out: dict[str, Any] = {"run": run, "events": n, "retention_batch": settings.retention_batch}
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("SET plan_cache_mode = force_custom_plan")  # a retention pass's first plans
-            t = time.monotonic()
-            bench.load_events(conn, 1, n, type_="bench.history", topic="bench-history",
-                              payload_sql=bench.ORDER_PAYLOAD, age="8 days")  # older than the 7-day retention
-            bench.deliver_all(conn)
-            conn.execute("VACUUM ANALYZE outbox.events")  # as autovacuum would have over those days
-            out["load_seconds"] = time.monotonic() - t
-            out["before"] = bench.table_sizes(conn)
-            # A pass once retention has caught up (nothing old enough: here, a 30-day retention):
-            # what every housekeeping pass costs in a steady state with this many events retained.
-            out["plans"] = {"caught_up": explain_retention(conn, settings, retention=30 * 86400),
-                            "start": explain_retention(conn, settings)}
-            log(f"history: {n:,} delivered events loaded in {out['load_seconds']:.0f}s, "
-                f"{out['before']['total_bytes'] / 2**20:.0f} MiB; one retention slice: "
-                f"{out['plans']['start']['execution_ms']:.0f} ms, a pass with nothing to delete: "
-                f"{out['plans']['caught_up']['execution_ms']:.0f} ms")
-
-            TimedConnection.slices = []
-            passes: list[dict[str, Any]] = []
-            with ConnectionPool(dsn, min_size=1, max_size=1, kwargs={"autocommit": True}, configure=_configure,
-                                connection_class=TimedConnection, open=True) as pool:
-                housekeeping = Housekeeping(pool, settings)
-                deleted = 0
-                while True:
-                    t = time.perf_counter()
-                    result = housekeeping.run_once()
-                    passes.append({"seconds": time.perf_counter() - t, "deleted": result.deleted_events})
-                    deleted += result.deleted_events
-                    if not result.deleted_events:
-                        break
-                    if "halfway" not in out["plans"] and deleted >= n // 2:  # (not timed)
-                        out["plans"]["halfway"] = {**explain_retention(conn, settings), "deleted_before": deleted}
-            slices = TimedConnection.slices
-            work = sum(p["seconds"] for p in passes)
-            out.update({
-                "deleted": deleted, "passes": len(passes), "retention_seconds": work,
-                "deleted_per_s": deleted / work if work else None,
-                "slices": len(slices), "longest_slice_ms": 1000 * max(s for s, _ in slices) if slices else None,
-                "slice_ms": {k: 1000 * v for k, v in _spread([s for s, _ in slices]).items()},
-                "first_slices_ms": [1000 * s for s, _ in slices[:5]],
-                "last_slices_ms": [1000 * s for s, _ in slices[-5:]],
-                "pass_seconds": [p["seconds"] for p in passes],
-            })
-            out["after_retention"] = bench.table_sizes(conn)
-            out["dead_tuples"] = conn.execute(
-                "SELECT n_live_tup, n_dead_tup, last_autovacuum IS NOT NULL FROM pg_stat_user_tables "
-                "WHERE relid = 'outbox.events'::regclass").fetchone()
-            t = time.monotonic()
-            conn.execute("VACUUM outbox.events")  # plain: what autovacuum does; FULL would lock out producers
-            out["vacuum_seconds"] = time.monotonic() - t
-            out["after_vacuum"] = bench.table_sizes(conn)
-            if deleted != n:
-                raise RuntimeError(f"history: retention deleted {deleted:,} of {n:,} delivered events")
-            # The claim path on what retention left behind: fresh pending events, the relay's fetch.
-            buckets, limit = bench.lease_to(conn, owner)
-            bench.publish_pending(conn, bench.args.claim_pending, "bench-history")
-            out["claim"] = {"stored_events": bench.args.claim_pending, "pending_total": bench.args.claim_pending,
-                            **bench.claim_cost(conn, owner, buckets, limit)}
-        log(f"history run {run + 1}: retention deleted {deleted:,} in {work:.1f}s "
-            f"({out['deleted_per_s'] or 0:,.0f} ev/s, {len(passes)} passes, {len(slices)} slices, "
-            f"longest {out['longest_slice_ms'] or 0:.0f} ms, "
-            f"first {[round(x) for x in out['first_slices_ms']]} ms, last {[round(x) for x in out['last_slices_ms']]}"
-            f" ms); sizes MiB before/after/vacuum "
-            f"{out['before']['total_bytes'] / 2**20:.0f}/{out['after_retention']['total_bytes'] / 2**20:.0f}/"
-            f"{out['after_vacuum']['total_bytes'] / 2**20:.0f}; claim after: "
-            f"{out['claim']['execution_ms']['median']:.2f} ms, {out['claim']['rows_returned']} rows")
-    finally:
-        bench.pg.drop_database(name)
-    return out
-
-
-def case_history(bench: Bench) -> None:
-    bench.results["history"] = [history_once(bench, run) for run in range(bench.args.runs)]
 
 
 def _spread(values: list[float]) -> dict[str, float]:

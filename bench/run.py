@@ -18,8 +18,7 @@ Cases (bench/README.md explains each one and its caveats):
     claim      EXPLAIN (ANALYZE, BUFFERS) of the relay's fetch query as stored history grows
     projection as drain (released backlog), with relays that run a projection (one upsert per event)
     rebuild    `outbox-relay rebuild` of that projection over 1M stored events, 1 and 2 processes
-    history    retention of 1M delivered events: sizes before/after and after VACUUM, deletion rate,
-               longest retention transaction, then the claim cost on what is left
+    (history    since schema version 15 retention drops partitions: python bench/history.py)
     write      (not in the default set; also `python bench/write_path.py`) one-row business transactions
                from 1/4/16/64 producers with and without the outbox write, bulk publish_many (write_path.py)
 Peak RSS of each relay process is read at the end of every drain and projection run.
@@ -59,8 +58,6 @@ from servers import Servers, busy_fraction, machine  # noqa: E402
 
 from outbox_relay import Outbox, migrate, positions  # noqa: E402
 from outbox_relay import store as relay_store  # noqa: E402
-from outbox_relay.housekeeping import RETENTION_SECONDS_PER_PASS  # noqa: E402
-from outbox_relay.settings import RelaySettings  # noqa: E402
 from outbox_relay.sqlfiles import query  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -1380,24 +1377,6 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
             if procs > 1:
                 row(case, "seconds to the first exit (the one that switched over)", "s",
                     [r["first_exit_seconds"] for r in rs])
-    if "history" in results:
-        hs = results["history"]
-        case = (f"history: retention of {a['history_events']:,} delivered events, {a['retention_batch']:,} per "
-                "transaction")
-        row(case, "events deleted/s (passes back to back)", "ev/s", [h["deleted_per_s"] for h in hs])
-        # A relay spends at most RETENTION_SECONDS_PER_PASS on retention per housekeeping pass, so
-        # this is what it can delete on average: more events/s than that and the table grows.
-        every = RelaySettings.model_fields["housekeeping_seconds"].default
-        row(case, f"events deleted/s at the relay's pacing ({RETENTION_SECONDS_PER_PASS:g} s per {every:g} s pass)",
-            "ev/s", [h["deleted_per_s"] * RETENTION_SECONDS_PER_PASS / every for h in hs])
-        row(case, "longest retention transaction ms", "ms", [h["longest_slice_ms"] for h in hs])
-        row(case, "retention transaction p50 ms", "ms", [h["slice_ms"].get("p50") for h in hs])
-        row(case, "a retention pass with nothing to delete (all retained), ms", "ms",
-            [h["plans"]["caught_up"]["execution_ms"] for h in hs])
-        for key, label in (("before", "before retention"), ("after_retention", "after retention"),
-                           ("after_vacuum", "after plain VACUUM")):
-            row(case, f"table+indexes MiB {label}", "MiB", [h[key]["total_bytes"] / 2**20 for h in hs])
-        row(case, "VACUUM seconds", "s", [h["vacuum_seconds"] for h in hs])
     for label, key in (("drain", "drain"), ("projection", "projection")):
         if key in results:
             for r_n in a["relays"]:
@@ -1406,8 +1385,6 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     "MB, max over relays", "MB",
                     [max(v for v in r["peak_rss_mb"].values() if v is not None) for r in rs])
     claims = [(f"{c['stored_events']:,}", c) for c in results.get("claim", [])]
-    claims += [(f"{h['claim']['stored_events']:,} (after retention of {h['events']:,}, VACUUM; run {h['run'] + 1})",
-                h["claim"]) for h in results.get("history", [])]
     if claims:
         lines.append("")
         c0 = claims[0][1]
@@ -1431,20 +1408,6 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
             lines.append("Topic check (consumed with assign()): " + "; ".join(
                 f"{r['relays']} relay{'s' if r['relays'] > 1 else ''}: {r['topic']['messages']:,} messages, "
                 f"{r['topic']['distinct_ids']:,} distinct ce_id, expected {r['topic']['expected']:,}" for r in checks))
-    if "history" in results:
-        lines.append("")
-        lines.append("Storage of `outbox.events` in the history case (MiB, median over runs; the indexes keep their "
-                     "emptied pages for reuse):")
-        lines.append("")
-        lines.append("| stage | table (heap) | indexes | events_position | total (with TOAST) |")
-        lines.append("|---|---:|---:|---:|---:|")
-        for key, label in (("before", f"{a['history_events']:,} delivered events older than the retention"),
-                           ("after_retention", "after retention deleted them"), ("after_vacuum", "after plain VACUUM"),
-                           ("claim", f"after VACUUM, {a['claim_pending']:,} new pending events, VACUUM ANALYZE")):
-            sizes = [h[key] for h in results["history"]]
-            lines.append(f"| {label} | " + " | ".join(
-                f"{statistics.median(x[k] for x in sizes) / 2**20:,.1f}"
-                for k in ("table_bytes", "indexes_bytes", "position_index_bytes", "total_bytes")) + " |")
     if "projection" in results:
         checks = [r for r in results["projection"] if "check" in r]
         if checks:
@@ -1483,10 +1446,10 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="about 2 minutes: fewer events, runs and sizes")
-    p.add_argument("--cases", default="drain,tuned,projection,reference,latency,enqueue,claim,rebuild,history",
+    p.add_argument("--cases", default="drain,tuned,projection,reference,latency,enqueue,claim,rebuild",
                    help="comma list of drain, tuned, projection, reference, latency, longtx, fleet, enqueue, claim, "
-                        "rebuild, history, profile, write; issue8 = drain,tuned,reference,latency,longtx,fleet and "
-                        "the issue's table")
+                        "rebuild, profile, write (history: bench/history.py); issue8 = drain,tuned,reference,"
+                        "latency,longtx,fleet and the issue's table")
     p.add_argument("--events", type=int, default=None, help="N for drain and reference (default 20000)")
     p.add_argument("--runs", type=int, default=None, help="runs per case (default 3)")
     p.add_argument("--keys", type=int, default=1000)
@@ -1550,10 +1513,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="rebuild with the per-event handler (bench_totals), the batched set-based one "
                         "(bench_totals_batched), and the same model by one plain INSERT ... SELECT (sql), "
                         "interleaved in one run")
-    p.add_argument("--history-events", type=int, default=None,
-                   help="delivered events past the retention for the history case (default 1000000)")
-    p.add_argument("--retention-batch", type=int, default=RelaySettings.model_fields["retention_batch"].default,
-                   help="events per retention transaction (default: the relay's)")
     p.add_argument("--profile", action="store_true", help="also run one drain under py-spy (same as --cases +profile)")
     p.add_argument("--keep", action="store_true", help="keep the server directory under /tmp")
     write_path.add_arguments(p)
@@ -1586,7 +1545,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.claim_sizes = [int(x) for x in (args.claim_sizes or ("10000,1000000" if quick
                                                              else "10000,1000000,5000000")).split(",")]
     args.rebuild_events = args.rebuild_events or (100_000 if quick else 1_000_000)
-    args.history_events = args.history_events or (100_000 if quick else 1_000_000)
     args.rebuild_procs = [int(x) for x in args.rebuild_procs.split(",")]
     args.rebuild_handlers = [h.strip() for h in args.rebuild_handlers.split(",") if h.strip()]
     unknown = sorted(set(args.rebuild_handlers) - {"sql", "per-event", "batched"})
@@ -1632,7 +1590,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 "claim": bench.case_claim, "profile": bench.case_profile,
                                                 "projection": lambda: projection_cases.case_projection(bench),
                                                 "rebuild": lambda: projection_cases.case_rebuild(bench),
-                                                "history": lambda: projection_cases.case_history(bench),
                                                 "write": lambda: write_path.case_write(bench)}
         for case in order:
             # Other work on the machine skews every figure: record how busy it was just before.

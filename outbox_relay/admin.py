@@ -1,5 +1,5 @@
 """Operator actions on an outbox database, as a library: everything ``outbox-relay status``, ``lag``,
-``dead-letters``, ``sinks`` and ``keys`` do, one function each, returning dataclasses.
+``dead-letters``, ``sinks``, ``keys`` and ``retention`` do, one function each, returning dataclasses.
 
     import psycopg
     from outbox_relay import admin
@@ -32,6 +32,7 @@ from typing import Any
 
 import psycopg
 
+from . import history
 from .backlog import SinkBacklog, backlog
 from .dsn import one_line
 from .errors import ConfigurationError, OutboxError
@@ -52,21 +53,31 @@ __all__ = [
     "KeySinkState",
     "KeySkipped",
     "KeyState",
+    "PartitionRolled",
+    "Retention",
+    "RetentionClassSet",
     "SinkBacklog",
     "SinkDrop",
     "SinkRecreated",
     "Status",
     "Table",
+    "TopicRetention",
     "backlog",
     "dead_letters",
     "discard_dead_letters",
+    "drop_retention_class",
     "drop_sink",
+    "history_partitions",
     "key_state",
     "pause_key",
     "recreate_sink",
     "resume_key",
+    "retention",
     "retry_dead_letters",
     "retry_key",
+    "roll_history",
+    "set_retention_class",
+    "set_topic_retention",
     "sinks",
     "skip_key",
     "status",
@@ -79,6 +90,10 @@ KEY_DEAD_LETTERS_SHOWN = 5  # key_state: the newest dead letters of the key per 
 # The relays' defaults: "attempt 3 of N", and how recently a relay running a sink was heard from.
 DEFAULT_MAX_ATTEMPTS = int(RelaySettings.model_fields["max_attempts"].default)
 DEFAULT_WORKER_TTL_SECONDS = float(RelaySettings.model_fields["worker_ttl_seconds"].default)
+# What the default retention class keeps unless set (the relays' --retention-seconds), and the span of
+# the partition a roll starts (the relays' --partition-seconds).
+DEFAULT_RETENTION_SECONDS = float(RelaySettings.model_fields["retention_seconds"].default)
+DEFAULT_PARTITION_SECONDS = float(RelaySettings.model_fields["partition_seconds"].default)
 # The last error of a dead letter made by skip_key (`outbox-relay keys skip`).
 SKIPPED_ERROR = "skipped by an operator (outbox-relay keys skip)"
 # admin.sql dead_letters: the keyset position of the first page.
@@ -100,14 +115,50 @@ class Table:
 @dataclass(frozen=True)
 class Status:
     """What ``outbox-relay status`` shows: relays and their buckets, the backlog per sink, the oldest open
-    writing transaction, dead letters by key, rebuilds in progress and each projection's history."""
+    writing transaction, dead letters by key, rebuilds in progress, history per retention class and each
+    projection's history."""
 
     workers: Table
     backlog: Table
     oldest_open_transaction: Table
     dead_letters_by_key: Table
     rebuilds: Table
+    retention: Table
     history: Table
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What ``outbox-relay retention list`` shows: the retention classes (keep, topics) and, per class,
+    its partitions, size, oldest event and what holds its oldest partition back (docs/history.md)."""
+
+    classes: Table
+    history: Table
+
+
+@dataclass(frozen=True)
+class RetentionClassSet:
+    """A retention class as ``set_retention_class`` left it: ``keep_seconds`` None keeps its events for
+    good; ``follows_relays``: the default class keeps the relays' --retention-seconds again."""
+
+    name: str
+    keep_seconds: float | None
+    follows_relays: bool
+
+
+@dataclass(frozen=True)
+class TopicRetention:
+    """A topic's retention class from the next partition on (``set_topic_retention``)."""
+
+    topic: str
+    class_name: str
+
+
+@dataclass(frozen=True)
+class PartitionRolled:
+    """``roll_history``: events now go to the range partition ``partition``."""
+
+    partition: str
 
 
 @dataclass(frozen=True)
@@ -278,6 +329,11 @@ def _rows(conn: Conn, name: str, params: dict[str, Any] | None = None) -> Table:
         return Table(tuple(d.name for d in cur.description or []), list(cur.fetchall()))
 
 
+def _history_rows(conn: Conn, name: str, retention_seconds: float) -> Table:
+    columns, rows = history.rows(conn, name, retention_seconds)
+    return Table(tuple(columns), rows)
+
+
 def _time(value: datetime | None) -> str:
     return "" if value is None else value.isoformat(sep=" ", timespec="seconds")
 
@@ -363,18 +419,67 @@ def recreate_sink(conn: Conn, name: str) -> SinkRecreated:
 # --- status --------------------------------------------------------------------------------------
 
 
-def status(conn: Conn, *, all_databases: bool = False, dead_letter_keys: int = 20) -> Status:
+def status(conn: Conn, *, all_databases: bool = False, dead_letter_keys: int = 20,
+           retention_seconds: float = DEFAULT_RETENTION_SECONDS) -> Status:
     """Relays, backlog, the oldest open writing transaction (of the outbox's database; of the whole
-    server with ``all_databases``), the ``dead_letter_keys`` keys with most dead letters, rebuilds and
-    history per projection."""
+    server with ``all_databases``), the ``dead_letter_keys`` keys with most dead letters, rebuilds,
+    history per retention class (``retention_seconds``: the relays' --retention-seconds, what the
+    default class keeps unless set) and history per projection."""
     return Status(
         workers=_rows(conn, "workers"),
         backlog=_rows(conn, "backlog"),
         oldest_open_transaction=_rows(conn, "horizon_holder", {"all_databases": all_databases}),
         dead_letters_by_key=_rows(conn, "dead_letters_by_key", {"sink": None, "limit": dead_letter_keys}),
         rebuilds=_rows(conn, "rebuilds"),
+        retention=_history_rows(conn, "by_class", retention_seconds),
         history=_rows(conn, "history"),
     )
+
+
+# --- retention (history partitions: docs/history.md) ---------------------------------------------
+
+
+def retention(conn: Conn, retention_seconds: float = DEFAULT_RETENTION_SECONDS) -> Retention:
+    """The retention classes and history per class (``retention_seconds``: the relays' setting, what the
+    default class keeps unless set)."""
+    return Retention(classes=_history_rows(conn, "classes", retention_seconds),
+                     history=_history_rows(conn, "by_class", retention_seconds))
+
+
+def history_partitions(conn: Conn, retention_seconds: float = DEFAULT_RETENTION_SECONDS) -> Table:
+    """Every partition of outbox.events: xid range, class, topics, size, what holds it."""
+    return _history_rows(conn, "partitions", retention_seconds)
+
+
+def set_retention_class(conn: Conn, name: str, keep_seconds: float | str | None) -> RetentionClassSet:
+    """Create class ``name`` or change its keep: seconds, None (for good), or "relays" (the default class
+    only: back to the relays' --retention-seconds). ConfigurationError names a bad name or keep."""
+    if keep_seconds == "relays":
+        if name != "default":
+            raise ConfigurationError("keeping what the relays' --retention-seconds says is for the default class only")
+        history.reset_default(conn)
+        return RetentionClassSet(name, None, True)
+    if isinstance(keep_seconds, str):
+        raise ConfigurationError(f"retention class {name!r}: keep must be seconds, None or 'relays', "
+                                 f"not {keep_seconds[:100]!r}")
+    history.set_class(conn, name, keep_seconds)
+    return RetentionClassSet(name, keep_seconds, False)
+
+
+def drop_retention_class(conn: Conn, name: str) -> None:
+    """Remove class ``name``; refused (ConfigurationError) while topics are mapped to it or partitions hold it."""
+    history.drop_class(conn, name)
+
+
+def set_topic_retention(conn: Conn, topic: str, class_name: str) -> TopicRetention:
+    """Put ``topic`` in ``class_name`` ('default': back to the default class), from the next partition on."""
+    history.map_topic(conn, topic, class_name)
+    return TopicRetention(topic, class_name)
+
+
+def roll_history(conn: Conn, partition_seconds: float = DEFAULT_PARTITION_SECONDS) -> PartitionRolled:
+    """End the partition being written and start the next one now (class and topic changes apply from it)."""
+    return PartitionRolled(history.roll(conn, partition_seconds))
 
 
 # --- dead letters --------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ MAX_SCHEMA_VERSION = 32767  # also a CHECK on outbox.events.schema_version
 MAX_PAYLOAD_DEPTH = 256
 # Kafka's own rule for topic names; fullmatch, since "$" would also match before a trailing newline.
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
-# Headers the relay sets on every Kafka message (kafka_sink); the trigger outbox.check_event_v2
+# Headers the relay sets on every Kafka message (kafka_sink); the trigger outbox.check_event_v3
 # refuses the same names, so that consumers never see two values for one of them.
 RESERVED_HEADERS = frozenset({
     "ce_specversion", "ce_id", "ce_source", "ce_type", "ce_time", "ce_sequence", "ce_partitionkey",

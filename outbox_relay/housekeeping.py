@@ -9,8 +9,9 @@ part; no other role can stop housekeeping (an advisory lock can be held by any r
 A pass: workers that stopped heartbeating are marked dead (they already left the stored
 assignment, which counts only live members); expired leases and the leases of dead workers are
 freed, and the transactions their owners still hold are terminated (every one of a dead relay, those
-older than the lease of a live one), so that row locks do not outlive the lease; old delivered events
-are deleted in short slices.
+older than the lease of a live one), so that row locks do not outlive the lease; the next partition of
+``outbox.events`` is made ahead, and partitions whose events every sink has delivered and whose retention
+class has let go of them are dropped whole (history.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from . import store
+from . import history, store
 from .dsn import describe_error
 from .settings import RelaySettings
 from .sqlfiles import query
@@ -94,6 +95,10 @@ class Housekeeping:
                 if expired:
                     store.announce_buckets(conn, {r[1] for r in expired})
                 terminated = self._terminate_stalled(conn, stalled) if stalled else 0
+            with self.pool.connection() as conn:
+                made = history.make_ahead(conn, s.partition_seconds)
+            if made:
+                log.info("housekeeping: history partitions %s made ahead", made)
             deleted = self._apply_retention()
         finally:
             with self.pool.connection() as conn:
@@ -104,7 +109,7 @@ class Housekeeping:
         if expired:
             log.warning("housekeeping: %d expired leases returned (owners %s)", len(expired), owners)
         if deleted:
-            log.info("housekeeping: retention deleted %d events", deleted)
+            log.info("housekeeping: retention removed %d events", deleted)
         return HousekeepingResult(True, len(dead), len(expired), deleted, terminated, time.monotonic() - started)
 
     def _claim(self, conn: Conn, min_gap_seconds: float) -> bool:
@@ -155,16 +160,9 @@ class Housekeeping:
                         since, f"in progress on {row[1]}" if row[2] else f"last run by {row[1] or 'nobody'}")
 
     def _apply_retention(self) -> int:
-        """Delete old delivered events in slices, each its own short transaction, within a time budget."""
-        s = self.settings
-        deleted = 0
-        deadline = time.monotonic() + RETENTION_SECONDS_PER_PASS
-        while time.monotonic() < deadline:
-            with self.pool.connection() as conn:
-                row = conn.execute(query("housekeeping", "apply_retention"),
-                                   {"retention": s.retention_seconds, "limit": s.retention_batch}).fetchone()
-            n = int(row[0]) if row else 0
-            deleted += max(0, n)
-            if n < s.retention_batch:
-                break
-        return deleted
+        """Drop whole partitions that may go (history.retire), within a time budget; returns the events removed."""
+        with self.pool.connection() as conn:
+            retired = history.retire(conn, self.settings.retention_seconds, RETENTION_SECONDS_PER_PASS)
+        if retired:
+            log.info("housekeeping: retention dropped partitions %s", [(r.partition, r.events) for r in retired])
+        return sum(r.events for r in retired)

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from . import history
 from .dsn import describe_error, redact
 from .observer import Observer
 from .sqlfiles import query
@@ -153,6 +155,9 @@ class OutboxGauges(Collector):
         self._sinks: list[tuple[str, int, float | None, int, int, int, int]] = []
         self._keys: list[tuple[str, str, int, float]] = []
         self._cluster: tuple[float | None, float | None] = (None, None)
+        # Per retention class: partitions, bytes, age of the oldest event, held by something other than
+        # its retention (a sink, a parked event, a dead letter, a rebuild).
+        self._history: list[tuple[str, int, int, float | None, bool]] = []
         self._refreshed: float | None = None  # monotonic time of the last good refresh
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="metrics-refresh", daemon=True)
@@ -185,12 +190,14 @@ class OutboxGauges(Collector):
                 keys = [(r[0], r[1], int(r[2]), float(r[3]))
                         for r in conn.execute(query("metrics", "key_lag"), {"top": TOP_KEYS}).fetchall()]
                 row = conn.execute(query("metrics", "cluster")).fetchone()
+                cols, classes = history.rows(conn, "by_class", self.worker.settings.retention_seconds)
         except psycopg.Error as exc:
             log.warning("metrics: could not refresh the outbox gauges: %s", redact(describe_error(exc)))
             return
         with self._lock:
             self._sinks, self._keys = sinks, keys
             self._cluster = (row[0], row[1]) if row else (None, None)
+            self._history = [_history_row(dict(zip(cols, r, strict=True))) for r in classes]
             self._refreshed = time.monotonic()
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
@@ -225,6 +232,7 @@ class OutboxGauges(Collector):
                                 value=1.0 if self.ready() else 0.0)
         with self._lock:
             sinks, keys, cluster, refreshed = self._sinks, self._keys, self._cluster, self._refreshed
+            classes = self._history
         age = GaugeMetricFamily(f"{PREFIX}_metrics_refresh_age_seconds",
                                 "Seconds since the outbox gauges below were read from the database")
         if refreshed is not None:
@@ -268,6 +276,38 @@ class OutboxGauges(Collector):
         if cluster[1] is not None:
             housekeeping.add_metric([], cluster[1])
         yield housekeeping
+        yield from _history_gauges(classes)
+
+
+# What keeps a class's oldest partition that is not its own retention (partition_hold_v1's words).
+_NOT_BLOCKED = ("within retention", "retention class", "empty", "still being written")
+
+
+def _history_row(r: dict[str, Any]) -> tuple[str, int, int, float | None, bool]:
+    oldest = r["oldest_event"]
+    age = (datetime.now(UTC) - oldest).total_seconds() if oldest is not None else None
+    held = r["held_by"]
+    return (str(r["class"]), int(r["partitions"]), int(r["bytes"] or 0), age,
+            held is not None and not str(held).startswith(_NOT_BLOCKED))
+
+
+def _history_gauges(classes: list[tuple[str, int, int, float | None, bool]]) -> Iterable[GaugeMetricFamily]:
+    parts = GaugeMetricFamily(f"{PREFIX}_history_partitions", "Partitions of outbox.events per retention class "
+                              "('(all)': events_default and events_legacy)", labels=["class"])
+    size = GaugeMetricFamily(f"{PREFIX}_history_bytes", "Bytes of stored history per retention class",
+                             labels=["class"])
+    oldest = GaugeMetricFamily(f"{PREFIX}_history_oldest_event_age_seconds",
+                               "Age of the oldest stored event per retention class", labels=["class"])
+    blocked = GaugeMetricFamily(f"{PREFIX}_history_retention_blocked", "1 while the class's oldest partition is "
+                                "held by a sink, a parked event, a dead letter or a rebuild (outbox-relay retention "
+                                "list says which), not by its retention", labels=["class"])
+    for name, n, nbytes, age, held in classes:
+        parts.add_metric([name], n)
+        size.add_metric([name], nbytes)
+        if age is not None:
+            oldest.add_metric([name], age)
+        blocked.add_metric([name], 1.0 if held else 0.0)
+    yield from (parts, size, oldest, blocked)
 
 
 class MetricsServer:

@@ -1,4 +1,4 @@
-"""``outbox-relay``: migrate, run, status, lag, dead-letters, keys, sinks, rebuild, replay, dev.
+"""``outbox-relay``: migrate, run, status, lag, dead-letters, retention, keys, sinks, rebuild, replay, dev.
 
 Every option of ``run`` is a RelaySettings field and can also come from the environment
 variable named in ``--help``.
@@ -6,7 +6,7 @@ variable named in ``--help``.
 
 # (The docstring above is also the --help description.) Every command is registered here, in
 # build_parser (its arguments) and COMMANDS (what runs it); the commands live in one module per group:
-# operate.py (status, lag, dead-letters, sinks, keys: calls of outbox_relay.admin) and relays.py (run,
+# operate.py (status, lag, dead-letters, retention, sinks, keys: calls of outbox_relay.admin) and relays.py (run,
 # migrate, dev, rebuild, replay); common.py holds argument types and the database connection, output.py
 # the printing, logs.py the log format.
 
@@ -41,6 +41,7 @@ from .common import (
     _global_options,
     _HelpFormatter,
     _int_between,
+    _keep,
     _key_args,
     _parser_with,
     _position,
@@ -49,7 +50,17 @@ from .common import (
     _topic,
 )
 from .logs import setup_logging
-from .operate import DEAD_LETTERS_ACTIONS, SINKS_ACTIONS, cmd_dead_letters, cmd_keys, cmd_lag, cmd_sinks, cmd_status
+from .operate import (
+    DEAD_LETTERS_ACTIONS,
+    RETENTION_ACTIONS,
+    SINKS_ACTIONS,
+    cmd_dead_letters,
+    cmd_keys,
+    cmd_lag,
+    cmd_retention,
+    cmd_sinks,
+    cmd_status,
+)
 from .output import _error, _say
 from .relays import (
     DEFAULT_DEV_TOPIC,
@@ -158,6 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a relay heard from within this long still runs the sink (0.02-3600; default: the relays' "
                         f"setting from {env_var('worker_ttl_seconds')}, else 10)")
 
+    summary = "how long history is kept, per retention class of topics (docs/history.md)"
+    p = sub.add_parser("retention", help=summary, description=_actions_description(summary, RETENTION_ACTIONS))
+    _dsn_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output (every action)")
+    p.add_argument("action", choices=list(RETENTION_ACTIONS), help="what to do (see actions above)")
+    p.add_argument("name", nargs="?", default=None, help="the class (class, drop-class) or topic (topic)")
+    p.add_argument("--keep", type=_keep, default=None, metavar="DURATION",
+                   help="class: how long its events are kept after delivery: seconds, or a number with s, m, h or d "
+                        "(7d), or 'forever'; for the default class, 'relays' returns to the relays' "
+                        f"--retention-seconds ({env_var('retention_seconds')})")
+    p.add_argument("--class", dest="class_name", default=None, help="topic: the class to put it in")
+    p.add_argument("--retention-seconds", type=float, default=None, metavar="SECONDS",
+                   help=f"the relays' --retention-seconds, for list and partitions (default: "
+                        f"{env_var('retention_seconds')}, else 7 days)")
+
     summary = "list, retry or discard dead letters"
     p = sub.add_parser("dead-letters", help=summary, description=_actions_description(summary, DEAD_LETTERS_ACTIONS))
     _dsn_arg(p)
@@ -215,6 +241,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": cmd_status,
     "lag": cmd_lag,
     "dead-letters": cmd_dead_letters,
+    "retention": cmd_retention,
     "keys": cmd_keys,
     "sinks": cmd_sinks,
     "rebuild": cmd_rebuild,

@@ -112,6 +112,38 @@ def _seconds(text: str) -> float:
     return value
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _keep(text: str) -> float | str:
+    """A retention: seconds, a number with a unit (s, m, h, d), 'forever' or 'relays'."""
+    word = text.strip().lower()
+    if word in ("forever", "relays"):
+        return word
+    unit = _UNITS.get(word[-1:])
+    try:
+        value = float(word[:-1] if unit else word) * (unit or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text[:100]!r} (seconds, 7d, 12h, 30m, 'forever' or "
+                                         "'relays')") from None
+    if not 0 <= value <= 3650 * 86400:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 to 3650 days, not {text[:100]}")
+    return value
+
+
+def _retention_seconds(args: argparse.Namespace) -> float:
+    """The relays' --retention-seconds (what the default retention class keeps unless set): the option,
+    else the environment, else the relays' default."""
+    if getattr(args, "retention_seconds", None) is not None:
+        return float(args.retention_seconds)
+    text = os.environ.get(env_var("retention_seconds"))
+    try:
+        return float(text) if text else float(RelaySettings.model_fields["retention_seconds"].default)
+    except ValueError:
+        raise ConfigurationError(f"{env_var('retention_seconds')}={str(text)[:100]!r} is not a number of "
+                                 "seconds") from None
+
+
 def _global_options(parser: argparse.ArgumentParser, default: Callable[[Any], Any]) -> None:
     parser.add_argument("--log-level", type=_log_level, default=default("info"),
                         help="debug, info, warning, error (debug also prints the traceback of an unexpected error; "

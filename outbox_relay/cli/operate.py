@@ -1,5 +1,5 @@
-"""``status``, ``lag``, ``dead-letters``, ``sinks`` and ``keys``: arguments to ``outbox_relay.admin`` calls,
-and what they return to text or JSON."""
+"""``status``, ``lag``, ``dead-letters``, ``sinks``, ``keys`` and ``retention``: arguments to
+``outbox_relay.admin`` calls, and what they return to text or JSON."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .. import admin
 from ..admin import SKIPPED_ERROR
 from ..errors import ConfigurationError
 from ..settings import RelaySettings, env_var
-from .common import EXIT_OK, MAX_ATTEMPTS, _database, _dsn, _int_between, _seconds
+from .common import EXIT_OK, MAX_ATTEMPTS, _database, _dsn, _int_between, _retention_seconds, _seconds
 from .output import _cell, _print_json, _print_table, _say
 
 SINKS_ACTIONS = {
@@ -24,6 +24,15 @@ SINKS_ACTIONS = {
     "drop": "retire a sink NAME: its cursors, parked events and dead letters are deleted (refused while relays "
             "use it, unless --force)",
     "recreate": "let relays register a dropped sink NAME again (it starts from the oldest retained event)",
+}
+RETENTION_ACTIONS = {
+    "list": "retention classes (keep, topics) and history per class: partitions, size, oldest event, what holds "
+            "its oldest partition",
+    "partitions": "every partition of outbox.events: xid range, class, topics, size, what holds it",
+    "class": "create class NAME or change its --keep (NAME default: every topic not mapped to a class)",
+    "drop-class": "remove class NAME (no topic may be mapped to it, no partition hold it)",
+    "topic": "put topic NAME in --class (default: back to the default class); applies from the next partition",
+    "roll": "end the partition being written and start the next one now (class changes apply from it)",
 }
 DEAD_LETTERS_ACTIONS = {
     "list": "dead letters, newest first, with their last error (--sink, --key, --limit; --after pages)",
@@ -34,7 +43,7 @@ DEAD_LETTERS_ACTIONS = {
 
 def cmd_status(args: argparse.Namespace) -> int:
     with _database(_dsn(args)) as conn:
-        found = admin.status(conn, all_databases=args.all_databases)
+        found = admin.status(conn, all_databases=args.all_databases, retention_seconds=_retention_seconds(args))
     titles = {
         "workers": "workers",
         "backlog": "backlog",
@@ -43,6 +52,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                                    + " (delays only its own events; holds back vacuum)",
         "dead_letters_by_key": "dead letters by key",
         "rebuilds": "rebuilds in progress",
+        "retention": "history per retention class (partitions, size, oldest event, what holds its oldest partition "
+                     "back; `outbox-relay retention list`)",
         "history": "history per projection (how far back a rebuild goes; incomplete: retention removed events it "
                    "applied, so a full rebuild needs --accept-partial)",
     }
@@ -150,6 +161,55 @@ def _dropped(drop: admin.SinkDrop) -> tuple[dict[str, Any], list[str]]:
               "parked_deleted": drop.parked_deleted, "dead_letters_deleted": drop.dead_letters_deleted,
               "in_use": users, "abandoned_rebuild_of": drop.abandoned_rebuild_of}
     return result, lines
+
+
+def cmd_retention(args: argparse.Namespace) -> int:
+    keep_default = _retention_seconds(args)
+    with _database(_dsn(args)) as conn:
+        if args.action in ("list", "partitions"):
+            if args.action == "list":
+                found = admin.retention(conn, keep_default)
+                sections = {"classes": found.classes, "history": found.history}
+            else:
+                sections = {"partitions": admin.history_partitions(conn, keep_default)}
+            if args.json:
+                _print_json({name: table.records() for name, table in sections.items()})
+                return EXIT_OK
+            for title, table in sections.items():
+                _say(f"\n{title}:")
+                _print_table(table.rows, table.columns) if table.rows else _say("  (none)")
+            return EXIT_OK
+        if args.action == "roll":
+            rolled = admin.roll_history(conn)
+            result: dict[str, Any] = {"action": "roll", "partition": rolled.partition}
+            line = f"the partition being written ended; events now go to {rolled.partition}"
+        elif not args.name:
+            raise ConfigurationError(f"retention {args.action} needs a name")
+        elif args.action == "class":
+            if args.keep is None:
+                raise ConfigurationError("retention class needs --keep (a duration, 'forever' or, for default, "
+                                         "'relays')")
+            changed = admin.set_retention_class(conn, args.name, None if args.keep == "forever" else args.keep)
+            result = {"action": "class", "class": changed.name, "keep": args.keep}
+            line = f"retention class {changed.name!r} keeps events " + (
+                "as the relays' --retention-seconds says" if changed.follows_relays
+                else "for good" if changed.keep_seconds is None else f"{changed.keep_seconds:g} seconds")
+        elif args.action == "drop-class":
+            admin.drop_retention_class(conn, args.name)
+            result = {"action": "drop-class", "class": args.name}
+            line = f"retention class {args.name!r} removed"
+        else:
+            if not args.class_name:
+                raise ConfigurationError("retention topic needs --class (default: back to the default class)")
+            mapped = admin.set_topic_retention(conn, args.name, args.class_name)
+            result = {"action": "topic", "topic": mapped.topic, "class": mapped.class_name}
+            line = (f"topic {mapped.topic!r} is in retention class {mapped.class_name!r} from the next partition on "
+                    "(`outbox-relay retention roll` starts it now)")
+    if args.json:
+        _print_json(result)
+    else:
+        _say(line)
+    return EXIT_OK
 
 
 def _worker_ttl(args: argparse.Namespace) -> float:

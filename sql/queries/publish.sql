@@ -21,11 +21,11 @@ ORDER BY r.ord;
 
 -- name: insert_keyed
 -- Append one event with an idempotency key (an id the library made): inserted unless its key is stored, in which case nothing is written and the caller looks the stored event up (find_by_idempotency_keys).
+-- events_check records the key in outbox.idempotency_keys, or skips the row when the key is taken (0015).
 INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
                            schema_version)
 VALUES (%(id)s::uuid, %(topic)s, %(key)s, %(type)s, %(payload)s::jsonb, %(headers)s::jsonb, %(idempotency_key)s,
         %(time)s::timestamptz, %(version)s::int)
-ON CONFLICT ((coalesce(topic, '')), idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING id;
 
 -- name: insert_checked
@@ -93,10 +93,10 @@ checked AS (
            old.idempotency_fingerprint <> outbox.fingerprint_v1(i.type, i.partition_key, i.payload) AS known_differs
     FROM input i
     LEFT JOIN LATERAL (
-        SELECT e.id, e.idempotency_fingerprint
-        FROM outbox.events e
+        SELECT k.event_id AS id, k.fingerprint AS idempotency_fingerprint
+        FROM outbox.idempotency_keys k
         WHERE i.idempotency_key IS NOT NULL
-          AND coalesce(e.topic, '') = coalesce(i.topic, '') AND e.idempotency_key = i.idempotency_key
+          AND k.scope = coalesce(i.topic, '') AND k.key = i.idempotency_key
         LIMIT 1
     ) old ON true
 ),
@@ -117,16 +117,15 @@ taken AS (
       AND EXISTS (SELECT FROM outbox.events e WHERE e.id = c.id)
 ),
 inserted AS (
-    -- Positions (seq) follow the caller's order; a known idempotency key inserts nothing, and one
-    -- conflict or taken id inserts nothing at all, so the caller's transaction holds none of the batch
-    -- and stays usable.
+    -- Positions (seq) follow the caller's order; a known idempotency key inserts nothing (events_check
+    -- skips the row: 0015), and one conflict or taken id inserts nothing at all, so the caller's
+    -- transaction holds none of the batch and stays usable.
     INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
                                schema_version)
     SELECT id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at, schema_version
     FROM checked
     WHERE NOT EXISTS (SELECT FROM conflicts) AND NOT EXISTS (SELECT FROM taken)
     ORDER BY ord
-    ON CONFLICT ((coalesce(topic, '')), idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id
 )
 -- For each input row: the event that stands for it (this row's, the batch's first under its key,
@@ -150,9 +149,9 @@ FROM unnest(%(topics)s::text[], %(idempotency_keys)s::text[], %(types)s::text[],
             %(payloads)s::text[]) WITH ORDINALITY AS k(topic, idempotency_key, type, partition_key, payload, ord)
 LEFT JOIN LATERAL (
     -- One index probe per key (see checked in publish).
-    SELECT s.id, s.idempotency_fingerprint
-    FROM outbox.events s
-    WHERE coalesce(s.topic, '') = coalesce(k.topic, '') AND s.idempotency_key = k.idempotency_key
+    SELECT s.event_id AS id, s.fingerprint AS idempotency_fingerprint
+    FROM outbox.idempotency_keys s
+    WHERE s.scope = coalesce(k.topic, '') AND s.key = k.idempotency_key
     LIMIT 1
 ) e ON true
 ORDER BY k.ord;

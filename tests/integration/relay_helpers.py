@@ -23,7 +23,7 @@ import pytest
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
-from outbox_relay import store, testing
+from outbox_relay import history, store, testing
 from outbox_relay.positions import Cursor
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import SinkRunner
@@ -301,6 +301,13 @@ def dead_letters(dsn: str, sink: str = SINK) -> dict[uuid.UUID, tuple[int, str]]
 
 def parked_ids(dsn: str, sink: str = SINK) -> set[uuid.UUID]:
     return {r[0] for r in fetch_all(dsn, "SELECT event_id FROM outbox.parked WHERE sink = %s", (sink,))}
+
+
+def close_history(dsn: str) -> None:
+    """End the history partition being written (0015): retention removes closed partitions only, and a
+    test's events all sit in the one the migration made."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        history.roll(conn, 86400.0, min_width=1000)
 
 
 def register(dsn: str, sink: str = SINK, kind: str = "projection") -> None:

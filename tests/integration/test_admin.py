@@ -28,6 +28,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     RecordingSink,
     attempts_of,
     bucket_of,
+    close_history,
     dead_letters,
     dedup_per_key,
     fail_ids,
@@ -169,12 +170,37 @@ def test_retention_ignores_a_dropped_sink(dsn: str, conn: psycopg.Connection[Any
     publish(dsn, [(f"key-{i}", "t", {}) for i in range(50)])
     # The live sink delivered everything: its cursors are past every stored event.
     conn.execute("UPDATE outbox.cursors SET snapshot = pg_current_snapshot() WHERE sink = 'live'")
+    close_history(dsn)
     settings = make_settings(dsn, "housekeeper", retention_seconds=0.0)
     with ConnectionPool(dsn, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
         assert Housekeeping(pool, settings).run_once().deleted_events == 0, "the lagging sink holds retention"
         assert admin.drop_sink(conn, SINK).dropped
         assert Housekeeping(pool, settings).run_once().deleted_events == 50
     assert fetch_all(dsn, "SELECT count(*) FROM outbox.events") == [(0,)]
+
+
+def test_retention_actions(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """The retention command's actions as library calls: classes, topics, a roll, and what list, partitions
+    and status report of them (docs/history.md)."""
+    assert admin.set_retention_class(conn, "short", 3600.0) == admin.RetentionClassSet("short", 3600.0, False)
+    assert admin.set_retention_class(conn, "audit", None).keep_seconds is None  # kept for good
+    assert admin.set_topic_retention(conn, "notifications", "short") == admin.TopicRetention("notifications", "short")
+    with pytest.raises(ConfigurationError, match="for the default class only"):
+        admin.set_retention_class(conn, "short", "relays")
+    assert admin.set_retention_class(conn, "default", "relays").follows_relays
+    with pytest.raises(ConfigurationError, match="retention class 'missing' does not exist"):
+        admin.set_topic_retention(conn, "orders", "missing")
+    with pytest.raises(ConfigurationError, match="topics or partitions still use it"):
+        admin.drop_retention_class(conn, "short")
+    admin.drop_retention_class(conn, "audit")  # nothing uses it
+    rolled = admin.roll_history(conn)
+    found = admin.retention(conn, retention_seconds=60.0)
+    classes = {c["class"]: c for c in found.classes.records()}
+    assert set(classes) == {"default", "short"} and classes["short"]["topics"] == ["notifications"], classes
+    assert classes["default"]["keep_seconds"] == 60, "the default class keeps the relays' setting"
+    names = {p["name"] for p in admin.history_partitions(conn).records()}
+    assert {f"{rolled.partition}_short", f"{rolled.partition}_default", "events_default"} <= names, names
+    assert {r["class"] for r in admin.status(conn).retention.records()} >= {"default", "short"}
 
 
 # -- keys -----------------------------------------------------------------------------------------

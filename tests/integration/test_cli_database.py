@@ -120,7 +120,7 @@ def test_json_has_numbers_times_and_snake_case_keys_and_tables_no_reprs(dsn: str
     assert cli.main(["status", "--dsn", dsn, "--json"]) == cli.EXIT_OK
     status = json.loads(capsys.readouterr().out)
     assert list(status) == ["workers", "backlog", "oldest_open_transaction", "dead_letters_by_key", "rebuilds",
-                            "history"]
+                            "retention", "history"]
     worker = status["workers"][0]
     assert worker["sinks"] == ["kafka"] and worker["buckets"] == {"kafka": 7}, worker
     assert isinstance(worker["seen_seconds_ago"], int | float), worker

@@ -161,6 +161,35 @@ def test_the_keys_that_lag_are_named(dsn: str, kafka_topic: str, relay: tuple[Wo
                message="kafka's lag to clear")
 
 
+def test_history_per_retention_class_and_what_holds_it(dsn: str, kafka_topic: str,
+                                                       relay: tuple[Worker, int]) -> None:
+    """0015: partitions, bytes and the oldest event per retention class; blocked while a sink that no
+    relay runs holds the oldest partition past its retention (the relays keep 7 days: the class 'now'
+    keeps 0 s)."""
+    _, port = relay
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        from outbox_relay import history, store
+
+        history.set_class(conn, "now", 0.0)
+        history.map_topic(conn, kafka_topic, "now")
+        history.roll(conn, 86400.0, min_width=1000)
+        store.register_sink(conn, "stalled", "projection")
+    with psycopg.connect(dsn) as conn:
+        Outbox(default_topic=kafka_topic).publish_many(conn, [{"type": "t", "key": "k", "payload": {}}])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        history.roll(conn, 86400.0, min_width=1000)
+
+    def blocked() -> Any:
+        s = scrape(port)
+        return value(s, "outbox_relay_history_retention_blocked", **{"class": "now"}) == 1.0 and s
+
+    samples = wait_until(blocked, 15, message="the stalled sink to hold retention of class 'now'")
+    assert (value(samples, "outbox_relay_history_partitions", **{"class": "now"}) or 0) >= 1
+    assert (value(samples, "outbox_relay_history_bytes", **{"class": "now"}) or 0) > 0
+    assert (value(samples, "outbox_relay_history_oldest_event_age_seconds", **{"class": "now"}) or -1) >= 0
+    assert value(samples, "outbox_relay_history_retention_blocked", **{"class": "default"}) == 0.0
+
+
 def test_a_paused_key_s_events_are_counted_apart_from_retrying_ones(dsn: str, relay: tuple[Worker, int]) -> None:
     """Events held by a paused key wait for an operator, not for a retry: their own gauge, not parked."""
     _, port = relay

@@ -27,6 +27,7 @@ from projections.event import FenceToken
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     ALL_BUCKETS,
+    close_history,
     dead_letters,
     fetch_all,
     keys_in_bucket,
@@ -361,6 +362,7 @@ def test_a_projection_moves_past_events_it_does_not_want_so_retention_can_delete
     assert seen == []
     publish(dsn, [("k1", "Rare", {})])
     run_until(r, lambda: seen == ["Rare"])
+    close_history(dsn)
     deleted = Housekeeping(pool, make_settings(dsn, "hk", retention_seconds=0.0)).run_once().deleted_events
     assert deleted == 601, "every event is behind the only sink: retention deletes all of them"
 

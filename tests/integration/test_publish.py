@@ -53,8 +53,9 @@ def shop(dsn: str) -> str:
 def stored(dsn: str) -> list[dict[str, Any]]:
     """The events as another session sees them (committed only), in position order."""
     with psycopg.connect(dsn, autocommit=True) as conn, conn.cursor(row_factory=dict_row) as cur:
+        # e.xid, not xid: the bare name would sort by the output column xid::text ('1000' < '999').
         cur.execute("SELECT id, xid::text, seq, partition_key, topic, type, payload, headers, idempotency_key "
-                    "FROM outbox.events ORDER BY xid, seq")
+                    "FROM outbox.events e ORDER BY e.xid, e.seq")
         return list(cur.fetchall())
 
 
@@ -507,6 +508,8 @@ def test_events_stored_without_a_fingerprint_count_as_the_same(dsn: str, outbox:
     with psycopg.connect(dsn) as conn:
         first = outbox.publish(conn, type="t", key="k", payload=1, idempotency_key="old")
         conn.execute("UPDATE outbox.events SET idempotency_fingerprint = NULL")
+        # 0015: the key's fingerprint is looked up in outbox.idempotency_keys (copied from the events).
+        conn.execute("UPDATE outbox.idempotency_keys SET fingerprint = NULL")
         conn.commit()
         assert outbox.publish(conn, type="t", key="k", payload=2, idempotency_key="old") == Published(first.id, False)
         conn.commit()
@@ -688,7 +691,8 @@ def producer_dsn(dsn: str, pg_server: Any) -> Iterator[str]:
             for grant in ("GRANT USAGE ON SCHEMA outbox TO {}",
                           "GRANT INSERT (id, topic, partition_key, type, payload, headers, idempotency_key, "
                           "occurred_at, schema_version) ON outbox.events TO {}",
-                          "GRANT SELECT (id, topic, idempotency_key, idempotency_fingerprint) ON outbox.events TO {}"):
+                          "GRANT SELECT (id, topic, idempotency_key, idempotency_fingerprint) ON outbox.events TO {}",
+                          "GRANT SELECT ON outbox.idempotency_keys TO {}"):
                 conn.execute(sql.SQL(grant).format(role))
         yield make_conninfo(dsn, user=name, password=None)
     finally:

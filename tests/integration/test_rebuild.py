@@ -29,6 +29,7 @@ from projections.rebuild import Rebuild, RebuildError, rebuild_key
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     ALL_BUCKETS,
+    close_history,
     dead_letters,
     fetch_all,
     make_settings,
@@ -567,6 +568,7 @@ def test_a_rebuild_after_retention_removed_applied_events_refuses_unless_partial
     first = publish(dsn, orders(3, 2))
     runner = live(totals_projection())
     run_until(runner, lambda: len(applied_ids(dsn)) == len(first))
+    close_history(dsn)
     removed = Housekeeping(pool, make_settings(dsn, "hk", retention_seconds=0.0))._apply_retention()
     assert removed == len(first)
     later = publish(dsn, orders(3, 1, start=2))
@@ -605,6 +607,7 @@ def test_a_projection_that_began_after_retention_removed_events_rebuilds_without
         conn.execute("INSERT INTO outbox.sinks (name, kind) VALUES ('kafka', 'kafka')")
         conn.execute("INSERT INTO outbox.cursors (sink, bucket, snapshot) "
                      "SELECT 'kafka', b, pg_current_snapshot() FROM generate_series(0, 255) AS b")
+    close_history(dsn)
     assert Housekeeping(pool, make_settings(dsn, "hk", retention_seconds=0.0))._apply_retention() == 4
     ids = publish(dsn, orders(2, 1, start=1))
     runner = live(totals_projection())

@@ -33,6 +33,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     TOPIC,
     Batch,
     RecordingSink,
+    close_history,
     cursor_row,
     dead_letters,
     dedup_per_key,
@@ -486,14 +487,23 @@ def test_housekeeping_log_names_the_owners_of_expired_leases(
 # -- retention ---------------------------------------------------------------------------------
 
 
-def test_retention_deletes_only_what_every_sink_passed_and_keeps_parked_and_dead(
+def test_retention_drops_only_partitions_every_sink_passed_and_keeps_parked_and_dead(
         dsn: str, pool: ConnectionPool[Any]) -> None:
+    """0015: retention removes whole partitions. One whose events every sink delivered goes; one that
+    holds a parked event, a dead letter, or an event a sink has not delivered stays, all of it."""
     b1, b2 = 30, 31
     k_ok, k_park, k_dead = keys_in_bucket(dsn, b1, 3)
     (k_other,) = keys_in_bucket(dsn, b2, 1)
-    ok1, park, behind, dead, ok2, other = publish(dsn, [
-        (k_ok, "t", {}), (k_park, "t", {}), (k_park, "t", {}), (k_dead, "t", {}), (k_ok, "t", {}),
-        (k_other, "t", {})])
+    # One partition per line: ok1 | park, behind | dead | other | ok2 (the one being written).
+    (ok1,) = publish(dsn, [(k_ok, "t", {})])
+    close_history(dsn)
+    park, behind = publish(dsn, [(k_park, "t", {}), (k_park, "t", {})])
+    close_history(dsn)
+    (dead,) = publish(dsn, [(k_dead, "t", {})])
+    close_history(dsn)
+    (other,) = publish(dsn, [(k_other, "t", {})])
+    close_history(dsn)
+    (ok2,) = publish(dsn, [(k_ok, "t", {})])
 
     def fail(e: StoredEvent, n: int) -> Failure | None:
         if e.id == park:
@@ -517,27 +527,15 @@ def test_retention_deletes_only_what_every_sink_passed_and_keeps_parked_and_dead
 
     result = Housekeeping(pool, settings).run_once()
     remaining = {r[0] for r in fetch_all(dsn, "SELECT id FROM outbox.events")}
-    assert remaining == {park, behind, dead, other}, "kept: parked, dead-lettered, not passed by every sink"
-    assert result.deleted_events == 2
-
-
-def test_retention_deletes_in_slices_each_its_own_transaction(dsn: str, pool: ConnectionPool[Any]) -> None:
-    """A writing transaction holds back vacuum (and the backlog counts) while it is open, so retention
-    must commit slice by slice: each DELETE statement runs in a transaction of its own."""
-    register(dsn)
-    publish(dsn, [(f"k{i}", "t", {}) for i in range(50)])
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(DELIVER_ALL_SQL)
-        conn.execute("CREATE TABLE slice_log (xid xid8 NOT NULL)")
-        conn.execute("CREATE FUNCTION log_slice() RETURNS trigger LANGUAGE plpgsql AS "
-                     "$$ BEGIN INSERT INTO slice_log VALUES (pg_current_xact_id()); RETURN NULL; END $$")
-        conn.execute("CREATE TRIGGER log_slice AFTER DELETE ON outbox.events "
-                     "FOR EACH STATEMENT EXECUTE FUNCTION log_slice()")
-    result = Housekeeping(pool, make_settings(dsn, "hk", retention_seconds=0.0, retention_batch=10)).run_once()
-    assert result.deleted_events == 50
-    statements, transactions = fetch_all(dsn, "SELECT count(*), count(DISTINCT xid) FROM slice_log")[0]
-    assert statements >= 5, "50 events in slices of 10"
-    assert transactions == statements, "two retention slices shared a transaction"
+    assert remaining == kept_all - {ok1}, "kept: parked, dead-lettered, not passed by every sink, being written"
+    assert result.deleted_events == 1
+    holds = dict(fetch_all(dsn, "SELECT p.name, outbox.partition_hold_v1(p.name, '0') FROM outbox.partitions p "
+                                "WHERE p.range_name IS NOT NULL ORDER BY p.xid_from"))
+    reasons = list(holds.values())
+    assert reasons[0] is not None and "parked" in reasons[0], holds
+    assert reasons[1] is not None and "dead letters" in reasons[1], holds
+    assert reasons[2] == f"sink second has not delivered all of bucket {b2}", holds
+    assert reasons[3] == "still being written", holds
 
 
 # -- crash-loop isolation under real crashes ---------------------------------------------------

@@ -18,15 +18,26 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_relay import store
+from outbox_relay import history, store
 from outbox_relay.positions import Cursor
 from outbox_relay.sqlfiles import query
-from tests.integration.relay_helpers import DELIVER_ALL_SQL, SINK
+from tests.integration.relay_helpers import SINK
 
 ROWS = 200_000
 LEASED = list(range(0, 256, 4))  # 64 buckets
 LIMIT = 16
 PENDING_PER_BUCKET = 20  # each cursor sits this many events before the end of its bucket
+
+
+def on_events_table(n: dict[str, Any]) -> bool:
+    """A plan node reading outbox.events: since 0015 one of its partitions (events_p1_default, ...)."""
+    return str(n.get("Relation Name", "")).startswith("events")
+
+
+def position_index(name: str | None) -> bool:
+    """events_position, or its copy on a partition (events_p1_default_bucket_xid_seq_idx)."""
+    return name == "events_position" or bool(name and name.startswith("events")
+                                             and name.endswith("_bucket_xid_seq_idx"))
 
 
 def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -94,14 +105,14 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
         events = store.fetch_events(conn, SINK, "w", reads, wanted).events
 
     all_nodes = list(nodes(root))
-    on_events = [n for n in all_nodes if n.get("Relation Name") == "events"]
+    on_events = [n for n in all_nodes if on_events_table(n)]
     assert on_events, json.dumps(root, indent=1)
-    kinds = {(n["Node Type"], n.get("Index Name")) for n in on_events}
-    assert kinds <= {("Index Scan", "events_position"), ("Index Only Scan", "events_position")}, kinds
+    kinds = {(n["Node Type"], position_index(n.get("Index Name"))) for n in on_events}
+    assert kinds <= {("Index Scan", True), ("Index Only Scan", True)}, kinds
     assert not [n for n in all_nodes if n["Node Type"] in ("Seq Scan", "Bitmap Heap Scan")
-                and n.get("Relation Name") == "events"], "the read scans the events table"
+                and on_events_table(n)], "the read scans the events table"
     assert not [n for n in all_nodes if n["Node Type"] in ("Sort", "Incremental Sort")
-                and any(c.get("Relation Name") == "events" for c in nodes(n))], "the read sorts events"
+                and any(on_events_table(c) for c in nodes(n))], "the read sorts events"
     # Per bucket one range after the cursor's xmax, which returns the rows; the probe for transactions
     # open at the cursor's snapshot runs only when some of them committed since (none here: never).
     ranges = [n for n in on_events if n["Actual Rows"] > 0]
@@ -118,51 +129,44 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
 
 
 @pytest.mark.parametrize("plan", ["custom", "generic"])
-def test_retention_walks_events_created_at_and_stops_at_its_limit(dsn: str, plan: str) -> None:
-    """Retention must find the oldest deletable events through events_created_at and stop at its
-    slice limit: no scan of the events table, no sort of all old events; and a pass with nothing to
-    delete is an index probe. Each slice is a writing transaction, which holds back vacuum and the
-    backlog counts while it lasts (no longer delivery: snapshot cursors), so it must stay short."""
+def test_a_read_probes_only_the_partitions_of_its_snapshots(dsn: str, plan: str) -> None:
+    """0015: outbox.events is partitioned by xid ranges. A read whose cursors sit in the newest range
+    probes that range's partitions only; older history (here three closed ranges of 20,000 events each,
+    all delivered) is not opened, however much of it there is (run-time pruning on the cursors' xids)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        store.register_sink(conn, SINK, "projection")
-        store.register_sink(conn, "second", "projection")
-        # Backdated history: created_at is the database's to set (trigger events_check), so the
-        # load runs with ordinary triggers off (superuser), as a restore would.
-        conn.execute("SET session_replication_role = replica")
-        for start in range(0, ROWS, 50_000):
-            conn.execute("INSERT INTO outbox.events (partition_key, type, payload, created_at) "
-                         "SELECT 'key-' || (g %% 5000), 'bulk', '{}', "
-                         "clock_timestamp() - interval '30 days' + g * interval '1 second' "
-                         "FROM generate_series(%s::int, %s::int) AS g", (start, start + 49_999))
-        conn.execute("RESET session_replication_role")
-        # Every sink delivered everything; a few events stay parked and dead-lettered (pinned).
-        conn.execute(DELIVER_ALL_SQL)
-        conn.execute("INSERT INTO outbox.parked (sink, bucket, xid, seq, partition_key, event_id) "
-                     "SELECT 'second', bucket, xid, seq, partition_key, id FROM outbox.events "
-                     "ORDER BY created_at LIMIT 50")
+        for _ in range(3):
+            conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "
+                         "SELECT 'key-' || (g % 5000), 'old', '{}' FROM generate_series(1, 20000) AS g")
+            history.roll(conn, 86400.0, min_width=1000)
+        conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "
+                     "SELECT 'key-' || (g % 5000), 'new', '{}' FROM generate_series(1, 5000) AS g")
         conn.execute("VACUUM ANALYZE outbox.events")
-
-        def explain_retention(retention_days: float) -> dict[str, Any]:
-            """EXPLAIN ANALYZE runs the DELETE: roll it back so both plans see the same table."""
-            conn.execute("BEGIN")
-            try:
-                return explain(conn, query("housekeeping", "apply_retention"),
-                               {"retention": retention_days * 86400, "limit": 2000}, plan)
-            finally:
-                conn.execute("ROLLBACK")
-
-        plans = {"slice": explain_retention(7.0), "nothing": explain_retention(60.0)}
-        for label, root in plans.items():
-            all_nodes = list(nodes(root))
-            on_events = [n for n in all_nodes if n.get("Relation Name") == "events"]
-            assert not [n for n in on_events if n["Node Type"] in ("Seq Scan", "Bitmap Heap Scan")], \
-                f"{label}: retention scans the events table: {json.dumps(root, indent=1)}"
-            assert not [n for n in all_nodes if n["Node Type"] in ("Sort", "Incremental Sort")], f"{label}: sorts"
-            assert any(n.get("Index Name") == "events_created_at" for n in on_events), label
-        touched = plans["nothing"].get("Shared Hit Blocks", 0) + plans["nothing"].get("Shared Read Blocks", 0)
-        assert touched < 50, f"a pass with nothing to delete touched {touched} buffers"
-        scanned = next(n for n in nodes(plans["slice"]) if n.get("Index Name") == "events_created_at")
-        assert scanned["Actual Rows"] <= 2000 + 50, "the slice read past its limit"
+        store.register_sink(conn, SINK, "projection")
+        assert len(store.acquire_leases(conn, SINK, "w", LEASED, 600.0)) == len(LEASED)
+        # Every cursor just before the newest range's first event of its bucket.
+        newest = conn.execute("SELECT min(xid)::text::bigint FROM outbox.events WHERE type = 'new'").fetchone()
+        assert newest is not None
+        cursors = {b: Cursor.at((int(newest[0]), 0)) for b in LEASED}
+        params = {"sink": SINK, "worker": "w", "buckets": LEASED, "limits": [LIMIT] * len(LEASED),
+                  "seen": [cursors[b].params()[0] for b in LEASED],
+                  "targets": [cursors[b].params()[1] for b in LEASED],
+                  "after_xids": [cursors[b].params()[2] for b in LEASED],
+                  "after_seqs": [cursors[b].params()[3] for b in LEASED],
+                  "types": None, "topics": None}
+        ranges = [r[0] for r in conn.execute(
+            "SELECT DISTINCT range_name FROM outbox.partitions WHERE range_name IS NOT NULL ORDER BY 1")]
+        current = conn.execute("SELECT range_name FROM outbox.partitions WHERE xid_from <= %s::text::xid8 "
+                               "AND xid_to > %s::text::xid8", (newest[0], newest[0])).fetchone()
+        assert current is not None and len(ranges) >= 4, ranges
+        root = explain(conn, query("relay", "fetch_events"), params, plan)
+        events = store.fetch_events(conn, SINK, "w", {b: (LIMIT, cursors[b]) for b in LEASED}).events
+    probed = {str(n["Relation Name"]) for n in nodes(root) if on_events_table(n) and n.get("Actual Loops", 0) > 0}
+    assert probed, json.dumps(root, indent=1)
+    # The newest range's leaves, and events_default (the DEFAULT range: never pruned by a lower bound).
+    assert {p for p in probed if p != "events_default"} <= {f"{current[0]}_default"}, probed
+    assert events and {e.type for e in events} == {"new"}
+    kinds = {(n["Node Type"], position_index(n.get("Index Name"))) for n in nodes(root) if on_events_table(n)}
+    assert kinds <= {("Index Scan", True), ("Index Only Scan", True)}, kinds
 
 
 @pytest.mark.parametrize("plan", ["custom", "generic"])
@@ -185,7 +189,7 @@ def test_a_read_from_the_start_of_history_reads_only_what_it_returns(dsn: str, p
                   "types": None, "topics": None}
         root = explain(conn, query("relay", "fetch_events"), params, plan)
         events = store.fetch_events(conn, SINK, "w", {b: (LIMIT, start) for b in LEASED}).events
-    on_events = [n for n in nodes(root) if n.get("Relation Name") == "events"]
+    on_events = [n for n in nodes(root) if on_events_table(n)]
     assert len(events) == LIMIT * len(LEASED)
     removed = sum(n.get("Rows Removed by Filter", 0) for n in on_events)
     read = sum(n["Actual Rows"] * max(1, n["Actual Loops"]) + n.get("Rows Removed by Filter", 0) for n in on_events)

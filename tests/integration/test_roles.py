@@ -25,7 +25,7 @@ from outbox_relay.relay import SinkRunner
 from projections import ProjectionEvent, projection
 from projections.rebuild import Rebuild
 from projections.sink import ProjectionSink
-from tests.integration.relay_helpers import ALL_BUCKETS, RecordingSink, make_settings, run_until
+from tests.integration.relay_helpers import ALL_BUCKETS, RecordingSink, close_history, make_settings, run_until
 from tests.servers import PgServer, dbname_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
@@ -122,6 +122,12 @@ def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]
             assert holder is not None and holder[0] == open_tx.info.backend_pid and holder[4] is not None
             open_tx.rollback()
         runner._release_all()
+        close_history(dsn)
+        with psycopg.connect(relay_dsn, autocommit=True) as relay:  # status and the metrics, as the relays' role
+            from outbox_relay import history
+
+            assert history.rows(relay, "by_class", 0.0)[1], "history per retention class"
+            assert history.rows(relay, "partitions", 0.0)[1]
         assert Housekeeping(pool, make_settings(relay_dsn, "r", retention_seconds=0.0)).run_once().deleted_events == 1
 
     # A service's read-model role keeps its projection and rebuilds it; readers keep their grants.
