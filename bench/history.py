@@ -10,7 +10,7 @@ roll`` between fills), delivered history to the left of every cursor. Then:
   end of their bucket (limit 16 per bucket), timed per call (median of ``--runs`` x 20 calls), with the
   partitions the plan opened. Flat from 10k to the largest size is the goal.
 - retention: one full partition ("a day") removed by ``outbox.retire_partition_v1`` (a DROP) against
-  the same number of rows removed by DELETE from a twin partition (the pre-0015 way), side by side in
+  the same number of rows removed by DELETE from a twin partition (the pre-0014 way), side by side in
   the same database, with the dead tuples each leaves.
 
 Prints medians with min/max and the machine. Servers: the bench's embedded PostgreSQL 18.
@@ -114,7 +114,7 @@ def walk(plan: dict[str, Any]) -> Any:
 
 def retention_case(conn: psycopg.Connection[Any], per_partition: int) -> dict[str, Any]:
     """Two closed partitions of ``per_partition`` events each, all delivered: the older is removed by
-    retire_partition_v1 (DROP), the newer by DELETE (the pre-0015 way), each timed."""
+    retire_partition_v1 (DROP), the newer by DELETE (the pre-0014 way), each timed."""
     conn.execute("SELECT pg_stat_force_next_flush()")
     for _ in range(2):
         conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "

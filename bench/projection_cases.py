@@ -2,7 +2,7 @@
 
     projection  a released backlog applied by 1/2/4 `outbox-relay run --no-kafka --projection` processes
     rebuild     `outbox-relay rebuild` of that projection over --rebuild-events stored events, 1 and 2 processes
-    (history: retention by partition is measured by bench/history.py since schema version 15)
+    (history: retention by partition is measured by bench/history.py since schema version 14)
                 transaction, then the claim cost on what is left
 """
 

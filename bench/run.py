@@ -18,7 +18,7 @@ Cases (bench/README.md explains each one and its caveats):
     claim      EXPLAIN (ANALYZE, BUFFERS) of the relay's fetch query as stored history grows
     projection as drain (released backlog), with relays that run a projection (one upsert per event)
     rebuild    `outbox-relay rebuild` of that projection over 1M stored events, 1 and 2 processes
-    (history    since schema version 15 retention drops partitions: python bench/history.py)
+    (history    since schema version 14 retention drops partitions: python bench/history.py)
     write      (not in the default set; also `python bench/write_path.py`) one-row business transactions
                from 1/4/16/64 producers with and without the outbox write, bulk publish_many (write_path.py)
 Peak RSS of each relay process is read at the end of every drain and projection run.

@@ -286,7 +286,7 @@ class RelaySettings(BaseSettings):
     retention_seconds: float = Field(7 * DAY, ge=0, le=3650 * DAY, description="keep delivered events this long")
     retention_batch: int = Field(
         2_000, ge=1, le=1_000_000,
-        description="unused since schema version 15 (retention drops whole partitions); accepted so that "
+        description="unused since schema version 14 (retention drops whole partitions); accepted so that "
                     "existing configurations still start")
     partition_seconds: float = Field(
         DAY, ge=1, le=366 * DAY,

@@ -56,7 +56,7 @@ CREATE TABLE outbox.events (
     -- 0012: the version of the payload's schema (upcasters turn older ones into the current shape).
     schema_version  integer     NOT NULL DEFAULT 1,
     CONSTRAINT events_schema_version_valid CHECK (schema_version BETWEEN 1 AND 32767)
-) PARTITION BY RANGE (xid);  -- 0015: see sql/migrations/0015_partitioned_history.sql and docs/history.md
+) PARTITION BY RANGE (xid);  -- 0014: see sql/migrations/0014_partitioned_history.sql and docs/history.md
 
 -- The read path (fetch_events): per held bucket, index probes for the cursor's xip ids that ended
 -- and one range from its xmax, in the newest partitions only. Not unique: a unique index on a
@@ -256,7 +256,7 @@ CREATE FUNCTION outbox.bucket_has_work_v2(sink text, bucket integer, snapshot pg
     LANGUAGE sql STABLE PARALLEL SAFE
     RETURN EXISTS (SELECT 1 FROM outbox.events e
                    WHERE e.bucket = bucket_has_work_v2.bucket
-                     -- 0015: implied by the next line; written out so that older partitions are not probed.
+                     -- 0014: implied by the next line; written out so that older partitions are not probed.
                      AND e.xid >= pg_snapshot_xmin(bucket_has_work_v2.snapshot)
                      AND (e.xid >= pg_snapshot_xmax(bucket_has_work_v2.snapshot)
                           OR e.xid IN (SELECT pg_snapshot_xip(bucket_has_work_v2.snapshot)))
@@ -300,7 +300,7 @@ CREATE FUNCTION outbox.header_name_key_v1(name text) RETURNS text
         '[[:space:]\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]',
         '', 'g')), '-', '_');
 
--- 0015_partitioned_history (see the migration).
+-- 0014_partitioned_history (see the migration).
 -- Record an idempotency key for an event being inserted; false: the key stands for an event already
 -- (committed, or earlier in this transaction). As the schema's owner, so that producers need no
 -- INSERT on outbox.idempotency_keys (they may read it: publish tells a retry from a reuse).
@@ -318,7 +318,7 @@ $$;
 
 -- Refuse an event the relays could not position, keep, or deliver; fingerprint an idempotent event
 -- and record its key, skipping the row (NULL) when the key already stands for an event: the outcome
--- ON CONFLICT DO NOTHING gave on the unique index that 0015 replaced. Otherwise check_event_v2.
+-- ON CONFLICT DO NOTHING gave on the unique index that 0014 replaced. Otherwise check_event_v2.
 CREATE FUNCTION outbox.check_event_v3() RETURNS trigger
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -390,10 +390,10 @@ CREATE FUNCTION outbox.events_no_delete_v1() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
     IF current_setting('outbox_relay.delete_events', true) IS DISTINCT FROM 'on' THEN
-        RAISE EXCEPTION 'outbox.events: events leave by partition (retention drops whole partitions since migration 0015); '
+        RAISE EXCEPTION 'outbox.events: events leave by partition (retention drops whole partitions since migration 0014); '
                         'DELETE is refused'
             USING ERRCODE = 'feature_not_supported',
-                  HINT = 'replace relays older than schema version 15; to delete on purpose, SET LOCAL outbox_relay.delete_events = ''on''';
+                  HINT = 'replace relays older than schema version 14; to delete on purpose, SET LOCAL outbox_relay.delete_events = ''on''';
     END IF;
     RETURN NULL;
 END
@@ -498,7 +498,7 @@ BEGIN
               (SELECT e.bucket FROM outbox.events e
                WHERE e.xid = ANY (ARRAY(SELECT x FROM unnest(open_ids) AS x
                                         WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
-                 -- 0015: implied by the line above; only the partitions from the snapshot's xmin are probed.
+                 -- 0014: implied by the line above; only the partitions from the snapshot's xmin are probed.
                  AND e.xid >= pg_snapshot_xmin(since)
                ORDER BY e.xid LIMIT 10001)) n;
         IF seen > 10000 THEN
@@ -529,7 +529,7 @@ CREATE TABLE outbox.history (
 );
 INSERT INTO outbox.history DEFAULT VALUES;
 
--- 0015_partitioned_history (continued): partitions made ahead and retired whole.
+-- 0014_partitioned_history (continued): partitions made ahead and retired whole.
 -- Create the next range partition when the newest one is more than half used (or none is ahead of
 -- the current xid), sized to cover about target_seconds at the xid rate seen since the newest one was
 -- made (at least min_width xids); one leaf per retention class with the topics mapped to it now, and a
@@ -821,4 +821,4 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (11, 'history_watermark', NULL),
     (12, 'event_versions', NULL),
     (13, 'sink_kinds', NULL),
-    (15, 'partitioned_history', NULL);
+    (14, 'partitioned_history', NULL);

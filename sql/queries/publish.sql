@@ -21,7 +21,7 @@ ORDER BY r.ord;
 
 -- name: insert_keyed
 -- Append one event with an idempotency key (an id the library made): inserted unless its key is stored, in which case nothing is written and the caller looks the stored event up (find_by_idempotency_keys).
--- events_check records the key in outbox.idempotency_keys, or skips the row when the key is taken (0015).
+-- events_check records the key in outbox.idempotency_keys, or skips the row when the key is taken (0014).
 INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
                            schema_version)
 VALUES (%(id)s::uuid, %(topic)s, %(key)s, %(type)s, %(payload)s::jsonb, %(headers)s::jsonb, %(idempotency_key)s,
@@ -118,7 +118,7 @@ taken AS (
 ),
 inserted AS (
     -- Positions (seq) follow the caller's order; a known idempotency key inserts nothing (events_check
-    -- skips the row: 0015), and one conflict or taken id inserts nothing at all, so the caller's
+    -- skips the row: 0014), and one conflict or taken id inserts nothing at all, so the caller's
     -- transaction holds none of the batch and stays usable.
     INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
                                schema_version)

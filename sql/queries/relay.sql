@@ -84,7 +84,7 @@ CROSS JOIN LATERAL (
            AND e.bucket = w.bucket
            AND e.xid = ANY(w.committed_since)
            -- Implied by the line above; written out so that only the partitions of the snapshot's
-           -- [xmin, xmax) are probed (0015: outbox.events is partitioned by xid ranges).
+           -- [xmin, xmax) are probed (0014: outbox.events is partitioned by xid ranges).
            AND e.xid >= pg_snapshot_xmin(w.seen) AND e.xid < pg_snapshot_xmax(w.seen)
            AND (e.xid, e.seq) > (w.open_xid, w.open_seq)
            AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
@@ -97,7 +97,7 @@ CROSS JOIN LATERAL (
          FROM outbox.events e
          WHERE e.bucket = w.bucket
            AND (e.xid, e.seq) > (w.later_xid, w.later_seq) AND e.xid < pg_snapshot_xmax(w.target)
-           -- Implied by the row comparison; the partitions before it are not probed (0015).
+           -- Implied by the row comparison; the partitions before it are not probed (0014).
            AND e.xid >= w.later_xid
            AND pg_visible_in_snapshot(e.xid, w.target)
            -- A sink that wants some event types or topics only (a projection) is not sent the rest;

@@ -304,7 +304,7 @@ def parked_ids(dsn: str, sink: str = SINK) -> set[uuid.UUID]:
 
 
 def close_history(dsn: str) -> None:
-    """End the history partition being written (0015): retention removes closed partitions only, and a
+    """End the history partition being written (0014): retention removes closed partitions only, and a
     test's events all sit in the one the migration made."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         history.roll(conn, 86400.0, min_width=1000)

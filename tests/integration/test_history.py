@@ -1,4 +1,4 @@
-"""History (0015): a partitioned outbox.events, retention by whole partitions per retention class, the
+"""History (0014): a partitioned outbox.events, retention by whole partitions per retention class, the
 default partition, idempotency keys that live as long as their event, the conversion of an existing
 installation, and relays of schema version 12 running against the new table."""
 
@@ -195,8 +195,8 @@ def _migrate_to(dsn: str, version: int) -> None:
 
 
 def version_12_fetch() -> str:
-    """The relay's read as schema version 12 shipped it: today's fetch_events without the xid bounds 0015
-    wrote out for partition pruning (the only change 0015 made to it)."""
+    """The relay's read as schema version 12 shipped it: today's fetch_events without the xid bounds 0014
+    wrote out for partition pruning (the only change 0014 made to it)."""
     text = (sql_dir() / "queries" / "relay.sql").read_text()
     block = text[text.index("-- name: fetch_events"):text.index("-- name: fetch_parked")]
     lines = block.splitlines()
@@ -238,7 +238,7 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
         runner = runner_for(sink, pool, make_settings(dsn, "w", batch_size=7))
         run_until(runner, lambda: len(sink.delivered_ids()) >= 10)  # part-way, at version 12
         runner._release_all()
-        assert [m.version for m in migrate(dsn)][-1] == 15
+        assert [m.version for m in migrate(dsn)][-1] == 14
         assert leaves(dsn).get("events_legacy", "missing") is None
         assert set(where(dsn).values()) == {"outbox.events_legacy"}
         with psycopg.connect(dsn) as conn:

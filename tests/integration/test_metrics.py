@@ -163,7 +163,7 @@ def test_the_keys_that_lag_are_named(dsn: str, kafka_topic: str, relay: tuple[Wo
 
 def test_history_per_retention_class_and_what_holds_it(dsn: str, kafka_topic: str,
                                                        relay: tuple[Worker, int]) -> None:
-    """0015: partitions, bytes and the oldest event per retention class; blocked while a sink that no
+    """0014: partitions, bytes and the oldest event per retention class; blocked while a sink that no
     relay runs holds the oldest partition past its retention (the relays keep 7 days: the class 'now'
     keeps 0 s)."""
     _, port = relay

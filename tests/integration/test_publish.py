@@ -508,7 +508,7 @@ def test_events_stored_without_a_fingerprint_count_as_the_same(dsn: str, outbox:
     with psycopg.connect(dsn) as conn:
         first = outbox.publish(conn, type="t", key="k", payload=1, idempotency_key="old")
         conn.execute("UPDATE outbox.events SET idempotency_fingerprint = NULL")
-        # 0015: the key's fingerprint is looked up in outbox.idempotency_keys (copied from the events).
+        # 0014: the key's fingerprint is looked up in outbox.idempotency_keys (copied from the events).
         conn.execute("UPDATE outbox.idempotency_keys SET fingerprint = NULL")
         conn.commit()
         assert outbox.publish(conn, type="t", key="k", payload=2, idempotency_key="old") == Published(first.id, False)

@@ -489,7 +489,7 @@ def test_housekeeping_log_names_the_owners_of_expired_leases(
 
 def test_retention_drops_only_partitions_every_sink_passed_and_keeps_parked_and_dead(
         dsn: str, pool: ConnectionPool[Any]) -> None:
-    """0015: retention removes whole partitions. One whose events every sink delivered goes; one that
+    """0014: retention removes whole partitions. One whose events every sink delivered goes; one that
     holds a parked event, a dead letter, or an event a sink has not delivered stays, all of it."""
     b1, b2 = 30, 31
     k_ok, k_park, k_dead = keys_in_bucket(dsn, b1, 3)

@@ -30,7 +30,7 @@ PENDING_PER_BUCKET = 20  # each cursor sits this many events before the end of i
 
 
 def on_events_table(n: dict[str, Any]) -> bool:
-    """A plan node reading outbox.events: since 0015 one of its partitions (events_p1_default, ...)."""
+    """A plan node reading outbox.events: since 0014 one of its partitions (events_p1_default, ...)."""
     return str(n.get("Relation Name", "")).startswith("events")
 
 
@@ -130,7 +130,7 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
 
 @pytest.mark.parametrize("plan", ["custom", "generic"])
 def test_a_read_probes_only_the_partitions_of_its_snapshots(dsn: str, plan: str) -> None:
-    """0015: outbox.events is partitioned by xid ranges. A read whose cursors sit in the newest range
+    """0014: outbox.events is partitioned by xid ranges. A read whose cursors sit in the newest range
     probes that range's partitions only; older history (here three closed ranges of 20,000 events each,
     all delivered) is not opened, however much of it there is (run-time pruning on the cursors' xids)."""
     with psycopg.connect(dsn, autocommit=True) as conn:

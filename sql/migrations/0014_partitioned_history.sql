@@ -1,4 +1,4 @@
--- 0015_partitioned_history: outbox.events is partitioned, and history leaves by whole partitions.
+-- 0014_partitioned_history: outbox.events is partitioned, and history leaves by whole partitions.
 --
 -- Until now retention DELETEd old delivered events row by row: dead tuples, vacuum work and an
 -- ever-growing table for installations that keep history. Now (docs/history.md):
@@ -43,7 +43,7 @@ LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE;
 DROP FUNCTION outbox.bucket_has_work_v2(text, integer, pg_snapshot, pg_snapshot, xid8, bigint);
 ALTER TABLE outbox.events RENAME TO events_legacy;
 DROP TRIGGER events_check ON outbox.events_legacy;
-CREATE TEMPORARY TABLE outbox_0015 ON COMMIT DROP AS
+CREATE TEMPORARY TABLE outbox_0014 ON COMMIT DROP AS
 SELECT coalesce((SELECT max(seq) FROM outbox.events_legacy), 0) AS last_seq,
        pg_current_xact_id() AS migration_xid,
        EXISTS (SELECT FROM outbox.events_legacy) AS has_rows;
@@ -128,14 +128,14 @@ CREATE INDEX events_created_at ON outbox.events (created_at);
 -- Commits since a snapshot (0010, outbox.watch_commits_v1): one range from its xmax, one probe per open id.
 CREATE INDEX events_xid ON outbox.events (xid);
 
--- Whether a bucket of a sink has something deliverable now (as before 0015; see schema.sql).
+-- Whether a bucket of a sink has something deliverable now (as before 0014; see schema.sql).
 CREATE FUNCTION outbox.bucket_has_work_v2(sink text, bucket integer, snapshot pg_snapshot, target pg_snapshot,
                                           after_xid xid8, after_seq bigint)
     RETURNS boolean
     LANGUAGE sql STABLE PARALLEL SAFE
     RETURN EXISTS (SELECT 1 FROM outbox.events e
                    WHERE e.bucket = bucket_has_work_v2.bucket
-                     -- 0015: implied by the next line; written out so that older partitions are not probed.
+                     -- 0014: implied by the next line; written out so that older partitions are not probed.
                      AND e.xid >= pg_snapshot_xmin(bucket_has_work_v2.snapshot)
                      AND (e.xid >= pg_snapshot_xmax(bucket_has_work_v2.snapshot)
                           OR e.xid IN (SELECT pg_snapshot_xip(bucket_has_work_v2.snapshot)))
@@ -147,7 +147,7 @@ CREATE FUNCTION outbox.bucket_has_work_v2(sink text, bucket integer, snapshot pg
                      AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
                                      WHERE k.sink = p.sink AND k.partition_key = p.partition_key));
 
--- Commits since a snapshot (0010), with the xid bound written out for partition pruning (0015).
+-- Commits since a snapshot (0010), with the xid bound written out for partition pruning (0014).
 CREATE OR REPLACE FUNCTION outbox.watch_commits_v1(since pg_snapshot, wait_ms integer, interval_ms double precision,
                                         OUT snapshot pg_snapshot, OUT buckets text)
     LANGUAGE plpgsql AS $$
@@ -180,7 +180,7 @@ BEGIN
               (SELECT e.bucket FROM outbox.events e
                WHERE e.xid = ANY (ARRAY(SELECT x FROM unnest(open_ids) AS x
                                         WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
-                 -- 0015: implied by the line above; only the partitions from the snapshot's xmin are probed.
+                 -- 0014: implied by the line above; only the partitions from the snapshot's xmin are probed.
                  AND e.xid >= pg_snapshot_xmin(since)
                ORDER BY e.xid LIMIT 10001)) n;
         IF seen > 10000 THEN
@@ -273,12 +273,12 @@ INSERT INTO outbox.partitions (name) VALUES ('events_default');
 -- that inserts later lands there too).
 DO $$
 BEGIN
-    IF (SELECT has_rows FROM outbox_0015) THEN
+    IF (SELECT has_rows FROM outbox_0014) THEN
         EXECUTE format('ALTER TABLE outbox.events ATTACH PARTITION outbox.events_legacy FOR VALUES FROM (%L) TO (%L)',
-                       '0', (SELECT migration_xid FROM outbox_0015));
-        INSERT INTO outbox.partitions (name, xid_to) SELECT 'events_legacy', migration_xid FROM outbox_0015;
+                       '0', (SELECT migration_xid FROM outbox_0014));
+        INSERT INTO outbox.partitions (name, xid_to) SELECT 'events_legacy', migration_xid FROM outbox_0014;
         EXECUTE format('ALTER TABLE outbox.events ALTER COLUMN seq RESTART WITH %s',
-                       (SELECT last_seq + 1 FROM outbox_0015));
+                       (SELECT last_seq + 1 FROM outbox_0014));
     ELSE
         DROP TABLE outbox.events_legacy;
     END IF;
@@ -302,7 +302,7 @@ $$;
 
 -- Refuse an event the relays could not position, keep, or deliver; fingerprint an idempotent event
 -- and record its key, skipping the row (NULL) when the key already stands for an event: the outcome
--- ON CONFLICT DO NOTHING gave on the unique index that 0015 replaced. Otherwise check_event_v2.
+-- ON CONFLICT DO NOTHING gave on the unique index that 0014 replaced. Otherwise check_event_v2.
 CREATE FUNCTION outbox.check_event_v3() RETURNS trigger
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -375,10 +375,10 @@ CREATE FUNCTION outbox.events_no_delete_v1() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
     IF current_setting('outbox_relay.delete_events', true) IS DISTINCT FROM 'on' THEN
-        RAISE EXCEPTION 'outbox.events: events leave by partition (retention drops whole partitions since migration 0015); '
+        RAISE EXCEPTION 'outbox.events: events leave by partition (retention drops whole partitions since migration 0014); '
                         'DELETE is refused'
             USING ERRCODE = 'feature_not_supported',
-                  HINT = 'replace relays older than schema version 15; to delete on purpose, SET LOCAL outbox_relay.delete_events = ''on''';
+                  HINT = 'replace relays older than schema version 14; to delete on purpose, SET LOCAL outbox_relay.delete_events = ''on''';
     END IF;
     RETURN NULL;
 END
