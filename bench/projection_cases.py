@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -118,7 +119,7 @@ REBUILD_HANDLERS = {"per-event": PROJECTION, "batched": PROJECTION + "_batched"}
 def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "per-event") -> dict[str, Any]:
     """Time `outbox-relay rebuild` (procs processes started together) from spawn to the last exit."""
     n = bench.args.rebuild_events
-    projection = REBUILD_HANDLERS[handler]
+    projection = REBUILD_HANDLERS[handler.removesuffix("@base")]
     with psycopg.connect(dsn, autocommit=True) as conn:
         # Each run from the same state: no live sink (a switch-over leaves one), an empty live table.
         conn.execute("DELETE FROM outbox.sinks WHERE name = ANY(%s)",
@@ -127,6 +128,8 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "p
         conn.execute(SCHEMA)
         conn.execute("CHECKPOINT")  # no dirty buffers of the previous run left to write
     env = bench.relay_env(dsn, projections=True)
+    if handler.endswith("@base"):  # the code before a change, in the same run (--rebuild-baseline)
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], bench.args.rebuild_baseline])
     cmd = [sys.executable, "-m", "outbox_relay.cli", "--log-level", "warning", "rebuild", projection,
            "--projections", "bench_projection", "--batch-size", str(bench.args.batch_size)]
     logs = [bench.base / f"rebuild-{handler}-{procs}p-r{run}-{i}.log" for i in range(procs)]

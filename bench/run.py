@@ -981,7 +981,7 @@ class Bench:
         params = {"sink": SINK, "worker": owner, "buckets": buckets, "limits": [limit] * len(buckets),
                   "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
                   "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
-                  "types": None, "topics": None}  # the Kafka sink wants every event
+                  "types": None, "topics": None, "formatted": True}  # the Kafka sink: every event, headers
         row = conn.execute(
             "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s AND c.bucket = e.bucket "
             "AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) "
@@ -1549,7 +1549,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rebuild-handlers", default="sql,per-event,batched",
                    help="rebuild with the per-event handler (bench_totals), the batched set-based one "
                         "(bench_totals_batched), and the same model by one plain INSERT ... SELECT (sql), "
-                        "interleaved in one run")
+                        "interleaved in one run; a name with @base (batched@base) runs that handler on the "
+                        "code at --rebuild-baseline instead, in the same run")
+    p.add_argument("--rebuild-baseline", default=None,
+                   help="a source tree (with outbox_relay/, projections/, sql/) to rebuild the @base handlers with: "
+                        "the code before a change, side by side with it")
     p.add_argument("--history-events", type=int, default=None,
                    help="delivered events past the retention for the history case (default 1000000)")
     p.add_argument("--retention-batch", type=int, default=RelaySettings.model_fields["retention_batch"].default,
@@ -1589,9 +1593,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.history_events = args.history_events or (100_000 if quick else 1_000_000)
     args.rebuild_procs = [int(x) for x in args.rebuild_procs.split(",")]
     args.rebuild_handlers = [h.strip() for h in args.rebuild_handlers.split(",") if h.strip()]
-    unknown = sorted(set(args.rebuild_handlers) - {"sql", "per-event", "batched"})
+    unknown = sorted({h.removesuffix("@base") for h in args.rebuild_handlers} - {"sql", "per-event", "batched"})
     if unknown:
         p.error(f"--rebuild-handlers: unknown {', '.join(unknown)} (sql, per-event, batched)")
+    if any(h.endswith("@base") for h in args.rebuild_handlers) and not args.rebuild_baseline:
+        p.error("--rebuild-handlers: a @base handler needs --rebuild-baseline")
     args.relays = [int(x) for x in (args.relays or ("1,4" if wants_issue8 else "1,2,4")).split(",")]
     args.relay_args = shlex.split(args.relay_args)
     args.ref_workers = [int(x) for x in args.ref_workers.split(",")]
