@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -136,6 +137,7 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "p
     owners: dict[str, int] = {}  # most buckets each rebuild worker held at once
     exits: dict[int, float] = {}
     files = [f.open("wb") for f in logs]
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the rebuild processes' CPU, once reaped (poll)
     t0 = time.monotonic()
     ps = [subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
           for f in files]
@@ -152,6 +154,8 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "p
                     owners[owner] = max(owners.get(owner, 0), held)
                 time.sleep(0.05)
         seconds = max(exits.values())
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     finally:
         for p in ps:
             if p.poll() is None:
@@ -177,7 +181,8 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "p
     applied = n - left
     return {"handler": handler, "processes": procs, "run": run, "events": n, "applied": applied,
             "left_to_live_relay": left,
-            "seconds": seconds, "events_per_s": applied / seconds, "bucket_owners": owners, "check": check,
+            "seconds": seconds, "events_per_s": applied / seconds, "cpu_seconds": cpu,
+            "cpu_us_per_event": cpu / max(1, applied) * 1e6, "bucket_owners": owners, "check": check,
             # The process that switches over exits first; the others notice at their next progress poll.
             "first_exit_seconds": min(exits.values()),
             "output": outputs}
@@ -223,7 +228,8 @@ def case_rebuild(bench: Bench) -> None:
                 r = rebuild_once(bench, dsn, procs, run, handler)  # handlers interleaved: ratios on one machine state
                 log(f"rebuild {n:,} events, {handler} handler, {procs} process{'es' if procs > 1 else ''} run "
                     f"{run + 1}: "
-                    f"{r['events_per_s']:,.0f} ev/s ({r['seconds']:.1f}s, {r['left_to_live_relay']} left to the "
+                    f"{r['events_per_s']:,.0f} ev/s ({r['seconds']:.1f}s, the rebuild processes' CPU "
+                    f"{r['cpu_us_per_event']:.1f} us/event, {r['left_to_live_relay']} left to the "
                     f"live relay, bucket owners {r['bucket_owners']}, table total {r['check']['cents']:,} cents "
                     f"= events {r['check']['expected_cents']:,})")
                 runs.append(r)

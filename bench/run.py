@@ -1377,6 +1377,7 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     f"{procs} `outbox-relay rebuild` process{'es' if procs > 1 else ''} (spawn to exit)")
             row(case, "events/s", "ev/s", [r["events_per_s"] for r in rs])
             row(case, "seconds", "s", [r["seconds"] for r in rs])
+            row(case, "CPU of the rebuild processes per event", "us", [r["cpu_us_per_event"] for r in rs])
             if procs > 1:
                 row(case, "seconds to the first exit (the one that switched over)", "s",
                     [r["first_exit_seconds"] for r in rs])
