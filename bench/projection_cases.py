@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -117,10 +118,24 @@ def case_projection(bench: Bench) -> None:
 REBUILD_HANDLERS = {"per-event": PROJECTION, "batched": PROJECTION + "_batched"}
 
 
+HANDLER_SPEC = re.compile(r"^(sql|per-event|batched)(@base)?(?:#(\d+))?$")
+
+
+def handler_spec(handler: str) -> tuple[str, bool, int | None]:
+    """A --rebuild-handlers entry: KIND[@base][#BATCH_SIZE] as (kind, on the baseline code, batch size);
+    batch size None: the bench's --batch-size, 0: none given (the rebuild's default)."""
+    m = HANDLER_SPEC.match(handler)
+    if m is None:
+        raise ValueError(f"--rebuild-handlers: {handler!r} is not KIND[@base][#BATCH_SIZE] (KIND: sql, per-event, "
+                         "batched)")
+    return m[1], m[2] is not None, int(m[3]) if m[3] is not None else None
+
+
 def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "per-event") -> dict[str, Any]:
     """Time `outbox-relay rebuild` (procs processes started together) from spawn to the last exit."""
     n = bench.args.rebuild_events
-    projection = REBUILD_HANDLERS[handler.removesuffix("@base")]
+    kind, base, size = handler_spec(handler)
+    projection = REBUILD_HANDLERS[kind]
     with psycopg.connect(dsn, autocommit=True) as conn:
         # Each run from the same state: no live sink (a switch-over leaves one), an empty live table.
         conn.execute("DELETE FROM outbox.sinks WHERE name = ANY(%s)",
@@ -129,10 +144,12 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "p
         conn.execute(SCHEMA)
         conn.execute("CHECKPOINT")  # no dirty buffers of the previous run left to write
     env = bench.relay_env(dsn, projections=True)
-    if handler.endswith("@base"):  # the code before a change, in the same run (--rebuild-baseline)
+    if base:  # the code before a change, in the same run (--rebuild-baseline)
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], bench.args.rebuild_baseline])
     cmd = [sys.executable, "-m", "outbox_relay.cli", "--log-level", "warning", "rebuild", projection,
-           "--projections", "bench_projection", "--batch-size", str(bench.args.batch_size)]
+           "--projections", "bench_projection"]
+    if size != 0:  # 0: the rebuild's own default
+        cmd += ["--batch-size", str(size or bench.args.batch_size)]
     logs = [bench.base / f"rebuild-{handler}-{procs}p-r{run}-{i}.log" for i in range(procs)]
     owners: dict[str, int] = {}  # most buckets each rebuild worker held at once
     exits: dict[int, float] = {}

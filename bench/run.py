@@ -1550,8 +1550,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rebuild-handlers", default="sql,per-event,batched",
                    help="rebuild with the per-event handler (bench_totals), the batched set-based one "
                         "(bench_totals_batched), and the same model by one plain INSERT ... SELECT (sql), "
-                        "interleaved in one run; a name with @base (batched@base) runs that handler on the "
-                        "code at --rebuild-baseline instead, in the same run")
+                        "interleaved in one run; KIND[@base][#BATCH_SIZE]: @base runs it on the code at "
+                        "--rebuild-baseline, #N with --batch-size N (#0: the rebuild's default) instead of the "
+                        "bench's, e.g. batched,batched@base,batched#0")
     p.add_argument("--rebuild-baseline", default=None,
                    help="a source tree (with outbox_relay/, projections/, sql/) to rebuild the @base handlers with: "
                         "the code before a change, side by side with it")
@@ -1594,10 +1595,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.history_events = args.history_events or (100_000 if quick else 1_000_000)
     args.rebuild_procs = [int(x) for x in args.rebuild_procs.split(",")]
     args.rebuild_handlers = [h.strip() for h in args.rebuild_handlers.split(",") if h.strip()]
-    unknown = sorted({h.removesuffix("@base") for h in args.rebuild_handlers} - {"sql", "per-event", "batched"})
-    if unknown:
-        p.error(f"--rebuild-handlers: unknown {', '.join(unknown)} (sql, per-event, batched)")
-    if any(h.endswith("@base") for h in args.rebuild_handlers) and not args.rebuild_baseline:
+    try:
+        specs = [projection_cases.handler_spec(h) for h in args.rebuild_handlers]
+    except ValueError as exc:
+        p.error(str(exc))
+    if any(base for _, base, _ in specs) and not args.rebuild_baseline:
         p.error("--rebuild-handlers: a @base handler needs --rebuild-baseline")
     args.relays = [int(x) for x in (args.relays or ("1,4" if wants_issue8 else "1,2,4")).split(",")]
     args.relay_args = shlex.split(args.relay_args)
