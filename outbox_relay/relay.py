@@ -637,8 +637,10 @@ class SinkRunner:
             read = store.fetch_events(conn, self.sink.name, self.worker, reads, self.sink.event_filter,
                                       formatted=self._formatted)
         self._snapshots.taken(read.now, read_at)
-        for e in read.events:  # a delta: not visible in the cursor's snapshot, so committed after it was taken
-            e.unseen_at = self._snapshots.at(reads[e.bucket][1].seen)
+        # A delta: not visible in the cursor's snapshot, so committed after it was taken (once per bucket).
+        unseen = {b: self._snapshots.at(cursor.seen) for b, (_, cursor) in reads.items()}
+        for e in read.events:
+            e.unseen_at = unseen[e.bucket]
         by_bucket = read.by_bucket()
         # Read again next cycle, whatever the hints say: buckets whose read was full, and buckets read in
         # pages against an older snapshot (their cursor's target). A commit after that target is not in

@@ -213,8 +213,11 @@ def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int,
     now = Snapshot.parse(rows[-1][column["now"]])  # the last row always carries it
     # Per bucket in (xid, seq) order: the delta's delivery order (positions.py). A row without an id
     # is the one that only carries the snapshot.
-    events = sorted((event(r) for r in rows if r[column["id"]] is not None), key=lambda e: (e.bucket, e.xid, e.seq))
+    events = sorted((event(r) for r in rows if r[column["id"]] is not None), key=_POSITION)
     return Read(events, now)
+
+
+_POSITION = operator.attrgetter("bucket", "xid", "seq")
 
 
 def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:
