@@ -64,7 +64,7 @@ PROGRESS_SECONDS = 2.0
 # Events a rebuild reads per batch unless --batch-size (OUTBOX_BATCH_SIZE) says otherwise. A read
 # spreads its batch over the 256 buckets and the batch's checkpoint writes each bucket's cursor, so
 # the per-batch costs (a read's per-bucket index probes, 256 cursor rows, the statements' round
-# trips) are spread over 32 events per bucket instead of the relay's 4-8; a batch transaction of
+# trips) are spread over 32 events per bucket instead of the relay's 8; a batch transaction of
 # 8k events stays well inside the lease.
 REBUILD_BATCH_SIZE = 8192
 
