@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import resource
 import subprocess
 import sys
 import time
@@ -109,10 +112,24 @@ def case_projection(bench: Bench) -> None:
 REBUILD_HANDLERS = {"per-event": PROJECTION, "batched": PROJECTION + "_batched"}
 
 
+HANDLER_SPEC = re.compile(r"^(sql|per-event|batched)(@base)?(?:#(\d+))?$")
+
+
+def handler_spec(handler: str) -> tuple[str, bool, int | None]:
+    """A --rebuild-handlers entry: KIND[@base][#BATCH_SIZE] as (kind, on the baseline code, batch size);
+    batch size None: the bench's --batch-size, 0: none given (the rebuild's default)."""
+    m = HANDLER_SPEC.match(handler)
+    if m is None:
+        raise ValueError(f"--rebuild-handlers: {handler!r} is not KIND[@base][#BATCH_SIZE] (KIND: sql, per-event, "
+                         "batched)")
+    return m[1], m[2] is not None, int(m[3]) if m[3] is not None else None
+
+
 def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "per-event") -> dict[str, Any]:
     """Time `outbox-relay rebuild` (procs processes started together) from spawn to the last exit."""
     n = bench.args.rebuild_events
-    projection = REBUILD_HANDLERS[handler]
+    kind, base, size = handler_spec(handler)
+    projection = REBUILD_HANDLERS[kind]
     with psycopg.connect(dsn, autocommit=True) as conn:
         # Each run from the same state: no live sink (a switch-over leaves one), an empty live table.
         conn.execute("DELETE FROM outbox.sinks WHERE name = ANY(%s)",
@@ -121,12 +138,17 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "p
         conn.execute(SCHEMA)
         conn.execute("CHECKPOINT")  # no dirty buffers of the previous run left to write
     env = bench.relay_env(dsn, projections=True)
+    if base:  # the code before a change, in the same run (--rebuild-baseline)
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], bench.args.rebuild_baseline])
     cmd = [sys.executable, "-m", "outbox_relay.cli", "--log-level", "warning", "rebuild", projection,
-           "--projections", "bench_projection", "--batch-size", str(bench.args.batch_size)]
+           "--projections", "bench_projection"]
+    if size != 0:  # 0: the rebuild's own default
+        cmd += ["--batch-size", str(size or bench.args.batch_size)]
     logs = [bench.base / f"rebuild-{handler}-{procs}p-r{run}-{i}.log" for i in range(procs)]
     owners: dict[str, int] = {}  # most buckets each rebuild worker held at once
     exits: dict[int, float] = {}
     files = [f.open("wb") for f in logs]
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the rebuild processes' CPU, once reaped (poll)
     t0 = time.monotonic()
     ps = [subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
           for f in files]
@@ -143,6 +165,8 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "p
                     owners[owner] = max(owners.get(owner, 0), held)
                 time.sleep(0.05)
         seconds = max(exits.values())
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     finally:
         for p in ps:
             if p.poll() is None:
@@ -168,7 +192,8 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "p
     applied = n - left
     return {"handler": handler, "processes": procs, "run": run, "events": n, "applied": applied,
             "left_to_live_relay": left,
-            "seconds": seconds, "events_per_s": applied / seconds, "bucket_owners": owners, "check": check,
+            "seconds": seconds, "events_per_s": applied / seconds, "cpu_seconds": cpu,
+            "cpu_us_per_event": cpu / max(1, applied) * 1e6, "bucket_owners": owners, "check": check,
             # The process that switches over exits first; the others notice at their next progress poll.
             "first_exit_seconds": min(exits.values()),
             "output": outputs}
@@ -214,7 +239,8 @@ def case_rebuild(bench: Bench) -> None:
                 r = rebuild_once(bench, dsn, procs, run, handler)  # handlers interleaved: ratios on one machine state
                 log(f"rebuild {n:,} events, {handler} handler, {procs} process{'es' if procs > 1 else ''} run "
                     f"{run + 1}: "
-                    f"{r['events_per_s']:,.0f} ev/s ({r['seconds']:.1f}s, {r['left_to_live_relay']} left to the "
+                    f"{r['events_per_s']:,.0f} ev/s ({r['seconds']:.1f}s, the rebuild processes' CPU "
+                    f"{r['cpu_us_per_event']:.1f} us/event, {r['left_to_live_relay']} left to the "
                     f"live relay, bucket owners {r['bucket_owners']}, table total {r['check']['cents']:,} cents "
                     f"= events {r['check']['expected_cents']:,})")
                 runs.append(r)

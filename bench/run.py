@@ -978,7 +978,7 @@ class Bench:
         params = {"sink": SINK, "worker": owner, "buckets": buckets, "limits": [limit] * len(buckets),
                   "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
                   "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
-                  "types": None, "topics": None}  # the Kafka sink wants every event
+                  "types": None, "topics": None, "formatted": True}  # the Kafka sink: every event, headers
         row = conn.execute(
             "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s AND c.bucket = e.bucket "
             "AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) "
@@ -1374,6 +1374,7 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     f"{procs} `outbox-relay rebuild` process{'es' if procs > 1 else ''} (spawn to exit)")
             row(case, "events/s", "ev/s", [r["events_per_s"] for r in rs])
             row(case, "seconds", "s", [r["seconds"] for r in rs])
+            row(case, "CPU of the rebuild processes per event", "us", [r["cpu_us_per_event"] for r in rs])
             if procs > 1:
                 row(case, "seconds to the first exit (the one that switched over)", "s",
                     [r["first_exit_seconds"] for r in rs])
@@ -1512,7 +1513,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rebuild-handlers", default="sql,per-event,batched",
                    help="rebuild with the per-event handler (bench_totals), the batched set-based one "
                         "(bench_totals_batched), and the same model by one plain INSERT ... SELECT (sql), "
-                        "interleaved in one run")
+                        "interleaved in one run; KIND[@base][#BATCH_SIZE]: @base runs it on the code at "
+                        "--rebuild-baseline, #N with --batch-size N (#0: the rebuild's default) instead of the "
+                        "bench's, e.g. batched,batched@base,batched#0")
+    p.add_argument("--rebuild-baseline", default=None,
+                   help="a source tree (with outbox_relay/, projections/, sql/) to rebuild the @base handlers with: "
+                        "the code before a change, side by side with it")
     p.add_argument("--profile", action="store_true", help="also run one drain under py-spy (same as --cases +profile)")
     p.add_argument("--keep", action="store_true", help="keep the server directory under /tmp")
     write_path.add_arguments(p)
@@ -1547,9 +1553,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.rebuild_events = args.rebuild_events or (100_000 if quick else 1_000_000)
     args.rebuild_procs = [int(x) for x in args.rebuild_procs.split(",")]
     args.rebuild_handlers = [h.strip() for h in args.rebuild_handlers.split(",") if h.strip()]
-    unknown = sorted(set(args.rebuild_handlers) - {"sql", "per-event", "batched"})
-    if unknown:
-        p.error(f"--rebuild-handlers: unknown {', '.join(unknown)} (sql, per-event, batched)")
+    try:
+        specs = [projection_cases.handler_spec(h) for h in args.rebuild_handlers]
+    except ValueError as exc:
+        p.error(str(exc))
+    if any(base for _, base, _ in specs) and not args.rebuild_baseline:
+        p.error("--rebuild-handlers: a @base handler needs --rebuild-baseline")
     args.relays = [int(x) for x in (args.relays or ("1,4" if wants_issue8 else "1,2,4")).split(",")]
     args.relay_args = shlex.split(args.relay_args)
     args.ref_workers = [int(x) for x in args.ref_workers.split(",")]

@@ -299,6 +299,7 @@ class SinkRunner:
         self.wake = threading.Event()  # set by the listener, assignment changes and stop requests
         self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
         self.gate = gate or DeliveryGate()
+        self._formatted = sink.kind == "kafka"  # reads carry the Kafka headers' ready-made values
         self.leases = Leases()
         self.hints = Hints()  # buckets notifications said were written (the worker's listener adds)
         self.desired: set[int] | None = None  # None until the first assignment is known
@@ -633,10 +634,13 @@ class SinkRunner:
         reads = {b: (limit, self._read_cursor(b)) for b, limit in self._limits(held).items()}
         read_at = time.monotonic()
         with self.pool.connection() as conn:
-            read = store.fetch_events(conn, self.sink.name, self.worker, reads, self.sink.event_filter)
+            read = store.fetch_events(conn, self.sink.name, self.worker, reads, self.sink.event_filter,
+                                      formatted=self._formatted)
         self._snapshots.taken(read.now, read_at)
-        for e in read.events:  # a delta: not visible in the cursor's snapshot, so committed after it was taken
-            e.unseen_at = self._snapshots.at(reads[e.bucket][1].seen)
+        # A delta: not visible in the cursor's snapshot, so committed after it was taken (once per bucket).
+        unseen = {b: self._snapshots.at(cursor.seen) for b, (_, cursor) in reads.items()}
+        for e in read.events:
+            e.unseen_at = unseen[e.bucket]
         by_bucket = read.by_bucket()
         # Read again next cycle, whatever the hints say: buckets whose read was full, and buckets read in
         # pages against an older snapshot (their cursor's target). A commit after that target is not in
@@ -710,7 +714,7 @@ class SinkRunner:
         with self.pool.connection() as conn:
             parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1)
             read = store.fetch_events(conn, self.sink.name, self.worker, {bucket: (size, cursor)},
-                                      self.sink.event_filter)
+                                      self.sink.event_filter, formatted=self._formatted)
         new = read.events
         if not parked and not new:
             return self._probe_idle(bucket, fence, cursor.after_read(read.now, None, full=False))
@@ -733,7 +737,8 @@ class SinkRunner:
             with self.pool.connection() as conn:
                 events = store.fetch_parked(conn, self.sink.name, [bucket], 1, 1)
                 read = None if events else store.fetch_events(
-                    conn, self.sink.name, self.worker, {bucket: (1, cursor)}, self.sink.event_filter)
+                    conn, self.sink.name, self.worker, {bucket: (1, cursor)}, self.sink.event_filter,
+                    formatted=self._formatted)
             if read is not None:
                 events = read.events
                 if not events:

@@ -5,6 +5,7 @@ The loop (relay.py) holds no SQL; it calls these functions with a connection.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import operator
 import uuid
@@ -194,17 +195,17 @@ class Read:
 
 
 def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int, Cursor]],
-                 wanted: EventFilter | None = None) -> Read:
+                 wanted: EventFilter | None = None, *, formatted: bool = True) -> Read:
     """Each bucket's delta from its cursor (positions.py), up to its limit: ``reads`` maps a bucket to
     (limit, read cursor), in the order the buckets are to be read. Buckets ``worker`` does not hold
-    return nothing."""
+    return nothing. ``formatted``: with the Kafka sink's ready-made header values (``id_text``, ...)."""
     buckets = list(reads)
     cursors = [reads[b][1].params() for b in buckets]
     cur = conn.execute(
         query("relay", "fetch_events"),
         {"sink": sink, "worker": worker, "buckets": buckets, "limits": [reads[b][0] for b in buckets],
          "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
-         "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
+         "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors], "formatted": formatted,
          **(wanted or EventFilter()).params()},
     )
     rows = cur.fetchall()
@@ -212,8 +213,11 @@ def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int,
     now = Snapshot.parse(rows[-1][column["now"]])  # the last row always carries it
     # Per bucket in (xid, seq) order: the delta's delivery order (positions.py). A row without an id
     # is the one that only carries the snapshot.
-    events = sorted((event(r) for r in rows if r[column["id"]] is not None), key=lambda e: (e.bucket, e.xid, e.seq))
+    events = sorted((event(r) for r in rows if r[column["id"]] is not None), key=_POSITION)
     return Read(events, now)
+
+
+_POSITION = operator.attrgetter("bucket", "xid", "seq")
 
 
 def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:
@@ -366,16 +370,37 @@ def event_reader(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> tuple[
     """A function that turns one of ``cur``'s rows into a StoredEvent by column name (extra keyword
     arguments set more fields), and the index of every column by name."""
     column = {d.name: i for i, d in enumerate(cur.description or [])}
-    names = [EVENT_COLUMNS[name] for name in column if name in EVENT_COLUMNS]
-    pick = operator.itemgetter(*(i for name, i in column.items() if name in EVENT_COLUMNS))
+    picked = [(EVENT_COLUMNS[name], i) for name, i in column.items() if name in EVENT_COLUMNS]
+    # The columns that are StoredEvent's leading fields, in order, go in positionally (every read's
+    # first ten): keyword arguments cost a third of building the event, once per event.
+    lead = 0
+    while lead < len(picked) and lead < len(_FIELDS) and picked[lead][0] == _FIELDS[lead]:
+        lead += 1
+    first = _getter([i for _, i in picked[:lead]])
+    names = [name for name, _ in picked[lead:]]
+    rest = _getter([i for _, i in picked[lead:]])
 
     def event(row: Sequence[Any], **extra: Any) -> StoredEvent:
-        fields = dict(zip(names, pick(row), strict=True))  # once per event: the C paths
+        fields = dict(zip(names, rest(row), strict=True))  # once per event: the C paths
         if extra:
             fields.update(extra)
-        return StoredEvent(**fields)
+        return StoredEvent(*first(row), **fields)
 
     return event, column
+
+
+_FIELDS = [f.name for f in dataclasses.fields(StoredEvent)]
+
+
+def _getter(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """The values at ``indices`` of a row, as a tuple (``itemgetter`` returns a lone value bare)."""
+    if list(indices) == list(range(len(indices))):
+        n = len(indices)
+        return lambda row: tuple(row[:n])
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda row: (row[i],)
+    return operator.itemgetter(*indices)
 
 
 def stored_event(row: Sequence[Any], **extra: Any) -> StoredEvent:

@@ -89,3 +89,29 @@ class ProjectionEvent(Generic[P]):
     @property
     def fence(self) -> int:
         return self.token.fence
+
+
+# A relay builds one ProjectionEvent and one FenceToken per event it hands over (a rebuild, every
+# stored event). A frozen dataclass's __init__ sets each field through object.__setattr__; setting
+# the instance's __dict__ at once gives the same object at a third of the cost. Every field is set
+# here (test_event_decoding checks the result equals the plain constructor's).
+_new = object.__new__
+_set = object.__setattr__
+
+
+def make_token(fence: int, read: int, xid: int, seq: int) -> FenceToken:
+    """``FenceToken(fence, read, xid, seq)``, faster."""
+    token = _new(FenceToken)
+    _set(token, "__dict__", {"fence": fence, "read": read, "xid": xid, "seq": seq})
+    return token
+
+
+def make_event(id: uuid.UUID, type: str, key: str, topic: str | None, payload: P, headers: dict[str, str],
+               time: datetime, position: tuple[int, int], token: FenceToken, attempt: int, replay: bool,
+               version: int) -> ProjectionEvent[P]:
+    """``ProjectionEvent(...)`` with every field given, faster."""
+    event: ProjectionEvent[P] = _new(ProjectionEvent)
+    _set(event, "__dict__", {"id": id, "type": type, "key": key, "topic": topic, "payload": payload,
+                             "headers": headers, "time": time, "position": position, "token": token,
+                             "attempt": attempt, "replay": replay, "version": version})
+    return event

@@ -150,13 +150,15 @@ class Batch:
 
     def todo(self, abort: threading.Event) -> Iterator[tuple[StoredEvent, ProjectionEvent[Any]]]:
         """The events for the handler; the walk records each before asking for the next."""
+        known = self.known or None  # most runs pin nothing: no lookup (a uuid's hash) per event
         for i, e in enumerate(self.events):
             if i % ABORT_CHECK_EVERY == 0 and abort.is_set():
                 raise Aborted()
             if not self._hold.allows(e):
                 self.waiting += 1
                 continue
-            prepared = self.known.get(e.id) or self._prepare(e)
+            pinned = known.get(e.id) if known is not None else None
+            prepared = pinned or self._prepare(e)
             if isinstance(prepared, ProjectionEvent):
                 yield e, prepared
             elif prepared is not None:
@@ -175,6 +177,11 @@ class Batch:
         self._hold.record(e, outcome)
         if outcome is None and event is not None:
             self.applied.append(event)
+
+    def record_applied(self, pairs: Sequence[tuple[StoredEvent, ProjectionEvent[Any]]]) -> None:
+        """``record(e, None, event)`` for each pair, at once (a batched call's events all succeeded)."""
+        self.outcomes.update(dict.fromkeys(e.id for e, _ in pairs))
+        self.applied.extend(p for _, p in pairs)
 
     def settle(self, e: StoredEvent, event: ProjectionEvent[Any], exc: Exception | None, *, ended: bool | None,
                undone: bool) -> None:
@@ -223,8 +230,7 @@ def walk(batch: Batch, *, careful: bool, pipelined: bool = False, begin: Mapping
                 raise reply.error  # which statement failed is known at the next sync: the driver's Redo
             if reply.error is not None or ended_by(reply.status, None) is not False:
                 raise Redo() from reply.error  # which event failed: the careful walk tells
-            for e, p in todo:
-                batch.record(e, None, p)
+            batch.record_applied(todo)
     else:
         for e, event in batch.todo(abort):
             reply = yield Call([e], [event], batch=False)

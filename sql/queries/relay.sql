@@ -64,10 +64,13 @@ blocked AS (
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
        e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
        e.partition_key IN (SELECT partition_key FROM blocked) AS blocked,
-       -- Ready-made header values for the Kafka sink (formatting in SQL costs less than in Python).
-       e.id::text AS id_text,
-       to_char(coalesce(e.occurred_at, e.created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS time_text,
-       lpad(e.xid::text, 20, '0') || '-' || lpad(e.seq::text, 20, '0') AS sequence_text,
+       -- Ready-made header values for the Kafka sink (formatting in SQL costs less than in Python);
+       -- NULL for a sink that sends no headers (a projection): a rebuild reads every stored event.
+       CASE WHEN %(formatted)s THEN e.id::text END AS id_text,
+       CASE WHEN %(formatted)s THEN to_char(coalesce(e.occurred_at, e.created_at) AT TIME ZONE 'UTC',
+                                            'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') END AS time_text,
+       CASE WHEN %(formatted)s THEN lpad(e.xid::text, 20, '0') || '-' || lpad(e.seq::text, 20, '0') END
+           AS sequence_text,
        (SELECT snapshot::text FROM now) AS now, e.created_at AS stored_at, e.schema_version AS version
 FROM wanted w
 CROSS JOIN LATERAL (

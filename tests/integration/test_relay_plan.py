@@ -99,7 +99,8 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
                   "targets": [cursors[b].params()[1] for b in LEASED],
                   "after_xids": [cursors[b].params()[2] for b in LEASED],
                   "after_seqs": [cursors[b].params()[3] for b in LEASED],
-                  "types": list(wanted.types) if wanted and wanted.types else None, "topics": None}
+                  "types": list(wanted.types) if wanted and wanted.types else None, "topics": None,
+                  "formatted": True}
         root = explain(conn, query("relay", "fetch_events"), params, plan)
         # The same statement as the relay runs it returns what the plan promises.
         events = store.fetch_events(conn, SINK, "w", reads, wanted).events
@@ -186,7 +187,7 @@ def test_a_read_from_the_start_of_history_reads_only_what_it_returns(dsn: str, p
         params = {"sink": SINK, "worker": "w", "buckets": LEASED, "limits": [LIMIT] * len(LEASED),
                   "seen": [start.params()[0]] * len(LEASED), "targets": [start.params()[1]] * len(LEASED),
                   "after_xids": [start.params()[2]] * len(LEASED), "after_seqs": [start.params()[3]] * len(LEASED),
-                  "types": None, "topics": None}
+                  "types": None, "topics": None, "formatted": True}
         root = explain(conn, query("relay", "fetch_events"), params, plan)
         events = store.fetch_events(conn, SINK, "w", {b: (LIMIT, start) for b in LEASED}).events
     on_events = [n for n in nodes(root) if on_events_table(n)]
