@@ -256,7 +256,8 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
             origin = Cursor.at((0, 0)).params()
             params = {"sink": "old", "worker": "w", "buckets": [bucket], "limits": [1000], "seen": [origin[0]],
                       "targets": [origin[1]], "after_xids": [origin[2]], "after_seqs": [origin[3]],
-                      "types": None, "topics": None}
+                      "types": None, "topics": None,
+                      "formatted": True}  # a later, read-only parameter (Kafka header columns or not)
             old = [r[3] for r in conn.execute(version_12_fetch(), params).fetchall() if r[3] is not None]
             new = [e.id for e in store.fetch_events(conn, "old", "w", {bucket: (1000, Cursor.at((0, 0)))}).events]
             assert old and old == new, "the old read finds the bucket's events across the legacy and new partitions"

@@ -153,7 +153,7 @@ def test_a_read_probes_only_the_partitions_of_its_snapshots(dsn: str, plan: str)
                   "targets": [cursors[b].params()[1] for b in LEASED],
                   "after_xids": [cursors[b].params()[2] for b in LEASED],
                   "after_seqs": [cursors[b].params()[3] for b in LEASED],
-                  "types": None, "topics": None}
+                  "types": None, "topics": None, "formatted": True}
         ranges = [r[0] for r in conn.execute(
             "SELECT DISTINCT range_name FROM outbox.partitions WHERE range_name IS NOT NULL ORDER BY 1")]
         current = conn.execute("SELECT range_name FROM outbox.partitions WHERE xid_from <= %s::text::xid8 "
