@@ -88,9 +88,9 @@ def test_a_woken_relay_reads_the_buckets_the_commit_wrote_not_all_it_holds(
     reads: list[set[int]] = []
     real = store.fetch_events
 
-    def recording(conn: Any, sink: str, worker: str, wanted: dict[int, Any], *args: Any) -> Any:
+    def recording(conn: Any, sink: str, worker: str, wanted: dict[int, Any], *args: Any, **kwargs: Any) -> Any:
         reads.append(set(wanted))
-        return real(conn, sink, worker, wanted, *args)
+        return real(conn, sink, worker, wanted, *args, **kwargs)
 
     monkeypatch.setattr(store, "fetch_events", recording)
     sink = RecordingSink("relay-a")
