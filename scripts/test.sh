@@ -60,7 +60,8 @@ fi
 # The machines' own PostgreSQL 15 (no uuidv7(), other planner defaults): the integration tests that
 # run the relay's and the producers' SQL once more against it, in one process (they share that server:
 # roles are server-wide). Left out: tests of Kafka, metrics, tracing, the CLI's connection handling and
-# the ORM/testing-kit layers above publish, whose SQL the tests kept here already run.
+# the ORM/testing-kit layers above publish, whose SQL the tests kept here already run, and the inbox (a Kafka
+# consumer whose connection-cut test times its cut against the embedded server).
 if [ -z "${OUTBOX_TEST_DSN:-}" ]; then
     if "$VENV/bin/python" - "$LOCAL_PG_DSN" <<'PY' 2>/dev/null
 import sys
@@ -77,7 +78,8 @@ PY
             --ignore=tests/integration/test_kafka_headers.py --ignore=tests/integration/test_kafka_idle.py \
             --ignore=tests/integration/test_metrics.py --ignore=tests/integration/test_relay_kafka.py \
             --ignore=tests/integration/test_tracing.py --ignore=tests/integration/test_testing_kit.py \
-            --ignore=tests/integration/test_contrib_sqlalchemy.py --ignore=tests/integration/test_cli_projections.py
+            --ignore=tests/integration/test_contrib_sqlalchemy.py --ignore=tests/integration/test_cli_projections.py \
+            --ignore=tests/integration/test_inbox.py
     else
         echo
         echo "=== no PostgreSQL answers at $LOCAL_PG_DSN: skipping the second integration run"
