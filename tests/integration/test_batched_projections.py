@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +26,7 @@ from outbox_relay.testing import apply_projection
 from projections import ProjectionEvent, projection
 from projections.rebuild import Rebuild, rebuild_key
 from projections.sink import ProjectionSink
+from tests.integration.order_totals import applied, expected_totals, orders, per_key, totals
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     ALL_BUCKETS,
     dead_letters,
@@ -98,36 +98,6 @@ def batched(before: Hook | None = None, calls: list[int] | None = None) -> Any:
     return apply
 
 
-def orders(customers: int, per_customer: int) -> list[tuple[str, str, Any]]:
-    out: list[tuple[str, str, Any]] = []
-    for i in range(per_customer):
-        for c in range(customers):
-            out.append((f"cust-{c}", "OrderPlaced", {"customer": f"cust-{c}"}))
-            out.append((f"cust-{c}", "OrderPaid", {"customer": f"cust-{c}", "cents": 100 * (i + 1)}))
-    return out
-
-
-def expected(customers: int, per_customer: int) -> list[tuple[str, int, int]]:
-    paid = sum(100 * (i + 1) for i in range(per_customer))
-    return sorted((f"cust-{c}", per_customer, paid) for c in range(customers))
-
-
-def totals(dsn: str) -> list[tuple[str, int, int]]:
-    return [(c, o, int(p)) for c, o, p in fetch_all(dsn, "SELECT customer, orders, paid_cents FROM order_totals "
-                                                         "ORDER BY customer")]
-
-
-def applied(dsn: str) -> list[tuple[uuid.UUID, str]]:
-    return [(r[0], r[1]) for r in fetch_all(dsn, "SELECT event_id, key FROM applied_log ORDER BY n")]
-
-
-def per_key(pairs: list[tuple[uuid.UUID, str]]) -> dict[str, list[uuid.UUID]]:
-    out: dict[str, list[uuid.UUID]] = {}
-    for event_id, key in pairs:
-        out.setdefault(key, []).append(event_id)
-    return out
-
-
 @pytest.fixture
 def live(dsn: str, pool: ConnectionPool[Any]) -> Iterator[Callable[..., SinkRunner]]:
     """``live(projection, worker=..., **settings)``: a SinkRunner over every bucket; sinks closed afterwards."""
@@ -157,7 +127,7 @@ def test_a_batched_handler_gets_the_batch_in_one_call_in_per_key_order_exactly_o
     r = live(batched(calls=calls), batch_size=500)
     run_until(r, lambda: len(applied(dsn)) >= len(ids))
     r.run_once()  # nothing left: nothing applied twice
-    assert totals(dsn) == expected(20, 5)
+    assert totals(dsn) == expected_totals(20, 5)
     log = applied(dsn)
     assert sorted(e for e, _ in log) == sorted(ids), "each event applied exactly once"
     assert per_key(log) == per_key(list(zip(ids, [k for k, _, _ in events], strict=True))), "per key, in order"
@@ -187,7 +157,7 @@ def test_a_crash_mid_batch_applies_nothing_and_the_retry_applies_once(
     assert killed.is_set()
     assert totals(dsn) == [] and applied(dsn) == [], "a crashed batch left writes behind"
     run_until(r, lambda: len(applied(dsn)) >= len(ids))  # the sink reconnects
-    assert totals(dsn) == expected(4, 3)
+    assert totals(dsn) == expected_totals(4, 3)
     assert sorted(e for e, _ in applied(dsn)) == sorted(ids)
 
 
@@ -210,7 +180,7 @@ def test_a_fenced_out_batch_rolls_back_its_set_based_writes(dsn: str, live: Call
         conn.execute("UPDATE outbox.cursors SET owner = NULL WHERE owner = 'thief'")
     again = live(batched(), worker="next")
     run_until(again, lambda: len(applied(dsn)) >= len(ids))
-    assert totals(dsn) == expected(3, 2)
+    assert totals(dsn) == expected_totals(3, 2)
     assert sorted(e for e, _ in applied(dsn)) == sorted(ids)
 
 
@@ -270,7 +240,7 @@ def test_async_batched_handlers_get_the_same_walk(dsn: str, live: Callable[..., 
     r = live(apply, max_attempts=1)
     run_until(r, lambda: len(applied(dsn)) == len(ids) - 1 and dead_letters(dsn, "order_totals"))
     assert set(dead_letters(dsn, "order_totals")) == {ids[-1]}
-    assert totals(dsn) == expected(3, 2)
+    assert totals(dsn) == expected_totals(3, 2)
     assert calls[0] == len(ids), "the whole batch in one call first"
 
 
