@@ -1,0 +1,47 @@
+"""`outbox-relay run`, plus the time of the broker's acknowledgement of every event (bench only).
+
+    python bench/ack_relay.py OUT.json [outbox-relay arguments ...]
+
+The relay is the real command; an ``Observer.acknowledged`` hook records, per event id, when its first
+delivery report with an offset was served (wall clock, like the producer's commit times). At exit
+(SIGTERM: the graceful drain) it writes ``{"acks": {id: seconds}}`` to OUT.json. A Kafka cursor is
+written at most every --cursor-flush-seconds, so a checkpoint's time is no ack time any more.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+
+from outbox_relay import compose
+from outbox_relay.cli import main
+from outbox_relay.observer import Observer
+
+
+class AckTimes(Observer):
+    def __init__(self) -> None:
+        self.first: dict[uuid.UUID, float] = {}  # the sink's thread writes, the main thread reads at exit
+
+    def acknowledged(self, sink: str, event_ids: Sequence[uuid.UUID]) -> None:
+        now = time.time()
+        for i in event_ids:
+            self.first.setdefault(i, now)  # a redelivery's later ack does not count
+
+
+def run(out: str, argv: list[str]) -> int:
+    acks = AckTimes()
+    # `run` builds its worker through compose.build_worker(settings); the bench adds its observer there.
+    compose.build_worker = functools.partial(compose.build_worker, observer=acks)  # type: ignore[assignment]
+    try:
+        return main(argv)
+    finally:
+        with open(out, "w") as f:
+            json.dump({"acks": {str(i): t for i, t in list(acks.first.items())}}, f)
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1], sys.argv[2:]))
