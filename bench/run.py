@@ -620,6 +620,9 @@ class Bench:
                 self.stop_relays(relays)  # each writes its ack times as it exits
                 acked = {}
                 for path in acks_paths:
+                    if not path.exists():  # killed after the drain timed out: its acks are not counted
+                        log(f"WARNING: no ack times from {path.name}")
+                        continue
                     for i, t in json.loads(path.read_text())["acks"].items():
                         acked[i] = min(t, acked.get(i, t))  # a bucket handed over may be sent twice
             else:
