@@ -619,12 +619,16 @@ class Bench:
                 out["missing_diagnosis"] = self.diagnose_missing(dsn, commits_path, received_path, topic)
                 self.stop_relays(relays)  # each writes its ack times as it exits
                 acked = {}
+                batches: list[list[Any]] = []
                 for path in acks_paths:
                     if not path.exists():  # killed after the drain timed out: its acks are not counted
                         log(f"WARNING: no ack times from {path.name}")
                         continue
-                    for i, t in json.loads(path.read_text())["acks"].items():
+                    recorded = json.loads(path.read_text())
+                    for i, t in recorded["acks"].items():
                         acked[i] = min(t, acked.get(i, t))  # a bucket handed over may be sent twice
+                    batches.extend(recorded["batches"])
+                out.update(batch_stages(batches, json.loads(commits_path.read_text())["commits"]))
             else:
                 out["peak_rss_mb"] = {f"tuned-{i}": self.peak_rss_mb(p.pid) for i, p in enumerate(workers)}
                 with psycopg.connect(dsn, autocommit=True) as poll:  # every event marked delivered
@@ -798,6 +802,10 @@ class Bench:
                    f"p50/p99 {f(r['woken_to_produce_p50_ms'])}/{f(r['woken_to_produce_p99_ms'])} ms, "
                    f"produce->ack p50/p99 {f(r['settle_p50_ms'])}/{f(r['settle_p99_ms'])} ms"
                    if "notified_p50_ms" in r else "")
+                + (f"; {r['batches']} batches of {r['batch_events']:.1f} events, handed to the sink->last ack "
+                   f"p50/p99 {f(r['batch_acks_p50_ms'])}/{f(r['batch_acks_p99_ms'])} ms, last ack->landed "
+                   f"{f(r['batch_fence_p50_ms'])}/{f(r['batch_fence_p99_ms'])} ms"
+                   if r.get("batch_events") is not None else "")
                 + "; cpu (cores) " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("cpu", {}).items()))
 
     def case_latency(self) -> None:
@@ -1068,6 +1076,21 @@ class NotifyLog:
         return self.notes
 
 
+def batch_stages(batches: list[list[Any]], commits: dict[str, float]) -> dict[str, Any]:
+    """Our relays' batches from the first commit on (bench/ack_relay.py): how many, their size, and
+    each one split into handed to the sink (its read done) -> last ack (produce and the broker's acks)
+    -> landed (the fenced checkpoint: for Kafka mostly a fence check, the cursor write being deferred)."""
+    if not commits:
+        return {}
+    first = min(commits.values())  # the warm-up's batches come before; none but the window's after it
+    during = [b for b in batches if b[0] >= first and b[3]]
+    acks = sorted((b[1] - b[0]) * 1000 for b in during if b[1] is not None)
+    fence = sorted((b[2] - b[1]) * 1000 for b in during if b[1] is not None and b[2] is not None)
+    return {"batches": len(during), "batch_events": sum(b[3] for b in during) / len(during) if during else None,
+            "batch_acks_p50_ms": pct(50, acks), "batch_acks_p99_ms": pct(99, acks),
+            "batch_fence_p50_ms": pct(50, fence), "batch_fence_p99_ms": pct(99, fence)}
+
+
 def notify_stages(commits: dict[str, float], produced: dict[str, float], buckets: dict[str, int],
                   notes: list[tuple[float, str]]) -> dict[str, Any]:
     """Split commit -> produce() at the first wake-up notification after the commit that names the
@@ -1234,10 +1257,17 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                          ("pickup_p99_ms", "commit -> relay produce() p99 ms"),
                          ("settle_p50_ms", f"relay produce() -> {ack} p50 ms"),
                          ("settle_p99_ms", f"relay produce() -> {ack} p99 ms"),
+                         ("batch_acks_p50_ms", "batch handed to the sink -> its last ack p50 ms"),
+                         ("batch_acks_p99_ms", "batch handed to the sink -> its last ack p99 ms"),
+                         ("batch_fence_p50_ms", "batch's last ack -> landed (fenced checkpoint) p50 ms"),
+                         ("batch_fence_p99_ms", "batch's last ack -> landed (fenced checkpoint) p99 ms"),
                          ("p50_ms", "commit -> consumer receive p50 ms"),
                          ("p99_ms", "commit -> consumer receive p99 ms"),
                          ("max_ms", "commit -> consumer receive max ms")):
-            row(case, label, "ms", [r[k] for r in rs])
+            if any(k in r for r in rs):  # the batch split: ours only
+                row(case, label, "ms", [r.get(k) for r in rs])
+        if all("batches" in r for r in rs):
+            row(case, "batches (claims with events) while publishing", "", [r["batches"] for r in rs])
         for group in ("relays", "postgres for relays", "postgres for producer", "postgres other", "broker",
                       "bench clients", "machine"):
             if all(group in r.get("cpu", {}) for r in rs):
