@@ -13,6 +13,7 @@ stdin (``go``), works, and prints one JSON line with its results (or writes them
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import threading
@@ -186,8 +187,8 @@ RETURNING t.id, t.event_id::text, t.partition_key, t.topic, t.payload::text
 
 def tuned_worker(args: argparse.Namespace) -> None:
     """Drain mode (default): exit once a claim finds nothing. --serve: wait for notifications (polling
-    every --poll-seconds as a fallback) until a ``stop`` line, then write each event's ack time (the
-    commit of the claim that marked it delivered, after the broker acknowledged it) to --out."""
+    every --poll-seconds as a fallback) until a ``stop`` line, then write each event's ack time (its
+    delivery report, served by ``flush()``; the claim that marked it delivered commits after) to --out."""
     from confluent_kafka import Producer
 
     from outbox_relay.kafka_sink import PRODUCER_DEFAULTS
@@ -202,9 +203,13 @@ def tuned_worker(args: argparse.Namespace) -> None:
         listener.execute("LISTEN tuned_outbox")
     failures: list[str] = []
 
-    def on_delivery(err: Any, _msg: Any) -> None:
+    acks: dict[str, float] = {}  # event id -> when its delivery report was served (first one)
+
+    def on_delivery(event_id: str, err: Any, _msg: Any) -> None:
         if err is not None:
             failures.append(str(err))
+        elif args.serve:
+            acks.setdefault(event_id, time.time())
 
     _ready_then_wait()
     if args.serve:
@@ -215,7 +220,6 @@ def tuned_worker(args: argparse.Namespace) -> None:
             stop.set()  # a "stop" line, or the parent went away
 
         threading.Thread(target=control, daemon=True).start()
-    acks: dict[str, float] = {}
     processed = batches = 0
     last_done = time.time()
     while not stop.is_set():
@@ -229,7 +233,7 @@ def tuned_worker(args: argparse.Namespace) -> None:
             continue
         for _id, event_id, key, topic, payload in rows:
             producer.produce(topic, payload.encode(), key.encode(), headers=[("ce_id", event_id.encode())],
-                             on_delivery=on_delivery)
+                             on_delivery=functools.partial(on_delivery, event_id))
         producer.flush()
         if failures:
             raise RuntimeError(failures[0])  # the claim rolls back with the connection
@@ -237,9 +241,6 @@ def tuned_worker(args: argparse.Namespace) -> None:
         last_done = time.time()
         processed += len(rows)
         batches += 1
-        if args.serve:
-            for r in rows:
-                acks[r[1]] = last_done
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"acks": acks}, f)

@@ -129,13 +129,17 @@ class Bench:
         return env
 
     def start_relays(self, n: int, dsn: str, topic: str, tag: str, extra: Sequence[str] = (),
-                     projections: bool = False) -> list[tuple[str, subprocess.Popen[bytes]]]:
+                     projections: bool = False,
+                     acks_to: Sequence[Path] = ()) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        """``acks_to``: one file per relay, where it writes each event's broker-ack time when it stops
+        (bench/ack_relay.py: the same command with an Observer.acknowledged hook)."""
         env = self.relay_env(dsn, projections)
         relays = []
         for i in range(n):
             wid = f"bench-{tag}-{i}"
             logf = (self.base / f"{wid}.log").open("wb")
-            cmd = [sys.executable, "-m", "outbox_relay.cli", "--log-level", "warning", "run",
+            entry = [str(HERE / "ack_relay.py"), str(acks_to[i])] if acks_to else ["-m", "outbox_relay.cli"]
+            cmd = [sys.executable, *entry, "--log-level", "warning", "run",
                    "--default-topic", topic, "--kafka-bootstrap-servers", self.kafka.bootstrap,
                    "--batch-size", str(self.args.batch_size), "--worker-id", wid, *self.args.relay_args, *extra]
             relays.append((wid, subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
@@ -494,54 +498,6 @@ class Bench:
 
     # -- case 3: steady-state latency ----------------------------------------------------------------
 
-    CURSOR_LOG = """
-    CREATE TABLE public.bench_cursor_log (bucket int, snapshot text, target text, after_xid bigint, after_seq bigint,
-                                          at timestamptz);
-    CREATE FUNCTION public.bench_log_cursor() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        IF (NEW.snapshot::text, NEW.target::text, NEW.after_xid, NEW.after_seq)
-           IS DISTINCT FROM (OLD.snapshot::text, OLD.target::text, OLD.after_xid, OLD.after_seq) THEN
-            INSERT INTO public.bench_cursor_log
-            VALUES (NEW.bucket, NEW.snapshot::text, NEW.target::text, NEW.after_xid::text::bigint, NEW.after_seq,
-                    NEW.advanced_at);
-        END IF;
-        RETURN NULL;
-    END $$;
-    CREATE TRIGGER bench_log_cursor AFTER UPDATE ON outbox.cursors
-        FOR EACH ROW EXECUTE FUNCTION public.bench_log_cursor();
-    """
-
-    @staticmethod
-    def checkpoint_times(dsn: str, ids: list[str]) -> dict[str, float]:
-        """Per event id: when the relay's checkpoint first wrote a cursor of its bucket that has
-        delivered it (the relay checkpoints only after the broker acknowledged the whole batch)."""
-        from collections import defaultdict
-
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            events = conn.execute("SELECT id::text, bucket, xid::text::bigint, seq FROM outbox.events "
-                                  "WHERE id = ANY(%s::uuid[])", (ids,)).fetchall()
-            log_rows = conn.execute(
-                "SELECT bucket, snapshot, target, after_xid, after_seq, extract(epoch FROM at)::float8 "
-                "FROM public.bench_cursor_log ORDER BY bucket, at").fetchall()
-        per_bucket: dict[int, list[tuple[positions.Cursor, float]]] = defaultdict(list)
-        for b, seen, target, after_xid, after_seq, at in log_rows:
-            per_bucket[b].append((positions.Cursor.from_row(seen, target, after_xid, after_seq), at))
-        out = {}
-        for eid, b, x, q in events:
-            entries = per_bucket.get(b, [])
-            # A bucket's cursor only moves forward, so "has delivered this event" is false, then true
-            # for good: the first entry where it holds, by bisection.
-            lo, hi = 0, len(entries)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if entries[mid][0].delivered(x, q):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            if lo < len(entries):
-                out[eid] = entries[lo][1]
-        return out
-
     def latency_once(self, kind: str, rate: float, relays_n: int, run: int, seconds: float,
                      longtx: bool = False) -> dict[str, Any]:
         """Publish at ``rate`` for ``seconds`` with ``relays_n`` relays of ``kind`` running ("ours":
@@ -551,9 +507,6 @@ class Bench:
         tag = f"{kind}{int(rate)}x{relays_n}r{run}{'L' if longtx else ''}"
         if kind == "ours":
             name, dsn = self.fresh_outbox_db()
-            if not self.args.no_cursor_log:
-                with psycopg.connect(dsn, autocommit=True) as conn:
-                    conn.execute(self.CURSOR_LOG)  # bench instrumentation, this database only
         else:
             from procs import TUNED_SCHEMA
 
@@ -578,7 +531,7 @@ class Bench:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             warmups = 0
             if kind == "ours":
-                relays = self.start_relays(relays_n, dsn, topic, f"lat-{tag}")
+                relays = self.start_relays(relays_n, dsn, topic, f"lat-{tag}", acks_to=acks_paths)
                 with psycopg.connect(dsn, autocommit=True) as poll:
                     self.wait_ring(poll, [w for w, _ in relays], relays)
                 warmups = self.warm_up(dsn, topic, relays)
@@ -664,8 +617,18 @@ class Bench:
             if kind == "ours":
                 out["peak_rss_mb"] = {wid: self.peak_rss_mb(p.pid) for wid, p in relays}
                 out["missing_diagnosis"] = self.diagnose_missing(dsn, commits_path, received_path, topic)
-                acked = {} if self.args.no_cursor_log else self.checkpoint_times(
-                    dsn, list(json.loads(commits_path.read_text())["commits"]))
+                self.stop_relays(relays)  # each writes its ack times as it exits
+                acked = {}
+                batches: list[list[Any]] = []
+                for path in acks_paths:
+                    if not path.exists():  # killed after the drain timed out: its acks are not counted
+                        log(f"WARNING: no ack times from {path.name}")
+                        continue
+                    recorded = json.loads(path.read_text())
+                    for i, t in recorded["acks"].items():
+                        acked[i] = min(t, acked.get(i, t))  # a bucket handed over may be sent twice
+                    batches.extend(recorded["batches"])
+                out.update(batch_stages(batches, json.loads(commits_path.read_text())["commits"]))
             else:
                 out["peak_rss_mb"] = {f"tuned-{i}": self.peak_rss_mb(p.pid) for i, p in enumerate(workers)}
                 with psycopg.connect(dsn, autocommit=True) as poll:  # every event marked delivered
@@ -678,7 +641,8 @@ class Bench:
                 out["batches"] = sum(r["batches"] for r in reports)
                 acked = {}
                 for path in acks_paths:
-                    acked.update(json.loads(path.read_text())["acks"])
+                    for i, t in json.loads(path.read_text())["acks"].items():
+                        acked[i] = min(t, acked.get(i, t))
                 out["missing_diagnosis"] = self.diagnose_missing(None, commits_path, received_path, topic)
         finally:
             for p in (producer, consumer, *workers):
@@ -695,15 +659,15 @@ class Bench:
         received = json.loads(received_path.read_text())
         got = received["received"]
         lat = sorted((got[i] - t) * 1000 for i, t in commits["commits"].items() if i in got)
-        # Commit -> the relay's durable record of the broker's ack (our checkpoint; the tuned relay's
-        # UPDATE): an upper bound of commit -> ack.
+        # Commit -> the broker's ack: the first delivery report with an offset for the event, as the
+        # relay's own poll served it (ours: Observer.acknowledged; the tuned relay: its on_delivery).
         ack = sorted((acked[i] - t) * 1000 for i, t in commits["commits"].items() if i in acked)
         # Split at the relay's produce() call (the message's CreateTime, same clock):
         # commit -> produce is the relay's pickup; produce -> receive is librdkafka + Tansu + consumer.
         made = received.get("produced", {})
         pickup = sorted((made[i] - t) * 1000 for i, t in commits["commits"].items() if i in made)
         transit = sorted((got[i] - made[i]) * 1000 for i in commits["commits"] if i in made and i in got)
-        # The pickup's complement: produce() -> acked and recorded.
+        # The pickup's complement: produce() -> acknowledged.
         settle = sorted((acked[i] - made[i]) * 1000 for i in commits["commits"] if i in made and i in acked)
         out.update({
             "sent": sent["sent"], "seconds": sent["seconds"], "achieved_rate": sent["sent"] / sent["seconds"],
@@ -838,6 +802,10 @@ class Bench:
                    f"p50/p99 {f(r['woken_to_produce_p50_ms'])}/{f(r['woken_to_produce_p99_ms'])} ms, "
                    f"produce->ack p50/p99 {f(r['settle_p50_ms'])}/{f(r['settle_p99_ms'])} ms"
                    if "notified_p50_ms" in r else "")
+                + (f"; {r['batches']} batches of {r['batch_events']:.1f} events, handed to the sink->last ack "
+                   f"p50/p99 {f(r['batch_acks_p50_ms'])}/{f(r['batch_acks_p99_ms'])} ms, last ack->landed "
+                   f"{f(r['batch_fence_p50_ms'])}/{f(r['batch_fence_p99_ms'])} ms"
+                   if r.get("batch_events") is not None else "")
                 + "; cpu (cores) " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("cpu", {}).items()))
 
     def case_latency(self) -> None:
@@ -1108,6 +1076,21 @@ class NotifyLog:
         return self.notes
 
 
+def batch_stages(batches: list[list[Any]], commits: dict[str, float]) -> dict[str, Any]:
+    """Our relays' batches from the first commit on (bench/ack_relay.py): how many, their size, and
+    each one split into handed to the sink (its read done) -> last ack (produce and the broker's acks)
+    -> landed (the fenced checkpoint: for Kafka mostly a fence check, the cursor write being deferred)."""
+    if not commits:
+        return {}
+    first = min(commits.values())  # the warm-up's batches come before; none but the window's after it
+    during = [b for b in batches if b[0] >= first and b[3]]
+    acks = sorted((b[1] - b[0]) * 1000 for b in during if b[1] is not None)
+    fence = sorted((b[2] - b[1]) * 1000 for b in during if b[1] is not None and b[2] is not None)
+    return {"batches": len(during), "batch_events": sum(b[3] for b in during) / len(during) if during else None,
+            "batch_acks_p50_ms": pct(50, acks), "batch_acks_p99_ms": pct(99, acks),
+            "batch_fence_p50_ms": pct(50, fence), "batch_fence_p99_ms": pct(99, fence)}
+
+
 def notify_stages(commits: dict[str, float], produced: dict[str, float], buckets: dict[str, int],
                   notes: list[tuple[float, str]]) -> dict[str, Any]:
     """Split commit -> produce() at the first wake-up notification after the commit that names the
@@ -1265,8 +1248,7 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                                  f"worker{'s' if w > 1 else ''} | x (paired runs) | {med:.1f} | {min(pairs):.1f} | "
                                  f"{max(pairs):.1f} | {len(pairs)} |")
     def latency_rows(case: str, rs: list[dict[str, Any]]) -> None:
-        tuned = rs and rs[0]["kind"] == "tuned"
-        ack = "acked+marked delivered" if tuned else "acked+checkpointed"
+        ack = "broker ack"  # both kinds: the delivery report's time in the relay process
         row(case, "achieved publish rate ev/s", "ev/s", [r["achieved_rate"] for r in rs])
         for k, label in (("ack_p50_ms", f"commit -> {ack} p50 ms"),
                          ("ack_p99_ms", f"commit -> {ack} p99 ms"),
@@ -1275,10 +1257,17 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                          ("pickup_p99_ms", "commit -> relay produce() p99 ms"),
                          ("settle_p50_ms", f"relay produce() -> {ack} p50 ms"),
                          ("settle_p99_ms", f"relay produce() -> {ack} p99 ms"),
+                         ("batch_acks_p50_ms", "batch handed to the sink -> its last ack p50 ms"),
+                         ("batch_acks_p99_ms", "batch handed to the sink -> its last ack p99 ms"),
+                         ("batch_fence_p50_ms", "batch's last ack -> landed (fenced checkpoint) p50 ms"),
+                         ("batch_fence_p99_ms", "batch's last ack -> landed (fenced checkpoint) p99 ms"),
                          ("p50_ms", "commit -> consumer receive p50 ms"),
                          ("p99_ms", "commit -> consumer receive p99 ms"),
                          ("max_ms", "commit -> consumer receive max ms")):
-            row(case, label, "ms", [r[k] for r in rs])
+            if any(k in r for r in rs):  # the batch split: ours only
+                row(case, label, "ms", [r.get(k) for r in rs])
+        if all("batches" in r for r in rs):
+            row(case, "batches (claims with events) while publishing", "", [r["batches"] for r in rs])
         for group in ("relays", "postgres for relays", "postgres for producer", "postgres other", "broker",
                       "bench clients", "machine"):
             if all(group in r.get("cpu", {}) for r in rs):
@@ -1499,8 +1488,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="latency case: also time the wake-up notifications (commit -> notified -> produce())")
     p.add_argument("--latency-spy", action="store_true",
                    help="latency case: py-spy record (--idle, raw) the last relay while events flow")
-    p.add_argument("--no-cursor-log", action="store_true",
-                   help="latency: no cursor-move trigger (so no commit -> checkpoint figures); to gauge its cost")
     p.add_argument("--producers", type=int, default=4, help="producer processes for the enqueue case")
     p.add_argument("--enqueue-seconds", type=float, default=None, help="default 5")
     p.add_argument("--claim-sizes", default=None, help="stored events, comma list (default 10000,1000000,5000000)")

@@ -271,6 +271,7 @@ class _Flight:
         # Partitions where a report came without an offset: that report and every later one of the
         # partition (the rest of the batch, with offsets librdkafka made up) do not count.
         self.doubtful: set[tuple[str, int]] = set()
+        self.acked: list[uuid.UUID] = []  # acknowledged since the observer last heard (Observer.acknowledged)
 
     def report(self, event_id: uuid.UUID) -> Callable[[KafkaError | None, Any], None]:
         def on_delivery(err: KafkaError | None, msg: Any) -> None:
@@ -298,6 +299,7 @@ class _Flight:
                     "after losing its state)")
                 return
             self.outcomes[event_id] = None
+            self.acked.append(event_id)
             self.batch.acknowledged.add(partition[0])
             self.session.acknowledged()
         return on_delivery
@@ -609,6 +611,7 @@ class KafkaSink:
         next_partial = time.monotonic() + self.partial_seconds
         reported = len(flight.outcomes)
         while True:
+            self._tell_acknowledged(flight)  # what the last poll served (or _produce's, on a full queue)
             reason = self._wedged(flight)
             if reason is None and flight.pending == 0:
                 return None
@@ -621,6 +624,11 @@ class KafkaSink:
                     if not self._checkpoint_acknowledged(partial, flight.outcomes):
                         partial = None  # the database is away: not again in this batch
             self._poll(abort)
+
+    def _tell_acknowledged(self, flight: _Flight) -> None:
+        if flight.acked:
+            self.observer.acknowledged(self.name, flight.acked)
+            flight.acked = []
 
     def _checkpoint_acknowledged(self, partial: Callable[[Outcomes], set[int]], outcomes: Outcomes) -> bool:
         try:
@@ -691,6 +699,7 @@ class KafkaSink:
             old.purge()  # queued and in flight: their reports say _PURGE_*, i.e. not acknowledged
             old.poll(0)  # acks that made it before the purge still count
         flight.live = False
+        self._tell_acknowledged(flight)
         todo = [m for m in messages if m.event.id not in flight.outcomes]
         log.warning("kafka sink %s: %s; recreating the producer and producing %d unacknowledged messages again",
                     self.name, reason, len(todo))

@@ -56,6 +56,11 @@ class Observer:
         e.g. to acknowledge upstream or to wake a waiter. Called on the sink's runner thread right after
         the commit: keep it short (hand work to a queue of your own)."""
 
+    def acknowledged(self, sink: str, event_ids: Sequence[uuid.UUID]) -> None:
+        """The broker acknowledged these events of a Kafka sink's batch (the delivery reports one ``poll``
+        served), before the batch's checkpoint: a crash before it sends them again. Called on the sink's
+        runner thread while it waits for the rest of the batch: keep it short."""
+
     def held(self, sink: str, events: int) -> None:
         """A checkpoint parked ``events`` events that wait for a condition of the sink (a Kafka topic that
         does not exist yet or that an ACL denies), counting no attempt."""
@@ -105,6 +110,10 @@ class Observers(Observer):
     def checkpointed(self, sink: str, *, delivered: Sequence[uuid.UUID], dead: Sequence[uuid.UUID]) -> None:
         for o in self.observers:
             o.checkpointed(sink, delivered=delivered, dead=dead)
+
+    def acknowledged(self, sink: str, event_ids: Sequence[uuid.UUID]) -> None:
+        for o in self.observers:
+            o.acknowledged(sink, event_ids)
 
     def held(self, sink: str, events: int) -> None:
         for o in self.observers:
