@@ -711,6 +711,24 @@ BEGIN
 END
 $$;
 
+-- 0015 (after partition_oldest_v1, which its body names).
+-- From when events of the topics a sink reads (NULL: all) are stored: the oldest event of the leaves that
+-- may hold them (one index probe per leaf, not a scan for the topics: a leaf that holds other topics too,
+-- a default or mixed one, may make this earlier than their oldest event). NULL: none is stored. As the
+-- schema's owner, like partition_oldest_v1 (projectors may not read outbox.partitions).
+CREATE FUNCTION outbox.history_stored_from_v1(reads text[]) RETURNS timestamptz
+    LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    RETURN (SELECT min(outbox.partition_oldest_v1(p.name))
+            FROM outbox.partitions p
+            WHERE p.class IS NULL
+               OR outbox.history_covers_v1(
+                      CASE WHEN p.class <> 'default' THEN p.topics END,
+                      CASE WHEN p.class = 'default'
+                           THEN coalesce((SELECT array_agg(t) FROM outbox.partitions s CROSS JOIN unnest(s.topics) AS t
+                                          WHERE s.range_name = p.range_name AND s.name <> p.name), '{}')
+                           ELSE '{}' END,
+                      reads));
+
 -- Whether a transaction may still write events with an id in [lo, hi): ids not handed out yet, or one
 -- running now (a transaction's events go to the partition of its own id). Transactions ids are
 -- cluster-wide: one running in another database (pg_stat_activity, pg_prepared_xacts) writes nothing

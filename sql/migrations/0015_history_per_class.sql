@@ -51,6 +51,23 @@ CREATE FUNCTION outbox.history_covers_v1(topics text[], except_topics text[], re
     RETURN reads IS NULL
         OR CASE WHEN topics IS NOT NULL THEN topics && reads ELSE NOT (reads <@ except_topics) END;
 
+-- From when events of the topics a sink reads (NULL: all) are stored: the oldest event of the leaves that
+-- may hold them (one index probe per leaf, not a scan for the topics: a leaf that holds other topics too,
+-- a default or mixed one, may make this earlier than their oldest event). NULL: none is stored. As the
+-- schema's owner, like partition_oldest_v1 (projectors may not read outbox.partitions).
+CREATE FUNCTION outbox.history_stored_from_v1(reads text[]) RETURNS timestamptz
+    LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    RETURN (SELECT min(outbox.partition_oldest_v1(p.name))
+            FROM outbox.partitions p
+            WHERE p.class IS NULL
+               OR outbox.history_covers_v1(
+                      CASE WHEN p.class <> 'default' THEN p.topics END,
+                      CASE WHEN p.class = 'default'
+                           THEN coalesce((SELECT array_agg(t) FROM outbox.partitions s CROSS JOIN unnest(s.topics) AS t
+                                          WHERE s.range_name = p.range_name AND s.name <> p.name), '{}')
+                           ELSE '{}' END,
+                      reads));
+
 -- The topics a sink reads (NULL: all), and when its history began: retention that removes events of its
 -- topics after that removed events it applied. Sinks already incomplete by the global watermark stay so.
 ALTER TABLE outbox.sinks ADD COLUMN topics text[];

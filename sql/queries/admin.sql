@@ -51,9 +51,9 @@ GROUP BY s.name, s.kind
 ORDER BY s.name;
 
 -- name: history
--- Per projection: the topics it reads, from when their events are stored (how far back a rebuild goes), what retention removed of partitions that held them, and whether a full rebuild would hold everything the projection applied (else it needs --accept-partial; missing: what went since its history began).
+-- Per projection: the topics it reads, from when their events are stored (how far back a rebuild goes: the oldest event of the partitions that may hold them), what retention removed of partitions that held them, and whether a full rebuild would hold everything the projection applied (else it needs --accept-partial; missing: what went since its history began).
 SELECT s.name AS projection, s.topics,
-       (SELECT min(e.created_at) FROM outbox.events e WHERE s.topics IS NULL OR e.topic = ANY(s.topics)) AS stored_from,
+       outbox.history_stored_from_v1(s.topics) AS stored_from,
        r.removed_through, coalesce(r.removed_events, 0) AS removed_events,
        r.missing IS NULL AS full_rebuild_complete, r.missing
 FROM outbox.sinks s

@@ -231,8 +231,8 @@ WHERE h.removed_at > s.history_since
 ORDER BY h.class, h.removed_through;
 
 -- name: stored_from
--- The oldest stored event of these topics (NULL: all): from when history exists for a projection.
-SELECT min(e.created_at) FROM outbox.events e WHERE %(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]);
+-- From when events of these topics (NULL: all) are stored: the oldest event of the partitions that may hold them.
+SELECT outbox.history_stored_from_v1(%(topics)s::text[]);
 
 -- name: adopt_parked
 -- The rebuild's retries carry on under the live name (run after drop_parked_and_dead).
