@@ -295,3 +295,27 @@ def test_migration_from_version_14_keeps_what_the_global_watermark_said(
         assert gap is not None and gap.removed == 7 and "every topic" in gap.describe()
         assert history_gap(conn, "after", ["orders"]) is None
         assert history_gap(conn, "after", None) is None
+
+
+def test_a_relay_records_the_topics_its_sinks_read_and_its_schema_version(dsn: str) -> None:
+    """What `status` and the partition hold read: the topics of each sink as its relay registered it
+    (changed when the projection's topics change), and the schema version of each relay."""
+    from outbox_relay.migrate import latest_version
+    from outbox_relay.worker import Worker
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE view_seen (n bigserial PRIMARY KEY, event_id uuid NOT NULL UNIQUE, "
+                     "key text NOT NULL)")
+    for topics in (["orders", "invoices"], None):
+        sink = ProjectionSink(seen_projection("view", topics), dsn)
+        worker = Worker(make_settings(dsn, "relay-t"), sinks=[sink])
+        try:
+            assert worker.start() is True
+            assert fetch_all(dsn, "SELECT topics FROM outbox.sinks WHERE name = 'view'") == \
+                [(sorted(topics) if topics else None,)]
+            [(version,)] = fetch_all(dsn, "SELECT metadata -> 'schema_version' FROM outbox.workers")
+            assert version == latest_version()
+        finally:
+            worker.stop_hard()
+            worker.wait()
+            sink.close()
