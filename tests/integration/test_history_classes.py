@@ -319,3 +319,42 @@ def test_a_relay_records_the_topics_its_sinks_read_and_its_schema_version(dsn: s
             worker.stop_hard()
             worker.wait()
             sink.close()
+
+
+def test_a_kafka_dead_letter_whose_partition_went_reaches_the_topic_once_in_key_order(
+        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str) -> None:
+    """The Kafka sink, against the test broker: an event without a topic is dead-lettered at once (no
+    default topic configured); its partition goes; the relay is fixed (a default topic) and the dead
+    letter retried: it reaches the topic once, after the key's event that passed it and before the one
+    published after the retry."""
+    from outbox_relay.kafka_sink import KafkaSink
+    from tests.servers import consume_all
+
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a producer in another language left out the topic
+        (lost,) = conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "
+                               "VALUES ('k', 'no.topic', '{\"n\": 1}') RETURNING id").fetchone() or ()
+    (passed,) = publish(dsn, [("k", "t", {"n": 2})], topic=kafka_topic)
+    unfixed = KafkaSink("kafka", {"bootstrap.servers": kafka_bootstrap}, None, "urn:test")
+    try:
+        run_until(runner_for(unfixed, pool, make_settings(dsn, "relay-k")),
+                  lambda: lost in dead_letters(dsn, "kafka") and undelivered(dsn, "kafka") == 0, timeout=20)
+    finally:
+        unfixed.close()
+    close_history(dsn)
+    assert retire(pool, dsn, 0.0) == 2 and fetch_all(dsn, "SELECT count(*) FROM outbox.events") == [(0,)]
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert admin.retry_dead_letters(conn, "kafka", event_ids=[lost]).count == 1
+    (after,) = publish(dsn, [("k", "t", {"n": 3})], topic=kafka_topic)
+    fixed = KafkaSink("kafka", {"bootstrap.servers": kafka_bootstrap}, kafka_topic, "urn:test")
+    try:
+        run_until(runner_for(fixed, pool, make_settings(dsn, "relay-k")),
+                  lambda: undelivered(dsn, "kafka") == 0 and not fetch_all(dsn, "SELECT 1 FROM outbox.parked"),
+                  timeout=20)
+    finally:
+        fixed.close()
+    messages = consume_all(kafka_bootstrap, kafka_topic, 3, timeout=20, settle=1.0)
+    in_order = sorted(messages, key=lambda m: (m.partition, m.offset))
+    assert [m.headers["ce_id"] for m in in_order] == [str(passed), str(lost), str(after)]
+    assert [m.json() for m in in_order] == [{"n": 2}, {"n": 1}, {"n": 3}]
+    assert dead_letters(dsn, "kafka") == {}
