@@ -578,6 +578,8 @@ CREATE TABLE outbox.kept_events (
     kept_at         timestamptz NOT NULL DEFAULT clock_timestamp(),
     CONSTRAINT kept_events_pkey PRIMARY KEY (bucket, xid, seq)
 );
+-- By event id: wait_for, and the idempotency keys of kept events.
+CREATE INDEX kept_events_id ON outbox.kept_events (id);
 
 -- Copies no parked row or dead letter names any more go, with their events' idempotency keys (the
 -- partition that held the event is gone). Returns how many. As the schema's owner: relays run it with

@@ -15,8 +15,10 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from outbox_relay import admin, cli, history, store
+from outbox_relay.errors import WaitTimeout
 from outbox_relay.housekeeping import Housekeeping
 from outbox_relay.migrate import migrate
+from outbox_relay.progress import wait_for
 from outbox_relay.publish import Outbox, Published
 from outbox_relay.relay import SinkRunner
 from projections import Projection, ProjectionEvent, projection
@@ -249,6 +251,8 @@ def test_parked_events_of_a_paused_key_survive_their_partition(dsn: str, pool: C
     assert retire(pool, dsn, 0.0) == 4
     later = publish(dsn, [("k", "t", {"n": 3})])
     with psycopg.connect(dsn, autocommit=True) as conn:
+        with pytest.raises(WaitTimeout, match="paused"):  # held, not unknown: its copy stands for it
+            wait_for(conn, held, sink=sink.name, timeout=0.2)
         admin.resume_key(conn, "k", sink.name)
     run_until(runner, lambda: sink.delivered_ids() == set(held) | set(other) | set(later))
     assert dedup_per_key(sink.attempts)["k"] == held + later
