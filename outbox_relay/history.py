@@ -58,7 +58,8 @@ def make_ahead(conn: Conn, seconds: float, min_width: int = MIN_PARTITION_XIDS) 
 
 
 def retire(conn: Conn, retention_seconds: float, budget_seconds: float) -> list[Retired]:
-    """Drop partitions that may go, oldest first, each in its own short transaction, within a time budget."""
+    """Drop partitions that may go, oldest first, each in its own short transaction, within a time budget;
+    then release the copies of parked and dead-lettered events (0015) that nothing names any more."""
     done: list[Retired] = []
     deadline = time.monotonic() + budget_seconds
     while time.monotonic() < deadline:
@@ -72,6 +73,10 @@ def retire(conn: Conn, retention_seconds: float, budget_seconds: float) -> list[
         if row is None:
             break
         done.append(Retired(str(row[0]), int(row[1] or 0)))
+    # Copies of parked and dead-lettered events from dropped partitions that no retry needs any more.
+    row = conn.execute(query("history", "release_kept_events")).fetchone()
+    if row and row[0]:
+        log.info("history: %d kept copies of events released (their dead letters or parked rows are gone)", row[0])
     return done
 
 

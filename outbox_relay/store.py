@@ -138,14 +138,17 @@ class Checkpoint:
         }
 
 
-def register_sink(conn: Conn, sink: str, kind: str) -> None:
-    """Create the sink and its cursors if new; refuse a name used for another kind, or dropped."""
+def register_sink(conn: Conn, sink: str, kind: str, topics: Sequence[str] | None = None) -> None:
+    """Create the sink and its cursors if new; refuse a name used for another kind, or dropped.
+    ``topics``: the topics it reads (None: all), which tell the retention classes whose history it needs."""
     with conn.transaction():
         conn.execute(query("relay", "register_sink"), {"sink": sink, "kind": kind})
         row = conn.execute(query("relay", "lock_sink_state"), {"sink": sink}).fetchone()
         if row and row[0] != kind:
             raise ConfigurationError(f"sink {sink!r} is registered as {row[0]!r}, not {kind!r}: pick another name")
         check_sink(sink, row)
+        conn.execute(query("relay", "set_sink_topics"),
+                     {"sink": sink, "kind": kind, "topics": sorted(set(topics)) if topics is not None else None})
         conn.execute(query("relay", "register_cursors"), {"sink": sink, "kind": kind})
 
 

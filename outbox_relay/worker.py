@@ -16,6 +16,7 @@ left behind: what can be released is, and the process exits with ``EXIT_HARD_STO
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -37,7 +38,7 @@ from .backoff import Backoff
 from .dsn import connection_problem, probe_connection, redact
 from .errors import ConfigurationError, OutboxError, WorkerIdInUse
 from .housekeeping import Housekeeping, application_name
-from .migrate import check_schema
+from .migrate import check_schema, latest_version
 from .observer import NULL_OBSERVER, Observer
 from .relay import PARKED_NOTICE, DeliveryGate, SinkRunner
 from .settings import RelaySettings
@@ -76,6 +77,12 @@ def _configure(conn: Conn) -> None:
     # generic plans of the read and of retention to the same index walks as the custom ones.
     conn.execute("SET plan_cache_mode = auto")
 
+
+
+@functools.cache
+def _schema_version() -> int:
+    """The schema version this code was written for (the newest shipped migration)."""
+    return latest_version()
 
 class Worker:
     """One relay process's engine around the sinks it is given (compose.build_worker makes them from
@@ -168,7 +175,8 @@ class Worker:
                 with self.pool.connection() as conn:
                     check_schema(conn)
                     for sink in sinks:
-                        store.register_sink(conn, sink.name, sink.kind)
+                        wanted = getattr(sink, "event_filter", None)
+                        store.register_sink(conn, sink.name, sink.kind, wanted.topics if wanted is not None else None)
                     self._claim_id(conn, [sink.name for sink in sinks])
                 return True
             except (psycopg.OperationalError, PoolTimeout) as exc:
@@ -180,7 +188,9 @@ class Worker:
 
     def _metadata(self) -> dict[str, object]:
         """What a heartbeat records: who this relay process is, and the TTL the others judge it by."""
-        return {"version": __version__, "host": socket.gethostname(), "pid": os.getpid(), "instance": self.instance,
+        # schema_version: the schema this code was written for (partition_hold_v1 keeps what older relays need).
+        return {"version": __version__, "schema_version": _schema_version(), "host": socket.gethostname(),
+                "pid": os.getpid(), "instance": self.instance,
                 "ttl_seconds": self.settings.worker_ttl_seconds,
                 "listening": self.listening if self.settings.listen else None, "watching": self.watching}
 

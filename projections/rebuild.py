@@ -219,7 +219,7 @@ class Rebuild:
             for t in tables:
                 self._copy(conn, t)
             conn.execute(query("rebuild", "drop_sink"), {"sink": self.sink})
-            store.register_sink(conn, self.sink, "projection")
+            store.register_sink(conn, self.sink, "projection", self.projection.topics)
             if self.from_position is not None:
                 seen, target, after_xid, after_seq = Cursor.at(self.from_position).params()
                 conn.execute(query("rebuild", "start_at_position"), {
@@ -282,23 +282,22 @@ class Rebuild:
 
     def _check_history(self, conn: psycopg.Connection[Any]) -> None:
         """A rebuild is never silently partial: refuse when retention removed events its projection
-        applied (since the live model's history began), or events at or after --from-time/--from-position."""
-        gap = history_gap(conn, self.live_sink)
+        applied (since the live model's history began, from partitions that held the topics it reads), or
+        events at or after --from-time/--from-position."""
+        gap = history_gap(conn, self.live_sink, self.projection.topics)
         if gap is None:
             return
-        through, removed_xid, removed, oldest = gap
-        if self.from_time is not None and self.from_time > through:
+        if self.from_time is not None and self.from_time > gap.through:
             return
-        if self.from_position is not None and removed_xid is not None and self.from_position[0] > removed_xid:
+        if self.from_position is not None and self.from_position[0] > gap.removed_xid:
             return
         start = (f"--from-time {self.from_time.isoformat()}" if self.from_time else
                  f"--from-position {self.from_position[0]}:{self.from_position[1]}" if self.from_position else
                  "the beginning")
         raise RebuildError(
-            f"rebuild of {self.projection.name!r} from {start} would be partial: retention has removed {removed:,} "
-            f"events stored up to {through.isoformat()}, after the projection had applied them; history now exists "
-            f"from {oldest.isoformat() if oldest else 'no event at all'} on. Nothing was changed. Keep history "
-            "longer (--retention-seconds), or pass --accept-partial to build the model from the events still stored")
+            f"rebuild of {self.projection.name!r} from {start} would be partial: {gap.describe()}. Nothing was "
+            "changed. Keep that history longer (outbox-relay retention class), or pass --accept-partial to build the "
+            "model from the events still stored")
 
     def _table(self, conn: psycopg.Connection[Any], name: str) -> LiveTable:
         row = conn.execute(query("rebuild", "table_info"), {"name": name}).fetchone()
@@ -430,7 +429,7 @@ class Rebuild:
                 return
             for t in sorted(tables, key=lambda t: t.oid):
                 conn.execute(_template("lock_table", table=sql.Identifier(t.schema, t.name)))
-            store.register_sink(conn, self.live_sink, "projection")
+            store.register_sink(conn, self.live_sink, "projection", self.projection.topics)
             conn.execute(query("rebuild", "lock_cursors"), names)
             conn.execute(query("rebuild", "adopt_cursors"), names)
             conn.execute(query("rebuild", "adopt_history"), names)
@@ -462,11 +461,41 @@ class Rebuild:
             conn.execute(_template("set_owner", table=new, owner=sql.Identifier(old.owner)))
 
 
-def history_gap(conn: psycopg.Connection[Any], sink: str) -> tuple[datetime, int | None, int, datetime | None] | None:
-    """What retention removed since ``sink``'s history began: (removed through, the largest removed
-    transaction id, events removed in all, the oldest event still stored); None if nothing is missing."""
-    row = conn.execute(query("rebuild", "history_gap"), {"sink": sink}).fetchone()
-    return (row[0], row[1], row[2], row[3]) if row else None
+@dataclass(frozen=True)
+class HistoryGap:
+    """What retention removed, after a projection's history began, of partitions that held its topics."""
+
+    through: datetime  # the newest removed event (created_at)
+    removed_xid: int  # the largest removed transaction id
+    removed: int  # events removed from those partitions in all (of the topics it reads, or others they held)
+    parts: tuple[str, ...]  # per retention class: which topics, how many, up to when
+    oldest: datetime | None  # the oldest event of its topics still stored
+    topics: tuple[str, ...] | None
+
+    def describe(self) -> str:
+        which = "its topics " + ", ".join(self.topics) if self.topics is not None else "every topic"
+        return (f"retention has removed {self.removed:,} events stored up to {self.through.isoformat()} from "
+                f"partitions that held events of {which} ({'; '.join(self.parts)}), after the projection had applied "
+                f"them; history now exists from {self.oldest.isoformat() if self.oldest else 'no event at all'} on")
+
+
+def history_gap(conn: psycopg.Connection[Any], sink: str, topics: Sequence[str] | None = None) -> HistoryGap | None:
+    """What retention removed since ``sink``'s history began from partitions that held events of
+    ``topics`` (None: every topic), per retention class; None if nothing is missing."""
+    reads = sorted(set(topics)) if topics is not None else None
+    rows = conn.execute(query("rebuild", "history_gap"), {"sink": sink, "topics": reads}).fetchall()
+    if not rows:
+        return None
+    parts = []
+    for cls, held, but, through, _, removed in rows:
+        what = ("every topic" if cls == "(all)" else f"topics {', '.join(held)}" if held is not None
+                else "every topic" + (f" but {', '.join(but)}" if but else ""))
+        where = "events_legacy or events_default" if cls == "(all)" else f"class {cls}"
+        parts.append(f"{where} ({what}): {removed:,} events up to {through.isoformat()}")
+    oldest = conn.execute(query("rebuild", "stored_from"), {"topics": reads}).fetchone()
+    return HistoryGap(through=max(r[3] for r in rows), removed_xid=max(int(r[4]) for r in rows),
+                      removed=sum(int(r[5]) for r in rows), parts=tuple(parts), oldest=oldest[0] if oldest else None,
+                      topics=tuple(reads) if reads is not None else None)
 
 
 def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3, *, accept_partial: bool = False) -> int:
@@ -480,11 +509,10 @@ def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3, *, a
                                  f"@{projection.handler.__name__}.key_reset to rebuild a single key")
     if not accept_partial:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            gap = history_gap(conn, projection.name)
+            gap = history_gap(conn, projection.name, projection.topics)
         if gap is not None:
             raise RebuildError(
-                f"rebuilding key {key!r} of {projection.name!r} would be partial: retention has removed {gap[2]:,} "
-                f"events stored up to {gap[0].isoformat()}, after the projection had applied them. Nothing was "
+                f"rebuilding key {key!r} of {projection.name!r} would be partial: {gap.describe()}. Nothing was "
                 "changed; pass --accept-partial to rebuild the key from the events still stored")
     for attempt in range(1, tries + 1):
         try:

@@ -144,6 +144,11 @@ CREATE TABLE outbox.sinks (
     -- 0011: outbox.history.removed_through when this sink's history began (registered, or its model
     -- replaced by a rebuild's); NULL: before retention removed anything.
     history_from timestamptz,
+    -- 0015: the topics it reads (NULL: all), as its relays last registered it.
+    topics       text[],
+    -- 0015: when its history began (registered, or its model replaced by a rebuild's): retention that
+    -- removes events of its topics after that removed events it applied (outbox.history_removed).
+    history_since timestamptz NOT NULL DEFAULT clock_timestamp(),
     CONSTRAINT sinks_pkey PRIMARY KEY (name)
 );
 
@@ -529,6 +534,78 @@ CREATE TABLE outbox.history (
 );
 INSERT INTO outbox.history DEFAULT VALUES;
 
+-- 0015_history_per_class (see the migration): what retention removed per class and topics, and
+-- copies of parked and dead-lettered events whose partition went.
+-- What retention removed, per retention class and the topics of the partitions it removed.
+CREATE TABLE outbox.history_removed (
+    -- The removed leaves' class; '(all)': events_legacy or events_default, which hold every topic.
+    class           text        NOT NULL,
+    -- The topics they held (a class's LIST values, sorted); NULL: every topic except except_topics.
+    topics          text[],
+    -- A range's DEFAULT leaf: the topics its range gave to other classes (as far as still known when it went).
+    except_topics   text[]      NOT NULL DEFAULT '{}',
+    -- The newest removed event (created_at) and the largest removed transaction id, how many in all.
+    removed_through timestamptz NOT NULL,
+    removed_xid     xid8        NOT NULL,
+    removed_events  bigint      NOT NULL DEFAULT 0,
+    -- The last removal: a sink whose history began before it had applied what went.
+    removed_at      timestamptz NOT NULL
+);
+CREATE UNIQUE INDEX history_removed_scope ON outbox.history_removed (class, (coalesce(topics, '{}'::text[])), except_topics);
+
+-- Whether removed history (a row of outbox.history_removed: its topics and except_topics) may hold
+-- events of the topics a sink reads (reads NULL: every topic, and events without one).
+CREATE FUNCTION outbox.history_covers_v1(topics text[], except_topics text[], reads text[]) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN reads IS NULL
+        OR CASE WHEN topics IS NOT NULL THEN topics && reads ELSE NOT (reads <@ except_topics) END;
+
+-- Parked and dead-lettered events whose partition retention dropped: what a retry delivers.
+CREATE TABLE outbox.kept_events (
+    id              uuid        NOT NULL,
+    xid             xid8        NOT NULL,
+    seq             bigint      NOT NULL,
+    partition_key   text        NOT NULL,
+    bucket          integer     NOT NULL,
+    topic           text,
+    type            text        NOT NULL,
+    payload         jsonb       NOT NULL,
+    headers         jsonb       NOT NULL,
+    idempotency_key text,
+    created_at      timestamptz NOT NULL,
+    occurred_at     timestamptz,
+    schema_version  integer     NOT NULL,
+    kept_at         timestamptz NOT NULL DEFAULT clock_timestamp(),
+    CONSTRAINT kept_events_pkey PRIMARY KEY (bucket, xid, seq)
+);
+-- By event id: wait_for, and the idempotency keys of kept events.
+CREATE INDEX kept_events_id ON outbox.kept_events (id);
+
+-- Copies no parked row or dead letter names any more go, with their events' idempotency keys (the
+-- partition that held the event is gone). Returns how many. As the schema's owner: relays run it with
+-- EXECUTE alone. Every way a parked row or dead letter of a dropped partition's event appears moves one
+-- that exists (retry, skip, give up, a rebuild's switch), in one statement: this never takes a copy
+-- that is still needed.
+CREATE FUNCTION outbox.release_kept_events_v1() RETURNS bigint
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    n bigint;
+BEGIN
+    WITH gone AS (
+        DELETE FROM outbox.kept_events c
+        WHERE NOT EXISTS (SELECT FROM outbox.parked q WHERE q.bucket = c.bucket AND q.xid = c.xid AND q.seq = c.seq)
+          AND NOT EXISTS (SELECT FROM outbox.dead_letters d
+                          WHERE d.bucket = c.bucket AND d.xid = c.xid AND d.seq = c.seq)
+        RETURNING c.id, c.xid
+    ),
+    keys AS (
+        DELETE FROM outbox.idempotency_keys k USING gone g WHERE k.event_id = g.id AND k.xid = g.xid
+    )
+    SELECT count(*) INTO n FROM gone;
+    RETURN n;
+END
+$$;
+
 -- 0014_partitioned_history (continued): partitions made ahead and retired whole.
 -- Create the next range partition when the newest one is more than half used (or none is ahead of
 -- the current xid), sized to cover about target_seconds at the xid rate seen since the newest one was
@@ -636,6 +713,24 @@ BEGIN
 END
 $$;
 
+-- 0015 (after partition_oldest_v1, which its body names).
+-- From when events of the topics a sink reads (NULL: all) are stored: the oldest event of the leaves that
+-- may hold them (one index probe per leaf, not a scan for the topics: a leaf that holds other topics too,
+-- a default or mixed one, may make this earlier than their oldest event). NULL: none is stored. As the
+-- schema's owner, like partition_oldest_v1 (projectors may not read outbox.partitions).
+CREATE FUNCTION outbox.history_stored_from_v1(reads text[]) RETURNS timestamptz
+    LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    RETURN (SELECT min(outbox.partition_oldest_v1(p.name))
+            FROM outbox.partitions p
+            WHERE p.class IS NULL
+               OR outbox.history_covers_v1(
+                      CASE WHEN p.class <> 'default' THEN p.topics END,
+                      CASE WHEN p.class = 'default'
+                           THEN coalesce((SELECT array_agg(t) FROM outbox.partitions s CROSS JOIN unnest(s.topics) AS t
+                                          WHERE s.range_name = p.range_name AND s.name <> p.name), '{}')
+                           ELSE '{}' END,
+                      reads));
+
 -- Whether a transaction may still write events with an id in [lo, hi): ids not handed out yet, or one
 -- running now (a transaction's events go to the partition of its own id). Transactions ids are
 -- cluster-wide: one running in another database (pg_stat_activity, pg_prepared_xacts) writes nothing
@@ -669,7 +764,8 @@ $$;
 -- What keeps a leaf of outbox.events (a row of outbox.partitions) from being removed now, in words;
 -- NULL: nothing (retire_partition_v1 may drop it). Checked from the cheapest reason on: its class's
 -- retention, a rebuild in progress, a range still being written, a sink that has not delivered all of
--- it, a parked event or a dead letter in its xid range (a retry needs the event).
+-- it, and (0015) a parked event or a dead letter in its xid range while a relay older than schema
+-- version 15 is alive (it reads a parked event from its partition only).
 CREATE FUNCTION outbox.partition_hold_v1(leaf text, default_keep interval) RETURNS text
     LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -679,6 +775,7 @@ DECLARE
     hi      xid8;
     newest  timestamptz;
     who     text;
+    relay   text;
 BEGIN
     SELECT * INTO p FROM outbox.partitions WHERE name = leaf;
     IF p.name IS NULL THEN
@@ -730,12 +827,24 @@ BEGIN
     IF who IS NOT NULL THEN
         RETURN who;
     END IF;
-    SELECT format('an event of sink %s is parked (key %s)', q.sink, q.partition_key) INTO who
+    -- 0015: parked events and dead letters no longer hold a partition (retire_partition_v1 keeps a copy of
+    -- each), unless a relay older than schema version 15 is alive: it reads a parked event from its partition only.
+    SELECT w.id INTO relay FROM outbox.workers w
+    WHERE w.status <> 'dead'
+      AND CASE WHEN jsonb_typeof(w.metadata -> 'schema_version') = 'number'
+               THEN (w.metadata ->> 'schema_version')::numeric < 15 ELSE true END
+    ORDER BY w.id LIMIT 1;
+    IF relay IS NULL THEN
+        RETURN NULL;
+    END IF;
+    SELECT format('an event of sink %s is parked (key %s) and relay %s is older than schema version 15', q.sink,
+                  q.partition_key, relay) INTO who
     FROM outbox.parked q WHERE q.xid >= lo AND q.xid < hi LIMIT 1;
     IF who IS NOT NULL THEN
         RETURN who;
     END IF;
-    SELECT format('an event of sink %s is in dead letters (retry or purge it)', d.sink) INTO who
+    SELECT format('an event of sink %s is in dead letters and relay %s is older than schema version 15', d.sink,
+                  relay) INTO who
     FROM outbox.dead_letters d WHERE d.xid >= lo AND d.xid < hi LIMIT 1;
     RETURN who;
 END
@@ -743,9 +852,10 @@ $$;
 
 -- Remove the oldest leaf that nothing holds (partition_hold_v1): drop it (events_default: TRUNCATE,
 -- it stays to catch events no range covers), with its events' idempotency keys, and move the history
--- watermark (0011) past its events. Returns the leaf and how many events left with it; no row when
--- nothing may go. The caller sets lock_timeout (dropping a partition locks the table for a moment).
--- As the schema's owner (only an owner may drop partitions): relays run it with EXECUTE alone.
+-- watermark (0011) past its events, per class and topics too (0015). Its parked and dead-lettered events
+-- are kept as copies first (outbox.kept_events, 0015), with their keys. Returns the leaf and how many
+-- events left with it; no row when nothing may go. The caller sets lock_timeout (dropping a partition
+-- locks the table for a moment). As the schema's owner (only an owner may drop partitions): relays run it with EXECUTE alone.
 CREATE FUNCTION outbox.retire_partition_v1(default_keep interval,
                                            OUT leaf text, OUT removed bigint, OUT newest timestamptz)
     RETURNS SETOF record
@@ -778,14 +888,46 @@ BEGIN
         -- sequential scan of the partition).
         EXECUTE format('SELECT max(created_at), min(xid), max(xid) FROM outbox.%I', p.name) INTO newest, bottom, top;
         EXECUTE format('SELECT count(*) FROM outbox.%I', p.name) INTO removed;
-        -- Its events' keys: those of its xid range (index idempotency_keys_xid) whose event it holds.
+        -- 0015: its parked and dead-lettered events stay, as copies, for their retries (the relay reads a
+        -- parked event from its copy once the partition is gone).
+        EXECUTE format('INSERT INTO outbox.kept_events (id, xid, seq, partition_key, bucket, topic, type, payload, '
+                       'headers, idempotency_key, created_at, occurred_at, schema_version) '
+                       'SELECT e.id, e.xid, e.seq, e.partition_key, e.bucket, e.topic, e.type, e.payload, e.headers, '
+                       'e.idempotency_key, e.created_at, e.occurred_at, e.schema_version FROM outbox.%I e '
+                       'WHERE (e.bucket, e.xid, e.seq) IN ('
+                       'SELECT q.bucket, q.xid, q.seq FROM outbox.parked q WHERE q.xid >= $1 AND q.xid <= $2 '
+                       'UNION SELECT d.bucket, d.xid, d.seq FROM outbox.dead_letters d WHERE d.xid >= $1 AND d.xid <= $2) '
+                       'ON CONFLICT DO NOTHING', p.name)
+            USING bottom, top;
+        -- Its events' keys: those of its xid range (index idempotency_keys_xid) whose event it holds, but
+        -- not of an event kept (its key goes with the copy: release_kept_events_v1).
         EXECUTE format('DELETE FROM outbox.idempotency_keys k WHERE k.xid >= $1 AND k.xid <= $2 '
-                       'AND EXISTS (SELECT FROM outbox.%I e WHERE e.id = k.event_id AND e.xid = k.xid)', p.name)
+                       'AND EXISTS (SELECT FROM outbox.%I e WHERE e.id = k.event_id AND e.xid = k.xid) '
+                       'AND NOT EXISTS (SELECT FROM outbox.kept_events c WHERE c.id = k.event_id AND c.xid = k.xid)',
+                       p.name)
             USING bottom, top;
         IF removed > 0 THEN
+            -- The total over all classes (read by relays of version 14) ...
             UPDATE outbox.history
             SET removed_through = greatest(removed_through, newest), removed_xid = greatest(removed_xid, top),
                 removed_events = removed_events + removed, removed_at = clock_timestamp();
+            -- ... and per class and topics (0015): a class's leaf held its topics; a DEFAULT leaf every topic
+            -- but those of its range's other leaves (those still listed: one dropped earlier is not, which
+            -- only makes the row cover more); a mixed leaf every topic.
+            INSERT INTO outbox.history_removed AS r (class, topics, except_topics, removed_through, removed_xid,
+                                                     removed_events, removed_at)
+            VALUES (coalesce(p.class, '(all)'),
+                    CASE WHEN p.class <> 'default' THEN p.topics END,
+                    CASE WHEN p.class = 'default'
+                         THEN coalesce((SELECT array_agg(DISTINCT t ORDER BY t)
+                                        FROM outbox.partitions s CROSS JOIN unnest(s.topics) AS t
+                                        WHERE s.range_name = p.range_name AND s.name <> p.name), '{}')
+                         ELSE '{}' END,
+                    newest, top, removed, clock_timestamp())
+            ON CONFLICT (class, (coalesce(topics, '{}'::text[])), except_topics) DO UPDATE
+            SET removed_through = greatest(r.removed_through, EXCLUDED.removed_through),
+                removed_xid = greatest(r.removed_xid, EXCLUDED.removed_xid),
+                removed_events = r.removed_events + EXCLUDED.removed_events, removed_at = EXCLUDED.removed_at;
         END IF;
         IF p.name = 'events_default' THEN
             TRUNCATE outbox.events_default;
@@ -821,4 +963,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (11, 'history_watermark', NULL),
     (12, 'event_versions', NULL),
     (13, 'sink_kinds', NULL),
-    (14, 'partitioned_history', NULL);
+    (14, 'partitioned_history', NULL),
+    (15, 'history_per_class', NULL);

@@ -54,8 +54,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         "rebuilds": "rebuilds in progress",
         "retention": "history per retention class (partitions, size, oldest event, what holds its oldest partition "
                      "back; `outbox-relay retention list`)",
-        "history": "history per projection (how far back a rebuild goes; incomplete: retention removed events it "
-                   "applied, so a full rebuild needs --accept-partial)",
+        "history": "history per projection: the topics it reads, from when they are stored (how far back a rebuild "
+                   "goes); incomplete: retention removed events of them it applied (missing), so a full rebuild "
+                   "needs --accept-partial",
     }
     tables: dict[str, admin.Table] = {f.name: getattr(found, f.name) for f in dataclasses.fields(found)}
     if args.json:

@@ -51,13 +51,23 @@ GROUP BY s.name, s.kind
 ORDER BY s.name;
 
 -- name: history
--- Per projection: from when events are stored (how far back a rebuild goes), what retention removed, and whether a full rebuild would hold everything the projection applied (else it needs --accept-partial).
-SELECT s.name AS projection,
-       (SELECT min(e.created_at) FROM outbox.events e) AS stored_from,
-       h.removed_through, h.removed_events,
-       h.removed_through IS NULL OR coalesce(h.removed_through <= s.history_from, false) AS full_rebuild_complete
+-- Per projection: the topics it reads, from when their events are stored (how far back a rebuild goes: the oldest event of the partitions that may hold them), what retention removed of partitions that held them, and whether a full rebuild would hold everything the projection applied (else it needs --accept-partial; missing: what went since its history began).
+SELECT s.name AS projection, s.topics,
+       outbox.history_stored_from_v1(s.topics) AS stored_from,
+       r.removed_through, coalesce(r.removed_events, 0) AS removed_events,
+       r.missing IS NULL AS full_rebuild_complete, r.missing
 FROM outbox.sinks s
-CROSS JOIN outbox.history h
+CROSS JOIN LATERAL (
+    -- What retention removed of partitions that held its topics (0015: per class and topics), and of
+    -- that, what went after its history began.
+    SELECT max(h.removed_through) AS removed_through, sum(h.removed_events)::bigint AS removed_events,
+           string_agg(CASE WHEN h.removed_at > s.history_since
+                           THEN h.class || ' through ' || to_char(h.removed_through AT TIME ZONE 'UTC',
+                                                                  'YYYY-MM-DD"T"HH24:MI:SS"Z"') END,
+                      ', ' ORDER BY h.class) AS missing
+    FROM outbox.history_removed h
+    WHERE outbox.history_covers_v1(h.topics, h.except_topics, s.topics)
+) r
 WHERE s.kind = 'projection' AND s.dropped_at IS NULL AND s.name NOT LIKE '%%.rebuild'
 ORDER BY s.name;
 
@@ -96,9 +106,12 @@ LIMIT %(limit)s;
 -- name: dead_letters
 -- Dead letters with their event, newest first (ties by sink and event id, so that pages are stable);
 -- with after, those after that page's last row (its dead_at, sink, event id as of the previous page).
-SELECT d.sink, d.event_id, d.partition_key, e.type, e.topic, d.attempts, d.last_error, d.dead_at
+SELECT d.sink, d.event_id, d.partition_key, coalesce(e.type, k.type) AS type, coalesce(e.topic, k.topic) AS topic,
+       d.attempts, d.last_error, d.dead_at
 FROM outbox.dead_letters d
 LEFT JOIN outbox.events e ON e.bucket = d.bucket AND e.xid = d.xid AND e.seq = d.seq
+-- 0015: the copy kept once retention dropped the event's partition.
+LEFT JOIN outbox.kept_events k ON k.bucket = d.bucket AND k.xid = d.xid AND k.seq = d.seq
 WHERE (%(sink)s::text IS NULL OR d.sink = %(sink)s)
   AND (%(key)s::text IS NULL OR d.partition_key = %(key)s)
   AND (%(after_dead_at)s::timestamptz IS NULL
@@ -275,9 +288,10 @@ CROSS JOIN k
 JOIN outbox.cursors c ON c.sink = s.name AND c.bucket = k.bucket
 LEFT JOIN LATERAL (
     -- The head: the key's first parked event in chain order (the first entry of index parked_key), and its type.
-    SELECT p.event_id, e.type, p.attempts, p.available_at, p.last_error, p.parked_at
+    SELECT p.event_id, coalesce(e.type, x.type) AS type, p.attempts, p.available_at, p.last_error, p.parked_at
     FROM outbox.parked p
     LEFT JOIN outbox.events e ON e.bucket = p.bucket AND e.xid = p.xid AND e.seq = p.seq
+    LEFT JOIN outbox.kept_events x ON x.bucket = p.bucket AND x.xid = p.xid AND x.seq = p.seq  -- partition gone (0015)
     WHERE p.sink = s.name AND p.bucket = k.bucket AND p.partition_key = k.key
     ORDER BY p.place
     LIMIT 1
@@ -314,11 +328,13 @@ ORDER BY s.name;
 -- name: lock_key_head
 -- A key's parked head for one sink, locked: a relay rescheduling or finishing it waits until we
 -- commit. Also how many events of the key are parked in all.
-SELECT p.event_id, p.bucket, p.xid::text AS xid, p.seq, p.attempts, p.last_error, p.available_at, e.type,
+SELECT p.event_id, p.bucket, p.xid::text AS xid, p.seq, p.attempts, p.last_error, p.available_at,
+       coalesce(e.type, x.type) AS type,
        (SELECT count(*) FROM outbox.parked q
         WHERE q.sink = p.sink AND q.bucket = p.bucket AND q.partition_key = p.partition_key) AS parked
 FROM outbox.parked p
 LEFT JOIN outbox.events e ON e.bucket = p.bucket AND e.xid = p.xid AND e.seq = p.seq
+LEFT JOIN outbox.kept_events x ON x.bucket = p.bucket AND x.xid = p.xid AND x.seq = p.seq  -- partition gone (0015)
 WHERE p.sink = %(sink)s AND p.bucket = outbox.bucket_v1(%(key)s::text) AND p.partition_key = %(key)s
 ORDER BY p.place
 LIMIT 1

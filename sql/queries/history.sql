@@ -14,6 +14,10 @@ SELECT outbox.roll_partition_v1(%(min_width)s, %(seconds)s);
 -- Drop the oldest leaf of outbox.events that every sink has passed and whose class's retention has elapsed (no row: none may go).
 SELECT leaf, removed, newest FROM outbox.retire_partition_v1(make_interval(secs => %(retention)s));
 
+-- name: release_kept_events
+-- Drop the copies of events (0015) that no parked row or dead letter names any more, with their idempotency keys.
+SELECT outbox.release_kept_events_v1();
+
 -- name: classes
 -- Retention classes: keep (NULL: for good; default: the relays' --retention-seconds unless set) and topics.
 WITH classes AS (

@@ -30,7 +30,14 @@ SELECT s.known,
 FROM sink s
 LEFT JOIN wanted w ON true
 -- One primary-key probe per id in each of the tables below.
-LEFT JOIN outbox.events e ON e.id = w.id
+LEFT JOIN LATERAL (
+    -- The event: in its partition, or (0015) its copy, kept for a parked row or dead letter once
+    -- retention dropped the partition.
+    (SELECT e.id, e.bucket, e.xid, e.seq, e.partition_key FROM outbox.events e WHERE e.id = w.id LIMIT 1)
+    UNION ALL
+    (SELECT k.id, k.bucket, k.xid, k.seq, k.partition_key FROM outbox.kept_events k WHERE k.id = w.id LIMIT 1)
+    LIMIT 1
+) e ON true
 LEFT JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = e.bucket
 LEFT JOIN outbox.parked p ON p.sink = %(sink)s AND p.bucket = e.bucket AND p.xid = e.xid AND p.seq = e.seq
 LEFT JOIN outbox.paused_keys k ON k.sink = %(sink)s AND k.partition_key = e.partition_key

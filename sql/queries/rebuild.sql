@@ -217,18 +217,22 @@ DELETE FROM outbox.dead_letters WHERE sink = %(live)s;
 -- name: adopt_history
 -- The new model's history began where the rebuild's did (a partial rebuild accepted moves it on).
 UPDATE outbox.sinks l
-SET history_from = r.history_from
+SET history_from = r.history_from, history_since = r.history_since
 FROM outbox.sinks r
 WHERE l.name = %(live)s AND r.name = %(rebuild)s;
 
 -- name: history_gap
--- What retention has removed since a sink's history began: the watermark, how many events in all, and the oldest event still stored; no row: nothing is missing.
-SELECT h.removed_through, h.removed_xid::text::bigint, h.removed_events,
-       (SELECT min(e.created_at) FROM outbox.events e) AS oldest_stored
-FROM outbox.history h
+-- What retention removed, after a sink's history began, of partitions that held the topics it reads (NULL: all), per class and topics (0015); no row: nothing is missing.
+SELECT h.class, h.topics, h.except_topics, h.removed_through, h.removed_xid::text::bigint, h.removed_events
+FROM outbox.history_removed h
 JOIN outbox.sinks s ON s.name = %(sink)s
-WHERE h.removed_through IS NOT NULL
-  AND (s.history_from IS NULL OR h.removed_through > s.history_from);
+WHERE h.removed_at > s.history_since
+  AND outbox.history_covers_v1(h.topics, h.except_topics, %(topics)s::text[])
+ORDER BY h.class, h.removed_through;
+
+-- name: stored_from
+-- From when events of these topics (NULL: all) are stored: the oldest event of the partitions that may hold them.
+SELECT outbox.history_stored_from_v1(%(topics)s::text[]);
 
 -- name: adopt_parked
 -- The rebuild's retries carry on under the live name (run after drop_parked_and_dead).

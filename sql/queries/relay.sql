@@ -6,6 +6,12 @@ INSERT INTO outbox.sinks (name, kind, history_from)
 VALUES (%(sink)s, %(kind)s, (SELECT removed_through FROM outbox.history))
 ON CONFLICT (name) DO NOTHING;
 
+-- name: set_sink_topics
+-- The topics a sink reads (NULL: all), written when they changed: `status` and rebuilds tell which
+-- retention classes' history it needs (0015).
+UPDATE outbox.sinks SET topics = %(topics)s::text[]
+WHERE name = %(sink)s AND kind = %(kind)s AND dropped_at IS NULL AND topics IS DISTINCT FROM %(topics)s::text[];
+
 -- name: register_cursors
 -- A sink's cursor rows (position zero: a new sink starts from the oldest retained event). A dropped
 -- sink (tombstone) gets none back: the caller refuses it.
@@ -141,7 +147,7 @@ SELECT q.bucket, q.xid::text::bigint AS xid, q.seq, e.id, e.partition_key, e.top
        -- Ready-made header values for the Kafka sink (formatting in SQL costs less than in Python).
        e.id::text AS id_text,
        to_char(coalesce(e.occurred_at, e.created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS time_text,
-       lpad(e.xid::text, 20, '0') || '-' || lpad(e.seq::text, 20, '0') AS sequence_text,
+       lpad(q.xid::text, 20, '0') || '-' || lpad(q.seq::text, 20, '0') AS sequence_text,
        q.attempts, q.last_error, e.created_at AS stored_at, e.schema_version AS version
 FROM due d
 CROSS JOIN LATERAL (
@@ -150,7 +156,17 @@ CROSS JOIN LATERAL (
     ORDER BY q.place
     LIMIT %(per_key)s
 ) q
-JOIN outbox.events e ON e.bucket = q.bucket AND e.xid = q.xid AND e.seq = q.seq
+CROSS JOIN LATERAL (
+    -- The event: in its partition, or (0015) its copy once retention dropped the partition.
+    (SELECT e.id, e.partition_key, e.topic, e.type, e.payload, e.headers, e.occurred_at, e.created_at,
+            e.schema_version
+     FROM outbox.events e WHERE e.bucket = q.bucket AND e.xid = q.xid AND e.seq = q.seq)
+    UNION ALL
+    (SELECT k.id, k.partition_key, k.topic, k.type, k.payload, k.headers, k.occurred_at, k.created_at,
+            k.schema_version
+     FROM outbox.kept_events k WHERE k.bucket = q.bucket AND k.xid = q.xid AND k.seq = q.seq)
+    LIMIT 1
+) e
 ORDER BY q.bucket, q.partition_key, q.place;
 
 -- name: next_parked_retry
