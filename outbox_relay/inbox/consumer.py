@@ -14,6 +14,14 @@ client meanwhile; others go on) and is retried with backoff; after ``max_attempt
 inbox's dead letters and the partition moves on: a poison message never blocks a partition for
 longer than its attempts' backoff.
 
+Crash loops: a handler that kills the process (out of memory, a crash in native code, os._exit, a
+watchdog's SIGKILL) reports no failure. A partition claimed from a holder that did not release its
+lease (``lapsed``) is therefore applied carefully: its next message alone, with the attempt recorded in
+``positions`` (committed) before it is made, then batches of 2, 4, ... up to ``batch_size``; a retry of
+a failed message is made alone and recorded the same way. A process that dies during a recorded
+attempt has spent one of the message's ``max_attempts``; the holder after the last one dead-letters it
+without calling the handler. Healthy batches write nothing extra.
+
 A broker that lost its log (memory storage, a rebuilt cluster) numbers a topic's messages from 0
 again, so a stored position can point past its end, where nothing ever arrives. Each claimed
 partition is therefore *verified*: it is read from the last applied offset, and that message must be
@@ -46,6 +54,7 @@ from .message import InboxMessage
 from .schema import check_inbox_schema, connect
 from .settings import InboxSettings
 from .store import (
+    CRASH_ERROR,
     Handler,
     HandlerTimeout,
     InboxStuck,
@@ -53,6 +62,8 @@ from .store import (
     TimeLimit,
     apply_batch,
     dead_letter,
+    record_attempt,
+    record_failure,
     retry_one_dead_letter,
 )
 
@@ -74,9 +85,15 @@ class _Partition:
     last_message_id: str | None
     verify_until: float | None = None  # while the log is checked at next_offset - 1 (monotonic deadline)
     held: InboxMessage | None = None  # a message waiting for its next attempt (partition unassigned meanwhile)
-    attempts: int = 0  # failed attempts of ``held``
     retry_at: float = 0.0
+    # Attempts made of the head message ``attempt_id`` that did not succeed (a recorded one counts while it
+    # runs), and its last error; loaded from ``positions`` at the claim, written before an attempt alone.
+    attempt_id: str | None = None
+    attempts: int = 0
     last_error: str = ""
+    # After a lapse (the holder before stopped without releasing): the size of the next batch, doubling
+    # after each one that commits; 1: alone and recorded. None: batch_size.
+    ramp: int | None = None
 
     @property
     def tp(self) -> tuple[str, int]:
@@ -91,6 +108,7 @@ class Stats:
     retries: int = 0  # failed attempts that will be retried
     log_resets: int = 0  # partitions read again from the start (the broker lost the log)
     gaps: int = 0  # offsets a partition skipped
+    lapses: int = 0  # partitions claimed from a holder that stopped without releasing them (crashed, killed)
 
 
 class InboxConsumer:
@@ -201,13 +219,15 @@ class InboxConsumer:
             message = self._accept(m)
             if message is not None:
                 groups.setdefault((message.topic, message.partition), []).append(message)
-        size = self.settings.batch_size
         for key, messages in groups.items():
-            for i in range(0, len(messages), size):
+            i = 0
+            while i < len(messages):
                 p = self.partitions.get(key)
                 if p is None or p.held is not None or key in self._reassigned:
                     break  # the rest is read again from the partition's position
-                handled += self._apply(p, messages[i:i + size])
+                n, handled_now = self._apply_next(p, messages[i:])
+                handled += handled_now
+                i += n
         self._reassigned.clear()
         if self._brokers_lost:
             self._brokers_lost = False
@@ -240,8 +260,17 @@ class InboxConsumer:
                 claimed = self._control.execute(query("inbox", "claim"), {
                     "consumer": s.consumer, "member": s.member_id, "topics": topics, "lease": s.lease_seconds,
                     "limit": share - len(self.partitions)}).fetchall()
-                for topic, partition, fence, next_offset, last_id in claimed:
-                    self._take(_Partition(topic, partition, fence, next_offset, last_id))
+                for topic, partition, fence, next_offset, last_id, lapsed, attempt_id, attempts, error in claimed:
+                    p = _Partition(topic, partition, fence, next_offset, last_id, attempt_id=attempt_id,
+                                   attempts=attempts, last_error=error or "")
+                    if lapsed:
+                        # Its holder may have died of the next message: that one goes alone, recorded.
+                        p.ramp = 1
+                        self.stats.lapses += 1
+                        log.warning("%s/%d was claimed from a process that stopped without releasing it: its next "
+                                    "message is applied alone, its attempt recorded first (a crash counts)",
+                                    topic, partition)
+                    self._take(p)
         except psycopg.OperationalError as exc:
             # Leases run out meanwhile; the next round renews or finds them lost. Reconnect then.
             log.warning("inbox membership: database unavailable: %s", redact(str(exc)))
@@ -374,15 +403,58 @@ class InboxConsumer:
                      "broker)", topic, partition, p.next_offset, message.offset - 1)
         return message
 
-    def _apply(self, p: _Partition, messages: list[InboxMessage]) -> int:
-        """Apply consecutive messages of ``p`` in one transaction; returns how many were applied or skipped."""
+    def _apply_next(self, p: _Partition, messages: list[InboxMessage]) -> tuple[int, int]:
+        """Apply the next batch of ``messages`` (consecutive, of ``p``): (how many the batch took, how many
+        were applied or skipped). A batch that does not pass all it took holds, drops or re-reads ``p``."""
+        first = messages[0]
+        if first.id == p.attempt_id or p.ramp == 1:
+            return 1, self._apply_alone(p, first)
+        size = self.settings.batch_size if p.ramp is None else min(p.ramp, self.settings.batch_size)
+        batch = messages[:size]
+        return len(batch), self._apply(p, batch)
+
+    def _apply_alone(self, p: _Partition, message: InboxMessage) -> int:
+        """An attempt that may end the process (a retry, or the first message after a lapse): recorded,
+        committed, before it is made; past ``max_attempts`` the message is dead-lettered uncalled."""
+        if not self._connected(p, message):
+            return 0
+        assert self._db is not None
+        made = p.attempts if p.attempt_id == message.id else 0
+        if made >= self.settings.max_attempts:
+            p.attempt_id, p.attempts = message.id, made
+            self._give_up(p, message, p.last_error or CRASH_ERROR)
+            return 0
+        try:
+            record_attempt(self._db, self._lease(p), message, made + 1)
+        except LeaseLost as exc:
+            log.warning("%s", exc)
+            self._drop(p)
+            return 0
+        except psycopg.Error as exc:
+            log.warning("database: %s: %s", type(exc).__name__, redact(str(exc)))
+            self._hold_for_database(p, message)
+            return 0
+        p.attempt_id, p.attempts, p.last_error = message.id, made + 1, CRASH_ERROR
+        return self._apply(p, [message], recorded=True)
+
+    def _connected(self, p: _Partition, message: InboxMessage) -> bool:
         assert self._db is not None
         if self._db.closed or self._db.broken:
             reconnected = _try_connect(self.dsn)
             if reconnected is None:
-                self._hold_for_database(p, messages[0])
-                return 0
+                self._hold_for_database(p, message)
+                return False
             self._db = reconnected
+        return True
+
+    def _apply(self, p: _Partition, messages: list[InboxMessage], recorded: bool = False) -> int:
+        """Apply consecutive messages of ``p`` in one transaction; returns how many were applied or skipped.
+        ``recorded``: the one message's attempt is already counted (``_apply_alone``)."""
+        if not self._connected(p, messages[0]):
+            if recorded:
+                p.attempts -= 1  # not the message's doing; the next record writes the count again
+            return 0
+        assert self._db is not None
         try:
             batch = apply_batch(self._db, self._lease(p), messages, self.handler, self.limit)
         except LeaseLost as exc:
@@ -398,11 +470,13 @@ class InboxConsumer:
             if isinstance(exc, HandlerTimeout):
                 done = self._apply(p, messages[:index]) if index else 0
                 if p.tp in self.partitions and (p.held is None or p.held is messages[index]):
-                    self._failed(p, messages[index], f"{type(exc).__name__}: {exc}")
+                    self._failed(p, messages[index], f"{type(exc).__name__}: {exc}", recorded)
                 return done
             # The inbox's own statements failed (the database went away, a lock or statement timeout):
             # not the message's fault, so no attempt is counted; the first message waits.
             log.warning("database: %s: %s", type(exc).__name__, redact(str(exc)))
+            if recorded:
+                p.attempts -= 1
             self._hold_for_database(p, messages[0])
             return 0
         self._db_failures = 0
@@ -413,12 +487,16 @@ class InboxConsumer:
             applied = batch.outcomes.count("applied")
             self.stats.applied += applied
             self.stats.duplicates += done - applied
+            if p.attempt_id is not None and any(m.id == p.attempt_id for m in messages[:done]):
+                p.attempt_id, p.attempts, p.last_error = None, 0, ""  # ``advance`` cleared the record too
             if p.held is not None:  # a retry that succeeded: read on after it
-                p.held, p.attempts, p.last_error = None, 0, ""
+                p.held = None
                 self._assign(p, last.offset + 1)
         if batch.failure is not None:
             error = batch.failure
-            self._failed(p, messages[done], f"{type(error).__name__}: {error}")
+            self._failed(p, messages[done], f"{type(error).__name__}: {error}", recorded)
+        elif p.ramp is not None:
+            p.ramp = None if p.ramp * 2 > self.settings.batch_size else p.ramp * 2
         return done
 
     def _hold(self, p: _Partition, message: InboxMessage, delay: float) -> None:
@@ -431,8 +509,18 @@ class InboxConsumer:
         self._db_failures += 1
         self._hold(p, message, DATABASE_BACKOFF.delay(self._db_failures))
 
-    def _failed(self, p: _Partition, message: InboxMessage, error: str) -> None:
-        p.attempts += 1
+    def _failed(self, p: _Partition, message: InboxMessage, error: str, recorded: bool = False) -> None:
+        if p.attempt_id != message.id:
+            p.attempt_id, p.attempts = message.id, 0
+        if not recorded:
+            p.attempts += 1
+        elif self._db is not None and not self._db.closed and not self._db.broken:
+            # The record says "the process stopped" until now: keep the real error for a later holder.
+            try:
+                record_failure(self._db, self._lease(p), message, error)
+            except psycopg.Error as exc:
+                log.debug("could not record the error of %s/%d@%d: %s", message.topic, message.partition,
+                          message.offset, redact(str(exc)))
         p.last_error = error
         if p.attempts < self.settings.max_attempts:
             self.stats.retries += 1
@@ -442,6 +530,10 @@ class InboxConsumer:
                         error)
             self._hold(p, message, delay)
             return
+        self._give_up(p, message, error)
+
+    def _give_up(self, p: _Partition, message: InboxMessage, error: str) -> None:
+        """Dead-letter the head message after its last attempt, and read the partition on after it."""
         assert self._db is not None
         if self._db.closed or self._db.broken:
             self._db = _try_connect(self.dsn) or self._db
@@ -453,24 +545,24 @@ class InboxConsumer:
             return
         except psycopg.OperationalError as exc:
             log.warning("database unavailable: %s", redact(str(exc)))
-            p.attempts -= 1  # not the handler's failure: try to dead-letter it again
-            self._hold_for_database(p, message)
+            self._hold_for_database(p, message)  # its next turn finds the attempts spent: dead-letters it
             return
-        log.error("handler failed on %s/%d@%d (id %s) %d times: moved to the inbox's dead letters: %s", message.topic,
+        log.error("%s/%d@%d (id %s): %d attempts failed: moved to the inbox's dead letters: %s", message.topic,
                   message.partition, message.offset, message.id, p.attempts, error)
         self.stats.dead += 1
-        was_held = p.held is not None
-        p.held, p.attempts, p.last_error = None, 0, ""
+        if p.held is None:
+            self._unassign(p)
+        p.held, p.attempt_id, p.attempts, p.last_error = None, None, 0, ""
         p.next_offset, p.last_message_id = message.offset + 1, message.id
-        if was_held:
-            self._assign(p, message.offset + 1)
+        # Messages after it may have been fetched with it and not applied: read on from right after it.
+        self._assign(p, message.offset + 1)
 
     def _retry_held(self) -> int:
         now = time.monotonic()
         handled = 0
         for p in list(self.partitions.values()):
             if p.held is not None and now >= p.retry_at and p.tp in self.partitions:
-                handled += self._apply(p, [p.held])
+                handled += self._apply_next(p, [p.held])[1]
         return handled
 
     def _retry_dead_letters(self) -> int:
@@ -487,7 +579,7 @@ class InboxConsumer:
                 if result is None:
                     break
                 ident, outcome = result
-                if outcome in ("applied", "duplicate"):
+                if outcome in ("applied", "duplicate", "gone"):
                     log.info("dead letter %d retried: %s", ident, outcome)
                     done += 1
                 else:
