@@ -31,7 +31,9 @@ DEAD_LETTER_ACTIONS = {
     "list": "dead letters of --consumer, newest first (--topic, --limit; --after ID pages)",
     "show": "one dead letter whole: headers, key, value, last error (--id)",
     "retry": "ask the running consumers to apply dead letters again (--id, repeatable, or --all); each is applied "
-             "once, deduplicated by its ce_id",
+             "once, deduplicated by its ce_id, and late: after the later messages of its partition, which were "
+             "applied when it was dead-lettered (the handler sees message.late); one that fails again, or stops "
+             "the process, stays with its new error until asked again",
     "drop": "delete dead letters for good (--id, repeatable, or --all)",
 }
 
@@ -221,7 +223,8 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"action": args.action, "consumer": consumer, "ids": ids}))
     else:
-        verb = "asked to retry (a running consumer applies them)" if args.action == "retry" else "dropped"
+        verb = "asked to retry (a running consumer applies them, after the later messages of their partitions)" \
+            if args.action == "retry" else "dropped"
         print(f"{len(ids)} dead letters {verb}")
     return EXIT_OK
 

@@ -85,3 +85,12 @@ def test_what_a_handler_raises_reaches_the_caller() -> None:
         limit.call(handler, make_message(), _Conn())  # type: ignore[arg-type]
     limit.call(lambda m, c: None, make_message(), _Conn())  # type: ignore[arg-type]  # the thread goes on
     limit.close()
+
+
+def test_the_retry_command_says_a_dead_letter_is_applied_late(capsys: pytest.CaptureFixture[str]) -> None:
+    from outbox_relay.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["inbox", "dead-letters", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "late: after the later messages of its partition" in text and "message.late" in text
