@@ -41,7 +41,7 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, Message, TopicPartition
@@ -67,9 +67,15 @@ from .store import (
     retry_one_dead_letter,
 )
 
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from ..metrics import EndpointServer
+
 log = logging.getLogger("outbox_relay.inbox")
 
 DEAD_LETTER_CHECK_SECONDS = 1.0  # how often a consumer looks for dead letters an operator asked to retry
+WATERMARK_SECONDS = 1.0  # with metrics on: how often the partitions' high watermarks are read (no request)
 DATABASE_BACKOFF = Backoff(0.5, 10.0)  # a database that is down: the message waits, no attempt counted
 MAX_RETENTION_BATCHES = 100  # per housekeeping pass; the next pass goes on
 
@@ -94,6 +100,10 @@ class _Partition:
     # After a lapse (the holder before stopped without releasing): the size of the next batch, doubling
     # after each one that commits; 1: alone and recorded. None: batch_size.
     ramp: int | None = None
+    # For the lag gauge: the high watermark of the last fetch (librdkafka's cache; -1: none yet) and the
+    # offset after the last message fetched (-1: none).
+    high_watermark: int = -1
+    fetched_end: int = -1
 
     @property
     def tp(self) -> tuple[str, int]:
@@ -128,12 +138,27 @@ class InboxConsumer:
         self._next_membership = 0.0
         self._next_dead_letters = 0.0
         self._next_housekeeping = 0.0
+        self._next_watermarks = 0.0
         self._db_failures = 0
         self._db_retry_at = 0.0
         self._brokers_lost = False  # set by the client's error callback, on this thread (inside poll)
         # Partitions reassigned while a fetched batch is handled: the rest of the batch's messages of
         # them are from before (the client drops what it holds itself, not what it already returned).
         self._reassigned: set[tuple[str, int]] = set()
+        # For /healthz, /readyz and the gauges (read by the metrics server's threads): written by this thread.
+        self.share = 0  # partitions this process should hold, from the last membership round
+        self._membership_ok_at: float | None = None  # monotonic time of the last membership round that went through
+        self._broker_answered = False  # the last metadata request got an answer
+        self._closing = False
+        self._registry: CollectorRegistry | None = None
+        self._endpoints: EndpointServer | None = None
+        if settings.metrics_port is not None:
+            from prometheus_client import CollectorRegistry
+
+            from .metrics import timed
+
+            self._registry = CollectorRegistry()
+            self.handler = timed(handler, self._registry, settings.consumer)
 
     @property
     def dsn(self) -> str:
@@ -148,6 +173,11 @@ class InboxConsumer:
         self._control = connect(self.dsn, autocommit=True)
         check_inbox_schema(self._control)
         self._db = connect(self.dsn)
+        if self._registry is not None and self.settings.metrics_port is not None:
+            from .metrics import serve
+
+            self._endpoints = serve(self, self._registry, self.settings.metrics_host, self.settings.metrics_port)
+            self._endpoints.start()
         self._kafka = Consumer({**self.settings.consumer_config(), "error_cb": self._on_error,
                                 "logger": logging.getLogger("outbox_relay.librdkafka")})
         log.info("inbox consumer %s (member %s) consuming %s", self.settings.consumer, self.settings.member_id,
@@ -169,6 +199,7 @@ class InboxConsumer:
 
     def close(self) -> None:
         """Give the leases up now (another process takes the partitions at once) and disconnect."""
+        self._closing = True
         if self._control is not None and not self._control.closed:
             try:
                 self._control.execute(query("inbox", "leave"), self._member())
@@ -183,6 +214,39 @@ class InboxConsumer:
             self._kafka = None
         self.limit.close()
         self.partitions.clear()
+        if self._endpoints is not None:
+            self._endpoints.close()
+            self._endpoints = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics, /healthz and /readyz are served on (None: off or not started)."""
+        return self._endpoints.port if self._endpoints is not None else None
+
+    def health(self) -> list[str]:
+        """Why this process is not alive and in touch with its database; empty when it is. A loop held up
+        by a handler for longer than its time limit, or a database unreachable for as long, fails it."""
+        if self._membership_ok_at is None:
+            return ["not registered yet (waiting for the database and the broker)"]
+        silent = time.monotonic() - self._membership_ok_at
+        if silent > self.settings.lease_seconds + self.settings.handler_timeout_seconds:
+            return [f"no heartbeat reached the database for {silent:.0f}s"]
+        return []
+
+    def readiness(self) -> list[str]:
+        """Why this process is not doing its share; empty when its heartbeat renews its leases in time, the
+        brokers answer, and it is not stopping."""
+        problems = self.health()
+        if self._closing:
+            problems.append("stopping")
+        if self._membership_ok_at is not None:
+            silent = time.monotonic() - self._membership_ok_at
+            if silent > self.settings.lease_seconds and not problems:
+                problems.append(f"its leases were not renewed for {silent:.0f}s (--lease-seconds "
+                                f"{self.settings.lease_seconds:g})")
+        if not self._broker_answered:
+            problems.append("the brokers did not answer the last metadata request")
+        return problems
 
     def _member(self) -> dict[str, Any]:
         return {"consumer": self.settings.consumer, "member": self.settings.member_id,
@@ -209,6 +273,9 @@ class InboxConsumer:
             self.housekeeping()
             self._next_housekeeping = now + self.settings.housekeeping_seconds
         self._check_verifications()
+        if self._endpoints is not None and now >= self._next_watermarks:
+            self._watermarks()
+            self._next_watermarks = now + WATERMARK_SECONDS
         assert self._kafka is not None
         if not any(p.held is None for p in self.partitions.values()):
             time.sleep(self.settings.poll_seconds)
@@ -253,7 +320,7 @@ class InboxConsumer:
                                         {"consumer": s.consumer, "ttl": s.lease_seconds}).fetchone()
             live = max(1, int(row[0]) if row else 1)
             total = sum(self._known.values())
-            share = math.ceil(total / live) if total else 0
+            share = self.share = math.ceil(total / live) if total else 0
             for p in sorted(self.partitions.values(), key=lambda p: p.tp)[share:]:
                 self._release(p)
             if len(self.partitions) < share:
@@ -271,29 +338,46 @@ class InboxConsumer:
                                     "message is applied alone, its attempt recorded first (a crash counts)",
                                     topic, partition)
                     self._take(p)
+            self._membership_ok_at = time.monotonic()
         except psycopg.OperationalError as exc:
             # Leases run out meanwhile; the next round renews or finds them lost. Reconnect then.
             log.warning("inbox membership: database unavailable: %s", redact(str(exc)))
             if self._control.closed or self._control.broken:
                 self._control = _try_connect(self.dsn, autocommit=True) or self._control
 
+    def _watermarks(self) -> None:
+        """The high watermark each held partition's last fetch returned (librdkafka's cache: no request;
+        the end offsets a broker lists can be wrong, Tansu's among them, its fetch answers are not)."""
+        assert self._kafka is not None
+        for p in list(self.partitions.values()):
+            try:
+                _, high = self._kafka.get_watermark_offsets(TopicPartition(p.topic, p.partition), cached=True)
+            except Exception as exc:  # KafkaException: not assigned (held for a retry)
+                log.debug("watermarks of %s/%d: %s", p.topic, p.partition, exc)
+                continue
+            if high is not None and high >= 0:
+                p.high_watermark = high
+
     def _discover(self) -> None:
         """Partitions of the topics, from the broker; a broker that does not answer keeps the last ones."""
         assert self._control is not None and self._kafka is not None
         topics: list[str] = []
         partitions: list[int] = []
+        answered = False
         for topic in self.settings.topics:
             try:
                 md = self._kafka.list_topics(topic, timeout=2.0).topics.get(topic)
             except Exception as exc:  # KafkaException: broker unreachable
                 log.debug("metadata of %s: %s", topic, exc)
                 continue
+            answered = True
             if md is None or md.error is not None or not md.partitions:
                 continue
             self._known[topic] = len(md.partitions)
             for partition in md.partitions:
                 topics.append(topic)
                 partitions.append(partition)
+        self._broker_answered = answered
         if topics:
             self._control.execute(query("inbox", "add_partitions"),
                                   {"consumer": self.settings.consumer, "topics": topics, "partitions": partitions})
@@ -383,6 +467,7 @@ class InboxConsumer:
         if p is None or p.held is not None or p.tp in self._reassigned:
             return None  # fetched before the partition was released or held; it is read again from its position
         message = _message(m)
+        p.fetched_end = message.offset + 1
         if p.verify_until is not None:
             expected = (p.next_offset or 1) - 1
             p.verify_until = None
