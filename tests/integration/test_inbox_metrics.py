@@ -3,20 +3,42 @@ PostgreSQL (docs/observability.md lists the metrics)."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from outbox_relay.inbox import InboxConsumer, InboxMessage
 from tests.integration import inbox_app
 from tests.integration.inbox_helpers import consumer_thread, inbox_database, produce_events, settings
 from tests.integration.test_metrics import probe, scrape, value
 from tests.servers import free_port, wait_until
+
+
+OBSERVABILITY = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
+
+
+def raw_scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def doc_problems(text: str) -> list[str]:
+    """docs/observability.md has a row for every metric family the consumer serves, and names no other."""
+    doc = OBSERVABILITY.read_text()
+    families = {f.name + ("_total" if f.type == "counter" else "") for f in text_string_to_metric_families(text)
+                if not f.name.endswith("_created")}
+    rows = set(re.findall(r"^\| `(outbox_inbox_\w+)` \|", doc, re.MULTILINE))
+    named = set(re.findall(r"\b(outbox_inbox_\w+)", doc))
+    return [f"{n}: no row" for n in sorted(families - rows)] + [f"{n}: not served" for n in sorted(named - families)]
 
 
 @pytest.fixture
@@ -75,6 +97,7 @@ def test_a_scrape_shows_what_the_consumer_did_its_lag_and_the_probes_say_it_is_r
         assert value(samples, "outbox_inbox_ready", consumer="inbox") == 1
         assert probe(port, "/healthz") == (200, {"ok": True, "problems": []})
         assert probe(port, "/readyz") == (200, {"ok": True, "problems": []})
+        assert doc_problems(raw_scrape(port)) == []
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
         pass  # closed with the consumer
 
