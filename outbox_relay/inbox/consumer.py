@@ -173,19 +173,19 @@ class InboxConsumer:
         self._control = connect(self.dsn, autocommit=True)
         check_inbox_schema(self._control)
         self._db = connect(self.dsn)
+        self._kafka = Consumer({**self.settings.consumer_config(), "error_cb": self._on_error,
+                                "logger": logging.getLogger("outbox_relay.librdkafka")})
         if self._registry is not None and self.settings.metrics_port is not None:
             from .metrics import serve
 
             self._endpoints = serve(self, self._registry, self.settings.metrics_host, self.settings.metrics_port)
             self._endpoints.start()
-        self._kafka = Consumer({**self.settings.consumer_config(), "error_cb": self._on_error,
-                                "logger": logging.getLogger("outbox_relay.librdkafka")})
         log.info("inbox consumer %s (member %s) consuming %s", self.settings.consumer, self.settings.member_id,
                  ", ".join(self.settings.topics))
 
     def run(self, stop: threading.Event) -> None:
-        self.start()
         try:
+            self.start()
             while not stop.is_set():
                 try:
                     self.run_once()

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ..errors import ConfigurationError
 from ..metrics import LATENCY_BUCKETS, EndpointServer
 from .store import Handler
 
@@ -110,6 +111,10 @@ def timed(handler: Handler, registry: CollectorRegistry, consumer: str) -> Handl
 
 
 def serve(consumer: InboxConsumer, registry: CollectorRegistry, host: str, port: int) -> EndpointServer:
-    """The consumer's endpoint server (not started)."""
+    """The consumer's endpoint server (not started); ConfigurationError if it can not listen there."""
     registry.register(InboxCollector(consumer))
-    return EndpointServer(consumer, registry, host, port)
+    try:
+        return EndpointServer(consumer, registry, host, port)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot serve metrics on {host}:{port} (--metrics-port, --metrics-host): "
+                                 f"{exc.strerror or exc}") from None

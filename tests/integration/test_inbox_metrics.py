@@ -22,7 +22,6 @@ from tests.integration.inbox_helpers import consumer_thread, inbox_database, pro
 from tests.integration.test_metrics import probe, scrape, value
 from tests.servers import free_port, wait_until
 
-
 OBSERVABILITY = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 
 
@@ -114,3 +113,19 @@ def test_a_consumer_is_not_ready_before_its_first_round_nor_while_it_stops(
     finally:
         consumer.close()
     assert "stopping" in consumer.readiness()
+
+
+def test_a_metrics_port_in_use_is_a_clear_error_and_nothing_is_left_open(
+        inbox_dsn: str, kafka_bootstrap: str, kafka_topic: str) -> None:
+    from outbox_relay.errors import ConfigurationError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        consumer = InboxConsumer(settings(inbox_dsn, kafka_bootstrap, kafka_topic, metrics_port=port,
+                                          metrics_host="127.0.0.1"), inbox_app.handle)
+        with pytest.raises(ConfigurationError, match=rf"cannot serve metrics on 127.0.0.1:{port} \(--metrics-port"):
+            consumer.run(threading.Event())
+    assert consumer._control is not None and consumer._control.closed
+    assert consumer._db is not None and consumer._db.closed
