@@ -572,7 +572,7 @@ class InboxConsumer:
             applied = batch.outcomes.count("applied")
             self.stats.applied += applied
             self.stats.duplicates += done - applied
-            if p.attempt_id is not None and any(m.id == p.attempt_id for m in messages[:done]):
+            if p.attempt_id is not None and messages[0].id == p.attempt_id:
                 p.attempt_id, p.attempts, p.last_error = None, 0, ""  # ``advance`` cleared the record too
             if p.held is not None:  # a retry that succeeded: read on after it
                 p.held = None

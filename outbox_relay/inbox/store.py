@@ -214,7 +214,7 @@ def apply_batch(conn: psycopg.Connection[Any], lease: Lease, messages: list[Inbo
             applied = outcomes.count("applied")
             conn.execute(query("inbox", "advance"), {**_params(lease, last), "next_offset": last.offset + 1,
                                                      "applied": applied, "duplicates": len(outcomes) - applied,
-                                                     "dead": 0, "ids": [m.id for m in messages]})
+                                                     "dead": 0, "first_id": first.id})
     except Exception as exc:
         _rollback(conn)
         failed_at: int | None = getattr(exc, "inbox_index", None)
@@ -239,7 +239,7 @@ def dead_letter(conn: psycopg.Connection[Any], lease: Lease, message: InboxMessa
             **p, "key": message.key, "value": message.value, "header_names": names, "header_values": values,
             "message_time": message.timestamp, "attempts": attempts, "error": error[:MAX_ERROR_CHARS]})
         conn.execute(query("inbox", "advance"), {**p, "next_offset": message.offset + 1, "applied": 0,
-                                                 "duplicates": 0, "dead": 1, "ids": [message.id]})
+                                                 "duplicates": 0, "dead": 1, "first_id": message.id})
         conn.commit()
     except BaseException:
         _rollback(conn)

@@ -81,13 +81,14 @@ RETURNING message_id;
 
 -- name: advance
 -- The partition's next offset and counters, in the message's transaction (row locked by lock_position);
--- the attempts of a head message among `ids` (applied, skipped or dead-lettered now) end with it.
+-- the attempts of the head message end with it: a batch starts at the head, so `first_id` is its id when
+-- it is in the batch (applied, skipped or dead-lettered now).
 UPDATE outbox_inbox.positions
 SET next_offset = %(next_offset)s, last_message_id = %(message_id)s, applied = applied + %(applied)s,
     duplicates = duplicates + %(duplicates)s, dead = dead + %(dead)s, updated_at = clock_timestamp(),
-    attempt_message_id = CASE WHEN attempt_message_id = ANY(%(ids)s::text[]) THEN NULL ELSE attempt_message_id END,
-    attempts = CASE WHEN attempt_message_id = ANY(%(ids)s::text[]) THEN 0 ELSE attempts END,
-    last_error = CASE WHEN attempt_message_id = ANY(%(ids)s::text[]) THEN NULL ELSE last_error END
+    attempt_message_id = CASE WHEN attempt_message_id = %(first_id)s THEN NULL ELSE attempt_message_id END,
+    attempts = CASE WHEN attempt_message_id = %(first_id)s THEN 0 ELSE attempts END,
+    last_error = CASE WHEN attempt_message_id = %(first_id)s THEN NULL ELSE last_error END
 WHERE consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s;
 
 -- name: record_attempt
