@@ -76,8 +76,8 @@ class InboxCollector(Collector):
             end = max(p.high_watermark, p.fetched_end)
             if end >= 0:
                 lag.add_metric(key, max(0, end - (p.next_offset or 0)))
-            held = p.held
-            attempts.add_metric(key, p.attempts if held is not None and held.id == p.attempt_id else 0)
+            waiting = p.held
+            attempts.add_metric(key, p.attempts if waiting is not None and waiting.id == p.attempt_id else 0)
         yield position
         yield lag
         yield attempts
