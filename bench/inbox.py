@@ -3,7 +3,8 @@
 Both read the same N messages (4 partitions) from Tansu with ``assign()`` and apply each with the
 same handler (one INSERT) in its own transaction on PostgreSQL 18. The bare loop does nothing else;
 the inbox adds the lease check, the dedupe record, a savepoint around the handler, the position
-update and the handler's thread (time limit). Cases alternate, each ``--runs`` times; medians with
+update and the handler's thread (time limit); the last case also serves /metrics (handler timing,
+watermark reads). Cases alternate, each ``--runs`` times; medians with
 min/max. Usage: ``python bench/inbox.py [--events 5000] [--runs 3]``.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import sys
 import threading
@@ -63,9 +65,16 @@ def bare(dsn: str, bootstrap: str, topic: str, n: int) -> float:
     return n / elapsed
 
 
-def inbox(dsn: str, bootstrap: str, topic: str, n: int, batch_size: int = 100) -> float:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def inbox(dsn: str, bootstrap: str, topic: str, n: int, batch_size: int = 100, metrics: bool = False) -> float:
     s = InboxSettings(dsn=dsn, bootstrap_servers=bootstrap, topics=[topic], consumer=f"bench-{uuid.uuid4().hex[:6]}",
-                      poll_seconds=0.1, batch_size=batch_size)
+                      poll_seconds=0.1, batch_size=batch_size,
+                      metrics_port=free_port() if metrics else None, metrics_host="127.0.0.1")
     consumer = InboxConsumer(s, handler)
     consumer.start()
     stop = threading.Event()
@@ -89,6 +98,7 @@ def main() -> None:
         "bare loop": bare,
         "inbox --batch-size 1": lambda *a: inbox(*a, batch_size=1),
         "inbox --batch-size 100": inbox,
+        "inbox --batch-size 100 --metrics-port": lambda *a: inbox(*a, metrics=True),
     }
     rates: dict[str, list[float]] = {case: [] for case in cases}
     with Servers() as servers:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -310,15 +310,21 @@ def _history_gauges(classes: list[tuple[str, int, int, float | None, bool]]) -> 
     yield from (parts, size, oldest, blocked)
 
 
-class MetricsServer:
-    """``/metrics``, ``/healthz`` and ``/readyz`` on one port, for a worker's lifetime."""
+class Probes(Protocol):
+    """What ``/healthz`` and ``/readyz`` ask: the problems found, none when all is well."""
 
-    def __init__(self, worker: Worker, registry: CollectorRegistry, host: str, port: int,
-                 refresh_seconds: float) -> None:
-        self.worker = worker
+    def health(self) -> list[str]: ...
+
+    def readiness(self) -> list[str]: ...
+
+
+class EndpointServer:
+    """``/metrics`` (the registry), ``/healthz`` and ``/readyz`` (the probes) on one port, on a thread of
+    its own: the HTTP part, shared by the relay (``MetricsServer``) and the inbox consumer."""
+
+    def __init__(self, probes: Probes, registry: CollectorRegistry, host: str, port: int) -> None:
+        self.probes = probes
         self.registry = registry
-        self.gauges = OutboxGauges(worker, worker.settings.dsn.get_secret_value(), refresh_seconds)
-        registry.register(self.gauges)
         self.server = BoundedHTTPServer((host, port), _handler(self))
         self._thread = threading.Thread(target=self.server.serve_forever, name="metrics-http", daemon=True)
 
@@ -327,17 +333,34 @@ class MetricsServer:
         return int(self.server.server_address[1])
 
     def start(self) -> None:
-        self.gauges.start()
         self._thread.start()
         log.info("metrics, /healthz and /readyz on port %d", self.port)
 
     def close(self) -> None:
-        self.gauges.stop()
         # shutdown() waits until serve_forever() has noticed it: with no serving thread (start() never
         # ran, e.g. the worker was refused before starting) it would wait forever.
         if self._thread.is_alive():
             self.server.shutdown()
         self.server.server_close()
+
+
+class MetricsServer(EndpointServer):
+    """A relay's endpoints, with the outbox gauges refreshed in the background, for a worker's lifetime."""
+
+    def __init__(self, worker: Worker, registry: CollectorRegistry, host: str, port: int,
+                 refresh_seconds: float) -> None:
+        self.worker = worker
+        self.gauges = OutboxGauges(worker, worker.settings.dsn.get_secret_value(), refresh_seconds)
+        registry.register(self.gauges)
+        super().__init__(worker, registry, host, port)
+
+    def start(self) -> None:
+        self.gauges.start()
+        super().start()
+
+    def close(self) -> None:
+        self.gauges.stop()
+        super().close()
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
@@ -406,7 +429,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         log.warning("metrics: a request from %s failed", client_address, exc_info=True)
 
 
-def _handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
+def _handler(server: EndpointServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_SECONDS  # each read and write on the connection (service_actions bounds the total)
 
@@ -415,7 +438,7 @@ def _handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
             if path == "/metrics":
                 self._send(200, CONTENT_TYPE_LATEST, generate_latest(server.registry))
             elif path in ("/healthz", "/readyz"):
-                problems = server.worker.health() if path == "/healthz" else server.worker.readiness()
+                problems = server.probes.health() if path == "/healthz" else server.probes.readiness()
                 body = json.dumps({"ok": not problems, "problems": problems}).encode()
                 self._send(503 if problems else 200, "application/json", body)
             else:

@@ -60,8 +60,9 @@ fi
 # The machines' own PostgreSQL 15 (no uuidv7(), other planner defaults): the integration tests that
 # run the relay's and the producers' SQL once more against it, in one process (they share that server:
 # roles are server-wide). Left out: tests of Kafka, metrics, tracing, the CLI's connection handling and
-# the ORM/testing-kit layers above publish, whose SQL the tests kept here already run, and the inbox (a Kafka
-# consumer whose connection-cut test times its cut against the embedded server).
+# the ORM/testing-kit layers above publish, whose SQL the tests kept here already run, and the inbox's main
+# tests (a Kafka consumer whose connection-cut test times its cut against the embedded server) and metrics;
+# its attempts' SQL (test_inbox_attempts.py) runs here.
 if [ -z "${OUTBOX_TEST_DSN:-}" ]; then
     if "$VENV/bin/python" - "$LOCAL_PG_DSN" <<'PY' 2>/dev/null
 import sys
@@ -79,7 +80,7 @@ PY
             --ignore=tests/integration/test_metrics.py --ignore=tests/integration/test_relay_kafka.py \
             --ignore=tests/integration/test_tracing.py --ignore=tests/integration/test_testing_kit.py \
             --ignore=tests/integration/test_contrib_sqlalchemy.py --ignore=tests/integration/test_cli_projections.py \
-            --ignore=tests/integration/test_inbox.py
+            --ignore=tests/integration/test_inbox.py --ignore=tests/integration/test_inbox_metrics.py
     else
         echo
         echo "=== no PostgreSQL answers at $LOCAL_PG_DSN: skipping the second integration run"

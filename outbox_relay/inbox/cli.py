@@ -31,7 +31,9 @@ DEAD_LETTER_ACTIONS = {
     "list": "dead letters of --consumer, newest first (--topic, --limit; --after ID pages)",
     "show": "one dead letter whole: headers, key, value, last error (--id)",
     "retry": "ask the running consumers to apply dead letters again (--id, repeatable, or --all); each is applied "
-             "once, deduplicated by its ce_id",
+             "once, deduplicated by its ce_id, and late: after the later messages of its partition, which were "
+             "applied when it was dead-lettered (the handler sees message.late); one that fails again, or stops "
+             "the process, stays with its new error until asked again",
     "drop": "delete dead letters for good (--id, repeatable, or --all)",
 }
 
@@ -221,7 +223,8 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"action": args.action, "consumer": consumer, "ids": ids}))
     else:
-        verb = "asked to retry (a running consumer applies them)" if args.action == "retry" else "dropped"
+        verb = "asked to retry (a running consumer applies them, after the later messages of their partitions)" \
+            if args.action == "retry" else "dropped"
         print(f"{len(ids)} dead letters {verb}")
     return EXIT_OK
 
@@ -240,6 +243,13 @@ def _text(value: Any) -> Any:
     return value
 
 
+def _printable(value: Any) -> str:
+    """A producer's text as the terminal should show it: control and bidi characters escaped."""
+    from ..cli.output import printable  # here: the main CLI imports this module
+
+    return printable(str(value))
+
+
 def _show(row: dict[str, Any], as_json: bool) -> None:
     names, values = row.pop("header_names") or [], row.pop("header_values") or []
     record = {k: _text(v) for k, v in row.items()}
@@ -248,7 +258,7 @@ def _show(row: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(record))
         return
     for k, v in record.items():
-        print(f"{k}: {v}")
+        print(f"{k}: {_printable(v)}")  # a producer's bytes never reach the terminal as escapes
 
 
 def _output(rows: list[dict[str, Any]], as_json: bool, empty: str) -> None:
@@ -260,7 +270,7 @@ def _output(rows: list[dict[str, Any]], as_json: bool, empty: str) -> None:
         print(empty)
         return
     cols = list(records[0])
-    cells = [cols] + [["" if r[c] is None else str(r[c]) for c in cols] for r in records]
+    cells = [cols] + [["" if r[c] is None else " ".join(_printable(r[c]).split()) for c in cols] for r in records]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     for i, row in enumerate(cells):
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())

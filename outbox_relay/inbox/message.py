@@ -24,6 +24,9 @@ class InboxMessage:
     value: bytes | None
     headers: tuple[tuple[str, bytes | None], ...] = field(default=())
     timestamp: datetime | None = None
+    # Applied by `inbox dead-letters retry`: later messages of its partition were applied before it (they
+    # went on when it was dead-lettered), so a handler that keeps "the latest state" should compare versions.
+    late: bool = False
 
     def header(self, name: str) -> str | None:
         """The last header of this name, decoded as UTF-8 (None if absent)."""

@@ -55,6 +55,11 @@ class InboxSettings(BaseSettings):
     retention_batch: int = Field(5000, ge=1, le=1_000_000, description="dedupe records deleted per transaction")
     housekeeping_seconds: float = Field(300.0, ge=1, le=86400, description="between retention passes")
     poll_seconds: float = Field(0.1, ge=0.01, le=10, description="longest wait for a message per loop")
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="serve /metrics (Prometheus), /healthz and /readyz on this port (off when unset)")
+    metrics_host: str = Field("0.0.0.0", min_length=1, max_length=255,
+                              description="address the metrics port listens on")
 
     @field_validator("dsn")
     @classmethod

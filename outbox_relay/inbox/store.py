@@ -19,6 +19,10 @@ from .message import InboxMessage, header_lists
 Handler = Callable[[InboxMessage, psycopg.Connection[Any]], object]
 Outcome = Literal["applied", "duplicate"]
 
+# The error an attempt recorded before it was made keeps if the process dies during it.
+CRASH_ERROR = ("the consumer process stopped while applying this message alone (killed, out of memory, os._exit, "
+               "a crash in native code, or its database connection and lease lost)")
+
 
 class HandlerTimeout(OutboxError):
     """The handler did not return within the time limit; its transaction was rolled back (connection closed)."""
@@ -210,7 +214,7 @@ def apply_batch(conn: psycopg.Connection[Any], lease: Lease, messages: list[Inbo
             applied = outcomes.count("applied")
             conn.execute(query("inbox", "advance"), {**_params(lease, last), "next_offset": last.offset + 1,
                                                      "applied": applied, "duplicates": len(outcomes) - applied,
-                                                     "dead": 0})
+                                                     "dead": 0, "first_id": first.id})
     except Exception as exc:
         _rollback(conn)
         failed_at: int | None = getattr(exc, "inbox_index", None)
@@ -235,7 +239,33 @@ def dead_letter(conn: psycopg.Connection[Any], lease: Lease, message: InboxMessa
             **p, "key": message.key, "value": message.value, "header_names": names, "header_values": values,
             "message_time": message.timestamp, "attempts": attempts, "error": error[:MAX_ERROR_CHARS]})
         conn.execute(query("inbox", "advance"), {**p, "next_offset": message.offset + 1, "applied": 0,
-                                                 "duplicates": 0, "dead": 1})
+                                                 "duplicates": 0, "dead": 1, "first_id": message.id})
+        conn.commit()
+    except BaseException:
+        _rollback(conn)
+        raise
+
+
+def record_attempt(conn: psycopg.Connection[Any], lease: Lease, message: InboxMessage, attempts: int,
+                   error: str = CRASH_ERROR) -> None:
+    """Commit, before the attempt is made, that ``message`` (its partition's head) has had ``attempts``
+    attempts counting this one, and ``error`` if the process dies during it. Raises LeaseLost."""
+    try:
+        row = conn.execute(query("inbox", "record_attempt"), {
+            **_params(lease, message), "attempts": attempts, "error": error[:MAX_ERROR_CHARS]}).fetchone()
+        conn.commit()
+    except BaseException:
+        _rollback(conn)
+        raise
+    if row is None:
+        raise LeaseLost(f"partition {message.topic}/{message.partition} is no longer this process's")
+
+
+def record_failure(conn: psycopg.Connection[Any], lease: Lease, message: InboxMessage, error: str) -> None:
+    """A recorded attempt raised: keep its error instead of the crash's (best effort: it only words the
+    dead letter a later process may write)."""
+    try:
+        conn.execute(query("inbox", "attempt_failed"), {**_params(lease, message), "error": error[:MAX_ERROR_CHARS]})
         conn.commit()
     except BaseException:
         _rollback(conn)
@@ -247,7 +277,7 @@ def message_of_dead_letter(row: dict[str, Any]) -> InboxMessage:
     return InboxMessage(topic=row["topic"], partition=row["partition"], offset=row["offset"],
                         key=_bytes(row["key"]), value=_bytes(row["value"]),
                         headers=tuple((n, _bytes(v)) for n, v in zip(names, values, strict=True)),
-                        timestamp=row["message_time"])
+                        timestamp=row["message_time"], late=True)
 
 
 def _bytes(value: Any) -> bytes | None:
@@ -256,30 +286,43 @@ def _bytes(value: Any) -> bytes | None:
 
 def retry_one_dead_letter(conn: psycopg.Connection[Any], consumer: str, handler: Handler,
                           limit: TimeLimit | None = None) -> tuple[int, Outcome | str] | None:
-    """Apply the oldest dead letter an operator asked to retry, in one transaction: applied (the dead
-    letter goes), a duplicate (its id was applied since: it goes too) or the new error (it stays, with
-    the error, until asked again). None: nothing asked."""
+    """Apply the oldest dead letter an operator asked to retry: applied (the dead letter goes), a duplicate
+    (its ce_id was applied since: it goes too, the handler is not called), gone (an operator dropped it
+    meanwhile, or another retry of it committed first) or the new error (it stays, with
+    the error, until asked again). None: nothing asked.
+
+    Two transactions: the first takes the request and counts the attempt (committed, so a handler that
+    kills the process uses the request up instead of killing every consumer that starts); the second
+    deletes the dead letter, inserts its dedupe record and runs the handler, all or nothing. The message
+    is applied late (``InboxMessage.late``): its partition went on past it when it was dead-lettered."""
+    with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        try:
+            row = cur.execute(query("inbox", "take_dead_letter"), {"consumer": consumer, "error": CRASH_ERROR}
+                              ).fetchone()
+            conn.commit()
+        except BaseException:
+            _rollback(conn)
+            raise
+    if row is None:
+        return None
+    message = message_of_dead_letter(row)
+    p = {"consumer": consumer, "message_id": message.id, "topic": message.topic,
+         "partition": message.partition, "offset": message.offset, "id": row["id"]}
     try:
-        with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
-            row = cur.execute(query("inbox", "due_dead_letters"), {"consumer": consumer, "limit": 1}).fetchone()
-        if row is None:
+        if conn.execute(query("inbox", "delete_dead_letter"), p).fetchone() is None:
             conn.rollback()
-            return None
-        message = message_of_dead_letter(row)
-        p = {"consumer": consumer, "message_id": message.id, "topic": message.topic,
-             "partition": message.partition, "offset": message.offset, "id": row["id"]}
+            return row["id"], "gone"  # dropped meanwhile, or applied by another retry
         fresh = conn.execute(query("inbox", "record_message"), p).fetchone() is not None
         if fresh:
             with conn.transaction():
                 _run_handler(handler, message, conn, limit)
-        conn.execute(query("inbox", "delete_dead_letter"), p)
         conn.commit()
         return row["id"], ("applied" if fresh else "duplicate")
     except BaseException as exc:
         _rollback(conn)
-        if isinstance(exc, HandlerTimeout) and row is not None:
+        if isinstance(exc, HandlerTimeout):
             exc.dead_letter_id = row["id"]  # type: ignore[attr-defined]  # the caller marks it on a new connection
-        if conn.closed or conn.broken or not isinstance(exc, Exception) or row is None or isinstance(exc, InboxStuck):
+        if conn.closed or conn.broken or not isinstance(exc, Exception) or isinstance(exc, InboxStuck):
             raise
         error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
         with conn.transaction():

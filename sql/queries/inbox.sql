@@ -35,8 +35,9 @@ RETURNING topic, partition, fence;
 -- name: claim
 -- Take up to `limit` partitions nobody holds (or whose lease expired), each with a new fence.
 WITH free AS (
-    -- SKIP LOCKED: a row locked by an apply in flight (of a lease that lapsed) is taken next time
-    SELECT consumer, topic, partition FROM outbox_inbox.positions
+    -- SKIP LOCKED: a row locked by an apply in flight (of a lease that lapsed) is taken next time.
+    -- owner: a holder that stopped without releasing the lease (killed, crashed, cut off): lapsed.
+    SELECT consumer, topic, partition, owner FROM outbox_inbox.positions
     WHERE consumer = %(consumer)s AND topic = ANY(%(topics)s)
       AND (owner IS NULL OR lease_until IS NULL OR lease_until < clock_timestamp())
     ORDER BY topic, partition
@@ -47,7 +48,8 @@ UPDATE outbox_inbox.positions p
 SET owner = %(member)s, fence = p.fence + 1, lease_until = clock_timestamp() + make_interval(secs => %(lease)s)
 FROM free
 WHERE p.consumer = free.consumer AND p.topic = free.topic AND p.partition = free.partition
-RETURNING p.topic, p.partition, p.fence, p.next_offset, p.last_message_id;
+RETURNING p.topic, p.partition, p.fence, p.next_offset, p.last_message_id, free.owner IS NOT NULL AS lapsed,
+          p.attempt_message_id, p.attempts, p.last_error;
 
 -- name: release
 -- Give one partition up (more than this process's share, or stopping); only while its fence is ours.
@@ -78,11 +80,31 @@ ON CONFLICT DO NOTHING
 RETURNING message_id;
 
 -- name: advance
--- The partition's next offset and counters, in the message's transaction (row locked by lock_position).
+-- The partition's next offset and counters, in the message's transaction (row locked by lock_position);
+-- the attempts of the head message end with it: a batch starts at the head, so `first_id` is its id when
+-- it is in the batch (applied, skipped or dead-lettered now).
 UPDATE outbox_inbox.positions
 SET next_offset = %(next_offset)s, last_message_id = %(message_id)s, applied = applied + %(applied)s,
-    duplicates = duplicates + %(duplicates)s, dead = dead + %(dead)s, updated_at = clock_timestamp()
+    duplicates = duplicates + %(duplicates)s, dead = dead + %(dead)s, updated_at = clock_timestamp(),
+    attempt_message_id = CASE WHEN attempt_message_id = %(first_id)s THEN NULL ELSE attempt_message_id END,
+    attempts = CASE WHEN attempt_message_id = %(first_id)s THEN 0 ELSE attempts END,
+    last_error = CASE WHEN attempt_message_id = %(first_id)s THEN NULL ELSE last_error END
 WHERE consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s;
+
+-- name: record_attempt
+-- Before an attempt made alone, committed on its own: the head message's attempts so far, counting this
+-- one, with the error that stands if the process dies during it. Only while the lease is ours.
+UPDATE outbox_inbox.positions
+SET attempt_message_id = %(message_id)s, attempts = %(attempts)s, last_error = %(error)s
+WHERE consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s
+  AND owner = %(member)s AND fence = %(fence)s
+RETURNING attempts;
+
+-- name: attempt_failed
+-- An attempt recorded by record_attempt raised: its error replaces "the process stopped".
+UPDATE outbox_inbox.positions SET last_error = %(error)s
+WHERE consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s
+  AND owner = %(member)s AND fence = %(fence)s AND attempt_message_id = %(message_id)s;
 
 -- name: add_dead_letter
 -- A message whose handler kept failing, kept whole (the position moves past it in the same transaction).
@@ -91,24 +113,34 @@ INSERT INTO outbox_inbox.dead_letters (consumer, message_id, topic, partition, "
 VALUES (%(consumer)s, %(message_id)s, %(topic)s, %(partition)s, %(offset)s, %(key)s, %(value)s, %(header_names)s,
         %(header_values)s, %(message_time)s, %(attempts)s, %(error)s);
 
--- name: due_dead_letters
--- Dead letters an operator asked to retry, oldest first, locked for this transaction.
-SELECT id, message_id, topic, partition, "offset", key, value, header_names, header_values, message_time, attempts
-FROM outbox_inbox.dead_letters
-WHERE consumer = %(consumer)s AND retry_requested_at IS NOT NULL
-ORDER BY id
-LIMIT %(limit)s
-FOR UPDATE SKIP LOCKED;
+-- name: take_dead_letter
+-- The oldest dead letter an operator asked to retry, taken by one consumer (SKIP LOCKED) and committed
+-- before its handler runs: the request is used up and the attempt counted with the error that stands
+-- if the process dies during it, so a dead letter that kills its consumer is not retried at every start.
+WITH due AS (
+    SELECT id FROM outbox_inbox.dead_letters
+    WHERE consumer = %(consumer)s AND retry_requested_at IS NOT NULL
+    ORDER BY id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox_inbox.dead_letters d
+SET retry_requested_at = NULL, attempts = d.attempts + 1, error = %(error)s, dead_at = clock_timestamp()
+FROM due
+WHERE d.id = due.id
+RETURNING d.id, d.message_id, d.topic, d.partition, d."offset", d.key, d.value, d.header_names, d.header_values,
+          d.message_time, d.attempts;
 
 -- name: delete_dead_letter
--- A dead letter applied (or found applied) by a retry.
-DELETE FROM outbox_inbox.dead_letters WHERE id = %(id)s;
+-- First statement of a retried dead letter's transaction: it goes with the apply; no row back: an
+-- operator dropped it meanwhile, or another retry of it committed (the row lock makes this one wait).
+DELETE FROM outbox_inbox.dead_letters WHERE id = %(id)s
+RETURNING id;
 
 -- name: retry_failed
--- A retried dead letter that failed again: it stays, with its new error, until asked again.
-UPDATE outbox_inbox.dead_letters
-SET attempts = attempts + 1, error = %(error)s, retry_requested_at = NULL, dead_at = clock_timestamp()
-WHERE id = %(id)s;
+-- A retried dead letter that failed again (its attempt counted by take_dead_letter): it stays, with its
+-- new error, until asked again.
+UPDATE outbox_inbox.dead_letters SET error = %(error)s WHERE id = %(id)s;
 
 -- name: delete_old_messages
 -- Retention: one bounded batch of dedupe records older than the cutoff (oldest first).

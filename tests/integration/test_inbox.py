@@ -256,7 +256,7 @@ def test_retention_deletes_old_dedupe_records_in_bounded_batches(inbox_dsn: str,
 def test_migrate_is_idempotent_and_needs_no_outbox_schema(database_factory: Callable[..., str]) -> None:
     dsn = database_factory()
     with psycopg.connect(dsn, autocommit=True) as conn:
-        assert migrate_inbox(conn) == ["0001_initial"]
+        assert migrate_inbox(conn) == ["0001_initial", "0002_crash_attempts"]
         assert migrate_inbox(conn) == []
         assert conn.execute("SELECT to_regnamespace('outbox')").fetchone() == (None,)
 

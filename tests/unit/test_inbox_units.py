@@ -85,3 +85,24 @@ def test_what_a_handler_raises_reaches_the_caller() -> None:
         limit.call(handler, make_message(), _Conn())  # type: ignore[arg-type]
     limit.call(lambda m, c: None, make_message(), _Conn())  # type: ignore[arg-type]  # the thread goes on
     limit.close()
+
+
+def test_the_retry_command_says_a_dead_letter_is_applied_late(capsys: pytest.CaptureFixture[str]) -> None:
+    from outbox_relay.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["inbox", "dead-letters", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "late: after the later messages of its partition" in text and "message.late" in text
+
+
+def test_dead_letters_shown_in_a_terminal_escape_what_a_producer_wrote(capsys: pytest.CaptureFixture[str]) -> None:
+    from outbox_relay.inbox.cli import _output, _show
+
+    hostile = "\x1b]0;pwned\x07\u202egnp.exe"
+    _show({"id": 1, "value": hostile.encode(), "error": f"ValueError: {hostile}", "header_names": ["ce_type"],
+           "header_values": [hostile.encode()]}, as_json=False)
+    _output([{"id": 1, "error": f"ValueError: {hostile}\nsecond line"}], as_json=False, empty="none")
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\u202e" not in out and "\x07" not in out
+    assert "\\x1b]0;pwned\\x07\\u202egnp.exe" in out and "second line" in out.splitlines()[-1]
