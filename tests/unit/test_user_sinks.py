@@ -183,3 +183,31 @@ def test_a_sink_that_raises_system_exit_is_charged_like_any_error() -> None:
         adapter.close()
     outcome = got["outcomes"][e.id]  # type: ignore[index]
     assert isinstance(outcome, Failure) and outcome.retriable and outcome.error == "SystemExit: 3"
+
+
+def test_answers_that_skipped_their_checks_are_a_bug_of_the_sink_never_a_crash() -> None:
+    from outbox_relay.sink_adapter import unavailable_wait
+
+    class LaxRetry(Retry):
+        def __post_init__(self) -> None:  # skips the check of after_seconds
+            pass
+
+    for after in (float("nan"), float("inf"), -5.0, "10", True):
+        failure = outcome_of(LaxRetry("busy", after_seconds=after))  # type: ignore[arg-type]
+        assert failure is not None and failure.retriable and failure.retry_after is None
+        assert "after_seconds" in failure.error, after
+
+    class Unprintable:
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    for answer in (Retry(Unprintable()), GiveUp(Unprintable())):  # type: ignore[arg-type]
+        failure = outcome_of(answer)
+        assert failure is not None and "Unprintable whose str() failed" in failure.error
+
+    class Down(SinkUnavailable):
+        def __init__(self) -> None:  # never calls SinkUnavailable.__init__
+            pass
+
+    assert unavailable_wait(Down()) == 5.0
+    assert unavailable_wait(SinkUnavailable("x", 1e12)) == 86400.0

@@ -1,0 +1,123 @@
+"""Hostile users' sinks (outbox_relay.sinks) under the real engine and real PostgreSQL: answers and
+exceptions that break the usual rules must still be charged to their event, never loop forever
+uncounted nor stop the sink for the events after them."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from psycopg_pool import ConnectionPool
+
+from outbox_relay.sink_adapter import EventSinkAdapter
+from outbox_relay.sinks import Outcome, Retry, SinkEvent
+from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
+    dead_letters,
+    make_settings,
+    parked_ids,
+    pool_fixture,
+    publish,
+    run_until,
+    runner_for,
+    undelivered,
+)
+
+NAME = "hostile"
+
+
+class Unprintable:
+    """An object whose str() raises (a reason or exception message built from a broken object)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+class BadMessage(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+class Sink:
+    kind = "hostile"
+
+    def __init__(self, deliver: Any, name: str = NAME) -> None:
+        self.name = name
+        self.deliver = deliver
+
+
+def runner(sink: Any, pool: ConnectionPool[Any], dsn: str, **settings: Any) -> Any:
+    adapter = EventSinkAdapter(sink, handler_timeout_seconds=settings.pop("handler_timeout_seconds", 30.0))
+    return runner_for(adapter, pool, make_settings(dsn, "w", **settings)), adapter
+
+
+def test_a_retry_whose_reason_can_not_be_shown_is_charged_and_dead_letters(dsn: str, pool: ConnectionPool[Any]) -> None:
+    ids = publish(dsn, [("a", "t", {}), ("a", "t", {})])
+    calls: list[uuid.UUID] = []
+
+    def deliver(e: SinkEvent) -> Outcome:
+        calls.append(e.id)
+        return Retry(Unprintable()) if e.id == ids[0] else None  # type: ignore[arg-type]
+
+    r, _ = runner(Sink(deliver), pool, dsn, max_attempts=2)
+    run_until(r, lambda: ids[1] in calls, timeout=15)
+    [(attempts, error)] = dead_letters(dsn, NAME).values()
+    assert attempts == 2 and "Unprintable" in error
+    assert calls == [ids[0], ids[0], ids[1]]
+
+
+def test_an_exception_whose_message_can_not_be_shown_is_charged(dsn: str, pool: ConnectionPool[Any]) -> None:
+    ids = publish(dsn, [("a", "t", {}), ("a", "t", {})])
+    calls: list[uuid.UUID] = []
+
+    def deliver(e: SinkEvent) -> Outcome:
+        calls.append(e.id)
+        if e.id == ids[0]:
+            raise BadMessage()
+        return None
+
+    r, _ = runner(Sink(deliver), pool, dsn, max_attempts=2)
+    run_until(r, lambda: ids[1] in calls, timeout=15)
+    [(attempts, error)] = dead_letters(dsn, NAME).values()
+    assert attempts == 2 and "BadMessage" in error
+
+
+def test_an_async_sink_that_raises_system_exit_keeps_its_event_loop(dsn: str, pool: ConnectionPool[Any]) -> None:
+    ids = publish(dsn, [("a", "t", {}), ("b", "t", {}), ("c", "t", {})])
+    got: list[uuid.UUID] = []
+
+    async def deliver(e: SinkEvent) -> Outcome:
+        await asyncio.sleep(0)
+        if e.id == ids[0] and e.attempt == 1:
+            raise SystemExit(3)
+        if e.id == ids[1] and e.attempt == 1:
+            raise KeyboardInterrupt()
+        got.append(e.id)
+        return None
+
+    r, adapter = runner(Sink(deliver), pool, dsn, handler_timeout_seconds=3.0)
+    try:
+        run_until(r, lambda: undelivered(dsn, NAME) == 0 and not parked_ids(dsn, NAME), timeout=20)
+    finally:
+        adapter.close()
+    assert not dead_letters(dsn, NAME)
+    assert sorted(got) == sorted(ids)
+
+
+def test_an_async_sink_that_stops_its_event_loop_gets_a_new_one(dsn: str, pool: ConnectionPool[Any]) -> None:
+    ids = publish(dsn, [("a", "t", {}), ("b", "t", {}), ("c", "t", {}), ("d", "t", {})])
+    got: list[uuid.UUID] = []
+
+    async def deliver(e: SinkEvent) -> Outcome:
+        if e.id == ids[0] and e.attempt == 1:
+            asyncio.get_running_loop().stop()
+        got.append(e.id)
+        return None
+
+    r, adapter = runner(Sink(deliver), pool, dsn, handler_timeout_seconds=1.0, max_attempts=2)
+    try:
+        run_until(r, lambda: undelivered(dsn, NAME) == 0 and not parked_ids(dsn, NAME), timeout=20)
+    finally:
+        adapter.close()
+    assert not dead_letters(dsn, NAME), "events after the one that stopped the loop are not charged for it"
+    assert set(got) == set(ids)
