@@ -11,7 +11,7 @@ from typing import Any
 from psycopg_pool import ConnectionPool
 
 from outbox_relay.sink_adapter import EventSinkAdapter
-from outbox_relay.sinks import Outcome, Retry, SinkEvent
+from outbox_relay.sinks import GiveUp, Outcome, Retry, SinkEvent
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     dead_letters,
     make_settings,
@@ -121,3 +121,26 @@ def test_an_async_sink_that_stops_its_event_loop_gets_a_new_one(dsn: str, pool: 
         adapter.close()
     assert not dead_letters(dsn, NAME), "events after the one that stopped the loop are not charged for it"
     assert set(got) == set(ids)
+
+
+# ESC (colour, window title), BEL, CR, a C1 CSI, DEL, a right-to-left override: what a receiver or a
+# producer can put in an error or a type, and what a terminal would act on.
+HOSTILE = "\x1b[31mred\x1b]0;pwned\x07\rX\x9b2J\x7f\u202eevil"
+RAW = ("\x1b", "\x07", "\r", "\x9b", "\x7f", "\u202e")
+
+
+def test_the_relays_log_lines_show_hostile_strings_escaped(dsn: str, pool: ConnectionPool[Any],
+                                                           capsys: Any) -> None:
+    import psycopg
+
+    from outbox_relay.cli.logs import setup_logging
+
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a plain SQL producer: no validation of the type
+        conn.execute("INSERT INTO outbox.events (partition_key, type, topic, payload) VALUES ('k', %s, 't', '{}')",
+                     (f"order{HOSTILE}",))
+    setup_logging("info", False, "w")
+    r, _ = runner(Sink(lambda e: GiveUp(f"receiver said {HOSTILE}")), pool, dsn)
+    run_until(r, lambda: bool(dead_letters(dsn, NAME)))
+    err = capsys.readouterr().err
+    assert "dead-lettered" in err and "\\x1b[31mred" in err, err
+    assert not any(c in err for c in RAW), repr(err)
