@@ -98,8 +98,8 @@ WebhookSecretFile = Annotated[Path | None, Field(
 WebhookConnectTimeout = Annotated[float, Field(
     ge=0.01, le=600, description="webhook: seconds to connect (TCP and TLS) before the receiver counts as down")]
 WebhookTimeout = Annotated[float, Field(
-    ge=0.01, le=3600, description="webhook: seconds to wait for the response (each read) before the attempt is "
-                                  "retried")]
+    ge=0.01, le=3600, description="webhook: seconds to wait for the whole response (status, headers, body) "
+                                  "before the attempt is retried")]
 WebhookConcurrency = Annotated[int, Field(
     ge=1, le=256, description="webhook: keys delivered at once (each key stays in order)")]
 WebhookTopics = Annotated[list[str], NoDecode, Field(
