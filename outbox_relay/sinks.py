@@ -126,6 +126,9 @@ def check_sink(sink: object, where: str = "") -> EventSink:
     """``sink`` if it keeps the contract, else ConfigurationError naming what is missing or wrong.
     ``where`` says where it came from (e.g. ``--sink app.sinks:audit``) for the message."""
     origin = f" ({where})" if where else ""
+    if isinstance(sink, type):  # its deliver would be called unbound, failing for every event
+        raise ConfigurationError(f"{sink.__name__}{origin} is a class, not a sink: pass an instance "
+                                 f"({sink.__name__}())")
     what = f"{type(sink).__name__} object{origin}"
     problems: list[str] = []
     name = getattr(sink, "name", None)

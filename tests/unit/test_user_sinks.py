@@ -211,3 +211,41 @@ def test_answers_that_skipped_their_checks_are_a_bug_of_the_sink_never_a_crash()
 
     assert unavailable_wait(Down()) == 5.0
     assert unavailable_wait(SinkUnavailable("x", 1e12)) == 86400.0
+
+
+def test_a_sink_class_is_made_into_its_instance_or_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The docs' own example is a class with class attributes: `--sink mod:MySink` must make one (a class is a
+    zero-argument callable), and a class passed where an instance belongs is refused (its `deliver` called
+    on the class would fail for every event, then dead-letter them all)."""
+    name = f"class_sinks_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+        class MySink:
+            name = "crm"
+            kind = "crm"
+            def deliver(self, event):
+                return None
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    made = load_sink(f"{name}:MySink")
+    assert type(made).__name__ == "MySink" and not isinstance(made, type)
+    with pytest.raises(ConfigurationError, match=r"is a class, not a sink: pass an instance \(MySink\(\)\)"):
+        check_sink(type(made))
+    with pytest.raises(ConfigurationError, match="is a class, not a sink"):
+        EventSinkAdapter(type(made))  # type: ignore[arg-type]
+
+
+def test_a_sink_module_or_factory_that_exits_is_a_configuration_error(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    name = f"exiting_sinks_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+        import sys
+        def make():
+            sys.exit("AUDIT_URL is not set")
+    """))
+    (tmp_path / f"{name}_argv.py").write_text("import argparse\nargparse.ArgumentParser().parse_args(['--nope'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigurationError, match=r"calling make\(\) to make the sink failed: it called sys.exit\("
+                                                 r"'AUDIT_URL is not set'\)"):
+        load_sink(f"{name}:make")
+    with pytest.raises(ConfigurationError, match=r"importing module .* failed: it called sys.exit\(2\)"):
+        load_sink(f"{name}_argv:x")
