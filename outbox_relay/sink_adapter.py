@@ -453,7 +453,12 @@ class EventSinkAdapter:
         """The user's ``idle()``, if it has one (runner thread, between batches)."""
         idle: Callable[[], None] | None = getattr(self.user, "idle", None)
         if idle is not None:
-            idle()
+            try:
+                idle()
+            except Exception:
+                raise  # logged by the runner's wait (sink.wait_idle), which goes on
+            except BaseException as exc:  # SystemExit from the sink's own code would end the runner's thread
+                raise RuntimeError(f"idle() raised {describe_error(exc)}") from None
 
     def close(self) -> None:
         with self._lock:
@@ -464,7 +469,7 @@ class EventSinkAdapter:
         if close is not None:
             try:
                 close()
-            except Exception as exc:
+            except BaseException as exc:  # SystemExit too: the relay still releases its leases and leaves
                 log.warning("sink %s: close failed: %s", self.name, describe_error(exc))
         with self._lock:
             loop, thread, self._loop = self._loop, self._loop_thread, None

@@ -5,15 +5,19 @@ uncounted nor stop the sink for the events after them."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from typing import Any
 
+import pytest
 from psycopg_pool import ConnectionPool
 
 from outbox_relay.sink_adapter import EventSinkAdapter
 from outbox_relay.sinks import GiveUp, Outcome, Retry, SinkEvent
+from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     dead_letters,
+    fetch_all,
     make_settings,
     parked_ids,
     pool_fixture,
@@ -22,6 +26,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     runner_for,
     undelivered,
 )
+from tests.servers import wait_until
 
 NAME = "hostile"
 
@@ -144,3 +149,48 @@ def test_the_relays_log_lines_show_hostile_strings_escaped(dsn: str, pool: Conne
     err = capsys.readouterr().err
     assert "dead-lettered" in err and "\\x1b[31mred" in err, err
     assert not any(c in err for c in RAW), repr(err)
+
+
+class Exits:
+    """A sink whose idle() or close() raises SystemExit (its own code calling sys.exit)."""
+
+    name = NAME
+    kind = "hostile"
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.got: list[uuid.UUID] = []
+        self.idles = 0
+
+    def deliver(self, event: SinkEvent) -> Outcome:
+        self.got.append(event.id)
+        return None
+
+    def idle(self) -> None:
+        self.idles += 1
+        if self.where == "idle" and self.idles == 1:
+            raise SystemExit("idle says bye")
+
+    def close(self) -> None:
+        if self.where == "close":
+            raise SystemExit("close says bye")
+
+
+@pytest.mark.parametrize("where", ["idle", "close"])
+def test_a_sink_whose_idle_or_close_exits_neither_kills_its_runner_nor_skips_the_drain(dsn: str, where: str) -> None:
+    sink = Exits(where)
+    worker = Worker(make_settings(dsn, "w"), sinks=[EventSinkAdapter(sink)])
+    assert worker.start()
+    waiter = threading.Thread(target=worker.wait)
+    waiter.start()
+    try:
+        wait_until(lambda: sink.idles >= 2, timeout=20, message="the runner idles on")
+        ids = publish(dsn, [("k", "t", {"n": n}) for n in range(3)])
+        wait_until(lambda: set(ids) <= set(sink.got), timeout=20, message="delivered after the idle() that exited")
+    finally:
+        worker.drain()
+        waiter.join(20)
+    assert not waiter.is_alive(), "the worker stopped"
+    held = fetch_all(dsn, "SELECT count(*) FROM outbox.cursors WHERE sink = %s AND owner IS NOT NULL", (NAME,))
+    assert held == [(0,)], "its leases were released"
+    assert fetch_all(dsn, "SELECT count(*) FROM outbox.workers WHERE id = 'w'") == [(0,)], "left the registry"
