@@ -194,3 +194,53 @@ def test_a_sink_whose_idle_or_close_exits_neither_kills_its_runner_nor_skips_the
     held = fetch_all(dsn, "SELECT count(*) FROM outbox.cursors WHERE sink = %s AND owner IS NOT NULL", (NAME,))
     assert held == [(0,)], "its leases were released"
     assert fetch_all(dsn, "SELECT count(*) FROM outbox.workers WHERE id = 'w'") == [(0,)], "left the registry"
+
+
+# -- projections: a handler is a sink's code too
+
+
+@pytest.mark.parametrize("raised", [SystemExit("handler exits"), KeyboardInterrupt()], ids=["SystemExit",
+                                                                                           "KeyboardInterrupt"])
+def test_a_projection_handler_that_exits_is_charged_to_its_event(dsn: str, pool: ConnectionPool[Any],
+                                                                 raised: BaseException) -> None:
+    from tests.integration.test_projections import runner as projection_runner
+    from tests.integration.test_projections import setup_tables, totals, totals_projection
+
+    setup_tables(dsn)
+
+    def before(event: Any, tx: Any) -> None:
+        if event.payload["customer"] == "bad":
+            raise raised
+
+    publish(dsn, [("bad", "OrderPlaced", {"customer": "bad"}), ("good", "OrderPlaced", {"customer": "good"})])
+    r = projection_runner(totals_projection(before=before), dsn, pool, max_attempts=2)
+    try:
+        run_until(r, lambda: undelivered(dsn, "order_totals") == 0 and not parked_ids(dsn, "order_totals"),
+                  timeout=20)
+    finally:
+        r.sink.close()
+    [(attempts, error)] = dead_letters(dsn, "order_totals").values()
+    assert attempts == 2 and type(raised).__name__ in error
+    assert totals(dsn) == [("good", 1, 0)]
+
+
+def test_a_runner_thread_that_gets_a_base_exception_stops_the_relay_instead_of_dying_quietly(dsn: str) -> None:
+    class Escapes(Exception.__base__):  # type: ignore[misc,name-defined]  # a BaseException no sink code catches
+        pass
+
+    sink = Exits("")
+    adapter = EventSinkAdapter(sink)
+
+    def idle() -> None:
+        raise Escapes("an engine bug")
+
+    adapter.idle = idle  # type: ignore[method-assign]
+    worker = Worker(make_settings(dsn, "w"), sinks=[adapter])
+    assert worker.start()
+    waiter = threading.Thread(target=worker.wait)
+    waiter.start()
+    waiter.join(30)
+    assert not waiter.is_alive(), "the relay stopped by itself"
+    assert worker.fatal is not None and "Escapes: an engine bug" in str(worker.fatal)
+    held = fetch_all(dsn, "SELECT count(*) FROM outbox.cursors WHERE sink = %s AND owner IS NOT NULL", (NAME,))
+    assert held == [(0,)], "its leases were released"
