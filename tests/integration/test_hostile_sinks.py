@@ -244,3 +244,31 @@ def test_a_runner_thread_that_gets_a_base_exception_stops_the_relay_instead_of_d
     assert worker.fatal is not None and "Escapes: an engine bug" in str(worker.fatal)
     held = fetch_all(dsn, "SELECT count(*) FROM outbox.cursors WHERE sink = %s AND owner IS NOT NULL", (NAME,))
     assert held == [(0,)], "its leases were released"
+
+
+# -- embedding
+
+
+def test_two_relays_of_one_worker_id_in_one_process_are_refused_at_start(dsn: str) -> None:
+    """Two ``Relay`` objects left with the same worker_id (the default one is per process) looked like one
+    relay restarted in the same process: the second silently took the registration over and the first
+    stopped later with "in use by another relay" naming its own pid."""
+    from outbox_relay import Relay
+    from outbox_relay.errors import ConfigurationError
+
+    first, second = Exits(""), Exits("")
+    relay = Relay(make_settings(dsn, "same"), sinks=[first])
+    relay.start()
+    try:
+        other = Relay(make_settings(dsn, "same"), sinks=[second])
+        with pytest.raises(ConfigurationError, match="worker id 'same' is used by another Relay in this process"):
+            other.start()
+        assert not other.running
+        ids = publish(dsn, [("k", "t", {"n": n}) for n in range(3)])
+        wait_until(lambda: set(ids) <= set(first.got), timeout=20, message="the first relay delivers on")
+        assert relay.running and relay.fatal is None
+    finally:
+        assert relay.drain(20)
+    again = Relay(make_settings(dsn, "same"), sinks=[second])  # the id is free once the first one stopped
+    again.start()
+    assert again.drain(20) and again.fatal is None
