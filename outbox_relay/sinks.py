@@ -41,9 +41,9 @@ from typing import Any, Protocol, runtime_checkable
 from .errors import ConfigurationError
 
 # outbox.sinks.kind's CHECK constraint (migration 0013).
-SINK_KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+SINK_KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}\Z")
 # outbox.sinks.name's CHECK constraint.
-SINK_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,62}$")
+SINK_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,62}\Z")
 MAX_CONCURRENCY = 256  # threads per sink: more is a configuration mistake, not a plan
 MAX_WAIT_SECONDS = 86400.0  # longest Retry.after_seconds / SinkUnavailable wait honoured
 

@@ -60,7 +60,7 @@ USER_AGENT = f"outbox-relay/{__version__}"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # HTTP token (RFC 9110 5.6.2): what a header name may be.
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 # Header names the sink sets (lower-case), plus every ce-* and webhook-* name: an event's own header
 # of such a name is left out (the receiver must be able to trust them).
 _RESERVED = frozenset({"content-type", "content-length", "host", "user-agent", "connection", "transfer-encoding",
@@ -370,6 +370,9 @@ class WebhookSink:
                 self._drop(conn)
                 # The message may quote what the receiver sent (a garbage status line): escaped, bounded.
                 return Retry(f"POST {self.endpoint}: {type(exc).__name__}: {excerpt(str(exc).encode())}")
+            except BaseException:
+                self._drop(conn)  # a request cut short leaves the connection half-written: not for the next event
+                raise
             return self._outcome(conn, response)
         raise AssertionError("unreachable")  # the loop returns
 
@@ -392,7 +395,7 @@ class WebhookSink:
                 log.warning("webhook sink %s: event %s has a header %r, a name the sink sets; sending the event "
                             "without it", self.name, event.id, name)
                 continue
-            if not _TOKEN.match(name):
+            if not _TOKEN.fullmatch(name):  # fullmatch: `$` would let a final newline through
                 return GiveUp(f"the event's header {name[:100]!r} is not a valid HTTP header name")
             encoded = value.encode()
             if any(c in encoded for c in b"\r\n\0"):

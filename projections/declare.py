@@ -29,7 +29,7 @@ from .event import ProjectionEvent, make_event, make_token
 
 # A projection's name becomes its sink name and part of its rebuild schema's name, so it is
 # kept to a safe identifier (63 bytes is PostgreSQL's limit; "outbox_rebuild_" takes 15).
-_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}\Z")
 
 # Where a rebuild builds its copies and keeps replaced tables (``--keep-old``).
 SHADOW_PREFIX = "outbox_rebuild_"

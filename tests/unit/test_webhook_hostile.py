@@ -129,3 +129,20 @@ def test_a_url_http_can_not_send_is_a_start_up_error(url: str, problem: str) -> 
     with pytest.raises(ConfigurationError, match=problem) as info:
         load_settings(dsn="postgresql://x@h/db", webhook_url=url, webhook_secret=SECRET)
     assert "--webhook-url" in str(info.value) and "tenant" not in str(info.value)
+
+
+def test_a_header_name_ending_in_a_newline_dead_letters_and_spares_the_next_event() -> None:
+    """`$` in a regex also matches before a final newline: 'X-Evil\\n' passed the token check, http.client
+    then raised ValueError mid-request (retried, not dead-lettered) and left the kept-alive connection
+    half-written, so the next, good event failed an attempt too."""
+    from tests.webhook_receiver import receiving
+
+    with receiving() as receiver:
+        sink = WebhookSink(receiver.url, SECRET, timeout_seconds=5.0)
+        try:
+            assert sink.deliver(event()) == Delivered()  # a kept-alive connection
+            bad = sink.deliver(event(headers={"X-Evil\n": "v"}))
+            assert isinstance(bad, GiveUp) and "not a valid HTTP header name" in bad.reason, bad
+            assert sink.deliver(event()) == Delivered()
+        finally:
+            sink.close()
