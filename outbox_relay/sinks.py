@@ -151,6 +151,8 @@ def check_sink(sink: object, where: str = "") -> EventSink:
         if value is not None and (isinstance(value, str) or not isinstance(value, Collection)
                                   or not all(isinstance(v, str) for v in value)):
             problems.append(f"`{attr}` must be None or a collection of str (e.g. a set), not {type(value).__name__}")
+        elif value is not None and not any(value):  # e.g. "".split(",") from an unset variable
+            problems.append(f"`{attr}` is empty: the sink would never get an event (None: all of them)")
     concurrency = getattr(sink, "concurrency", 1)
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= MAX_CONCURRENCY:
         problems.append(f"`concurrency` must be an int from 1 to {MAX_CONCURRENCY}, not {concurrency!r}")

@@ -249,3 +249,16 @@ def test_a_sink_module_or_factory_that_exits_is_a_configuration_error(tmp_path: 
         load_sink(f"{name}:make")
     with pytest.raises(ConfigurationError, match=r"importing module .* failed: it called sys.exit\(2\)"):
         load_sink(f"{name}_argv:x")
+
+
+def test_a_sink_whose_topics_or_types_can_match_nothing_is_refused() -> None:
+    """An empty collection (or only empty names, as "".split(",") gives) read every event past the sink
+    without delivering one, silently."""
+    for attr, value in (("topics", set()), ("types", []), ("topics", [""])):
+        sink = Minimal()
+        setattr(sink, attr, value)
+        with pytest.raises(ConfigurationError, match=f"`{attr}` is empty: the sink would never get an event"):
+            check_sink(sink)
+    sink = Minimal()
+    sink.topics = {"orders"}  # type: ignore[attr-defined]
+    assert check_sink(sink) is sink
