@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+from .dsn import describe_error
 from .errors import ConfigurationError
 from .housekeeping import application_name
 from .kafka_sink import KafkaSink
@@ -98,19 +99,26 @@ def load_sink(spec: str) -> EventSink:
             raise ConfigurationError(f"--sink {spec}: no module named {missing!r} (is it installed, or on "
                                      "PYTHONPATH?)") from None
         raise ConfigurationError(f"--sink {spec}: importing module {module_name!r} failed: {exc}") from None
+    except SystemExit as exc:  # e.g. a module that parses sys.argv when imported: not the relay's exit
+        raise ConfigurationError(f"--sink {spec}: importing module {module_name!r} failed: it called "
+                                 f"sys.exit({exc.code!r})") from None
     except Exception as exc:  # the module itself raised while it was imported
         raise ConfigurationError(f"--sink {spec}: importing module {module_name!r} failed: "
-                                 f"{type(exc).__name__}: {exc}") from None
+                                 f"{describe_error(exc)}") from None
     try:
         found: Any = getattr(module, attr)
     except AttributeError:
         raise ConfigurationError(f"--sink {spec}: module {module_name!r} has no attribute {attr!r}") from None
-    if not hasattr(found, "deliver") and callable(found):
+    # A class is a zero-argument callable too (the docs' sinks are classes with class attributes).
+    if isinstance(found, type) or (not hasattr(found, "deliver") and callable(found)):
         try:
             found = found()
+        except SystemExit as exc:
+            raise ConfigurationError(f"--sink {spec}: calling {attr}() to make the sink failed: it called "
+                                     f"sys.exit({exc.code!r})") from None
         except Exception as exc:
             raise ConfigurationError(f"--sink {spec}: calling {attr}() to make the sink failed: "
-                                     f"{type(exc).__name__}: {exc}") from None
+                                     f"{describe_error(exc)}") from None
     return check_sink(found, f"--sink {spec}")
 
 

@@ -127,7 +127,11 @@ def redact(text: str) -> str:
 
 def describe_error(exc: BaseException) -> str:
     """An exception as a parked event's or dead letter's last error: type and message, no secrets, bounded."""
-    return redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_CHARS]
+    try:
+        message = str(exc)
+    except Exception:  # a handler's own exception class with a broken __str__: the error is still recorded
+        message = "<its message can not be shown: str() failed>"
+    return redact(f"{type(exc).__name__}: {message}")[:MAX_ERROR_CHARS]
 
 
 def one_line(text: str) -> str:

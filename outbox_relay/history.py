@@ -28,8 +28,8 @@ MIN_PARTITION_XIDS = 10_000
 # How long a partition change waits for the events table's lock before giving up until the next pass:
 # while it waits, every producer and relay queues behind it.
 LOCK_TIMEOUT_MS = 500
-_CLASS = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_CLASS = re.compile(r"^[a-z][a-z0-9_]{0,29}\Z")
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}\Z")
 
 
 @dataclass(frozen=True)

@@ -366,14 +366,29 @@ class SinkRunner:
                             delay)
                 self._pause(delay)
                 continue
+            except BaseException as exc:  # SystemExit & co. from code no sink rule caught: see _escaped
+                self._escaped(exc)
+                break
             if n == 0:
                 jitter = 0.8 + 0.4 * (time.monotonic() % 1)
                 until_retry = max(0.0, self._check_parked_at - time.monotonic())
                 self._idle = True
-                wait_idle(self.sink, self.wake, min(self._idle_poll() * jitter, until_retry + 0.001,
-                                                    max(0.0, self._until_owed_flush()) + 0.001))
+                try:
+                    wait_idle(self.sink, self.wake, min(self._idle_poll() * jitter, until_retry + 0.001,
+                                                        max(0.0, self._until_owed_flush()) + 0.001))
+                except BaseException as exc:
+                    self._escaped(exc)
+                    break
         self._idle = True
         self._release_all()
+
+    def _escaped(self, exc: BaseException) -> None:
+        """A BaseException reached the runner's loop: its thread would end quietly while the relay
+        heartbeats and keeps its buckets, so nothing of the sink is delivered and nothing says so. The
+        relay stops instead (exit 4), releasing the leases; the next owner goes on from the checkpoint."""
+        self.fatal = SinkStuck(f"sink {self.sink.name}: the runner thread got {describe_error(exc)}; this relay "
+                               "stops so that a fresh process takes over")
+        log.error("%s", self.fatal)
 
     def stuck(self) -> str | None:
         """Why this runner counts as stuck (membership thread, health checks); None while it makes

@@ -33,11 +33,11 @@ from .errors import ConfigurationError
 ENV_PREFIX = "OUTBOX_"
 
 # outbox.sinks.name's CHECK constraint.
-SINK_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,62}$")
+SINK_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,62}\Z")
 # Kafka's rule for topic names (also checked by the events table's trigger).
-TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}\Z")
 # module or module:attribute
-MODULE_SPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?$")
+MODULE_SPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?\Z")
 
 DAY = 86400.0
 
@@ -98,8 +98,8 @@ WebhookSecretFile = Annotated[Path | None, Field(
 WebhookConnectTimeout = Annotated[float, Field(
     ge=0.01, le=600, description="webhook: seconds to connect (TCP and TLS) before the receiver counts as down")]
 WebhookTimeout = Annotated[float, Field(
-    ge=0.01, le=3600, description="webhook: seconds to wait for the response (each read) before the attempt is "
-                                  "retried")]
+    ge=0.01, le=3600, description="webhook: seconds to wait for the whole response (status, headers, body) "
+                                  "before the attempt is retried")]
 WebhookConcurrency = Annotated[int, Field(
     ge=1, le=256, description="webhook: keys delivered at once (each key stays in order)")]
 WebhookTopics = Annotated[list[str], NoDecode, Field(

@@ -29,6 +29,7 @@ import contextvars
 import inspect
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -84,25 +85,50 @@ def sink_event(e: StoredEvent) -> SinkEvent | Failure:
 
 
 def _reason(text: object, default: str) -> str:
-    reason = str(text).strip() if text is not None else ""
+    try:
+        reason = str(text).strip() if text is not None else ""
+    except Exception:  # a reason object whose __str__ raises: the answer still counts, with a reason that says so
+        reason = f"<a {type(text).__name__} whose str() failed>"
     return redact(reason or default)[:MAX_ERROR_CHARS]
 
 
+def _seconds(value: object) -> float | None:
+    """``value`` as a wait in seconds if it is a finite number >= 0 (bool aside), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    seconds = float(value)
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
 def outcome_of(result: object) -> Failure | None:
-    """What the engine makes of ``deliver``'s answer."""
+    """What the engine makes of ``deliver``'s answer. Never raises: an answer that breaks the rules (a
+    subclass that skipped the checks) is a bug of the sink, retried like an exception."""
     if result is None or isinstance(result, Delivered):
         return None
     if isinstance(result, Retry):
-        after = None if result.after_seconds is None else min(float(result.after_seconds), MAX_WAIT_SECONDS)
-        return Failure(_reason(result.reason, "the sink asked for a retry"), retry_after=after)
+        after = getattr(result, "after_seconds", None)
+        if after is None:
+            return Failure(_reason(getattr(result, "reason", None), "the sink asked for a retry"))
+        seconds = _seconds(after)
+        if seconds is None:
+            return Failure(f"the sink's deliver returned a Retry with after_seconds {_reason(repr(after), '?')[:50]}: "
+                           "expected a finite number >= 0 or None (a bug in the sink; retried)")
+        return Failure(_reason(getattr(result, "reason", None), "the sink asked for a retry"),
+                       retry_after=min(seconds, MAX_WAIT_SECONDS))
     if isinstance(result, GiveUp):
-        return Failure(_reason(result.reason, "the sink gave up on the event"), retriable=False)
+        return Failure(_reason(getattr(result, "reason", None), "the sink gave up on the event"), retriable=False)
     return Failure(f"the sink's deliver returned a {type(result).__name__}: expected Delivered, Retry, GiveUp or None "
                    "(a bug in the sink; retried)")
 
 
+def unavailable_wait(unavailable: SinkUnavailable) -> float:
+    """How long a ``SinkUnavailable`` holds the sink (a subclass that skipped ``__init__``: the default 5 s)."""
+    seconds = _seconds(getattr(unavailable, "retry_after_seconds", None))
+    return min(5.0 if seconds is None else seconds, MAX_WAIT_SECONDS)
+
+
 def held(unavailable: SinkUnavailable, wait: float) -> Failure:
-    reason = _reason(unavailable.reason, "no reason given")
+    reason = _reason(getattr(unavailable, "reason", None), "no reason given")
     return Failure(f"the sink is unavailable: {reason} (a condition of the sink: the event waits, no attempt "
                    "counted)", hold_seconds=max(0.0, wait))
 
@@ -201,6 +227,8 @@ class _Run:
                 result = lane.future.result()
         except SinkUnavailable as exc:
             return exc
+        except _Raised as exc:
+            return Failure(describe_error(exc.raised))
         except Exception as exc:  # the event's attempt failed; one failure never kills the lane
             return Failure(describe_error(exc))
         except BaseException as exc:  # SystemExit, KeyboardInterrupt from a sink's own code: charged to the
@@ -210,8 +238,21 @@ class _Run:
         return outcome_of(result)
 
 
+class _Raised(Exception):
+    """A ``KeyboardInterrupt`` or ``SystemExit`` an async sink raised, carried to its lane: raised as is
+    inside a task, asyncio re-raises them out of ``run_forever``, which would end the sink's event loop
+    and leave every later call of the sink waiting for its time limit."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__()
+        self.raised = raised
+
+
 async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
+    try:
+        return await awaitable
+    except (KeyboardInterrupt, SystemExit) as exc:
+        raise _Raised(exc) from None
 
 
 def _submit(loop: asyncio.AbstractEventLoop, coro: Any, context: contextvars.Context) -> concurrent.futures.Future[Any]:
@@ -271,6 +312,12 @@ class EventSinkAdapter:
     def event_loop(self) -> asyncio.AbstractEventLoop:
         """The event loop an async sink's calls run on (started on first use, on its own thread)."""
         with self._lock:
+            if self._loop is not None and self._loop_thread is not None and not self._loop_thread.is_alive():
+                # The sink's own code stopped its loop (``loop.stop()``): calls sent there would wait for
+                # their time limit, each charged to an event that did nothing wrong. A new loop takes over.
+                log.warning("sink %s: its event loop was stopped by the sink's code; starting a new one", self.name)
+                self._loop.close()
+                self._loop = None
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 self._loop_thread = threading.Thread(target=loop.run_forever, name=f"sink-{self.name}-loop",
@@ -311,11 +358,11 @@ class EventSinkAdapter:
             self._wait(run, abort, partial)
         outcomes = run.outcomes
         if run.unavailable is not None:
-            wait = min(run.unavailable.retry_after_seconds, MAX_WAIT_SECONDS)
+            wait = unavailable_wait(run.unavailable)
             self._unavailable, self._unavailable_until = run.unavailable, time.monotonic() + wait
             failure = held(run.unavailable, wait)
             log.warning("sink %s: unavailable: %s; its events wait %.1fs (no attempt counted)", self.name,
-                        _reason(run.unavailable.reason, "no reason given"), wait)
+                        _reason(getattr(run.unavailable, "reason", None), "no reason given"), wait)
             for e in events:
                 outcomes.setdefault(e.id, failure)
         else:
@@ -399,13 +446,19 @@ class EventSinkAdapter:
         left = until - time.monotonic()
         if unavailable is None or left <= 0:
             return None
-        return f"unavailable: {_reason(unavailable.reason, 'no reason given')} (its events wait, {left:.0f}s more)"
+        return (f"unavailable: {_reason(getattr(unavailable, 'reason', None), 'no reason given')} (its events wait, "
+                f"{left:.0f}s more)")
 
     def idle(self) -> None:
         """The user's ``idle()``, if it has one (runner thread, between batches)."""
         idle: Callable[[], None] | None = getattr(self.user, "idle", None)
         if idle is not None:
-            idle()
+            try:
+                idle()
+            except Exception:
+                raise  # logged by the runner's wait (sink.wait_idle), which goes on
+            except BaseException as exc:  # SystemExit from the sink's own code would end the runner's thread
+                raise RuntimeError(f"idle() raised {describe_error(exc)}") from None
 
     def close(self) -> None:
         with self._lock:
@@ -416,7 +469,7 @@ class EventSinkAdapter:
         if close is not None:
             try:
                 close()
-            except Exception as exc:
+            except BaseException as exc:  # SystemExit too: the relay still releases its leases and leaves
                 log.warning("sink %s: close failed: %s", self.name, describe_error(exc))
         with self._lock:
             loop, thread, self._loop = self._loop, self._loop_thread, None

@@ -41,9 +41,9 @@ from typing import Any, Protocol, runtime_checkable
 from .errors import ConfigurationError
 
 # outbox.sinks.kind's CHECK constraint (migration 0013).
-SINK_KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+SINK_KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}\Z")
 # outbox.sinks.name's CHECK constraint.
-SINK_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,62}$")
+SINK_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,62}\Z")
 MAX_CONCURRENCY = 256  # threads per sink: more is a configuration mistake, not a plan
 MAX_WAIT_SECONDS = 86400.0  # longest Retry.after_seconds / SinkUnavailable wait honoured
 
@@ -126,6 +126,9 @@ def check_sink(sink: object, where: str = "") -> EventSink:
     """``sink`` if it keeps the contract, else ConfigurationError naming what is missing or wrong.
     ``where`` says where it came from (e.g. ``--sink app.sinks:audit``) for the message."""
     origin = f" ({where})" if where else ""
+    if isinstance(sink, type):  # its deliver would be called unbound, failing for every event
+        raise ConfigurationError(f"{sink.__name__}{origin} is a class, not a sink: pass an instance "
+                                 f"({sink.__name__}())")
     what = f"{type(sink).__name__} object{origin}"
     problems: list[str] = []
     name = getattr(sink, "name", None)
@@ -148,6 +151,8 @@ def check_sink(sink: object, where: str = "") -> EventSink:
         if value is not None and (isinstance(value, str) or not isinstance(value, Collection)
                                   or not all(isinstance(v, str) for v in value)):
             problems.append(f"`{attr}` must be None or a collection of str (e.g. a set), not {type(value).__name__}")
+        elif value is not None and not any(value):  # e.g. "".split(",") from an unset variable
+            problems.append(f"`{attr}` is empty: the sink would never get an event (None: all of them)")
     concurrency = getattr(sink, "concurrency", 1)
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= MAX_CONCURRENCY:
         problems.append(f"`concurrency` must be an int from 1 to {MAX_CONCURRENCY}, not {concurrency!r}")

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import http.client
+import io
 import json
 import logging
 import os
 import re
+import socket
 import ssl
 import threading
 import time
@@ -31,7 +34,7 @@ from collections.abc import Collection, Mapping
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .dsn import redact, remember_secret
@@ -55,8 +58,9 @@ MAX_RESPONSE_BYTES = 64 * 1024  # read of a response body; a longer one closes t
 EXCERPT_CHARS = 300  # of a refusing response's body, in the dead letter's reason
 USER_AGENT = f"outbox-relay/{__version__}"
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # HTTP token (RFC 9110 5.6.2): what a header name may be.
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 # Header names the sink sets (lower-case), plus every ce-* and webhook-* name: an event's own header
 # of such a name is left out (the receiver must be able to trust them).
 _RESERVED = frozenset({"content-type", "content-length", "host", "user-agent", "connection", "transfer-encoding",
@@ -174,7 +178,7 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # str.isdigit() also takes '²' and other scripts' digits
         seconds = float(value)
     else:
         try:
@@ -219,6 +223,36 @@ def _ssl_context(ca_file: Path | None, client_cert: Path | None, client_key: Pat
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A response's bytes from ``sock``, every read bounded by what is left until ``deadline``: a socket
+    timeout alone bounds each read, and a receiver that sends a byte now and then (headers that never
+    end, endless ``100 Continue``, a trickled body) would hold the call forever."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the response did not end within the timeout")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
+class _TimedResponse(http.client.HTTPResponse):
+    """An ``HTTPResponse`` read through a ``_DeadlineReader`` (status, headers and body alike)."""
+
+    def __init__(self, sock: socket.socket, *args: Any, deadline: float, **kwargs: Any) -> None:
+        super().__init__(sock, *args, **kwargs)
+        self.fp.close()  # the plain reader http.client made; the socket stays open
+        self.fp = io.BufferedReader(_DeadlineReader(sock, deadline))
 
 
 # -- the sink -------------------------------------------------------------------------------------
@@ -306,6 +340,11 @@ class WebhookSink:
         for fresh in (False, True):
             conn, reused = self._connection(fresh)
             try:
+                assert conn.sock is not None
+                conn.sock.settimeout(self.timeout_seconds)  # sending; the last response's read may have shrunk it
+                # The whole response (status, headers, body) within timeout_seconds of sending the request.
+                conn.response_class = functools.partial(  # type: ignore[assignment]
+                    _TimedResponse, deadline=time.monotonic() + self.timeout_seconds)
                 conn.request("POST", self._target, body, headers)
                 response = conn.getresponse()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
@@ -329,7 +368,11 @@ class WebhookSink:
                 raise SinkUnavailable(f"POST {self.endpoint}: TLS refused: {exc}", 30.0) from None
             except (OSError, http.client.HTTPException) as exc:
                 self._drop(conn)
-                return Retry(f"POST {self.endpoint}: {type(exc).__name__}: {exc}")
+                # The message may quote what the receiver sent (a garbage status line): escaped, bounded.
+                return Retry(f"POST {self.endpoint}: {type(exc).__name__}: {excerpt(str(exc).encode())}")
+            except BaseException:
+                self._drop(conn)  # a request cut short leaves the connection half-written: not for the next event
+                raise
             return self._outcome(conn, response)
         raise AssertionError("unreachable")  # the loop returns
 
@@ -352,7 +395,7 @@ class WebhookSink:
                 log.warning("webhook sink %s: event %s has a header %r, a name the sink sets; sending the event "
                             "without it", self.name, event.id, name)
                 continue
-            if not _TOKEN.match(name):
+            if not _TOKEN.fullmatch(name):  # fullmatch: `$` would let a final newline through
                 return GiveUp(f"the event's header {name[:100]!r} is not a valid HTTP header name")
             encoded = value.encode()
             if any(c in encoded for c in b"\r\n\0"):
@@ -463,6 +506,13 @@ def check_url(url: str) -> urllib.parse.SplitResult:
         raise ConfigurationError("the webhook URL must not have a #fragment")
     if any(c in url.strip() for c in " \r\n\t"):
         raise ConfigurationError("the webhook URL holds whitespace")
+    # http.client refuses these in the request line or Host header on every request, which would turn a
+    # configuration mistake into a retry, then a dead letter, of every event.
+    if _CONTROL.search(url):
+        raise ConfigurationError("the webhook URL holds a control character")
+    if not (parts.path + parts.query).isascii():
+        raise ConfigurationError("the webhook URL's path or query holds characters that are not ASCII: "
+                                 "percent-encode them (e.g. caf%C3%A9)")
     return parts
 
 

@@ -64,6 +64,14 @@ HARD_STOP_SECONDS = 5.0
 EXIT_HARD_STOP = 5  # `outbox-relay run`'s exit status when it had to leave a blocked sink thread behind
 
 
+# Worker ids registered by the workers of this process ((dsn, id) -> instance), so that a second Worker
+# given the same id for the same database (two ``Relay`` objects left with the default, per-process id)
+# is refused at its start instead of being taken for a previous run of this process and taking the
+# registration over.
+_ids_lock = threading.Lock()
+_ids_in_process: dict[tuple[str, str], str] = {}
+
+
 def _ignore(_signum: int, _frame: FrameType | None) -> None:
     """The Python-level handler of SIGTERM/SIGINT: nothing (``Worker.install_signal_handlers``)."""
 
@@ -138,11 +146,12 @@ class Worker:
         try:
             if self.pool is None or not self._register(sinks):
                 return False
-        except WorkerIdInUse:  # refused before anything started: nothing of this relay stays behind
+        except ConfigurationError:  # refused before anything started (an id in use): nothing of this relay stays
             if self.pool is not None:
                 self.pool.close()
             for service in self.services:
                 service.close()
+            self._forget_id()
             raise
         # One per process: crash-loop probes run alone across all sinks; a batch in longer than the handler
         # time limit (a stuck sink) stops counting, so it holds no other sink back.
@@ -199,6 +208,10 @@ class Worker:
         heartbeat. A registration on this host whose pid is gone, or is this process's own pid (a
         container's pid 1), is a previous run's (a crash, a restart): taken over at once."""
         ttl = self.settings.worker_ttl_seconds
+        with _ids_lock:
+            if _ids_in_process.setdefault(self._id_key(), self.instance) != self.instance:
+                raise ConfigurationError(f"worker id {self.id!r} is used by another Relay in this process: give each "
+                                         "relay member its own worker_id (RelaySettings(worker_id=...))")
         try:
             store.heartbeat(conn, self.id, "alive", sinks, self._metadata(), ttl)
             return
@@ -508,7 +521,16 @@ class Worker:
             self.fatal = exc
             self.drain()
 
+    def _id_key(self) -> tuple[str, str]:
+        return self.settings.dsn.get_secret_value(), self.id
+
+    def _forget_id(self) -> None:
+        with _ids_lock:
+            if _ids_in_process.get(self._id_key()) == self.instance:
+                del _ids_in_process[self._id_key()]
+
     def _leave(self) -> None:
+        self._forget_id()
         if self.pool is None:
             return
         try:

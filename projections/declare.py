@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from outbox_relay.dsn import redact
+from outbox_relay.dsn import describe_error
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.sink import Failure
 from outbox_relay.store import EventFilter, StoredEvent
@@ -29,8 +29,7 @@ from .event import ProjectionEvent, make_event, make_token
 
 # A projection's name becomes its sink name and part of its rebuild schema's name, so it is
 # kept to a safe identifier (63 bytes is PostgreSQL's limit; "outbox_rebuild_" takes 15).
-_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
-MAX_ERROR_CHARS = 2000
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}\Z")
 
 # Where a rebuild builds its copies and keeps replaced tables (``--keep-old``).
 SHADOW_PREFIX = "outbox_rebuild_"
@@ -325,4 +324,4 @@ def _headers(text: str) -> dict[str, str] | Failure:
 
 def describe(exc: BaseException) -> str:
     """An exception as a dead letter's or parked event's last error (no secrets, bounded)."""
-    return redact(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_CHARS]
+    return describe_error(exc)

@@ -110,7 +110,18 @@ class Redo(Exception):
         self.ended = ended
 
 
+class HandlerExited(Exception):
+    """A handler raised ``SystemExit`` or ``KeyboardInterrupt`` (its own code called ``sys.exit``): a
+    failure of its event like any error. Raised on, it would end the relay's runner thread."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__()
+        self.raised = raised
+
+
 def failure(exc: BaseException) -> Failure:
+    if isinstance(exc, HandlerExited):
+        return Failure(describe(exc.raised))
     return Failure(describe(exc), retriable=not isinstance(exc, NonRetriableDelivery))
 
 
@@ -317,6 +328,8 @@ def drive(steps: Walk, conn: Conn, handler: Handler, on_call: OnCall = _ignore) 
                     handler(step.argument, conn)
                 except Exception as exc:
                     error = exc
+                except (SystemExit, KeyboardInterrupt) as exc:
+                    error = HandlerExited(exc)
                 on_call(None)
             if error is not None and conn.broken:
                 raise error
@@ -345,6 +358,8 @@ async def adrive(steps: Walk, conn: AsyncConn, handler: Callable[[Any, Any], Awa
                     await handler(step.argument, conn)
                 except Exception as exc:
                     error = exc
+                except (SystemExit, KeyboardInterrupt) as exc:
+                    error = HandlerExited(exc)
                 on_call(None)
             if error is not None and conn.broken:
                 raise error

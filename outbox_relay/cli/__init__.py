@@ -45,6 +45,7 @@ from .common import (
     _key_args,
     _parser_with,
     _position,
+    _retention,
     _seconds,
     _timestamp,
     _topic,
@@ -180,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(7d), or 'forever'; for the default class, 'relays' returns to the relays' "
                         f"--retention-seconds ({env_var('retention_seconds')})")
     p.add_argument("--class", dest="class_name", default=None, help="topic: the class to put it in")
-    p.add_argument("--retention-seconds", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--retention-seconds", type=_retention, default=None, metavar="SECONDS",
                    help=f"the relays' --retention-seconds, for list and partitions (default: "
                         f"{env_var('retention_seconds')}, else 7 days)")
 

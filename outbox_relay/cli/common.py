@@ -131,6 +131,21 @@ def _keep(text: str) -> float | str:
     return value
 
 
+MAX_RETENTION_SECONDS = 3650 * 86400.0  # RelaySettings.retention_seconds' bound
+
+
+def _retention(text: str) -> float:
+    """The relays' --retention-seconds as they accept it: 0 to 3650 days (NaN, infinite and negative refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:100]!r}") from None
+    if not 0 <= value <= MAX_RETENTION_SECONDS:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 to {MAX_RETENTION_SECONDS:.0f} seconds (3650 days), "
+                                         f"not {text[:100]}")
+    return value
+
+
 def _retention_seconds(args: argparse.Namespace) -> float:
     """The relays' --retention-seconds (what the default retention class keeps unless set): the option,
     else the environment, else the relays' default."""
@@ -138,10 +153,9 @@ def _retention_seconds(args: argparse.Namespace) -> float:
         return float(args.retention_seconds)
     text = os.environ.get(env_var("retention_seconds"))
     try:
-        return float(text) if text else float(RelaySettings.model_fields["retention_seconds"].default)
-    except ValueError:
-        raise ConfigurationError(f"{env_var('retention_seconds')}={str(text)[:100]!r} is not a number of "
-                                 "seconds") from None
+        return _retention(text) if text else float(RelaySettings.model_fields["retention_seconds"].default)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigurationError(f"{env_var('retention_seconds')}: {exc}") from None
 
 
 def _global_options(parser: argparse.ArgumentParser, default: Callable[[Any], Any]) -> None:

@@ -8,6 +8,7 @@ import sys
 import time
 
 from ..dsn import redact
+from .output import printable
 
 
 class _WorkerIdFilter(logging.Filter):
@@ -36,8 +37,11 @@ class _JsonFormatter(logging.Formatter):
 
 
 class _RedactingFormatter(logging.Formatter):
+    """Plain lines for a terminal: secrets masked, and what producers and remote servers wrote (keys, types,
+    errors, response excerpts) escaped, so that no escape sequence in them reaches the terminal."""
+
     def format(self, record: logging.LogRecord) -> str:
-        return redact(super().format(record))
+        return printable(redact(super().format(record)))
 
 
 _json_logs = False  # set by setup_logging: stderr carries JSON log records only (--log-json)

@@ -264,12 +264,15 @@ def test_a_relay_killed_mid_way_loses_nothing_and_the_receiver_dedupes(
         assert at_kill < len(ids), "the kill came before the end"
         second = _start_relay(dsn, receiver.url, "relay-b", tmp_path / "b.log")
         processes.append((second, tmp_path / "b.log"))
-        got = receiver.wait_for(lambda got: {r.id for r in got} >= {str(i) for i in ids}, timeout=90)
+        got = receiver.wait_for(lambda got: {r.id for r in got if r.verified} >= {str(i) for i in ids}, timeout=90)
         second.send_signal(signal.SIGTERM)
         assert second.wait(30) == 0
-    assert all(r.verified for r in got)
+    # http.client sends a request's headers and its body in two writes: the kill can fall between them,
+    # and the receiver then gets headers and a cut body, which does not verify (a receiver refuses it).
+    cut = [r for r in got if not r.verified]
+    assert all(len(r.body) < int(r.headers["content-length"]) for r in cut), "only requests the kill cut short"
     # what a receiver that dedupes by webhook-id applied: every event, in publish order per key
-    assert firsts_per_key(got) == published_per_key(events, ids)
+    assert firsts_per_key([r for r in got if r.verified]) == published_per_key(events, ids)
     for _proc, log in processes:
         assert SECRET not in log.read_text(errors="replace") and SECRET[6:] not in log.read_text(errors="replace")
     duplicates = len(got) - len({r.id for r in got})

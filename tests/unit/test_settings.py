@@ -126,3 +126,38 @@ def test_kafka_config_file_with_a_bad_line_names_the_line_not_its_content(tmp_pa
     with pytest.raises(ConfigurationError) as caught:
         load_settings(kafka_config_file=str(config))
     assert "line 2 is not KEY=VALUE" in str(caught.value) and SECRET not in str(caught.value)
+
+
+def test_names_with_a_trailing_newline_are_refused() -> None:
+    """A regex's `$` also matches before a final newline, and a value read from a file or a Kubernetes
+    ConfigMap often ends in one: 'orders\\n' passed as a default topic (a name Kafka refuses), a sink name,
+    a retention class. Every name check must refuse it at start, naming the setting."""
+    from outbox_relay import history
+    from outbox_relay.sinks import check_sink
+    from projections import projection
+
+    secret = "whsec_" + "A" * 40
+    for kw in ({"default_topic": "orders\n"}, {"webhook_sink": "hooks\n", "webhook_url": "http://x/",
+                                                "webhook_secret": secret},
+               {"webhook_url": "http://x/", "webhook_secret": secret, "webhook_topics": ["orders\n"]}):
+        with pytest.raises(ConfigurationError):
+            load_settings(dsn="postgresql://x@h/db", kafka=False, **kw)
+
+    class Sink:
+        kind = "audit"
+
+        def __init__(self, name: str, kind: str = "audit") -> None:
+            self.name, self.kind = name, kind
+
+        def deliver(self, event: object) -> None:
+            return None
+
+    for sink in (Sink("audit\n"), Sink("audit", "audit\n")):
+        with pytest.raises(ConfigurationError, match="is not a sink"):
+            check_sink(sink)
+    with pytest.raises(ConfigurationError, match="invalid"):
+        history.check_class_name("short\n")
+    with pytest.raises(ConfigurationError, match="not a Kafka topic name"):
+        history.map_topic(None, "orders\n", "short")  # type: ignore[arg-type]  # refused before any SQL
+    with pytest.raises(ConfigurationError):
+        projection("totals\n", events=["x"], tables=["t"])(lambda event, tx: None)

@@ -183,3 +183,82 @@ def test_a_sink_that_raises_system_exit_is_charged_like_any_error() -> None:
         adapter.close()
     outcome = got["outcomes"][e.id]  # type: ignore[index]
     assert isinstance(outcome, Failure) and outcome.retriable and outcome.error == "SystemExit: 3"
+
+
+def test_answers_that_skipped_their_checks_are_a_bug_of_the_sink_never_a_crash() -> None:
+    from outbox_relay.sink_adapter import unavailable_wait
+
+    class LaxRetry(Retry):
+        def __post_init__(self) -> None:  # skips the check of after_seconds
+            pass
+
+    for after in (float("nan"), float("inf"), -5.0, "10", True):
+        failure = outcome_of(LaxRetry("busy", after_seconds=after))  # type: ignore[arg-type]
+        assert failure is not None and failure.retriable and failure.retry_after is None
+        assert "after_seconds" in failure.error, after
+
+    class Unprintable:
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    for answer in (Retry(Unprintable()), GiveUp(Unprintable())):  # type: ignore[arg-type]
+        failure = outcome_of(answer)
+        assert failure is not None and "Unprintable whose str() failed" in failure.error
+
+    class Down(SinkUnavailable):
+        def __init__(self) -> None:  # never calls SinkUnavailable.__init__
+            pass
+
+    assert unavailable_wait(Down()) == 5.0
+    assert unavailable_wait(SinkUnavailable("x", 1e12)) == 86400.0
+
+
+def test_a_sink_class_is_made_into_its_instance_or_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The docs' own example is a class with class attributes: `--sink mod:MySink` must make one (a class is a
+    zero-argument callable), and a class passed where an instance belongs is refused (its `deliver` called
+    on the class would fail for every event, then dead-letter them all)."""
+    name = f"class_sinks_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+        class MySink:
+            name = "crm"
+            kind = "crm"
+            def deliver(self, event):
+                return None
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    made = load_sink(f"{name}:MySink")
+    assert type(made).__name__ == "MySink" and not isinstance(made, type)
+    with pytest.raises(ConfigurationError, match=r"is a class, not a sink: pass an instance \(MySink\(\)\)"):
+        check_sink(type(made))
+    with pytest.raises(ConfigurationError, match="is a class, not a sink"):
+        EventSinkAdapter(type(made))  # type: ignore[arg-type]
+
+
+def test_a_sink_module_or_factory_that_exits_is_a_configuration_error(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    name = f"exiting_sinks_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+        import sys
+        def make():
+            sys.exit("AUDIT_URL is not set")
+    """))
+    (tmp_path / f"{name}_argv.py").write_text("import argparse\nargparse.ArgumentParser().parse_args(['--nope'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigurationError, match=r"calling make\(\) to make the sink failed: it called sys.exit\("
+                                                 r"'AUDIT_URL is not set'\)"):
+        load_sink(f"{name}:make")
+    with pytest.raises(ConfigurationError, match=r"importing module .* failed: it called sys.exit\(2\)"):
+        load_sink(f"{name}_argv:x")
+
+
+def test_a_sink_whose_topics_or_types_can_match_nothing_is_refused() -> None:
+    """An empty collection (or only empty names, as "".split(",") gives) read every event past the sink
+    without delivering one, silently."""
+    for attr, value in (("topics", set()), ("types", []), ("topics", [""])):
+        sink = Minimal()
+        setattr(sink, attr, value)
+        with pytest.raises(ConfigurationError, match=f"`{attr}` is empty: the sink would never get an event"):
+            check_sink(sink)
+    sink = Minimal()
+    sink.topics = {"orders"}  # type: ignore[attr-defined]
+    assert check_sink(sink) is sink
