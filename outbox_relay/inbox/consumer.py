@@ -492,10 +492,18 @@ class InboxConsumer:
         """Apply the next batch of ``messages`` (consecutive, of ``p``): (how many the batch took, how many
         were applied or skipped). A batch that does not pass all it took holds, drops or re-reads ``p``."""
         first = messages[0]
+        problem = first.id_problem
+        if problem is not None:
+            p.attempt_id, p.attempts = first.id, 0
+            self._give_up(p, first, f"not applied: {problem}")
+            return 1, 0
         if first.id == p.attempt_id or p.ramp == 1:
             return 1, self._apply_alone(p, first)
         size = self.settings.batch_size if p.ramp is None else min(p.ramp, self.settings.batch_size)
         batch = messages[:size]
+        # A message whose id can not be stored ends the batch: its turn comes next, alone (above).
+        unusable = next((i for i, m in enumerate(batch) if m.id_problem is not None), len(batch))
+        batch = batch[:unusable]
         return len(batch), self._apply(p, batch)
 
     def _apply_alone(self, p: _Partition, message: InboxMessage) -> int:

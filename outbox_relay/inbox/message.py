@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+# A dedupe key is a btree entry (at most about 2.7 kB) in a text column (no NUL): a ce_id that can not
+# be one is the message's fault, not the database's (the relay's ids are 36 characters).
+MAX_ID_BYTES = 1024
+
 
 @dataclass(frozen=True)
 class InboxMessage:
@@ -37,7 +41,23 @@ class InboxMessage:
 
     @property
     def id(self) -> str:
-        return self.header("ce_id") or f"kafka:{self.topic}:{self.partition}:{self.offset}"
+        ce_id = self.header("ce_id")
+        if ce_id and self.id_problem is None:
+            return ce_id
+        return f"kafka:{self.topic}:{self.partition}:{self.offset}"
+
+    @property
+    def id_problem(self) -> str | None:
+        """Why the ``ce_id`` header can not be a dedupe key (such a message is dead-lettered uncalled), or None."""
+        ce_id = self.header("ce_id")
+        if ce_id is None:
+            return None
+        if "\x00" in ce_id:
+            return "its ce_id header holds a NUL character"
+        size = len(ce_id.encode())
+        if size > MAX_ID_BYTES:
+            return f"its ce_id header is {size} bytes long (at most {MAX_ID_BYTES})"
+        return None
 
     @property
     def type(self) -> str | None:
@@ -55,4 +75,5 @@ class InboxMessage:
 
 
 def header_lists(headers: Sequence[tuple[str, bytes | None]]) -> tuple[list[str], list[bytes | None]]:
-    return [k for k, _ in headers], [v for _, v in headers]
+    # A header name is stored as text, which can not hold NUL (a producer's bytes, kept as readable as may be).
+    return [k.replace("\x00", "\\x00") for k, _ in headers], [v for _, v in headers]

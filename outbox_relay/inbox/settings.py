@@ -13,7 +13,7 @@ from ..errors import ConfigurationError
 from ..settings import MODULE_SPEC, TOPIC_NAME, default_worker_id
 
 ENV_PREFIX = "OUTBOX_INBOX_"
-CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}$")  # the members table's CHECK
+CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}\Z")  # the members table's CHECK
 
 
 class InboxSettings(BaseSettings):

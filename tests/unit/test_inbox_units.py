@@ -19,6 +19,8 @@ def test_settings_split_topics_and_name_the_option_and_variable_of_a_bad_value()
     assert load_inbox_settings(**BASE).topics == ["a", "b"]
     with pytest.raises(ConfigurationError, match=r"consumer \(--consumer, OUTBOX_INBOX_CONSUMER\)"):
         load_inbox_settings(**BASE, consumer="no spaces")
+    with pytest.raises(ConfigurationError, match=r"consumer \(--consumer, OUTBOX_INBOX_CONSUMER\)"):
+        load_inbox_settings(**BASE, consumer="orders\n")  # a ConfigMap's trailing newline
     with pytest.raises(ConfigurationError, match=r"topics \(--topic, OUTBOX_INBOX_TOPICS\)"):
         load_inbox_settings(**{**BASE, "topics": "ok,bad/topic"})
     with pytest.raises(ConfigurationError, match="backoff_base_seconds must not exceed"):
@@ -38,6 +40,13 @@ def test_the_message_id_is_ce_id_or_the_position() -> None:
     assert (m.id, m.type, m.partition_key, m.json()) == ("e-1", "test.event", "k1", {"x": 1})
     bare = InboxMessage(topic="t", partition=2, offset=9, key=None, value=None)
     assert bare.id == "kafka:t:2:9" and bare.json() is None
+
+
+def test_a_ce_id_that_can_not_be_a_dedupe_key_says_why_and_falls_back_to_the_position() -> None:
+    assert make_message({}, ce_id="e-1").id_problem is None
+    for ce_id, why in [("a\x00b", "NUL"), ("x" * 1025, "1025 bytes long")]:
+        m = make_message({}, ce_id=ce_id, topic="t", partition=0, offset=3)
+        assert why in (m.id_problem or "") and m.id == "kafka:t:0:3"
 
 
 class _Conn:
