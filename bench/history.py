@@ -99,11 +99,7 @@ def fetch_sql() -> str:
 
 
 def store_params(reads: dict[int, tuple[int, Cursor]]) -> dict[str, Any]:
-    buckets = list(reads)
-    return {"sink": SINK, "worker": "w", "buckets": buckets, "limits": [reads[b][0] for b in buckets],
-            "seen": [reads[b][1].params()[0] for b in buckets], "targets": [reads[b][1].params()[1] for b in buckets],
-            "after_xids": [reads[b][1].params()[2] for b in buckets],
-            "after_seqs": [reads[b][1].params()[3] for b in buckets], "types": None, "topics": None}
+    return store.fetch_params(SINK, "w", reads)
 
 
 def walk(plan: dict[str, Any]) -> Any:

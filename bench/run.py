@@ -974,11 +974,8 @@ class Bench:
         stored = {r[0]: positions.Cursor.from_row(*r[1:]) for r in conn.execute(
             "SELECT bucket, snapshot::text, target::text, after_xid::text, after_seq FROM outbox.cursors "
             "WHERE sink = %s AND bucket = ANY(%s::int[])", (SINK, buckets))}
-        cursors = [stored[b].params() for b in buckets]
-        params = {"sink": SINK, "worker": owner, "buckets": buckets, "limits": [limit] * len(buckets),
-                  "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
-                  "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
-                  "types": None, "topics": None, "formatted": True}  # the Kafka sink: every event, headers
+        # The Kafka sink: every event, headers.
+        params = relay_store.fetch_params(SINK, owner, {b: (limit, stored[b]) for b in buckets})
         row = conn.execute(
             "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s AND c.bucket = e.bucket "
             "AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) "

@@ -194,20 +194,28 @@ class Read:
         return out
 
 
+def fetch_params(sink: str, worker: str, reads: dict[int, tuple[int, Cursor]], wanted: EventFilter | None = None,
+                 *, formatted: bool = True) -> dict[str, Any]:
+    """The parameters of ``fetch_events`` (tests and benches EXPLAIN the statement with them)."""
+    buckets = list(reads)
+    cursors = [reads[b][1].params() for b in buckets]
+    return {"sink": sink, "worker": worker, "buckets": buckets, "limits": [reads[b][0] for b in buckets],
+            "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
+            "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
+            # No event the read returns is older than the lowest xmin of its cursors' snapshots. As a
+            # parameter of its own the planner prunes the partitions below it (the per-bucket bounds are
+            # only known while the statement runs): with hundreds of xid ranges, planning and locking
+            # every partition cost tens of ms per read, and ~1,000 ranges ran out of lock slots.
+            "floor": str(min((reads[b][1].seen.xmin for b in buckets), default=0)),
+            "formatted": formatted, **(wanted or EventFilter()).params()}
+
+
 def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int, Cursor]],
                  wanted: EventFilter | None = None, *, formatted: bool = True) -> Read:
     """Each bucket's delta from its cursor (positions.py), up to its limit: ``reads`` maps a bucket to
     (limit, read cursor), in the order the buckets are to be read. Buckets ``worker`` does not hold
     return nothing. ``formatted``: with the Kafka sink's ready-made header values (``id_text``, ...)."""
-    buckets = list(reads)
-    cursors = [reads[b][1].params() for b in buckets]
-    cur = conn.execute(
-        query("relay", "fetch_events"),
-        {"sink": sink, "worker": worker, "buckets": buckets, "limits": [reads[b][0] for b in buckets],
-         "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
-         "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors], "formatted": formatted,
-         **(wanted or EventFilter()).params()},
-    )
+    cur = conn.execute(query("relay", "fetch_events"), fetch_params(sink, worker, reads, wanted, formatted=formatted))
     rows = cur.fetchall()
     event, column = event_reader(cur)
     now = Snapshot.parse(rows[-1][column["now"]])  # the last row always carries it

@@ -89,6 +89,10 @@ CROSS JOIN LATERAL (
            -- Implied by the line above; written out so that only the partitions of the snapshot's
            -- [xmin, xmax) are probed (0014: outbox.events is partitioned by xid ranges).
            AND e.xid >= pg_snapshot_xmin(w.seen) AND e.xid < pg_snapshot_xmax(w.seen)
+           -- The lowest xmin of all the cursors' snapshots, a parameter: the planner prunes the
+           -- partitions below it (the bounds above are known only at run time, and a plan over every
+           -- partition costs planning time and a lock per partition; store.fetch_params).
+           AND e.xid >= %(floor)s::xid8
            AND (e.xid, e.seq) > (w.open_xid, w.open_seq)
            AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
            AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
@@ -101,7 +105,7 @@ CROSS JOIN LATERAL (
          WHERE e.bucket = w.bucket
            AND (e.xid, e.seq) > (w.later_xid, w.later_seq) AND e.xid < pg_snapshot_xmax(w.target)
            -- Implied by the row comparison; the partitions before it are not probed (0014).
-           AND e.xid >= w.later_xid
+           AND e.xid >= w.later_xid AND e.xid >= %(floor)s::xid8
            AND pg_visible_in_snapshot(e.xid, w.target)
            -- A sink that wants some event types or topics only (a projection) is not sent the rest;
            -- its cursor still moves past them.

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from outbox_relay import history, store
-from outbox_relay.positions import Cursor
+from outbox_relay.positions import Cursor, Snapshot
 from outbox_relay.sqlfiles import query
 from tests.integration.relay_helpers import SINK
 
@@ -94,13 +94,7 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
             WHERE s.after = %s""", (PENDING_PER_BUCKET,)).fetchall()
         cursors = {b: Cursor.at((int(x), int(s) + 1)) for b, x, s in starts}
         reads = {b: (LIMIT, cursors[b]) for b in LEASED}
-        params = {"sink": SINK, "worker": "w", "buckets": LEASED, "limits": [LIMIT] * len(LEASED),
-                  "seen": [cursors[b].params()[0] for b in LEASED],
-                  "targets": [cursors[b].params()[1] for b in LEASED],
-                  "after_xids": [cursors[b].params()[2] for b in LEASED],
-                  "after_seqs": [cursors[b].params()[3] for b in LEASED],
-                  "types": list(wanted.types) if wanted and wanted.types else None, "topics": None,
-                  "formatted": True}
+        params = store.fetch_params(SINK, "w", reads, wanted)
         root = explain(conn, query("relay", "fetch_events"), params, plan)
         # The same statement as the relay runs it returns what the plan promises.
         events = store.fetch_events(conn, SINK, "w", reads, wanted).events
@@ -148,12 +142,7 @@ def test_a_read_probes_only_the_partitions_of_its_snapshots(dsn: str, plan: str)
         newest = conn.execute("SELECT min(xid)::text::bigint FROM outbox.events WHERE type = 'new'").fetchone()
         assert newest is not None
         cursors = {b: Cursor.at((int(newest[0]), 0)) for b in LEASED}
-        params = {"sink": SINK, "worker": "w", "buckets": LEASED, "limits": [LIMIT] * len(LEASED),
-                  "seen": [cursors[b].params()[0] for b in LEASED],
-                  "targets": [cursors[b].params()[1] for b in LEASED],
-                  "after_xids": [cursors[b].params()[2] for b in LEASED],
-                  "after_seqs": [cursors[b].params()[3] for b in LEASED],
-                  "types": None, "topics": None, "formatted": True}
+        params = store.fetch_params(SINK, "w", {b: (LIMIT, cursors[b]) for b in LEASED})
         ranges = [r[0] for r in conn.execute(
             "SELECT DISTINCT range_name FROM outbox.partitions WHERE range_name IS NOT NULL ORDER BY 1")]
         current = conn.execute("SELECT range_name FROM outbox.partitions WHERE xid_from <= %s::text::xid8 "
@@ -170,6 +159,51 @@ def test_a_read_probes_only_the_partitions_of_its_snapshots(dsn: str, plan: str)
     assert kinds <= {("Index Scan", True), ("Index Only Scan", True)}, kinds
 
 
+RANGES = 60
+
+
+def test_a_read_plans_and_locks_only_the_newest_partitions(dsn: str) -> None:
+    """With many xid ranges (history kept for good: a range a day), a read at the head plans and locks
+    the newest range's partitions only, as the relay runs it (prepared, plan_cache_mode auto): a plan
+    over every partition cost tens of ms per read at a few hundred ranges and a lock per partition
+    and index, and at ~1,000 ranges the read failed with "out of shared memory"
+    (docs/benchmarks/2026-11-26-read-cost.md)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(RANGES):
+            conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "
+                         "SELECT 'key-' || g, 'old', '{}' FROM generate_series(1, 10) AS g")
+            history.roll(conn, 86400.0, min_width=1000)
+        store.register_sink(conn, SINK, "projection")
+        assert len(store.acquire_leases(conn, SINK, "w", LEASED, 600.0)) == len(LEASED)
+        seen = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
+        assert seen is not None
+        conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "
+                     "SELECT 'key-' || (g % 5000), 'new', '{}' FROM generate_series(1, 20000) AS g")
+        conn.execute("VACUUM ANALYZE outbox.events")
+        newest = conn.execute("SELECT name FROM outbox.partitions WHERE range_name IS NOT NULL "
+                              "ORDER BY xid_from DESC LIMIT 1").fetchone()
+        leaves = conn.execute("SELECT count(*) FROM outbox.partitions").fetchone()
+        assert newest is not None and leaves is not None and leaves[0] > RANGES
+        reads = {b: (LIMIT, Cursor(Snapshot.parse(seen[0]))) for b in LEASED}
+        root = explain(conn, query("relay", "fetch_events"), store.fetch_params(SINK, "w", reads), "custom")
+    planned = {str(n["Relation Name"]) for n in nodes(root) if on_events_table(n)}
+    assert planned <= {newest[0], "events_default"}, f"the read planned {len(planned)} partitions"
+
+    # As a relay runs it: psycopg prepares it on the 5th execution, Postgres then picks custom or generic
+    # plans by cost. Locks held at the end of the read's transaction: the partitions it planned and
+    # their indexes, and the few other tables it reads (not the 5 relations of each of 60 ranges).
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SET plan_cache_mode = auto")
+        conn.commit()
+        for _ in range(10):
+            events = store.fetch_events(conn, SINK, "w", reads, formatted=False).events
+            locks = conn.execute("SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() "
+                                 "AND locktype = 'relation'").fetchone()
+            conn.commit()
+            assert locks is not None and locks[0] < 60, f"the read locked {locks[0]} relations"
+    assert len(events) == LIMIT * len(LEASED) and {e.type for e in events} == {"new"}
+
+
 @pytest.mark.parametrize("plan", ["custom", "generic"])
 def test_a_read_from_the_start_of_history_reads_only_what_it_returns(dsn: str, plan: str) -> None:
     """A rebuild's cursors start before all of history, with no transaction open at their snapshot: no
@@ -184,10 +218,7 @@ def test_a_read_from_the_start_of_history_reads_only_what_it_returns(dsn: str, p
         store.register_sink(conn, SINK, "projection")
         assert len(store.acquire_leases(conn, SINK, "w", LEASED, 600.0)) == len(LEASED)
         start = Cursor.at((0, 0))  # everything stored is ahead of it
-        params = {"sink": SINK, "worker": "w", "buckets": LEASED, "limits": [LIMIT] * len(LEASED),
-                  "seen": [start.params()[0]] * len(LEASED), "targets": [start.params()[1]] * len(LEASED),
-                  "after_xids": [start.params()[2]] * len(LEASED), "after_seqs": [start.params()[3]] * len(LEASED),
-                  "types": None, "topics": None, "formatted": True}
+        params = store.fetch_params(SINK, "w", {b: (LIMIT, start) for b in LEASED})
         root = explain(conn, query("relay", "fetch_events"), params, plan)
         events = store.fetch_events(conn, SINK, "w", {b: (LIMIT, start) for b in LEASED}).events
     on_events = [n for n in nodes(root) if on_events_table(n)]
