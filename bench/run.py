@@ -1229,10 +1229,13 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     [r["events_per_s"] for r in rs])
                 (ours if mode == "warm" else ours_cold)[r_n] = [r["events_per_s"] for r in rs]
     if "projection" in results:
-        for r_n in a["relays"]:
-            rs = [r for r in results["projection"] if r["relays"] == r_n]
-            row(f"projection {a['events']:,}, {r_n} relay{'s' if r_n > 1 else ''} (backlog released to running "
-                "relays, one upsert per event)", "events/s", "ev/s", [r["events_per_s"] for r in rs])
+        handlers = {"per-event": "one upsert per event", "batched": "batched handler: one upsert per batch"}
+        for handler in a.get("projection_handlers", ["per-event"]):
+            for r_n in a["relays"]:
+                rs = [r for r in results["projection"] if r["relays"] == r_n
+                      and r.get("handler", "per-event") == handler]
+                row(f"projection {a['events']:,}, {r_n} relay{'s' if r_n > 1 else ''} (backlog released to running "
+                    f"relays, {handlers[handler]})", "events/s", "ev/s", [r["events_per_s"] for r in rs])
     tuned: dict[int, list[float]] = {}
     if "tuned" in results:
         for w in a["tuned_workers"]:
@@ -1506,6 +1509,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="pending events over all 256 buckets (about a quarter fall in the leased 64)")
     p.add_argument("--rebuild-events", type=int, default=None,
                    help="stored events the rebuild case replays (default 1000000)")
+    p.add_argument("--projection-handlers", default="per-event",
+                   help="projection case: per-event (bench_totals, one upsert per event) and/or batched "
+                        "(bench_totals_batched, one set-based upsert per batch), interleaved")
     p.add_argument("--rebuild-procs", default="1,2", help="`outbox-relay rebuild` processes started together")
     p.add_argument("--rebuild-handlers", default="sql,per-event,batched",
                    help="rebuild with the per-event handler (bench_totals), the batched set-based one "
@@ -1550,6 +1556,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.rebuild_events = args.rebuild_events or (100_000 if quick else 1_000_000)
     args.rebuild_procs = [int(x) for x in args.rebuild_procs.split(",")]
     args.rebuild_handlers = [h.strip() for h in args.rebuild_handlers.split(",") if h.strip()]
+    args.projection_handlers = [h.strip() for h in args.projection_handlers.split(",") if h.strip()]
+    if not set(args.projection_handlers) <= set(projection_cases.REBUILD_HANDLERS):
+        p.error(f"--projection-handlers: one of {', '.join(projection_cases.REBUILD_HANDLERS)}")
     try:
         specs = [projection_cases.handler_spec(h) for h in args.rebuild_handlers]
     except ValueError as exc:
