@@ -80,7 +80,7 @@ def fetch_case(conn: psycopg.Connection[Any], runs: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
     # The partitions the plan opened (probed at least once).
     params = store_params(reads)
-    plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + fetch_sql(), params).fetchone()
+    plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + store.fetch_sql(conn, reads), params).fetchone()
     assert plan is not None
     doc = plan[0] if not isinstance(plan[0], str) else json.loads(plan[0])
     on_events = [n for n in walk(doc[0]["Plan"])
@@ -90,12 +90,6 @@ def fetch_case(conn: psycopg.Connection[Any], runs: int) -> dict[str, Any]:
     buffers = sum(n.get("Shared Hit Blocks", 0) + n.get("Shared Read Blocks", 0) for n in on_events)
     return {"events_per_call": len(got), "buffers_per_call": buffers, "ms_median": 1000 * statistics.median(times),
             "ms_min": 1000 * min(times), "ms_max": 1000 * max(times), "partitions_opened": opened}
-
-
-def fetch_sql() -> str:
-    from outbox_relay.sqlfiles import query
-
-    return query("relay", "fetch_events")
 
 
 def store_params(reads: dict[int, tuple[int, Cursor]]) -> dict[str, Any]:

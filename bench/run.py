@@ -58,7 +58,6 @@ from servers import Servers, busy_fraction, machine  # noqa: E402
 
 from outbox_relay import Outbox, migrate, positions  # noqa: E402
 from outbox_relay import store as relay_store  # noqa: E402
-from outbox_relay.sqlfiles import query  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # What `--cases issue8` runs: every row of issue 8's table (bench/README.md).
@@ -976,18 +975,19 @@ class Bench:
             "WHERE sink = %s AND bucket = ANY(%s::int[])", (SINK, buckets))}
         # The Kafka sink: every event, headers.
         params = relay_store.fetch_params(SINK, owner, {b: (limit, stored[b]) for b in buckets})
+        fetch = relay_store.fetch_sql(conn, {b: (limit, stored[b]) for b in buckets})
         row = conn.execute(
             "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s AND c.bucket = e.bucket "
             "AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) "
             "WHERE c.owner = %s", (SINK, owner)).fetchone()
         explains = []
         for _ in range(max(3, self.args.runs)):
-            plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("relay", "fetch_events"),
+            plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + fetch,
                                 params).fetchone()
             assert plan is not None
             explains.append(plan[0][0])
         text_plan = "\n".join(r[0] for r in conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + query("relay", "fetch_events"), params))
+            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + fetch, params))
         size = self.table_sizes(conn)
         return {
             "pending_in_leased_buckets": row[0] if row else 0,

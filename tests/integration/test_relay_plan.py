@@ -95,7 +95,7 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
         cursors = {b: Cursor.at((int(x), int(s) + 1)) for b, x, s in starts}
         reads = {b: (LIMIT, cursors[b]) for b in LEASED}
         params = store.fetch_params(SINK, "w", reads, wanted)
-        root = explain(conn, query("relay", "fetch_events"), params, plan)
+        root = explain(conn, store.fetch_sql(conn, reads), params, plan)
         # The same statement as the relay runs it returns what the plan promises.
         events = store.fetch_events(conn, SINK, "w", reads, wanted).events
 
@@ -148,7 +148,7 @@ def test_a_read_probes_only_the_partitions_of_its_snapshots(dsn: str, plan: str)
         current = conn.execute("SELECT range_name FROM outbox.partitions WHERE xid_from <= %s::text::xid8 "
                                "AND xid_to > %s::text::xid8", (newest[0], newest[0])).fetchone()
         assert current is not None and len(ranges) >= 4, ranges
-        root = explain(conn, query("relay", "fetch_events"), params, plan)
+        root = explain(conn, store.fetch_sql(conn, {b: (LIMIT, cursors[b]) for b in LEASED}), params, plan)
         events = store.fetch_events(conn, SINK, "w", {b: (LIMIT, cursors[b]) for b in LEASED}).events
     probed = {str(n["Relation Name"]) for n in nodes(root) if on_events_table(n) and n.get("Actual Loops", 0) > 0}
     assert probed, json.dumps(root, indent=1)
@@ -194,7 +194,7 @@ def test_a_read_plans_and_locks_only_the_newest_partitions(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         newest, seen = many_ranges(conn)
         reads = {b: (LIMIT, Cursor(seen)) for b in LEASED}
-        root = explain(conn, query("relay", "fetch_events"), store.fetch_params(SINK, "w", reads), "custom")
+        root = explain(conn, store.fetch_sql(conn, reads), store.fetch_params(SINK, "w", reads), "custom")
     planned = {str(n["Relation Name"]) for n in nodes(root) if on_events_table(n)}
     assert planned <= {newest, "events_default"}, f"the read planned {len(planned)} partitions"
 
@@ -245,7 +245,7 @@ def test_a_read_from_the_start_of_history_reads_only_what_it_returns(dsn: str, p
         assert len(store.acquire_leases(conn, SINK, "w", LEASED, 600.0)) == len(LEASED)
         start = Cursor.at((0, 0))  # everything stored is ahead of it
         params = store.fetch_params(SINK, "w", {b: (LIMIT, start) for b in LEASED})
-        root = explain(conn, query("relay", "fetch_events"), params, plan)
+        root = explain(conn, store.fetch_sql(conn, {b: (LIMIT, start) for b in LEASED}), params, plan)
         events = store.fetch_events(conn, SINK, "w", {b: (LIMIT, start) for b in LEASED}).events
     on_events = [n for n in nodes(root) if on_events_table(n)]
     assert len(events) == LIMIT * len(LEASED)
