@@ -1076,6 +1076,15 @@ class Bench:
                                    "top": profile_summary(raw) if raw.exists() else None}
         log(f"profile: {n / (t_end - t0):,.0f} ev/s under py-spy; raw stacks in {raw}")
 
+    def case_profile_projection(self) -> None:
+        """One warm projection drain (the first of --projection-handlers, 1 relay) under py-spy."""
+        handler = self.args.projection_handlers[0]
+        raw = RESULTS / f"profile-projection-{self.stamp}.txt"
+        r = projection_cases.projection_once(self, 1, False, 0, handler, spy=raw)
+        self.results["profile-projection"] = {"handler": handler, "events_per_s": r["events_per_s"], "raw": str(raw),
+                                              "top": profile_summary(raw) if raw.exists() else None}
+        log(f"profile-projection ({handler}): {r['events_per_s']:,.0f} ev/s under py-spy; raw stacks in {raw}")
+
     # -- entry --------------------------------------------------------------------------------------
 
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -1429,12 +1438,16 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                          f"left to the live relay, most buckets held per process "
                          f"{sorted(r['bucket_owners'].values(), reverse=True)}"
                          for r in rs if r.get("handler") != "sql"))
-    if "profile" in results and results["profile"].get("top"):
-        p = results["profile"]
+    for key, what in (("profile", "draining"), ("profile-projection", "projecting")):
+        if key not in results or not results[key].get("top"):
+            continue
+        p = results[key]
         lines.append("")
-        lines.append(f"Profile of one relay draining {a['events']:,} events (py-spy --idle, sink thread, "
-                     f"{p['top']['sink_thread_samples']} busy samples, {p['events_per_s']:,.0f} ev/s under the "
-                     "profiler), share of the sink thread's busy wall time, inclusive:")
+        lines.append(f"Profile of one relay {what} {a['events']:,} events"
+                     + (f" ({p['handler']} handler)" if "handler" in p else "")
+                     + f" (py-spy --idle, sink thread, {p['top']['sink_thread_samples']} busy samples, "
+                     f"{p['events_per_s']:,.0f} ev/s under the profiler), share of the sink thread's busy wall "
+                     "time, inclusive:")
         lines.append("")
         for k, v in p["top"]["inclusive_pct"][:25]:
             lines.append(f"- {v:5.1f}%  {k}")
@@ -1449,6 +1462,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="about 2 minutes: fewer events, runs and sizes")
     p.add_argument("--cases", default="drain,tuned,projection,reference,latency,enqueue,claim,rebuild",
                    help="comma list of drain, tuned, projection, reference, latency, longtx, fleet, enqueue, claim, "
+                        "profile-projection, "
                         "rebuild, profile, write (history: bench/history.py); issue8 = drain,tuned,reference,"
                         "latency,longtx,fleet and the issue's table")
     p.add_argument("--events", type=int, default=None, help="N for drain and reference (default 20000)")
@@ -1604,6 +1618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 "enqueue": bench.case_enqueue,
                                                 "claim": bench.case_claim, "profile": bench.case_profile,
                                                 "projection": lambda: projection_cases.case_projection(bench),
+                                                "profile-projection": bench.case_profile_projection,
                                                 "rebuild": lambda: projection_cases.case_rebuild(bench),
                                                 "write": lambda: write_path.case_write(bench)}
         for case in order:
