@@ -131,7 +131,7 @@ def explain(conn: psycopg.Connection[Any], sql: str, p: dict[str, Any], mode: st
                 if name not in names:
                     names.append(name)
             body = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m.group(1)) + 1}", sql).replace("%%", "%")
-            if conn.execute("SELECT FROM pg_prepared_statements WHERE name = 'planned'").fetchone():
+            if conn.execute("SELECT 1 FROM pg_prepared_statements WHERE name = 'planned'").fetchone():
                 conn.execute("DEALLOCATE planned")  # left by a failed call (PREPARE is not transactional)
             conn.execute("PREPARE planned AS " + body)
             conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
