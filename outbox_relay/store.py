@@ -216,17 +216,22 @@ def fetch_params(sink: str, worker: str, reads: dict[int, tuple[int, Cursor]], w
 
 
 def read_floor(conn: Conn, reads: dict[int, tuple[int, Cursor]]) -> int:
-    """Where the xid range holding the lowest xmin of the cursors' snapshots begins (0: before every
-    range): no event the read returns is older than that xmin. Starts read up to RANGE_STARTS_SECONDS ago
-    can only give a lower floor (a range made since is missing: less is pruned), never a higher one."""
-    xmin = min((reads[b][1].seen.xmin for b in reads), default=0)
+    """Where the xid range holding the lowest xmin of the cursors' snapshots begins: no event the read
+    returns is older than that xmin."""
+    return range_floor(conn, min((reads[b][1].seen.xmin for b in reads), default=0))
+
+
+def range_floor(conn: Conn, xid: int) -> int:
+    """Where the xid range holding ``xid`` begins (0: before every range). Starts read up to
+    RANGE_STARTS_SECONDS ago can only give a lower floor (a range made since is missing: less is
+    pruned), never a higher one."""
     key = (str(conn.info.host), str(conn.info.port), str(conn.info.dbname))
     now = time.monotonic()
     cached = _range_starts.get(key)
     if cached is None or now - cached[0] > RANGE_STARTS_SECONDS:
         starts = sorted(int(r[0]) for r in conn.execute(query("relay", "range_starts")) if r[0] is not None)
         cached = _range_starts[key] = (now, starts)
-    i = bisect.bisect_right(cached[1], xmin) - 1
+    i = bisect.bisect_right(cached[1], xid) - 1
     return cached[1][i] if i >= 0 else 0
 
 
@@ -242,9 +247,13 @@ def fetch_sql(conn: Conn, reads: dict[int, tuple[int, Cursor]]) -> str:
     return _fetch_sql(read_floor(conn, reads))
 
 
-@functools.lru_cache(maxsize=8)
 def _fetch_sql(floor: int) -> str:
-    return sql.SQL(query("relay", "fetch_events")).format(floor=sql.Literal(str(floor))).as_string(None)
+    return _with_floor("fetch_events", floor)
+
+
+@functools.lru_cache(maxsize=16)
+def _with_floor(name: str, floor: int) -> str:
+    return sql.SQL(query("relay", name)).format(floor=sql.Literal(str(floor))).as_string(None)
 
 
 def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int, Cursor]],
@@ -266,12 +275,20 @@ _POSITION = operator.attrgetter("bucket", "xid", "seq")
 
 
 def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:
-    cur = conn.execute(
-        query("relay", "fetch_parked"),
-        {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key},
-    )
+    params = {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key}
+    cur = conn.execute(parked_sql(conn, params), params)
     event, _ = event_reader(cur)
     return [event(r, parked=True) for r in cur.fetchall()]
+
+
+def parked_sql(conn: Conn, params: dict[str, Any]) -> str:
+    """``fetch_parked`` with the start of the range holding the oldest parked event of these buckets
+    as a constant, so that its lookup of the events plans the ranges from there on (as ``fetch_sql``).
+    An event parked after that lookup (an operator's retry) may be older: its row is left out of this
+    pass, which delays it and nothing else, since a row parked later is always last in its key's chain
+    (``place``)."""
+    oldest = conn.execute(query("relay", "oldest_parked"), params).fetchone()
+    return _with_floor("fetch_parked", range_floor(conn, int(oldest[0])) if oldest and oldest[0] else 0)
 
 
 def next_parked_retry(conn: Conn, sink: str, buckets: Sequence[int]) -> float | None:

@@ -163,7 +163,14 @@ CROSS JOIN LATERAL (
     LIMIT %(per_key)s
 ) q
 JOIN outbox.events e ON e.bucket = q.bucket AND e.xid = q.xid AND e.seq = q.seq
+                    -- The start of the range holding the oldest parked event, a constant
+                    -- (store.parked_sql): the planner prunes the xid ranges below it.
+                    AND e.xid >= {floor}::xid8
 ORDER BY q.bucket, q.partition_key, q.place;
+
+-- name: oldest_parked
+-- The transaction id of the oldest event parked in these buckets (NULL: none): the floor of fetch_parked.
+SELECT min(xid)::text FROM outbox.parked WHERE sink = %(sink)s AND bucket = ANY(%(buckets)s::int[]);
 
 -- name: next_parked_retry
 -- Seconds until the next parked retry of these buckets is due (NULL: nothing parked): the runner sleeps
