@@ -80,7 +80,7 @@ def fetch_case(conn: psycopg.Connection[Any], runs: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
     # The partitions the plan opened (probed at least once).
     params = store_params(reads)
-    plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + fetch_sql(), params).fetchone()
+    plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + store.fetch_sql(conn, reads), params).fetchone()
     assert plan is not None
     doc = plan[0] if not isinstance(plan[0], str) else json.loads(plan[0])
     on_events = [n for n in walk(doc[0]["Plan"])
@@ -92,18 +92,8 @@ def fetch_case(conn: psycopg.Connection[Any], runs: int) -> dict[str, Any]:
             "ms_min": 1000 * min(times), "ms_max": 1000 * max(times), "partitions_opened": opened}
 
 
-def fetch_sql() -> str:
-    from outbox_relay.sqlfiles import query
-
-    return query("relay", "fetch_events")
-
-
 def store_params(reads: dict[int, tuple[int, Cursor]]) -> dict[str, Any]:
-    buckets = list(reads)
-    return {"sink": SINK, "worker": "w", "buckets": buckets, "limits": [reads[b][0] for b in buckets],
-            "seen": [reads[b][1].params()[0] for b in buckets], "targets": [reads[b][1].params()[1] for b in buckets],
-            "after_xids": [reads[b][1].params()[2] for b in buckets],
-            "after_seqs": [reads[b][1].params()[3] for b in buckets], "types": None, "topics": None}
+    return store.fetch_params(SINK, "w", reads)
 
 
 def walk(plan: dict[str, Any]) -> Any:

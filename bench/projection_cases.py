@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import re
 import resource
+import shutil
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -60,23 +63,37 @@ def check_totals(conn: psycopg.Connection[Any], applied_by: str | None = None) -
 # -- projection: a released backlog through 1/2/4 projection relays --------------------------------
 
 
-def projection_once(bench: Bench, relays_n: int, verify: bool, run: int) -> dict[str, Any]:
-    """As drain_once in warm mode, with relays that run the projection instead of Kafka."""
+def projection_once(bench: Bench, relays_n: int, verify: bool, run: int, handler: str = "per-event",
+                    spy: Path | None = None) -> dict[str, Any]:
+    """As drain_once in warm mode, with relays that run the projection instead of Kafka; ``handler``:
+    per-event (one upsert per event) or batched (one set-based upsert per batch, ``batch=True``).
+    ``spy``: record the first relay with py-spy (raw stacks to that file) from before the release."""
     n = bench.args.events
+    sink = REBUILD_HANDLERS[handler]
     name, dsn = bench.fresh_outbox_db()
     topic = "bench-projection"  # stored on the events only; no broker involved
     relays: list[tuple[str, subprocess.Popen[bytes]]] = []
-    out: dict[str, Any] = {"relays": relays_n, "run": run}
+    out: dict[str, Any] = {"relays": relays_n, "run": run, "handler": handler}
     try:
         with psycopg.connect(dsn, autocommit=True) as poll:
             poll.execute(SCHEMA)
-            relays = bench.start_relays(relays_n, dsn, topic, f"proj{relays_n}r{run}", PROJECTION_ARGS,
-                                        projections=True)
-            out["settle_seconds"] = bench.wait_ring(poll, [w for w, _ in relays], relays, sink=PROJECTION)
-            warmups = bench.warm_up(dsn, topic, relays, sink=PROJECTION, type_="bench.order_paid",
+            args = [*PROJECTION_ARGS[:-1], sink]
+            relays = bench.start_relays(relays_n, dsn, topic, f"proj{relays_n}r{run}", args, projections=True)
+            out["settle_seconds"] = bench.wait_ring(poll, [w for w, _ in relays], relays, sink=sink)
+            warmups = bench.warm_up(dsn, topic, relays, sink=sink, type_="bench.order_paid",
                                     payload={"customer": "warmup", "amount_cents": 0})
+            spy_proc = None
+            if spy is not None:
+                exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+                spy_proc = subprocess.Popen([exe, "record", "--pid", str(relays[0][1].pid), "--rate", "200", "--idle",
+                                             "--nonblocking", "--format", "raw", "--output", str(spy)],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)
             targets, t0 = bench.release_backlog(dsn, n, topic, relays, out)
-            t_end = bench.wait_delivered(poll, targets, relays, timeout=bench.args.drain_timeout, sink=PROJECTION)
+            t_end = bench.wait_delivered(poll, targets, relays, timeout=bench.args.drain_timeout, sink=sink)
+            if spy_proc is not None:
+                spy_proc.send_signal(signal.SIGINT)
+                spy_proc.wait(30)
             out["seconds"] = t_end - t0
             out["events_per_s"] = n / (t_end - t0)
             out["peak_rss_mb"] = {wid: bench.peak_rss_mb(p.pid) for wid, p in relays}
@@ -95,13 +112,14 @@ def projection_once(bench: Bench, relays_n: int, verify: bool, run: int) -> dict
 
 def case_projection(bench: Bench) -> None:
     runs = []
-    for run in range(bench.args.runs):
+    for run in range(bench.args.runs):  # interleaved: every relay count and handler, then the next run
         for relays_n in bench.args.relays:
-            r = projection_once(bench, relays_n, run == 0, run)
-            rss = max(v or 0 for v in r["peak_rss_mb"].values())
-            log(f"projection {relays_n} relays run {run + 1}: {r['events_per_s']:,.0f} ev/s ({r['seconds']:.2f}s, "
-                f"rss {rss:.0f} MB)" + (f", check {r['check']}" if "check" in r else ""))
-            runs.append(r)
+            for handler in bench.args.projection_handlers:
+                r = projection_once(bench, relays_n, run == 0, run, handler)
+                rss = max(v or 0 for v in r["peak_rss_mb"].values())
+                log(f"projection {handler} {relays_n} relays run {run + 1}: {r['events_per_s']:,.0f} ev/s "
+                    f"({r['seconds']:.2f}s, rss {rss:.0f} MB)" + (f", check {r['check']}" if "check" in r else ""))
+                runs.append(r)
     bench.results["projection"] = runs
 
 

@@ -58,7 +58,6 @@ from servers import Servers, busy_fraction, machine  # noqa: E402
 
 from outbox_relay import Outbox, migrate, positions  # noqa: E402
 from outbox_relay import store as relay_store  # noqa: E402
-from outbox_relay.sqlfiles import query  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # What `--cases issue8` runs: every row of issue 8's table (bench/README.md).
@@ -942,23 +941,21 @@ class Bench:
         stored = {r[0]: positions.Cursor.from_row(*r[1:]) for r in conn.execute(
             "SELECT bucket, snapshot::text, target::text, after_xid::text, after_seq FROM outbox.cursors "
             "WHERE sink = %s AND bucket = ANY(%s::int[])", (SINK, buckets))}
-        cursors = [stored[b].params() for b in buckets]
-        params = {"sink": SINK, "worker": owner, "buckets": buckets, "limits": [limit] * len(buckets),
-                  "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
-                  "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
-                  "types": None, "topics": None, "formatted": True}  # the Kafka sink: every event, headers
+        # The Kafka sink: every event, headers.
+        params = relay_store.fetch_params(SINK, owner, {b: (limit, stored[b]) for b in buckets})
+        fetch = relay_store.fetch_sql(conn, {b: (limit, stored[b]) for b in buckets})
         row = conn.execute(
             "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s AND c.bucket = e.bucket "
             "AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq) "
             "WHERE c.owner = %s", (SINK, owner)).fetchone()
         explains = []
         for _ in range(max(3, self.args.runs)):
-            plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("relay", "fetch_events"),
+            plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + fetch,
                                 params).fetchone()
             assert plan is not None
             explains.append(plan[0][0])
         text_plan = "\n".join(r[0] for r in conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + query("relay", "fetch_events"), params))
+            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + fetch, params))
         size = self.table_sizes(conn)
         return {
             "pending_in_leased_buckets": row[0] if row else 0,
@@ -1046,6 +1043,15 @@ class Bench:
         self.results["profile"] = {"events_per_s": n / (t_end - t0), "raw": str(raw),
                                    "top": profile_summary(raw) if raw.exists() else None}
         log(f"profile: {n / (t_end - t0):,.0f} ev/s under py-spy; raw stacks in {raw}")
+
+    def case_profile_projection(self) -> None:
+        """One warm projection drain (the first of --projection-handlers, 1 relay) under py-spy."""
+        handler = self.args.projection_handlers[0]
+        raw = RESULTS / f"profile-projection-{self.stamp}.txt"
+        r = projection_cases.projection_once(self, 1, False, 0, handler, spy=raw)
+        self.results["profile-projection"] = {"handler": handler, "events_per_s": r["events_per_s"], "raw": str(raw),
+                                              "top": profile_summary(raw) if raw.exists() else None}
+        log(f"profile-projection ({handler}): {r['events_per_s']:,.0f} ev/s under py-spy; raw stacks in {raw}")
 
     # -- entry --------------------------------------------------------------------------------------
 
@@ -1139,7 +1145,8 @@ def profile_summary(raw: Path, top: int = 30) -> dict[str, Any]:
             continue
         count = int(count_s)
         frames = [_frame_key(f) for f in stack.split(";")]
-        if frames[-3:-1] == ["SinkRunner.run (relay.py)", "Event.wait (threading.py)"]:
+        idle = frames[-3:-1] == ["SinkRunner.run (relay.py)", "Event.wait (threading.py)"]
+        if idle or "wait_idle (sink.py)" in frames:  # a sink with idle(): a projection
             continue  # idle: waiting for work (before the backlog is released, after it is done)
         total += count
         for key in set(frames):
@@ -1215,10 +1222,13 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     [r["events_per_s"] for r in rs])
                 (ours if mode == "warm" else ours_cold)[r_n] = [r["events_per_s"] for r in rs]
     if "projection" in results:
-        for r_n in a["relays"]:
-            rs = [r for r in results["projection"] if r["relays"] == r_n]
-            row(f"projection {a['events']:,}, {r_n} relay{'s' if r_n > 1 else ''} (backlog released to running "
-                "relays, one upsert per event)", "events/s", "ev/s", [r["events_per_s"] for r in rs])
+        handlers = {"per-event": "one upsert per event", "batched": "batched handler: one upsert per batch"}
+        for handler in a.get("projection_handlers", ["per-event"]):
+            for r_n in a["relays"]:
+                rs = [r for r in results["projection"] if r["relays"] == r_n
+                      and r.get("handler", "per-event") == handler]
+                row(f"projection {a['events']:,}, {r_n} relay{'s' if r_n > 1 else ''} (backlog released to running "
+                    f"relays, {handlers[handler]})", "events/s", "ev/s", [r["events_per_s"] for r in rs])
     tuned: dict[int, list[float]] = {}
     if "tuned" in results:
         for w in a["tuned_workers"]:
@@ -1418,12 +1428,16 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                          f"left to the live relay, most buckets held per process "
                          f"{sorted(r['bucket_owners'].values(), reverse=True)}"
                          for r in rs if r.get("handler") != "sql"))
-    if "profile" in results and results["profile"].get("top"):
-        p = results["profile"]
+    for key, what in (("profile", "draining"), ("profile-projection", "projecting")):
+        if key not in results or not results[key].get("top"):
+            continue
+        p = results[key]
         lines.append("")
-        lines.append(f"Profile of one relay draining {a['events']:,} events (py-spy --idle, sink thread, "
-                     f"{p['top']['sink_thread_samples']} busy samples, {p['events_per_s']:,.0f} ev/s under the "
-                     "profiler), share of the sink thread's busy wall time, inclusive:")
+        lines.append(f"Profile of one relay {what} {a['events']:,} events"
+                     + (f" ({p['handler']} handler)" if "handler" in p else "")
+                     + f" (py-spy --idle, sink thread, {p['top']['sink_thread_samples']} busy samples, "
+                     f"{p['events_per_s']:,.0f} ev/s under the profiler), share of the sink thread's busy wall "
+                     "time, inclusive:")
         lines.append("")
         for k, v in p["top"]["inclusive_pct"][:25]:
             lines.append(f"- {v:5.1f}%  {k}")
@@ -1438,6 +1452,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="about 2 minutes: fewer events, runs and sizes")
     p.add_argument("--cases", default="drain,tuned,projection,reference,latency,enqueue,claim,rebuild",
                    help="comma list of drain, tuned, projection, reference, latency, longtx, fleet, enqueue, claim, "
+                        "profile-projection, "
                         "rebuild, profile, write (history: bench/history.py); issue8 = drain,tuned,reference,"
                         "latency,longtx,fleet and the issue's table")
     p.add_argument("--events", type=int, default=None, help="N for drain and reference (default 20000)")
@@ -1496,6 +1511,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="pending events over all 256 buckets (about a quarter fall in the leased 64)")
     p.add_argument("--rebuild-events", type=int, default=None,
                    help="stored events the rebuild case replays (default 1000000)")
+    p.add_argument("--projection-handlers", default="per-event",
+                   help="projection case: per-event (bench_totals, one upsert per event) and/or batched "
+                        "(bench_totals_batched, one set-based upsert per batch), interleaved")
     p.add_argument("--rebuild-procs", default="1,2", help="`outbox-relay rebuild` processes started together")
     p.add_argument("--rebuild-handlers", default="sql,per-event,batched",
                    help="rebuild with the per-event handler (bench_totals), the batched set-based one "
@@ -1540,6 +1558,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.rebuild_events = args.rebuild_events or (100_000 if quick else 1_000_000)
     args.rebuild_procs = [int(x) for x in args.rebuild_procs.split(",")]
     args.rebuild_handlers = [h.strip() for h in args.rebuild_handlers.split(",") if h.strip()]
+    args.projection_handlers = [h.strip() for h in args.projection_handlers.split(",") if h.strip()]
+    if not set(args.projection_handlers) <= set(projection_cases.REBUILD_HANDLERS):
+        p.error(f"--projection-handlers: one of {', '.join(projection_cases.REBUILD_HANDLERS)}")
     try:
         specs = [projection_cases.handler_spec(h) for h in args.rebuild_handlers]
     except ValueError as exc:
@@ -1585,6 +1606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 "enqueue": bench.case_enqueue,
                                                 "claim": bench.case_claim, "profile": bench.case_profile,
                                                 "projection": lambda: projection_cases.case_projection(bench),
+                                                "profile-projection": bench.case_profile_projection,
                                                 "rebuild": lambda: projection_cases.case_rebuild(bench),
                                                 "write": lambda: write_path.case_write(bench)}
         for case in order:

@@ -185,10 +185,16 @@ class OutboxGauges(Collector):
             with psycopg.connect(self.dsn, autocommit=True, connect_timeout=10,
                                  application_name="outbox-relay metrics") as conn:
                 conn.execute("SET statement_timeout = '30s'")
-                sinks = [(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), int(r[5]), int(r[6]))
-                         for r in conn.execute(query("metrics", "sinks")).fetchall()]
-                keys = [(r[0], r[1], int(r[2]), float(r[3]))
-                        for r in conn.execute(query("metrics", "key_lag"), {"top": TOP_KEYS}).fetchall()]
+                # One snapshot for the floor and the reads it bounds (a sink registered in between
+                # starts below it).
+                with conn.transaction():
+                    conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                    floor = conn.execute(query("metrics", "floor")).fetchone()
+                    bound = {"floor": floor[0] if floor else None}
+                    sinks = [(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), int(r[5]), int(r[6]))
+                             for r in conn.execute(query("metrics", "sinks"), bound).fetchall()]
+                    keys = [(r[0], r[1], int(r[2]), float(r[3]))
+                            for r in conn.execute(query("metrics", "key_lag"), {"top": TOP_KEYS, **bound}).fetchall()]
                 row = conn.execute(query("metrics", "cluster")).fetchone()
                 cols, classes = history.rows(conn, "by_class", self.worker.settings.retention_seconds)
         except psycopg.Error as exc:

@@ -5,9 +5,12 @@ The loop (relay.py) holds no SQL; it calls these functions with a connection.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import json
 import operator
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +18,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from .errors import ConfigurationError, SinkDropped, WorkerIdInUse
 from .positions import Cursor, Snapshot
@@ -197,20 +201,70 @@ class Read:
         return out
 
 
+# How long the starts of the xid ranges of outbox.events are reused before they are read again (read_floor).
+RANGE_STARTS_SECONDS = 30.0
+# Per database (host, port, name): when the starts were read, and the starts in order.
+_range_starts: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
+
+
+def fetch_params(sink: str, worker: str, reads: dict[int, tuple[int, Cursor]], wanted: EventFilter | None = None,
+                 *, formatted: bool = True) -> dict[str, Any]:
+    """The parameters of ``fetch_sql`` (tests and benches EXPLAIN the statement with them)."""
+    buckets = list(reads)
+    cursors = [reads[b][1].params() for b in buckets]
+    return {"sink": sink, "worker": worker, "buckets": buckets, "limits": [reads[b][0] for b in buckets],
+            "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
+            "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
+            "formatted": formatted, **(wanted or EventFilter()).params()}
+
+
+def read_floor(conn: Conn, reads: dict[int, tuple[int, Cursor]]) -> int:
+    """Where the xid range holding the lowest xmin of the cursors' snapshots begins: no event the read
+    returns is older than that xmin."""
+    return range_floor(conn, min((reads[b][1].seen.xmin for b in reads), default=0))
+
+
+def range_floor(conn: Conn, xid: int) -> int:
+    """Where the xid range holding ``xid`` begins (0: before every range). Starts read up to
+    RANGE_STARTS_SECONDS ago can only give a lower floor (a range made since is missing: less is
+    pruned), never a higher one."""
+    key = (str(conn.info.host), str(conn.info.port), str(conn.info.dbname))
+    now = time.monotonic()
+    cached = _range_starts.get(key)
+    if cached is None or now - cached[0] > RANGE_STARTS_SECONDS:
+        starts = sorted(int(r[0]) for r in conn.execute(query("relay", "range_starts")) if r[0] is not None)
+        cached = _range_starts[key] = (now, starts)
+    i = bisect.bisect_right(cached[1], xid) - 1
+    return cached[1][i] if i >= 0 else 0
+
+
+def fetch_sql(conn: Conn, reads: dict[int, tuple[int, Cursor]]) -> str:
+    """``fetch_events`` for these cursors, with its partition floor (``read_floor``) as a constant.
+
+    Why: the per-bucket bounds are known only while the statement runs, so without it every plan
+    covered every xid range (hundreds of partitions: tens of ms of planning and a lock per partition
+    and index per read; about 1,000 ranges ran out of lock slots). A parameter prunes custom plans only,
+    and Postgres still builds a generic plan over every partition once psycopg has prepared the
+    statement. A constant prunes both; being a range's start, it changes once per range, so the
+    prepared statement and its cached plan live on."""
+    return _fetch_sql(read_floor(conn, reads))
+
+
+def _fetch_sql(floor: int) -> str:
+    return _with_floor("fetch_events", floor)
+
+
+@functools.lru_cache(maxsize=16)
+def _with_floor(name: str, floor: int) -> str:
+    return sql.SQL(query("relay", name)).format(floor=sql.Literal(str(floor))).as_string(None)
+
+
 def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int, Cursor]],
                  wanted: EventFilter | None = None, *, formatted: bool = True) -> Read:
     """Each bucket's delta from its cursor (positions.py), up to its limit: ``reads`` maps a bucket to
     (limit, read cursor), in the order the buckets are to be read. Buckets ``worker`` does not hold
     return nothing. ``formatted``: with the Kafka sink's ready-made header values (``id_text``, ...)."""
-    buckets = list(reads)
-    cursors = [reads[b][1].params() for b in buckets]
-    cur = conn.execute(
-        query("relay", "fetch_events"),
-        {"sink": sink, "worker": worker, "buckets": buckets, "limits": [reads[b][0] for b in buckets],
-         "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
-         "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors], "formatted": formatted,
-         **(wanted or EventFilter()).params()},
-    )
+    cur = conn.execute(fetch_sql(conn, reads), fetch_params(sink, worker, reads, wanted, formatted=formatted))
     rows = cur.fetchall()
     event, column = event_reader(cur)
     now = Snapshot.parse(rows[-1][column["now"]])  # the last row always carries it
@@ -224,12 +278,20 @@ _POSITION = operator.attrgetter("bucket", "xid", "seq")
 
 
 def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:
-    cur = conn.execute(
-        query("relay", "fetch_parked"),
-        {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key},
-    )
+    params = {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key}
+    cur = conn.execute(parked_sql(conn, params), params)
     event, _ = event_reader(cur)
     return [event(r, parked=True) for r in cur.fetchall()]
+
+
+def parked_sql(conn: Conn, params: dict[str, Any]) -> str:
+    """``fetch_parked`` with the start of the range holding the oldest parked event of these buckets
+    as a constant, so that its lookup of the events plans the ranges from there on (as ``fetch_sql``).
+    An event parked after that lookup (an operator's retry) may be older: its row is left out of this
+    pass, which delays it and nothing else, since a row parked later is always last in its key's chain
+    (``place``)."""
+    oldest = conn.execute(query("relay", "oldest_parked"), params).fetchone()
+    return _with_floor("fetch_parked", range_floor(conn, int(oldest[0])) if oldest and oldest[0] else 0)
 
 
 def next_parked_retry(conn: Conn, sink: str, buckets: Sequence[int]) -> float | None:

@@ -1,6 +1,12 @@
 -- Queries of the metrics endpoint (outbox_relay/metrics.py), refreshed in the background every
 -- --metrics-refresh-seconds on a connection of their own, never on a scrape or a relay's path.
 
+-- name: floor
+-- The lowest xmin of every cursor's snapshot: no undelivered event is older. The queries below take it as
+-- a parameter so that the planner prunes the xid ranges below it (their per-cursor bounds are known only
+-- at run time, and a plan over every partition locks each one: thousands of locks with history kept).
+SELECT min(pg_snapshot_xmin(snapshot))::text FROM outbox.cursors;
+
 -- name: sinks
 -- Per live sink: committed events not yet delivered, the age of the oldest, parked (waiting for a
 -- retry), held by paused keys (waiting for an operator), paused keys, dead-lettered.
@@ -21,7 +27,7 @@ CROSS JOIN LATERAL (
     -- An index range per bucket, from the oldest transaction its cursor has not seen.
     SELECT count(*) AS pending, min(e.created_at) AS oldest
     FROM outbox.events e
-    WHERE e.bucket = c.bucket AND e.xid >= pg_snapshot_xmin(c.snapshot)
+    WHERE e.bucket = c.bucket AND e.xid >= pg_snapshot_xmin(c.snapshot) AND e.xid >= %(floor)s::xid8
       AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq)
 ) b
 WHERE s.dropped_at IS NULL
@@ -34,6 +40,7 @@ WITH undelivered AS (
     SELECT c.sink, e.partition_key, count(*) AS pending, min(e.created_at) AS oldest
     FROM outbox.cursors c
     JOIN outbox.events e ON e.bucket = c.bucket AND e.xid >= pg_snapshot_xmin(c.snapshot)
+                        AND e.xid >= %(floor)s::xid8
                         AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq)
     GROUP BY c.sink, e.partition_key
 ),

@@ -29,6 +29,14 @@ SELECT kind, dropped_at FROM outbox.sinks WHERE name = %(sink)s FOR KEY SHARE;
 -- The kind a sink was registered with (one name is never used for two kinds), and when it was dropped.
 SELECT kind, dropped_at FROM outbox.sinks WHERE name = %(sink)s;
 
+-- name: range_starts
+-- Where each xid range partition of outbox.events begins (NULL: the DEFAULT one), from the catalog, which
+-- every role that reads events may read (store.read_floor).
+SELECT substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM \(''(\d+)''\)')
+FROM pg_catalog.pg_inherits i
+JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = 'outbox.events'::regclass;
+
 -- name: fetch_events
 -- Read each leased bucket's delta (positions.py): events of transactions visible in the bucket's target
 -- snapshot (the current one unless a delta is being read in pages) and not in the snapshot its cursor
@@ -95,6 +103,10 @@ CROSS JOIN LATERAL (
            -- Implied by the line above; written out so that only the partitions of the snapshot's
            -- [xmin, xmax) are probed (0014: outbox.events is partitioned by xid ranges).
            AND e.xid >= pg_snapshot_xmin(w.seen) AND e.xid < pg_snapshot_xmax(w.seen)
+           -- The start of the xid range that holds the lowest xmin of all the cursors' snapshots, a
+           -- constant (store.fetch_sql): the planner prunes the partitions below it (the bounds above
+           -- are known only at run time; a plan over every partition locks every partition).
+           AND e.xid >= {floor}::xid8
            AND (e.xid, e.seq) > (w.open_xid, w.open_seq)
            AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
            AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
@@ -107,7 +119,7 @@ CROSS JOIN LATERAL (
          WHERE e.bucket = w.bucket
            AND (e.xid, e.seq) > (w.later_xid, w.later_seq) AND e.xid < pg_snapshot_xmax(w.target)
            -- Implied by the row comparison; the partitions before it are not probed (0014).
-           AND e.xid >= w.later_xid
+           AND e.xid >= w.later_xid AND e.xid >= {floor}::xid8
            AND pg_visible_in_snapshot(e.xid, w.target)
            -- A sink that wants some event types or topics only (a projection) is not sent the rest;
            -- its cursor still moves past them.
@@ -160,7 +172,10 @@ CROSS JOIN LATERAL (
     -- The event: in its partition, or (0015) its copy once retention dropped the partition.
     (SELECT e.id, e.partition_key, e.topic, e.type, e.payload, e.headers, e.occurred_at, e.created_at,
             e.schema_version
-     FROM outbox.events e WHERE e.bucket = q.bucket AND e.xid = q.xid AND e.seq = q.seq)
+     FROM outbox.events e WHERE e.bucket = q.bucket AND e.xid = q.xid AND e.seq = q.seq
+                            -- The start of the range holding the oldest parked event, a constant
+                            -- (store.parked_sql): the planner prunes the xid ranges below it.
+                            AND e.xid >= {floor}::xid8)
     UNION ALL
     (SELECT k.id, k.partition_key, k.topic, k.type, k.payload, k.headers, k.occurred_at, k.created_at,
             k.schema_version
@@ -168,6 +183,10 @@ CROSS JOIN LATERAL (
     LIMIT 1
 ) e
 ORDER BY q.bucket, q.partition_key, q.place;
+
+-- name: oldest_parked
+-- The transaction id of the oldest event parked in these buckets (NULL: none): the floor of fetch_parked.
+SELECT min(xid)::text FROM outbox.parked WHERE sink = %(sink)s AND bucket = ANY(%(buckets)s::int[]);
 
 -- name: next_parked_retry
 -- Seconds until the next parked retry of these buckets is due (NULL: nothing parked): the runner sleeps

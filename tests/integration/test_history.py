@@ -198,13 +198,14 @@ def _migrate_to(dsn: str, version: int) -> None:
 
 def version_12_fetch() -> str:
     """The relay's read as schema version 12 shipped it: today's fetch_events without the xid bounds 0014
-    wrote out for partition pruning (the only change 0014 made to it)."""
+    wrote out for partition pruning and the partition floor added after it (the only changes since)."""
     text = (sql_dir() / "queries" / "relay.sql").read_text()
     block = text[text.index("-- name: fetch_events"):text.index("-- name: fetch_parked")]
     lines = block.splitlines()
-    drop = {"AND e.xid >= pg_snapshot_xmin(w.seen) AND e.xid < pg_snapshot_xmax(w.seen)", "AND e.xid >= w.later_xid"}
+    drop = {"AND e.xid >= pg_snapshot_xmin(w.seen) AND e.xid < pg_snapshot_xmax(w.seen)",
+            "AND e.xid >= w.later_xid AND e.xid >= {floor}::xid8", "AND e.xid >= {floor}::xid8"}
     kept = [ln for ln in lines if ln.strip() not in drop]
-    assert len(lines) - len(kept) == 2, "fetch_events changed: update version_12_fetch"
+    assert len(lines) - len(kept) == 3, "fetch_events changed: update version_12_fetch"
     return compact("\n".join(kept[2:]))
 
 
