@@ -48,6 +48,7 @@ warnings.filterwarnings("ignore", module="platformdirs")
 
 import cpu  # noqa: E402
 import psycopg  # noqa: E402
+from psycopg import sql as pgsql  # noqa: E402
 from servers import Postgres, busy_fraction, machine  # noqa: E402
 
 from outbox_relay import Outbox, migrate  # noqa: E402
@@ -57,7 +58,7 @@ RESULTS = HERE / "results"
 TOPIC = "orders"
 TYPE = "order.placed"
 SINGLE_CASES = ("a", "b", "c", "d", "e", "f", "c_key", "d_key", "e_key")
-BULK_MODES = ("publish_many", "unnest", "unnest_binary", "json_rows", "copy")
+BULK_MODES = ("publish_many", "unnest", "unnest_binary", "json_rows", "copy", "copy_events", "copy_leaf")
 LABELS = {
     "a": "a. business row only (floor)",
     "b": "b. + INSERT into bare table (no index)",
@@ -73,6 +74,8 @@ LABELS = {
     "unnest_binary": "the same, arrays sent in binary",
     "json_rows": "INSERT ... SELECT FROM jsonb_to_recordset into c (one JSON parameter)",
     "copy": "COPY into c (ceiling)",
+    "copy_events": "COPY into outbox.events (trigger, two routing levels)",
+    "copy_leaf": "COPY into the leaf partition directly (trigger, no routing)",
 }
 # The case each ratio compares with, and the goal (issue 14 goal 1; f/c: goal 2, NOTIFY under 5%).
 RATIOS = (("e", "c", 0.8, 1.2), ("d", "c", 0.8, 1.2), ("e_key", "c_key", 0.8, 1.2), ("d_key", "c_key", 0.8, 1.2),
@@ -113,6 +116,11 @@ INSERT_UNNEST_BINARY = INSERT_UNNEST.replace("%s", "%b")  # psycopg: send this p
 INSERT_JSON_ROWS = (f"INSERT INTO bench_indexed ({COLUMNS}) SELECT {COLUMNS} FROM jsonb_to_recordset(%s::jsonb) "
                     "AS r(topic text, partition_key text, type text, payload jsonb)")
 COPY_INDEXED = f"COPY bench_indexed ({COLUMNS}) FROM STDIN"
+COPY_EVENTS = f"COPY outbox.events ({COLUMNS}) FROM STDIN"
+# The leaf the bulk rows land in (the newest range's default class); named by case_write.
+COPY_LEAF = "COPY {} (" + COLUMNS + ") FROM STDIN"
+LEAF = ("SELECT name FROM outbox.partitions WHERE range_name IS NOT NULL AND topics IS NULL "
+        "ORDER BY xid_from DESC LIMIT 1")
 
 
 def log(msg: str) -> None:  # as run.log (run.py is __main__: importing it would load it twice)
@@ -170,8 +178,8 @@ def one_row_tx(case: str, outbox: Outbox) -> Callable[[psycopg.Connection[Any], 
     return tx
 
 
-def bulk_tx(mode: str, outbox: Outbox, size: int) -> Callable[[psycopg.Connection[Any], Events], int]:
-    """A transaction of ``size`` events and no business row."""
+def bulk_tx(mode: str, outbox: Outbox, size: int, leaf: str = "") -> Callable[[psycopg.Connection[Any], Events], int]:
+    """A transaction of ``size`` events and no business row (``leaf``: the partition copy_leaf writes)."""
 
     def tx(conn: psycopg.Connection[Any], ev: Events) -> int:
         rows = [ev.next() for _ in range(size)]
@@ -184,7 +192,10 @@ def bulk_tx(mode: str, outbox: Outbox, size: int) -> Callable[[psycopg.Connectio
             conn.execute(INSERT_JSON_ROWS, (json.dumps([{"topic": TOPIC, "partition_key": k, "type": TYPE, "payload": p}
                                                         for k, p, _ in rows]),))
         else:
-            with conn.cursor() as cur, cur.copy(COPY_INDEXED) as copy:
+            statement: Any = COPY_INDEXED if mode == "copy" else COPY_EVENTS
+            if mode == "copy_leaf":
+                statement = pgsql.SQL(COPY_LEAF).format(pgsql.Identifier("outbox", leaf))
+            with conn.cursor() as cur, cur.copy(statement) as copy:
                 for k, p, _ in rows:
                     copy.write_row((TOPIC, k, TYPE, json.dumps(p)))
         conn.commit()
@@ -199,7 +210,7 @@ def run_job(job: dict[str, Any], control: Any) -> dict[str, Any]:
     returned inside the window [t0 + warmup, t0 + warmup + seconds). The connections close on ``end``."""
     outbox = Outbox(default_topic=TOPIC)
     op = job["case"]
-    tx = bulk_tx(op, outbox, job["tx_size"]) if op in BULK_MODES else one_row_tx(op, outbox)
+    tx = bulk_tx(op, outbox, job["tx_size"], job.get("leaf", "")) if op in BULK_MODES else one_row_tx(op, outbox)
     conns = [psycopg.connect(job["dsn"], application_name="bench-write") for _ in range(job["threads"])]
     print("ready", flush=True)
     go = json.loads(control.readline())
@@ -488,7 +499,9 @@ def case_write(bench: HasPostgres) -> None:
                         f"machine {r['machine_cores']:.2f}")
             for mode in BULK_MODES if a.write_bulk_producers else ():
                 empty_tables(dsn)
-                job = {**base, "case": mode, "tag": f"{mode}r{run}", "tx_size": a.write_bulk_tx_size}
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    leaf = conn.execute(LEAF).fetchone()[0]  # type: ignore[index]
+                job = {**base, "case": mode, "tag": f"{mode}r{run}", "tx_size": a.write_bulk_tx_size, "leaf": leaf}
                 r = producers.point(pg.dir, job, a.write_bulk_producers)
                 r["run"] = run
                 out["bulk"].append(r)

@@ -133,11 +133,13 @@ class Event(BaseModel):
 
 
 def plain_fields_valid(type: Any, key: Any, payload: Any, topic: Any, idempotency_key: Any, time: Any,
-                       version: Any) -> bool:
+                       version: Any, payload_json: str | None = None) -> bool:
     """Whether ``publish``'s arguments without headers or id certainly pass ``Event``'s rules, which then
     would keep every value as given. Checked without building the model, which was about half of
     publish's own time. Only the usual shapes are judged (exactly str and int, an aware datetime):
-    False means "not sure", and the caller builds the Event, whose error names the problem."""
+    False means "not sure", and the caller builds the Event, whose error names the problem.
+    ``payload_json``: the payload as JSON already, so that its depth is walked only when its text opens
+    more containers than the depth limit (each level opens one: fewer can not nest too deep)."""
     if not (builtins.type(type) is str and 0 < len(type) <= 255 and builtins.type(key) is str
             and builtins.type(topic) is str and builtins.type(version) is int and 1 <= version <= MAX_SCHEMA_VERSION):
         return False
@@ -149,7 +151,11 @@ def plain_fields_valid(type: Any, key: Any, payload: Any, topic: Any, idempotenc
         return False
     if topic in (".", "..") or not _TOPIC.fullmatch(topic):
         return False
-    return not isinstance(payload, (dict, list, tuple)) or not _nested_deeper_than(payload, MAX_PAYLOAD_DEPTH)
+    if not isinstance(payload, (dict, list, tuple)):
+        return True
+    if payload_json is not None and payload_json.count("[") + payload_json.count("{") <= MAX_PAYLOAD_DEPTH:
+        return True
+    return not _nested_deeper_than(payload, MAX_PAYLOAD_DEPTH)
 
 
 def _utf8_length(text: str) -> int:

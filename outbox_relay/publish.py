@@ -25,6 +25,9 @@ from .tracing import with_trace
 # libpq's PQTransactionStatus (psycopg 3 and psycopg2 both report it): no transaction open.
 _IDLE = 0
 
+# json.dumps of a str, without its Python layers (the C encoder when there is one).
+_quote: Callable[[str], str] = json.encoder.encode_basestring_ascii
+
 # A NUL written by json.dumps: "\\u0000" after an even number of backslashes (an odd number
 # means the backslash itself was escaped). jsonb refuses it, as text columns refuse a NUL.
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
@@ -37,10 +40,14 @@ class Published:
 
 
 # The array parameter of a batch statement for each field of a row (Outbox._rows).
+# The fields a dict in publish_many may have for the quick path (Outbox._plain_rows).
+_PLAIN_FIELDS = frozenset({"type", "key", "payload", "topic", "idempotency_key", "time", "version"})
+
 _ARRAYS = {"id": "ids", "topic": "topics", "key": "keys", "type": "types", "payload": "payloads",
            "headers": "headers", "idempotency_key": "idempotency_keys", "time": "times", "version": "versions"}
 
-# One statement to run and its parameters; the rows it returned are sent back.
+# One statement to run and its parameters; the rows it returned are sent back (a statement that returns
+# none: one empty row per row it wrote, so an INSERT that a trigger skipped sends back []).
 _Step = tuple[str, dict[str, Any]]
 _Plan = Generator[_Step, list[Any], list[Published]]
 
@@ -105,16 +112,6 @@ class Outbox:
         return unique, where
 
     @staticmethod
-    def _expand(results: Sequence[Published], where: Sequence[int]) -> list[Published]:
-        """Results per input: a repeat of an event already in the batch was not created by it."""
-        seen: set[int] = set()
-        out = []
-        for i in where:
-            out.append(results[i] if i not in seen else Published(results[i].id, False))
-            seen.add(i)
-        return out
-
-    @staticmethod
     def _rows(events: Sequence[Event]) -> list[dict[str, Any]]:
         """Each event as the statements' text parameters; raises ``InvalidEvent`` before anything is sent."""
         rows = []
@@ -133,6 +130,30 @@ class Outbox:
         names = _ARRAYS if keys else {k: v for k, v in _ARRAYS.items() if k != "idempotency_key"}
         return {plural: [r[name] for r in rows] for name, plural in names.items()}
 
+    def _plain_rows(
+        self, events: Sequence[Event | dict[str, Any]],
+    ) -> tuple[list[dict[str, Any]], list[uuid.UUID]] | None:
+        """The rows and new ids of a batch of dicts in ``publish``'s usual shape (no headers, no id, plain
+        values), made without an Event each: building the model was half of publish_many's time per
+        event. None: not every event is such a dict, and the general path judges the batch (its errors
+        name the problem)."""
+        if with_trace(None) is not None:  # the caller's span goes into every event's headers
+            return None
+        rows = []
+        ids = []
+        default_topic = self.default_topic
+        for e in events:
+            if type(e) is not dict or not _PLAIN_FIELDS.issuperset(e):
+                return None
+            topic = e.get("topic")
+            row = _plain_row(e.get("type"), e.get("key"), e.get("payload"), default_topic if topic is None else topic,
+                             e.get("idempotency_key"), e.get("time"), e.get("version", 1))
+            if row is None:
+                return None
+            rows.append(row)
+            ids.append(row.pop("uuid"))
+        return rows, ids
+
     def _plan(self, events: Iterable[Event | dict[str, Any]]) -> _Plan:
         """The statements of one publish call, for either driver loop (``_run`` / ``_arun``).
 
@@ -143,13 +164,22 @@ class Outbox:
         one more statement looks it up.
         """
         events = list(events)
-        # Events this call makes get a new UUIDv7 (``made``): nothing stored can have their ids.
-        made = not any(isinstance(e, Event) or "id" in e for e in events)
-        batch, where = self._distinct(self._events(events))
-        rows = self._rows(batch)
+        plain = self._plain_rows(events)
+        if plain is not None:
+            if not events:
+                raise InvalidEvent("publish_many needs at least one event")
+            rows, ids = plain
+            where: Sequence[int] | None = None  # every event is one insert
+            made = True
+        else:
+            # Events this call makes get a new UUIDv7 (``made``): nothing stored can have their ids.
+            made = not any(isinstance(e, Event) or "id" in e for e in events)
+            batch, where = self._distinct(self._events(events))
+            rows = self._rows(batch)
+            ids = [e.id for e in batch]
         if made and len(rows) == 1:
-            return self._expand((yield from _plan_one(rows[0], batch[0].id)), where)
-        if not any(e.idempotency_key for e in batch):
+            return _expand((yield from _plan_one(rows[0], ids[0])), where)
+        if not any(r["idempotency_key"] for r in rows):
             # The common case, and what the SQL path of other languages writes: a plain INSERT (G2 costs
             # nothing without a key). Ids the caller chose are checked in the same statement.
             if made:
@@ -159,41 +189,41 @@ class Outbox:
                 if not inserted:
                     stored = yield query("publish", "stored_ids"), {"ids": [r["id"] for r in rows]}
                     raise _id_taken(stored[0][0] if stored else "?")
-            return self._expand([Published(e.id, True) for e in batch], where)
+            return _expand([Published(i, True) for i in ids], where)
         params = self._arrays(rows)
         answers = yield query("publish", "publish"), params
-        for e, row in zip(batch, answers, strict=True):
-            if row[3]:
-                raise _id_taken(e.id)
-            if row[2]:
-                raise _key_stands_for_another(e)
+        for event_id, row, answer in zip(ids, rows, answers, strict=True):
+            if answer[3]:
+                raise _id_taken(event_id)
+            if answer[2]:
+                raise _key_stands_for_another(row)
         results = [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in answers]
         late = [i for i, r in enumerate(results) if r is None]
         if late:
             found = yield query("publish", "find_by_idempotency_keys"), {
-                "topics": [batch[i].topic for i in late],
-                "idempotency_keys": [batch[i].idempotency_key for i in late],
-                "types": [batch[i].type for i in late],
-                "keys": [batch[i].key for i in late],
-                "payloads": [params["payloads"][i] for i in late],
+                "topics": [rows[i]["topic"] for i in late],
+                "idempotency_keys": [rows[i]["idempotency_key"] for i in late],
+                "types": [rows[i]["type"] for i in late],
+                "keys": [rows[i]["key"] for i in late],
+                "payloads": [rows[i]["payload"] for i in late],
             }
             bad = [i for i, (event_id, same) in zip(late, found, strict=True) if event_id is None or not same]
             if bad:
-                e = batch[bad[0]]
+                row = rows[bad[0]]
                 if not any(r is not None and r.created for r in results):
                     # Retention may remove the other event in between (id NULL): publishing again works.
-                    raise _key_just_taken(e, "nothing of this call was written")
+                    raise _key_just_taken(row, "nothing of this call was written")
                 # The rest of the batch is written and can not be taken back (producers may not
                 # delete): fail the transaction so that it can never commit.
                 try:
                     yield query("publish", "abort_transaction"), {}
                 except Exception as exc:
-                    raise _key_just_taken(e, "the other events of this call were already written, so the transaction "
-                                          "was failed on purpose and must be rolled back") from exc
+                    raise _key_just_taken(row, "the other events of this call were already written, so the "
+                                          "transaction was failed on purpose and must be rolled back") from exc
                 raise OutboxError("abort_transaction did not fail the transaction")  # not reached
             for i, (event_id, _same) in zip(late, found, strict=True):
                 results[i] = Published(_uuid(event_id), False)
-        return self._expand([r for r in results if r is not None], where)
+        return _expand([r for r in results if r is not None], where)
 
     # -- sync -----------------------------------------------------------------------------
 
@@ -210,21 +240,11 @@ class Outbox:
         if cls is not Outbox and (cls.publish_many is not Outbox.publish_many
                                   or cls.apublish_many is not Outbox.apublish_many):
             return None  # a subclass that overrides them (FakeOutbox, a user's wrapper) sees every publish
-        if topic is None:
-            topic = self.default_topic
-        if not plain_fields_valid(type, key, payload, topic, idempotency_key, time, version):
+        row = _plain_row(type, key, payload, self.default_topic if topic is None else topic, idempotency_key, time,
+                         version)
+        if row is None:
             return None
-        if with_trace(None) is not None:  # the caller's span goes into the headers: the general path
-            return None
-        try:
-            payload_json = dump_payload(payload)
-        except (TypeError, ValueError, RecursionError):
-            return None
-        _check_text(type, key, topic, idempotency_key, None, payload_json)
-        event_id = uuid7()
-        return _plan_one({"id": str(event_id), "topic": topic, "key": key, "type": type, "payload": payload_json,
-                          "headers": "{}", "idempotency_key": idempotency_key,
-                          "time": time.isoformat() if time is not None else None, "version": version}, event_id)
+        return _plan_one(row, row.pop("uuid"))
 
     def publish(
         self, conn: Any, *, type: str, key: str, payload: Any, topic: str | None = None,
@@ -279,16 +299,33 @@ class Outbox:
         return await _arun(plan, step, await _aexecutor(conn))
 
 
+def _plain_row(type: Any, key: Any, payload: Any, topic: Any, idempotency_key: Any, time: Any,
+               version: Any) -> dict[str, Any] | None:
+    """An event's statement row (and its new id as ``uuid``) from plain fields, checked by the same rules as
+    ``Event`` without building one. None: not that shape, or a value to be judged by ``Event`` (whose
+    error names the problem)."""
+    try:
+        # Before the checks, which then walk the payload's depth only if its text could be too deep. A
+        # payload json refuses (a set, NaN, a cycle, nesting past its recursion limit) goes to Event.
+        payload_json = dump_payload(payload)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    if not plain_fields_valid(type, key, payload, topic, idempotency_key, time, version, payload_json):
+        return None
+    _check_text(type, key, topic, idempotency_key, None, payload_json)
+    event_id = uuid7()
+    return {"id": str(event_id), "topic": topic, "key": key, "type": type, "payload": payload_json, "headers": "{}",
+            "idempotency_key": idempotency_key, "time": time.isoformat() if time is not None else None,
+            "version": version, "uuid": event_id}
+
+
 def _plan_one(row: dict[str, Any], event_id: uuid.UUID) -> _Plan:
-    """The statements that publish one event this library made (a new id, so no stored id to check)."""
-    if row["idempotency_key"] is None:
-        # The common case, and what the SQL path of other languages writes: a plain INSERT (G2 costs
-        # nothing without a key).
-        yield query("publish", "insert_one"), row
-        return [Published(event_id, True)]
-    # With a key (the usual retry-safe publish): a plain INSERT that does nothing if the key is stored;
-    # only then one more statement tells a retry from a reuse.
-    if (yield query("publish", "insert_keyed"), row):
+    """The statement that publishes one event this library made (a new id, so no stored id to check): a
+    plain INSERT (G2 costs nothing without a key). With a key, the row count says whether the key was
+    free; only if it was not, one more statement tells a retry from a reuse."""
+    plain = row["headers"] == "{}" and row["time"] is None and row["version"] == 1
+    inserted = yield query("publish", "insert_plain" if plain else "insert_one"), row
+    if inserted or row["idempotency_key"] is None:
         return [Published(event_id, True)]
     found = yield query("publish", "find_by_idempotency_keys"), {
         "topics": [row["topic"]], "idempotency_keys": [row["idempotency_key"]], "types": [row["type"]],
@@ -299,6 +336,19 @@ def _plan_one(row: dict[str, Any], event_id: uuid.UUID) -> _Plan:
     if not same:
         raise _key_stands_for_another(row)
     return [Published(_uuid(stored_id), False)]
+
+
+def _expand(results: Sequence[Published], where: Sequence[int] | None) -> list[Published]:
+    """Results per input (``where``: each input's insert; None: one each): a repeat of an event already
+    in the batch was not created by it."""
+    if where is None:
+        return list(results)
+    seen: set[int] = set()
+    out = []
+    for i in where:
+        out.append(results[i] if i not in seen else Published(results[i].id, False))
+        seen.add(i)
+    return out
 
 
 def _id_taken(event_id: Any) -> InvalidEvent:
@@ -325,12 +375,24 @@ def _key_just_taken(e: Event | dict[str, Any], what_happened: str) -> Idempotenc
 
 def _batch_json(rows: Sequence[dict[str, Any]]) -> str:
     """Rows as one JSON array for insert_many; each payload's JSON text (already made and checked by
-    ``_rows``) is spliced in as it is, not parsed and dumped again."""
-    dumps = json.dumps
-    return "[" + ",".join(
-        f'{{"id":"{r["id"]}","topic":{dumps(r["topic"])},"key":{dumps(r["key"])},"type":{dumps(r["type"])},'
-        f'"payload":{r["payload"]},"headers":{r["headers"]},"time":{dumps(r["time"])},"version":{int(r["version"])}}}'
-        for r in rows) + "]"
+    ``_rows``) is spliced in as it is, not parsed and dumped again. Strings are quoted by json's C
+    encoder directly (what json.dumps of a str returns, without its Python layers), topics and types
+    once per batch."""
+    quote = _quote
+    memo: dict[str, str] = {}
+    parts = []
+    for r in rows:
+        topic, type_, time = r["topic"], r["type"], r["time"]
+        t = memo.get(topic)
+        if t is None:
+            t = memo[topic] = quote(topic)
+        y = memo.get(type_)
+        if y is None:
+            y = memo[type_] = quote(type_)
+        parts.append(f'{{"id":"{r["id"]}","topic":{t},"key":{quote(r["key"])},"type":{y},"payload":{r["payload"]},'
+                     f'"headers":{r["headers"]},"time":{"null" if time is None else quote(time)},'
+                     f'"version":{int(r["version"])}}}')
+    return "[" + ",".join(parts) + "]"
 
 
 def _fields(type: str, key: str, payload: Any, topic: str | None, headers: Mapping[str, str] | None,
@@ -429,7 +491,7 @@ def _executor(conn: Any) -> Callable[[str, dict[str, Any]], list[Any]]:
         _require_transaction(sa.connection.driver_connection, conn)
         def on_sqlalchemy(sql: str, params: dict[str, Any]) -> list[Any]:
             result = sa.exec_driver_sql(sql, params)
-            return list(result.fetchall()) if result.returns_rows else []
+            return list(result.fetchall()) if result.returns_rows else [()] * max(result.rowcount, 0)
 
         return on_sqlalchemy
     if hasattr(conn, "cursor"):  # psycopg Connection
@@ -438,7 +500,7 @@ def _executor(conn: Any) -> Callable[[str, dict[str, Any]], list[Any]]:
         def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
             with conn.cursor() as cur:
                 cur.execute(sql, params)
-                return list(cur.fetchall()) if cur.description is not None else []
+                return list(cur.fetchall()) if cur.description is not None else [()] * max(cur.rowcount, 0)
 
         return on_connection
     if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg Cursor
@@ -446,7 +508,7 @@ def _executor(conn: Any) -> Callable[[str, dict[str, Any]], list[Any]]:
 
         def on_cursor(sql: str, params: dict[str, Any]) -> list[Any]:
             conn.execute(sql, params)
-            return list(conn.fetchall()) if conn.description is not None else []
+            return list(conn.fetchall()) if conn.description is not None else [()] * max(conn.rowcount, 0)
 
         return on_cursor
     raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg connection or cursor, "
@@ -461,7 +523,7 @@ async def _aexecutor(conn: Any) -> Callable[[str, dict[str, Any]], Awaitable[lis
 
         async def on_sqlalchemy(sql: str, params: dict[str, Any]) -> list[Any]:
             result = await sa.exec_driver_sql(sql, params)
-            return list(result.fetchall()) if result.returns_rows else []
+            return list(result.fetchall()) if result.returns_rows else [()] * max(result.rowcount, 0)
 
         return on_sqlalchemy
     if hasattr(conn, "cursor"):  # psycopg AsyncConnection
@@ -470,7 +532,7 @@ async def _aexecutor(conn: Any) -> Callable[[str, dict[str, Any]], Awaitable[lis
         async def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
             async with conn.cursor() as cur:
                 await cur.execute(sql, params)
-                return list(await cur.fetchall()) if cur.description is not None else []
+                return list(await cur.fetchall()) if cur.description is not None else [()] * max(cur.rowcount, 0)
 
         return on_connection
     if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg AsyncCursor
@@ -478,7 +540,7 @@ async def _aexecutor(conn: Any) -> Callable[[str, dict[str, Any]], Awaitable[lis
 
         async def on_cursor(sql: str, params: dict[str, Any]) -> list[Any]:
             await conn.execute(sql, params)
-            return list(await conn.fetchall()) if conn.description is not None else []
+            return list(await conn.fetchall()) if conn.description is not None else [()] * max(conn.rowcount, 0)
 
         return on_cursor
     raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg AsyncConnection or cursor, "

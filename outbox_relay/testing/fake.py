@@ -9,7 +9,7 @@ from decimal import Decimal
 from typing import Any
 
 from outbox_relay.event import Event
-from outbox_relay.publish import Outbox, Published, _id_taken, _key_stands_for_another
+from outbox_relay.publish import Outbox, Published, _expand, _id_taken, _key_stands_for_another
 
 from .published import PublishedEvent
 
@@ -103,7 +103,7 @@ class FakeOutbox(Outbox):
             self._log.append(PublishedEvent(
                 id=e.id, type=e.type, key=e.key, topic=e.topic, payload=json.loads(payload), headers=dict(e.headers),
                 idempotency_key=e.idempotency_key, time=e.time, position=(0, len(self._log) + 1)))
-        return self._expand(results, where)
+        return _expand(results, where)
 
 
 def _canonical(payload: str) -> Any:

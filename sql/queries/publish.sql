@@ -1,10 +1,19 @@
+-- name: insert_plain
+-- Append one event the library made in its usual shape (a new id; no headers, no time, version 1), with or without an idempotency key: a plain INSERT, the cheapest write a producer can make.
+-- Nothing to check in the table: a new UUIDv7 collides with no stored id. With a key, events_check
+-- records it in outbox.idempotency_keys, or skips the row when the key is taken (0014): the row count
+-- (no RETURNING: its row description and row cost every call) tells the caller, who then looks the
+-- stored event up (find_by_idempotency_keys). Only the fields that differ from the column defaults
+-- are sent; every parameter is text, so that any DB-API driver can bind it.
+INSERT INTO outbox.events (id, topic, partition_key, type, payload, idempotency_key)
+VALUES (%(id)s::uuid, %(topic)s, %(key)s, %(type)s, %(payload)s::jsonb, %(idempotency_key)s);
+
 -- name: insert_one
--- Append one event the library made (a new id, no idempotency key): a plain INSERT, the cheapest write a producer can make.
--- Nothing to check in the table: a new UUIDv7 collides with no stored id, and without an idempotency
--- key there is nothing to look up. Every parameter is text, so that any DB-API driver can bind it.
-INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, occurred_at, schema_version)
-VALUES (%(id)s::uuid, %(topic)s, %(key)s, %(type)s, %(payload)s::jsonb, %(headers)s::jsonb, %(time)s::timestamptz,
-        %(version)s::int);
+-- Append one event the library made with every field (headers, time or a version other than 1), with or without an idempotency key; as insert_plain otherwise.
+INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
+                           schema_version)
+VALUES (%(id)s::uuid, %(topic)s, %(key)s, %(type)s, %(payload)s::jsonb, %(headers)s::jsonb, %(idempotency_key)s,
+        %(time)s::timestamptz, %(version)s::int);
 
 -- name: insert_many
 -- Append events the library made (new ids, no idempotency keys) in one statement; positions (seq) follow the caller's order.
@@ -18,15 +27,6 @@ FROM ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb)
                     version integer))
      WITH ORDINALITY AS r(id, topic, key, type, payload, headers, time, version, ord)
 ORDER BY r.ord;
-
--- name: insert_keyed
--- Append one event with an idempotency key (an id the library made): inserted unless its key is stored, in which case nothing is written and the caller looks the stored event up (find_by_idempotency_keys).
--- events_check records the key in outbox.idempotency_keys, or skips the row when the key is taken (0014).
-INSERT INTO outbox.events (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
-                           schema_version)
-VALUES (%(id)s::uuid, %(topic)s, %(key)s, %(type)s, %(payload)s::jsonb, %(headers)s::jsonb, %(idempotency_key)s,
-        %(time)s::timestamptz, %(version)s::int)
-RETURNING id;
 
 -- name: insert_checked
 -- Append events whose ids the caller chose (Event objects, no idempotency keys): all of them, or none if one of the ids is already stored, so that the caller's transaction stays usable.

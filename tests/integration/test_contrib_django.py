@@ -277,6 +277,11 @@ def test_an_idempotency_key_published_again_is_one_event(shop: str) -> None:
         assert not connections["default"].needs_rollback
         place(3)
     assert keys(shop) == ["order:1", "order:2", "order:3"] and orders(shop) == [1, 2, 3]
+    # One dict: the library's own single-event INSERT, whose row count tells a known key (Django's cursor).
+    event = {"type": "OrderPlaced", "key": "order:1", "payload": {"total": 1}, "topic": TOPIC,
+             "idempotency_key": "placed-1"}
+    with transaction.atomic():
+        assert publish_many([event]) == [Published(first.id, False)]
 
 
 # -- the outbox schema in a Django project ----------------------------------------------------------

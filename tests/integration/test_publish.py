@@ -109,13 +109,17 @@ def test_psycopg_rollback_discards_and_commit_keeps(shop: str, outbox: Outbox, v
         p = outbox.publish(target, type="order.placed", key="order-2", payload={"total": 200},
                            headers={"trace": "abc"})
         assert stored(shop) == [], "an uncommitted event must not be visible to the relays"
+        # A keyed retry is told apart by the insert's row count, on either kind of target.
+        keyed = outbox.publish(target, type="order.paid", key="order-2", payload={}, idempotency_key="pay-2")
+        assert outbox.publish(target, type="order.paid", key="order-2", payload={},
+                              idempotency_key="pay-2") == Published(keyed.id, False)
         conn.commit()
         if via == "cursor":
             target.close()
 
-    (event,) = stored(shop)
+    event, paid = stored(shop)
     assert orders(shop) == [2]
-    assert p == Published(event["id"], True)
+    assert p == Published(event["id"], True) and keyed == Published(paid["id"], True)
     assert (event["partition_key"], event["topic"], event["type"], event["payload"], event["headers"]) == (
         "order-2", TOPIC, "order.placed", {"total": 200}, {"trace": "abc"})
 
@@ -165,6 +169,8 @@ def test_psycopg_async(shop: str, outbox: Outbox) -> None:
                     {"type": "order.paid", "key": "order-2", "payload": {}},
                     {"type": "order.placed", "key": "order-2", "payload": {}, "idempotency_key": "o2"},
                 ])
+                assert await outbox.apublish(cur, type="order.placed", key="order-2", payload={},
+                                             idempotency_key="o2") == Published(one.id, False)
             with pytest.raises(InvalidEvent, match="key"):
                 await outbox.apublish(conn, type="order.paid", key="", payload={})
             await conn.commit()
@@ -227,7 +233,11 @@ def test_sqlalchemy_async(shop: str, outbox: Outbox) -> None:
                 assert stored(shop) == []
                 async with conn.begin():
                     await conn.execute(text("INSERT INTO orders VALUES (2, 200)"))
-                    by_conn = await outbox.apublish(conn, type="order.placed", key="order-2", payload={})
+                    by_conn = await outbox.apublish(conn, type="order.placed", key="order-2", payload={},
+                                                    idempotency_key="o2")
+                    again = await outbox.apublish(conn, type="order.placed", key="order-2", payload={},
+                                                  idempotency_key="o2")
+                    assert again == Published(by_conn.id, False)
             async with AsyncSession(engine) as session:
                 await outbox.apublish(session, type="order.placed", key="order-3", payload={})
                 await session.rollback()
@@ -444,6 +454,54 @@ def test_same_key_twice_in_one_batch(dsn: str, outbox: Outbox) -> None:
     assert results[2].id == results[0].id and by_id[results[0].id]["payload"] == 1
     assert results[3].id == before.id
     assert by_id[results[4].id]["idempotency_key"] == "new"
+
+
+def test_a_large_batch_with_keys_published_again_creates_nothing(dsn: str, outbox: Outbox) -> None:
+    """publish_many of plain dicts with idempotency keys (its quick path): a retry of the whole batch,
+    with new events among it, learns which were stored and creates only the new ones."""
+    batch = [{"type": "t", "key": f"k{i % 7}", "payload": {"n": i}, "idempotency_key": f"i{i}"} for i in range(300)]
+    with psycopg.connect(dsn) as conn:
+        first = outbox.publish_many(conn, batch)
+        conn.commit()
+        retry = outbox.publish_many(conn, [*batch[:150], {"type": "t", "key": "k", "payload": 1,
+                                                          "idempotency_key": "new"}, *batch[150:]])
+        conn.commit()
+    assert all(r.created for r in first)
+    assert [r.created for r in retry] == [False] * 150 + [True] + [False] * 150
+    assert [r.id for r in retry[:150] + retry[151:]] == [r.id for r in first]
+    events = stored(dsn)
+    assert [e["id"] for e in events] == [r.id for r in first] + [retry[150].id]
+    assert [e["payload"] for e in events[:300]] == [{"n": i} for i in range(300)]
+
+
+@pytest.mark.parametrize("path", ["plain dicts", "dicts with headers", "events"])
+@pytest.mark.parametrize("keys", [False, True])
+def test_a_bad_event_in_the_middle_of_a_batch_writes_nothing(dsn: str, outbox: Outbox, path: str,
+                                                             keys: bool) -> None:
+    """Every path of publish_many checks the whole batch before it sends anything: a bad event at
+    position 50 of 100 raises InvalidEvent naming it, nothing is written and the transaction goes on."""
+    def event(i: int) -> Any:
+        fields: dict[str, Any] = {"type": "t", "key": f"k{i}", "payload": {"n": i}}
+        if keys:
+            fields["idempotency_key"] = f"i{i}"
+        if path == "dicts with headers":
+            fields["headers"] = {"h": "1"}
+        return outbox.event(**fields) if path == "events" else fields
+
+    batch = [event(i) for i in range(100)]
+    # A NUL in the key: PostgreSQL would refuse it mid-statement and abort the caller's transaction.
+    batch[50] = outbox.event(type="t", key="a\x00b", payload={}) if path == "events" else {
+        "type": "t", "key": "a\x00b", "payload": {}}
+    with counting_connection(dsn) as conn:
+        accepted = outbox.publish(conn, type="t", key="k", payload="accepted")
+        sent = len(conn.statements)  # type: ignore[attr-defined]
+        with pytest.raises(InvalidEvent, match="key: contains a NUL"):
+            outbox.publish_many(conn, batch)
+        assert len(conn.statements) == sent, "nothing may reach the database"  # type: ignore[attr-defined]
+        assert conn.info.transaction_status == pq.TransactionStatus.INTRANS
+        after = outbox.publish(conn, type="t", key="k", payload="after")
+        conn.commit()
+    assert [e["id"] for e in stored(dsn)] == [accepted.id, after.id]
 
 
 CONFLICTS: dict[str, dict[str, Any]] = {
@@ -953,9 +1011,10 @@ def test_the_schema_version_is_stored_and_checked(dsn: str, outbox: Outbox) -> N
 
 
 def test_each_call_sends_the_cheapest_statement_that_keeps_its_promises(dsn: str, outbox: Outbox) -> None:
-    """Without an idempotency key a publish is a plain INSERT (one row: VALUES; several: one JSON
-    document); ids the caller chose are checked in the insert; one event with a key is an INSERT ... ON
-    CONFLICT DO NOTHING (and a look-up only when its key was known); batches with keys use the
+    """One event is a plain INSERT of the fields that differ from the defaults (insert_plain), with or
+    without an idempotency key (its row count says whether the key was free: a look-up only when it was
+    not); headers, a time or a version send every field (insert_one). Several events without keys are
+    one JSON document; ids the caller chose are checked in the insert; batches with keys use the
     idempotency statement.
     A regression here is invisible to the other tests and costs every producer its commit rate."""
     def sent(call: Callable[[Any], Any]) -> list[str]:
@@ -963,23 +1022,27 @@ def test_each_call_sends_the_cheapest_statement_that_keeps_its_promises(dsn: str
             call(conn)
             conn.rollback()
             return [name for statement in conn.statements  # type: ignore[attr-defined]
-                    for name in ("insert_one", "insert_many", "insert_checked", "insert_keyed",
+                    for name in ("insert_plain", "insert_one", "insert_many", "insert_checked",
                                  "find_by_idempotency_keys", "publish")
                     if statement == query("publish", name)]
 
-    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={})) == ["insert_one"]
-    assert sent(lambda c: outbox.publish_many(c, [{"type": "t", "key": "k", "payload": {}}])) == ["insert_one"]
+    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={})) == ["insert_plain"]
+    assert sent(lambda c: outbox.publish_many(c, [{"type": "t", "key": "k", "payload": {}}])) == ["insert_plain"]
+    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, headers={"h": "1"})) == ["insert_one"]
+    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, version=2)) == ["insert_one"]
+    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, time=datetime.now(UTC),
+                                         idempotency_key="i")) == ["insert_one"]
     assert sent(lambda c: outbox.publish_many(c, [{"type": "t", "key": k, "payload": {}} for k in "ab"])) == [
         "insert_many"]
     assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, id=uuid.uuid4())) == ["insert_checked"]
     assert sent(lambda c: outbox.publish_many(c, [outbox.event(type="t", key="k", payload={})])) == [
         "insert_checked"]
-    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, idempotency_key="i")) == ["insert_keyed"]
+    assert sent(lambda c: outbox.publish(c, type="t", key="k", payload={}, idempotency_key="i")) == ["insert_plain"]
 
     def twice(c: Any) -> None:
         outbox.publish(c, type="t", key="k", payload={}, idempotency_key="i")
         assert not outbox.publish(c, type="t", key="k", payload={}, idempotency_key="i").created
-    assert sent(twice) == ["insert_keyed", "insert_keyed", "find_by_idempotency_keys"]
+    assert sent(twice) == ["insert_plain", "insert_plain", "find_by_idempotency_keys"]
     keyed = [{"type": "t", "key": k, "payload": {}, "idempotency_key": k} for k in "ab"]
     assert sent(lambda c: outbox.publish_many(c, keyed)) == ["publish"]
 
@@ -1006,3 +1069,29 @@ def test_a_batch_round_trips_every_field_as_given(dsn: str, outbox: Outbox) -> N
                                     "just a string with \u2028 inside", [True, False, 10**30]]
     assert rows[1][4] == {"h-1": 'v"1\\'} and rows[1][5] == when and [r[6] for r in rows] == [1, 3, 1, 1]
     assert fetch_rows(dsn, "SELECT count(*) FROM outbox.events WHERE payload = 'null'::jsonb") == [(1,)]
+
+
+def test_plain_dicts_round_trip_as_the_general_path_stores_them(dsn: str, outbox: Outbox) -> None:
+    """publish_many builds rows from plain dicts without an Event (its quick path): the stored rows are
+    the ones the general path (an Event per dict) stores, field by field."""
+    when = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+    events: list[dict[str, Any]] = [
+        {"type": 'od"d\\type', "key": 'k"ey\\1 ü €', "payload": None, "idempotency_key": 'i"1\\ é'},
+        {"type": "t", "key": "k2", "payload": {"q": 'say "hi"', "n": 1.50, "nested": [1, {"é": None}]},
+         "time": when, "version": 3, "topic": "audit"},
+        {"type": "t", "key": "k3", "payload": "a \u2028 string", "topic": None},
+        {"type": "t", "key": "k4", "payload": [True, False, 10**30], "idempotency_key": "i4"},
+    ]
+    columns = "topic, type, partition_key, payload, headers, idempotency_key, occurred_at, schema_version"
+    with psycopg.connect(dsn) as conn:
+        quick = outbox.publish_many(conn, events)
+        # The general path: the same events, each built as an Event first.
+        general = outbox.publish_many(conn, [outbox.event(**{k: v for k, v in e.items()
+                                                              if k != "idempotency_key"}) for e in events])
+        conn.commit()
+    rows = fetch_rows(dsn, f"SELECT id, {columns} FROM outbox.events ORDER BY xid, seq")
+    assert [r[0] for r in rows] == [p.id for p in quick + general]
+    assert all(p.created for p in quick + general)
+    assert [r[1:6] + r[7:] for r in rows[:4]] == [r[1:6] + r[7:] for r in rows[4:]]
+    assert [r[6] for r in rows[:4]] == [e.get("idempotency_key") for e in events]
+    assert rows[0][1:4] == (TOPIC, 'od"d\\type', 'k"ey\\1 ü €') and rows[1][7:] == (when, 3)

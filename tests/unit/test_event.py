@@ -266,9 +266,11 @@ def test_publish_refuses_as_publish_many_does(bad: dict[str, Any]) -> None:
     fields: dict[str, Any] = {"type": "t", "key": "k", "payload": {}, **bad}
     with pytest.raises(InvalidEvent) as quick:
         outbox.publish(object(), **fields)
-    with pytest.raises(InvalidEvent) as general:
-        outbox.publish_many(object(), [fields])
-    assert str(quick.value) == str(general.value)
+    with pytest.raises(InvalidEvent) as quick_many:  # publish_many's quick path for plain dicts
+        outbox.publish_many(object(), [{"type": "t", "key": "k", "payload": 1}, fields])
+    with pytest.raises(InvalidEvent) as general:  # headers: an Event is built for each dict
+        outbox.publish_many(object(), [{"headers": {}, **fields}])
+    assert str(quick.value) == str(quick_many.value) == str(general.value)
 
 
 def test_random_bits_are_not_reused_across_buffer_refills() -> None:

@@ -154,4 +154,8 @@ class _Cursor:
     def description(self) -> Any:
         return self._cursor.description
 
+    @property
+    def rowcount(self) -> int:  # a keyed insert's row count says whether its key was free
+        return int(self._cursor.rowcount)
+
 
