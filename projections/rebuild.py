@@ -48,6 +48,7 @@ from outbox_relay.sqlfiles import query
 from outbox_relay.store import StoredEvent, event_reader
 from outbox_relay.worker import Worker
 
+from .bulk import BulkPhase
 from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, reserved_schema
 from .sink import ProjectionSink
 from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, adrive, drive, walk
@@ -156,6 +157,14 @@ class Rebuild:
         log.info("rebuild %s: %s, %d events to replay into %s", self.projection.name,
                  "resumed" if resumed else "started", total, self.shadow)
         worker_id = f"{self.settings.worker_id}-rebuild"[:200]
+        bulk = self._bulk(total, application_name(worker_id))
+        if bulk == "stopped":
+            log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
+            return None
+        if bulk == "switched":
+            ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
+                f"switched over ({total:,} events replayed)")
+            return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
         sink = ProjectionSink(self.projection, self.dsn, name=self.sink, lease_seconds=self.settings.lease_seconds,
                               replay=True, shadow_schema=self.shadow, application_name=application_name(worker_id))
         worker = Worker(self.settings.model_copy(update={
@@ -387,6 +396,40 @@ class Rebuild:
                 line.update(max(0, total - estimate), (start_left - estimate) / max(1e-3, time.monotonic() - first))
                 self.stopping.wait(PROGRESS_SECONDS if estimate > self.batch_size else 0.1)
         return "stopped"
+
+    def _bulk(self, total: int, app: str) -> str:
+        """The bulk phase (bulk.py) before the relay phase: "done", "stopped" (resumable), or "switched"
+        (a peer finished the whole rebuild meanwhile). Raises RebuildError if it was cancelled."""
+        assert self._started_at is not None
+        line = ProgressLine(self.progress, f"rebuild {self.projection.name}", total)
+        first = time.monotonic()
+
+        def progress(_: int) -> None:
+            rate = phase.events / max(1e-3, time.monotonic() - first)
+            line.update(min(total, phase.events), rate)
+
+        phase = BulkPhase(self.projection, self.dsn, sink=self.sink, shadow=self.shadow,
+                          started_at=self._started_at, slice_size=self.batch_size,
+                          lease_seconds=self.settings.lease_seconds,
+                          handler_timeout_seconds=self.settings.handler_timeout_seconds, application_name=app,
+                          stopping=self.stopping, on_slice=progress)
+        try:
+            outcome = phase.run()
+        except OutboxError as exc:
+            if isinstance(exc, RebuildError):
+                raise
+            raise RebuildError(str(exc)) from exc
+        if outcome.events:
+            log.info("rebuild %s: bulk phase applied %d events in %.1fs", self.projection.name, outcome.events,
+                     time.monotonic() - first)
+        if outcome.result == "stopped":
+            return "stopped"
+        with psycopg.connect(self.dsn, autocommit=True) as conn:  # cancelled or switched by a peer meanwhile?
+            row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+            if row is None or row[6] != self._started_at:
+                self._gone(conn, restarted=row is not None)
+                return "switched"
+        return "done"
 
     def _gone(self, conn: psycopg.Connection[Any], restarted: bool) -> None:
         """This process's rebuild is no longer in outbox.rebuilds. Returns if a peer switched its copies
