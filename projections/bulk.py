@@ -25,6 +25,7 @@ with its retries, parking, dead letters and handler time limit. Async projection
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -203,7 +204,16 @@ class BulkPhase:
                     raise Lost()
             return after, last, len(events)
 
-        after, last, n = self._guard.run(run, self._never)
+        # The cyclic collector stays off for the slice: it would scan the slice's tens of thousands of
+        # young objects (rows, events, tokens) again and again while they are built, for no garbage
+        # (they are freed by reference counting); measured at a quarter of a slice's Python time.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            after, last, n = self._guard.run(run, self._never)
+        finally:
+            if collecting:
+                gc.enable()
         self.events += n
         self.on_slice(n)
         return after, last
