@@ -136,6 +136,9 @@ class Rebuild:
         # Not chosen (--batch-size, OUTBOX_BATCH_SIZE): a batched projection's larger batches.
         chosen = "batch_size" in settings.model_fields_set
         self.batch_size = REBUILD_BATCH_SIZE if projection.batch and not chosen else settings.batch_size
+        # The bulk phase's slice (bulk.py): its per-slice costs (the read, 256 cursor rows, the guard, the
+        # commit) are spread over more events for per-event handlers too (measured 1.6x at 8,192 over 1,000).
+        self.slice_size = settings.batch_size if chosen else REBUILD_BATCH_SIZE
         self._filter = projection.event_filter.params()
         # The rebuild this process runs, set by _start (see _remember).
         self._started_at: datetime | None = None
@@ -166,7 +169,8 @@ class Rebuild:
                 f"switched over ({total:,} events replayed)")
             return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
         sink = ProjectionSink(self.projection, self.dsn, name=self.sink, lease_seconds=self.settings.lease_seconds,
-                              replay=True, shadow_schema=self.shadow, application_name=application_name(worker_id))
+                              replay=True, shadow_schema=self.shadow, application_name=application_name(worker_id),
+                              handler_timeout_seconds=self.settings.handler_timeout_seconds)
         worker = Worker(self.settings.model_copy(update={
             "worker_id": worker_id, "kafka": False, "projection": [], "batch_size": self.batch_size}),
             sinks=[sink])
@@ -409,7 +413,7 @@ class Rebuild:
             line.update(min(total, phase.events), rate)
 
         phase = BulkPhase(self.projection, self.dsn, sink=self.sink, shadow=self.shadow,
-                          started_at=self._started_at, slice_size=self.batch_size,
+                          started_at=self._started_at, slice_size=self.slice_size,
                           lease_seconds=self.settings.lease_seconds,
                           handler_timeout_seconds=self.settings.handler_timeout_seconds, application_name=app,
                           stopping=self.stopping, on_slice=progress)

@@ -311,3 +311,28 @@ def test_a_stop_between_slices_resumes(dsn: str, live: Any) -> None:
     assert 0 < partial < len(ids) and partial % SLICE == 0, partial
     result = Rebuild(tally(), settings(dsn), progress=None).run()
     assert result is not None and result.resumed and model(dsn) == live_model
+
+
+def test_a_handler_over_its_time_limit_hands_over_to_the_relay_phase(dsn: str, live: Any) -> None:
+    """The slice is abandoned (its session ended: nothing of it lands) and the relay phase charges the
+    event as before: attempts, then a dead letter with the reason."""
+    ids = publish(dsn, counted(5, 30))
+    live(tally(), len(ids))
+    hang = ids[5 * 15 + 2]  # k2, i == 15: in the second slice
+    p = tally()
+    original = p.handler
+
+    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        if event.id == hang:
+            time.sleep(2.5)  # over the limit; the abandoned thread ends by itself
+        original(event, tx)
+
+    p.handler = handler
+    result = Rebuild(p, make_settings(dsn, "rebuilder", max_attempts=2, batch_size=SLICE,
+                                      handler_timeout_seconds=1.0), progress=None).run()
+    assert result is not None
+    rows = log_rows(dsn)
+    assert sum(1 for r in rows if r[3] == 0) == SLICE, "the first slice by the bulk phase, the rest not"
+    dead = dead_letters(dsn, "tally")
+    assert set(dead) == {hang} and "did not return within" in dead[hang][1], dead
+    assert sorted(r[0] for r in rows) == sorted(set(ids) - {hang}), "every other event once"
