@@ -168,8 +168,10 @@ def rebuild_once(bench: Bench, dsn: str, procs: int, run: int, handler: str = "p
     files = [f.open("wb") for f in logs]
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the rebuild processes' CPU, once reaped (poll)
     t0 = time.monotonic()
-    ps = [subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-          for f in files]
+    # Started outside the source tree: `python -m` puts the working directory first on sys.path, which
+    # would run the current tree's code for an @base handler too.
+    ps = [subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                           cwd=bench.base) for f in files]
     try:
         with psycopg.connect(dsn, autocommit=True) as poll:
             while len(exits) < len(ps):

@@ -50,6 +50,17 @@ log = logging.getLogger("outbox_relay.projections")
 END_WALK_WAIT_MS = 5000  # how long ending an abandoned walk's backend may take (pg_terminate_backend)
 
 
+def outside_writes_error(projection: Projection, shadow: str | None, tables: list[str]) -> OutboxError:
+    """What stops a rebuild whose handler wrote ``tables`` outside its shadow schema."""
+    declared = ", ".join(projection.tables)
+    return OutboxError(
+        f"projection {projection.name!r} wrote {', '.join(tables)} during its rebuild, outside the "
+        f"rebuild's schema {shadow}: live processing writes there too, so these writes would land on "
+        f"top of it. A rebuild writes only fresh copies of the declared tables (tables=[{declared}]), "
+        "named without a schema in the handler: declare every table the handler writes, or rebuild keys "
+        "in place with --key")
+
+
 def _timed_out(sink: str, out: TimedOut, known: dict[Any, Failure] | None) -> Redo:
     """What the next run of a batch starts from after its walk was abandoned (nothing of it landed)."""
     if out.event is None:
@@ -101,13 +112,7 @@ class ProjectionSink:
     def _refuse_outside_writes(self, tables: list[str]) -> None:
         """A rebuild's batch wrote tables outside its shadow schema: it rolls back, and the rebuild stops."""
         if tables:
-            declared = ", ".join(self.projection.tables)
-            self.fatal = OutboxError(
-                f"projection {self.projection.name!r} wrote {', '.join(tables)} during its rebuild, outside the "
-                f"rebuild's schema {self._shadow}: live processing writes there too, so these writes would land on "
-                f"top of it. A rebuild writes only fresh copies of the declared tables (tables=[{declared}]), "
-                "named without a schema in the handler: declare every table the handler writes, or rebuild keys "
-                "in place with --key")
+            self.fatal = outside_writes_error(self.projection, self._shadow, tables)
             raise self.fatal
 
     # -- sync ---------------------------------------------------------------------------------

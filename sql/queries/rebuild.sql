@@ -266,3 +266,62 @@ WHERE e.bucket = outbox.bucket_v1(%(key)s) AND e.partition_key = %(key)s
                   WHERE p.sink = %(sink)s AND p.bucket = e.bucket AND p.xid = e.xid AND p.seq = e.seq)
   AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters d WHERE d.sink = %(sink)s AND d.event_id = e.id)
 ORDER BY e.xid, e.seq;
+
+-- name: bulk_lock
+-- The bulk phase of one rebuild runs in one process at a time: a session lock held by the
+-- connection that commits its slices (it goes with the session, and so does any slice in flight).
+SELECT pg_try_advisory_lock(hashtextextended('outbox-relay rebuild bulk ' || %(projection)s, 0));
+
+-- name: bulk_unlock
+-- Let a waiting rebuild process look at the bulk phase (it finds it over, or resumes it).
+SELECT pg_advisory_unlock(hashtextextended('outbox-relay rebuild bulk ' || %(projection)s, 0));
+
+-- name: bulk_state
+-- Whether the rebuild is still in its bulk phase, and where: while it is, every bucket's cursor is
+-- the same and no relay has taken a bucket (fence 0); its end bumps the fences (bulk_end).
+SELECT count(*) AS buckets,
+       count(DISTINCT concat_ws('/', c.snapshot::text, coalesce(c.target::text, '-'),
+                                coalesce(c.after_xid::text, '-'), coalesce(c.after_seq::text, '-'))) AS cursors,
+       bool_and(c.fence = 0 AND c.owner IS NULL) AS untaken,
+       min(c.snapshot::text) AS seen, min(c.target::text) AS target,
+       min(c.after_xid::text) AS after_xid, min(c.after_seq) AS after_seq,
+       pg_current_snapshot()::text AS now
+FROM outbox.cursors c
+JOIN outbox.rebuilds r ON r.sink = c.sink AND r.started_at = %(started_at)s
+WHERE c.sink = %(sink)s;
+
+-- name: bulk_read
+-- One slice of the bulk phase: the events of the target snapshot's delta from the cursor's seen
+-- snapshot, in (xid, seq) order, after the last one delivered. An index range scan per xid
+-- partition (events_xid), walked in xid order; no per-bucket probes.
+SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
+       e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
+       e.schema_version AS version
+FROM outbox.events e
+WHERE e.xid >= %(lo_xid)s::xid8
+  AND (e.xid, e.seq) > (%(lo_xid)s::xid8, %(lo_seq)s::bigint)
+  AND e.xid < pg_snapshot_xmax(%(target)s::pg_snapshot)
+  AND pg_visible_in_snapshot(e.xid, %(target)s::pg_snapshot)
+  AND NOT pg_visible_in_snapshot(e.xid, %(seen)s::pg_snapshot)
+  AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
+  AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
+ORDER BY e.xid, e.seq
+LIMIT %(limit)s;
+
+-- name: bulk_advance
+-- A slice's checkpoint, in its transaction: every bucket's cursor moves to the slice's last event of
+-- the target's delta (or past the delta when it was the last slice), only if the cursors are still
+-- where this process left them and the rebuild is still its (a process that lost the bulk phase,
+-- or whose rebuild was cancelled or restarted, changes nothing: 0 rows, and it rolls back). ``fence_by``
+-- 1 ends the bulk phase with it.
+UPDATE outbox.cursors c
+SET snapshot = %(new_seen)s::pg_snapshot, target = %(new_target)s::pg_snapshot,
+    after_xid = %(new_after_xid)s::xid8, after_seq = %(new_after_seq)s,
+    fence = c.fence + %(fence_by)s, advanced_at = clock_timestamp()
+WHERE c.sink = %(sink)s AND c.fence = 0 AND c.owner IS NULL
+  AND c.snapshot::text = %(seen)s
+  AND c.target::text IS NOT DISTINCT FROM %(target)s
+  AND c.after_xid IS NOT DISTINCT FROM %(after_xid)s::xid8
+  AND c.after_seq IS NOT DISTINCT FROM %(after_seq)s::bigint
+  AND EXISTS (SELECT 1 FROM outbox.rebuilds r WHERE r.sink = c.sink AND r.started_at = %(started_at)s)
+RETURNING c.bucket;

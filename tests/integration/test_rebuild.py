@@ -131,7 +131,13 @@ def test_rebuild_ends_in_the_state_live_processing_reached(dsn: str, live: Any) 
     assert result is not None and result.events == len(ids) and not result.resumed
     assert table_oid(dsn) != old_oid, "the rebuilt table was swapped in"
     assert state(dsn) == live_state
-    assert set(dead_letters(dsn, "order_totals")) == live_dead
+    # The poison event is the last one: the bulk phase hands its slice to the relay phase, which may
+    # switch over while the event waits for its second attempt; the live projection adopts the retry
+    # (adopt_parked) and dead-letters it, with the same reason.
+    if set(dead_letters(dsn, "order_totals")) != live_dead:
+        assert {r[0] for r in fetch_all(dsn, "SELECT event_id FROM outbox.parked WHERE sink = 'order_totals'")
+                } == live_dead
+        run_until(runner, lambda: set(dead_letters(dsn, "order_totals")) == live_dead)
     assert sorted(applied_ids(dsn)) == sorted(set(ids) - live_dead)
     assert {r[0] for r in fetch_all(dsn, "SELECT replay FROM applied_log")} == {True}, "handlers saw a replay"
     assert "switched over" in out.getvalue() and "ev/s" in out.getvalue()

@@ -102,8 +102,12 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
     all_nodes = list(nodes(root))
     on_events = [n for n in all_nodes if on_events_table(n)]
     assert on_events, json.dumps(root, indent=1)
-    kinds = {(n["Node Type"], position_index(n.get("Index Name"))) for n in on_events}
+    # Since 0016 the planner may pick events_xid (xid, seq) on a partition it thinks empty (here the
+    # DEFAULT range, events_default): allowed where it reads nothing; every row comes by events_position.
+    kinds = {(n["Node Type"], position_index(n.get("Index Name"))) for n in on_events
+             if n["Actual Rows"] * max(1, n["Actual Loops"]) + n.get("Rows Removed by Filter", 0) > 0}
     assert kinds <= {("Index Scan", True), ("Index Only Scan", True)}, kinds
+    assert all(n["Node Type"] in ("Index Scan", "Index Only Scan") for n in on_events), on_events
     assert not [n for n in all_nodes if n["Node Type"] in ("Seq Scan", "Bitmap Heap Scan")
                 and on_events_table(n)], "the read scans the events table"
     assert not [n for n in all_nodes if n["Node Type"] in ("Sort", "Incremental Sort")
@@ -155,8 +159,9 @@ def test_a_read_probes_only_the_partitions_of_its_snapshots(dsn: str, plan: str)
     # The newest range's leaves, and events_default (the DEFAULT range: never pruned by a lower bound).
     assert {p for p in probed if p != "events_default"} <= {f"{current[0]}_default"}, probed
     assert events and {e.type for e in events} == {"new"}
-    kinds = {(n["Node Type"], position_index(n.get("Index Name"))) for n in nodes(root) if on_events_table(n)}
-    assert kinds <= {("Index Scan", True), ("Index Only Scan", True)}, kinds
+    kinds = {(n["Node Type"], position_index(n.get("Index Name"))) for n in nodes(root) if on_events_table(n)
+             and n["Actual Rows"] * max(1, n["Actual Loops"]) + n.get("Rows Removed by Filter", 0) > 0}
+    assert kinds <= {("Index Scan", True), ("Index Only Scan", True)}, kinds  # (see the test above: 0016)
 
 
 RANGES = 60

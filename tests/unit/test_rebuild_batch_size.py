@@ -32,5 +32,9 @@ def test_a_batched_rebuild_reads_its_own_larger_batches_unless_a_batch_size_is_c
     assert Rebuild(rebuilt, load_settings(dsn=DSN), progress=None).batch_size == REBUILD_BATCH_SIZE > default
     assert Rebuild(rebuilt, load_settings(dsn=DSN, batch_size=default), progress=None).batch_size == default
     assert Rebuild(one_by_one, load_settings(dsn=DSN), progress=None).batch_size == default
+    # The bulk phase's slices: large for both kinds of handler, unless a batch size is chosen.
+    assert Rebuild(one_by_one, load_settings(dsn=DSN), progress=None).slice_size == REBUILD_BATCH_SIZE
+    assert Rebuild(rebuilt, load_settings(dsn=DSN), progress=None).slice_size == REBUILD_BATCH_SIZE
+    assert Rebuild(one_by_one, load_settings(dsn=DSN, batch_size=300), progress=None).slice_size == 300
     monkeypatch.setenv("OUTBOX_BATCH_SIZE", "250")
     assert Rebuild(rebuilt, load_settings(dsn=DSN), progress=None).batch_size == 250
