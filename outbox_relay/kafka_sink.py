@@ -129,6 +129,9 @@ PARTIAL_CHECKPOINT_SECONDS = 1.0
 POLL_SECONDS = 0.05
 FIRST_RECREATE_DELAY = 1.0  # spacing of replacements in a row (doubling up to the stall time)
 SLOW_DESTROY_SECONDS = 5.0  # a replaced producer that takes longer to shut down is logged
+# Replaced producers whose destruction has not finished (``_retire``), across sinks.
+_retiring = 0
+_retiring_lock = threading.Lock()
 
 
 def _describe(err: KafkaError) -> str:
@@ -148,13 +151,23 @@ def _retire(retired: list[Producer], sink: str) -> None:
     as stuck and gave its buckets up. The old producer was purged: nothing of it is waited for.
     """
 
+    global _retiring
+
     def destroy() -> None:
+        global _retiring
         started = time.monotonic()
         retired.clear()  # the last reference: rd_kafka_destroy runs here, without the GIL
         took = time.monotonic() - started
+        with _retiring_lock:
+            _retiring -= 1
         if took >= SLOW_DESTROY_SECONDS:
             log.info("kafka sink %s: a replaced producer took %.1fs to shut down", sink, took)
 
+    with _retiring_lock:
+        before = _retiring
+        _retiring += 1
+    if before:  # one that never finishes keeps its threads and sockets: say so
+        log.warning("kafka sink %s: %d replaced producers are still shutting down", sink, before)
     threading.Thread(target=destroy, name=f"kafka-retire-{sink}", daemon=True).start()
 
 
