@@ -128,6 +128,10 @@ DEFAULT_STALL_SECONDS = 60.0
 PARTIAL_CHECKPOINT_SECONDS = 1.0
 POLL_SECONDS = 0.05
 FIRST_RECREATE_DELAY = 1.0  # spacing of replacements in a row (doubling up to the stall time)
+SLOW_DESTROY_SECONDS = 5.0  # a replaced producer that takes longer to shut down is logged
+# Replaced producers whose destruction has not finished (``_retire``), across sinks.
+_retiring = 0
+_retiring_lock = threading.Lock()
 
 
 def _describe(err: KafkaError) -> str:
@@ -136,6 +140,35 @@ def _describe(err: KafkaError) -> str:
 
 def _failure(err: KafkaError) -> Failure:
     return Failure(f"kafka: {_describe(err)}", retriable=err.code() not in NON_RETRIABLE)
+
+
+def _retire(retired: list[Producer], sink: str) -> None:
+    """Destroy the producer in ``retired`` (its only reference) on a daemon thread.
+
+    Dropping a producer's last reference runs ``rd_kafka_destroy``, which joins librdkafka's threads
+    and can take long: after a broker restart under CPU load the sink's thread sat in it for over 30 s
+    (``rd_kafka_destroy_app`` -> ``thrd_join``), checked no stop flag meanwhile, so its runner counted
+    as stuck and gave its buckets up. The old producer was purged: nothing of it is waited for.
+    """
+
+    global _retiring
+
+    def destroy() -> None:
+        global _retiring
+        started = time.monotonic()
+        retired.clear()  # the last reference: rd_kafka_destroy runs here, without the GIL
+        took = time.monotonic() - started
+        with _retiring_lock:
+            _retiring -= 1
+        if took >= SLOW_DESTROY_SECONDS:
+            log.info("kafka sink %s: a replaced producer took %.1fs to shut down", sink, took)
+
+    with _retiring_lock:
+        before = _retiring
+        _retiring += 1
+    if before:  # one that never finishes keeps its threads and sockets: say so
+        log.warning("kafka sink %s: %d replaced producers are still shutting down", sink, before)
+    threading.Thread(target=destroy, name=f"kafka-retire-{sink}", daemon=True).start()
 
 
 @dataclass
@@ -673,13 +706,18 @@ class KafkaSink:
 
     def _replace(self, reason: str) -> None:
         """A new producer instance; the old one is purged and destroyed without waiting for it."""
-        old = self._producer
         with contextlib.suppress(KafkaException):
-            old.purge()
+            self._producer.purge()
         log.warning("kafka sink %s: %s; recreating the producer", self.name, reason)
         self.observer.producer_recreated(self.name, reason)
         self._session = _Session(may_hold_id=False)  # it may start while the brokers are still away
+        self._swap_producer()
+
+    def _swap_producer(self) -> None:
+        """Put a new producer in place and destroy the old one on a thread of its own (``_retire``)."""
+        retired = [self._producer]
         self._producer = self._new_producer(self._session)
+        _retire(retired, self.name)
 
     def _resend(self, messages: list[_Message], flight: _Flight, reason: str) -> list[_Message]:
         """Replace the producer; returns the messages to send again, in their original order.
@@ -694,10 +732,9 @@ class KafkaSink:
         interleaved, keep every message's first occurrence in order, so the de-duplicated sequence
         per key is the published one.
         """
-        old = self._producer
         with contextlib.suppress(KafkaException):
-            old.purge()  # queued and in flight: their reports say _PURGE_*, i.e. not acknowledged
-            old.poll(0)  # acks that made it before the purge still count
+            self._producer.purge()  # queued and in flight: their reports say _PURGE_*, i.e. not acknowledged
+            self._producer.poll(0)  # acks that made it before the purge still count
         flight.live = False
         self._tell_acknowledged(flight)
         todo = [m for m in messages if m.event.id not in flight.outcomes]
@@ -705,7 +742,7 @@ class KafkaSink:
                     self.name, reason, len(todo))
         self.observer.producer_recreated(self.name, reason)
         self._session = _Session(may_hold_id=False)  # it may start while the brokers are still away
-        self._producer = self._new_producer(self._session)  # the old instance is destroyed without waiting for it
+        self._swap_producer()
         self._recreate_after = time.monotonic() + self._recreate_delay
         self._recreate_delay = min(self._recreate_delay * 2, self.stall_seconds)
         return todo

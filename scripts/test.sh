@@ -49,12 +49,7 @@ if [ $# -gt 0 ]; then
     step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 "$@"
 else
     step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=10 -n 2 tests/unit tests/integration
-    step pytest-acceptance "$VENV/bin/pytest" -p no:cacheprovider -q --durations=10 -n 2 tests/acceptance tests/faults \
-        --ignore=tests/acceptance/test_broker_restarts.py
-    # Alone: its relays must each deliver between broker restarts, and next to the heaviest acceptance
-    # tests on 2 cores a relay's Kafka runner sometimes waits 30 s for acknowledgements after a restart
-    # and gives its buckets up (a known problem, filed), so the test cannot reach its next restart.
-    step pytest-broker-restarts "$VENV/bin/pytest" -p no:cacheprovider -q tests/acceptance/test_broker_restarts.py
+    step pytest-acceptance "$VENV/bin/pytest" -p no:cacheprovider -q --durations=10 -n 2 tests/acceptance tests/faults
 fi
 
 # The machines' own PostgreSQL 15 (no uuidv7(), other planner defaults): the integration tests that

@@ -10,16 +10,18 @@ write a few messages to every partition, so any survivor's batch is a "duplicate
 from __future__ import annotations
 
 import contextlib
+import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import pytest
 from confluent_kafka import Producer
 
-from outbox_relay.kafka_sink import KafkaSink, _Flight, _Session
+from outbox_relay.kafka_sink import LIBRDKAFKA_LOG, KafkaSink, _Flight, _Session
 from outbox_relay.sink import Outcomes
 from tests.integration.test_relay_kafka import deliver_once, stored_events
-from tests.servers import KafkaServer, consume_all, create_topic, require_restartable
+from tests.servers import KafkaServer, consume_all, create_topic, require_restartable, wait_until
 
 KAFKA = "kafka"
 
@@ -114,3 +116,53 @@ def test_an_acknowledgement_without_an_offset_does_not_count(fresh_broker: Kafka
     assert flight.session_error is not None and "offset" in flight.session_error
     on_topic = consume_all(fresh_broker.bootstrap, topic, 20, timeout=10, settle=0.5)
     assert [m.value for m in on_topic] == [b"not an outbox event"] * 20, "the broker stored the survivor's batch"
+
+
+class SlowToShutDown(Producer):
+    """A real producer whose destruction blocks until ``released`` (at most 20 s), as ``rd_kafka_destroy``
+    did after a broker restart under CPU load (the relay's sink thread sat in ``rd_kafka_destroy_app``
+    -> ``thrd_join`` for over 30 s). Records the thread that destroys it."""
+
+    released: ClassVar[threading.Event] = threading.Event()
+    destroyed_on: ClassVar[list[str]] = []
+
+    def __del__(self) -> None:
+        self.destroyed_on.append(threading.current_thread().name)
+        self.released.wait(20)
+
+
+class SlowProducersSink(KafkaSink):
+    def _new_producer(self, session: _Session) -> Producer:
+        config: dict[str, Any] = {**self._config, "error_cb": session.on_error, "logger": LIBRDKAFKA_LOG}
+        return SlowToShutDown(config)
+
+
+def test_a_replaced_producer_slow_to_shut_down_holds_nothing_up(fresh_broker: KafkaServer) -> None:
+    """After a broker restart the sink replaces its producer before the next batch; the old one's
+    shutdown may take long, and the batch must not wait for it (a runner waiting there checks no stop
+    flag and counts as stuck after --handler-timeout-seconds)."""
+    topic = f"slowdestroy-{uuid.uuid4().hex[:8]}"
+    create_topic(fresh_broker.bootstrap, topic, partitions=4)
+    keys = [f"slow-{i}" for i in range(4)]
+    SlowToShutDown.released.clear()
+    SlowToShutDown.destroyed_on.clear()
+    sink = SlowProducersSink(KAFKA, {"bootstrap.servers": fresh_broker.bootstrap}, topic, "urn:test",
+                             stall_seconds=5.0)
+    try:
+        before = stored_events(keys, 3, first_seq=1)
+        assert deliver_once(sink, before) == dict.fromkeys((e.id for e in before), None)
+        restart_forgetting(fresh_broker, topic)
+        wait_until(lambda: sink.idle() or sink._session.brokers_lost, 15, 0.05, "the producer noticing the restart")
+
+        after = stored_events(keys, 5, first_seq=100)
+        outcomes = deliver_once(sink, after)
+        # The old producer is being destroyed, still blocked, and not by the thread that delivers.
+        assert SlowToShutDown.destroyed_on, "the replaced producer was not destroyed"
+        assert threading.current_thread().name not in SlowToShutDown.destroyed_on, (
+            "the batch waited for the replaced producer to shut down")
+        assert not SlowToShutDown.released.is_set()
+    finally:
+        SlowToShutDown.released.set()
+        sink.close()
+    assert outcomes == dict.fromkeys((e.id for e in after), None)
+    assert ids_on_topic(fresh_broker.bootstrap, topic, len(after)) >= {str(e.id) for e in after}
