@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import datetime
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -333,6 +334,7 @@ class SinkRunner:
         # Held bucket -> (fence, reads of it numbered under that fence): see ``_number_read``.
         self._reads: dict[int, tuple[int, int]] = {}
         self._saturated: set[int] = set()
+        self._server_started: datetime | None = None  # the server start its read cursors come from
         self._snapshots = _SnapshotTimes()  # when this runner's reads took their snapshots (delivery latency)
         self._full_read_at = 0.0  # monotonic time of the next read of every held bucket (the safety net)
         self._check_parked_at = 0.0
@@ -646,9 +648,10 @@ class SinkRunner:
             held = {b: f for b, f in held.items() if b in hinted or b in self._saturated}
             if not held:
                 return 0
-        reads = {b: (limit, self._read_cursor(b)) for b, limit in self._limits(held).items()}
-        read_at = time.monotonic()
         with self.pool.connection() as conn:
+            self._same_server(conn)
+            reads = {b: (limit, self._read_cursor(b)) for b, limit in self._limits(held).items()}
+            read_at = time.monotonic()
             read = store.fetch_events(conn, self.sink.name, self.worker, reads, self.sink.event_filter,
                                       formatted=self._formatted)
         self._snapshots.taken(read.now, read_at)
@@ -817,6 +820,9 @@ class SinkRunner:
     def _checkpoint(self, cp: Checkpoint, tx: Conn | None) -> set[int]:
         """Write ``cp`` in the sink's transaction ``tx``, or on its own; returns the buckets whose fence held."""
         cp.lease_seconds = self.settings.lease_seconds
+        if isinstance(tx, psycopg.Connection) and not self._same_server(tx):
+            raise CheckpointFailed(f"sink {self.sink.name}: the database server restarted since this batch was "
+                                   "read; it is read again from the stored cursors")
         try:
             ok = (store.checkpoint(tx, self.sink.name, self.worker, cp) if tx is not None
                   else self._checkpoint_alone(cp))
@@ -834,6 +840,10 @@ class SinkRunner:
         while True:
             try:
                 with self.pool.connection() as conn:
+                    if not self._same_server(conn):
+                        raise CheckpointFailed(f"sink {self.sink.name}: the database server restarted since this "
+                                               "checkpoint's events were read; they are read again from the "
+                                               "stored cursors")
                     return store.checkpoint(conn, self.sink.name, self.worker, cp)
             except psycopg.OperationalError as exc:
                 attempt += 1
@@ -843,6 +853,26 @@ class SinkRunner:
                 log.info("sink %s: checkpoint failed (%s); writing it again in %.2fs", self.sink.name,
                          describe_error(exc), delay)
                 self.abort.wait(delay)
+
+    def _same_server(self, conn: Conn) -> bool:
+        """Whether ``conn``'s server is the one the read cursors were read from. After a crash restart
+        PostgreSQL hands out again the transaction ids whose WAL had not reached disk, so a snapshot
+        taken before it can count a new transaction as seen and its events would be skipped. Cursors as
+        written are safe (their write committed after their snapshot was taken, so recovery resumes
+        past its xmax); the ones held only in memory (``_ahead``, deferred writes) are dropped here, and
+        their buckets are read again from the written ones (duplicates, never a gap)."""
+        started = store.server_started(conn)
+        if started == self._server_started:
+            return True
+        known, self._server_started = self._server_started, started
+        if known is None:
+            return True
+        if self._ahead:
+            log.warning("sink %s: the database server restarted; %d buckets are read again from their stored "
+                        "cursors", self.sink.name, len(self._ahead))
+        self._ahead.clear()
+        self._owed.clear()
+        return False
 
     def _fenced(self, cp: Checkpoint, ok: set[int], in_tx: bool) -> set[int]:
         lost = set(cp.fences) - ok

@@ -12,6 +12,7 @@ import json
 import operator
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -257,6 +258,20 @@ def _fetch_sql(floor: int) -> str:
 @functools.lru_cache(maxsize=16)
 def _with_floor(name: str, floor: int) -> str:
     return sql.SQL(query("relay", name)).format(floor=sql.Literal(str(floor))).as_string(None)
+
+
+_server_started: weakref.WeakKeyDictionary[Any, datetime] = weakref.WeakKeyDictionary()
+
+
+def server_started(conn: Conn) -> datetime:
+    """When the server ``conn`` talks to started (``server_started`` in relay.sql), read once per
+    connection: every connection made after a restart reads it anew."""
+    started = _server_started.get(conn)
+    if started is None:
+        row = conn.execute(query("relay", "server_started")).fetchone()
+        assert row is not None
+        started = _server_started[conn] = row[0]
+    return started
 
 
 def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int, Cursor]],

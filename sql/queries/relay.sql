@@ -136,6 +136,12 @@ UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        (SELECT snapshot::text FROM now), NULL, NULL;
 
+-- name: server_started
+-- When the server of this connection started. After a crash restart PostgreSQL hands out again the
+-- transaction ids whose WAL had not reached disk, so a snapshot taken before it may count new
+-- transactions as seen: read cursors held only in memory are dropped (relay.py ``_same_server``).
+SELECT pg_postmaster_start_time();
+
 -- name: fetch_parked
 -- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it;
 -- none of a paused key.
