@@ -240,6 +240,11 @@ class BulkPhase:
             raise SliceFailed(failed.error)
         rows = conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self.shadow}).fetchall()
         if rows:
+            # A rebuild cancelled meanwhile dropped its schema, so the handler's tables resolved to the live
+            # ones: the phase lost (the rebuild says it was cancelled), the handler did nothing wrong.
+            current = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+            if current is None or current[6] != self.started_at:
+                raise Lost()
             raise outside_writes_error(self.projection, self.shadow, [r[0] for r in rows])
 
     def _hand_over(self, cursor: Cursor, exc: BaseException) -> None:

@@ -136,12 +136,6 @@ UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        (SELECT snapshot::text FROM now), NULL, NULL;
 
--- name: server_started
--- When the server of this connection started. After a crash restart PostgreSQL hands out again the
--- transaction ids whose WAL had not reached disk, so a snapshot taken before it may count new
--- transactions as seen: read cursors held only in memory are dropped (relay.py ``_same_server``).
-SELECT pg_postmaster_start_time();
-
 -- name: fetch_parked
 -- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it;
 -- none of a paused key.
@@ -193,6 +187,12 @@ ORDER BY q.bucket, q.partition_key, q.place;
 -- name: oldest_parked
 -- The transaction id of the oldest event parked in these buckets (NULL: none): the floor of fetch_parked.
 SELECT min(xid)::text FROM outbox.parked WHERE sink = %(sink)s AND bucket = ANY(%(buckets)s::int[]);
+
+-- name: server_started
+-- When the server of this connection started. After a crash restart PostgreSQL hands out again the
+-- transaction ids whose WAL had not reached disk, so a snapshot taken before it may count new
+-- transactions as seen: read cursors held only in memory are dropped (relay.py ``_same_server``).
+SELECT pg_postmaster_start_time();
 
 -- name: next_parked_retry
 -- Seconds until the next parked retry of these buckets is due (NULL: nothing parked): the runner sleeps
