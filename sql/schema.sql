@@ -67,8 +67,7 @@ CREATE INDEX events_id ON outbox.events (id);
 -- Time-based replay and rebuild, and the newest event of a partition (retention).
 CREATE INDEX events_created_at ON outbox.events (created_at);
 -- Commits since a snapshot (0010, outbox.watch_commits_v1): one range from its xmax, one probe per open id.
--- 0016: on (xid, seq), the delivery order: a rebuild's bulk phase reads history in slices along it.
-CREATE INDEX events_xid ON outbox.events (xid, seq);
+CREATE INDEX events_xid ON outbox.events (xid);
 
 -- Producer idempotency: one event per key and topic (scope: coalesce(topic, '')) for as long as the
 -- event is kept; rows leave with their event's partition (retire_partition_v1).
@@ -965,5 +964,4 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (12, 'event_versions', NULL),
     (13, 'sink_kinds', NULL),
     (14, 'partitioned_history', NULL),
-    (15, 'history_per_class', NULL),
-    (16, 'position_order_index', NULL);
+    (15, 'history_per_class', NULL);

@@ -102,8 +102,8 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
     all_nodes = list(nodes(root))
     on_events = [n for n in all_nodes if on_events_table(n)]
     assert on_events, json.dumps(root, indent=1)
-    # Since 0016 the planner may pick events_xid (xid, seq) on a partition it thinks empty (here the
-    # DEFAULT range, events_default): allowed where it reads nothing; every row comes by events_position.
+    # The planner may pick another index on a partition it thinks empty (here the DEFAULT range,
+    # events_default): allowed where it reads nothing; every row comes by events_position.
     kinds = {(n["Node Type"], position_index(n.get("Index Name"))) for n in on_events
              if n["Actual Rows"] * max(1, n["Actual Loops"]) + n.get("Rows Removed by Filter", 0) > 0}
     assert kinds <= {("Index Scan", True), ("Index Only Scan", True)}, kinds
@@ -161,7 +161,7 @@ def test_a_read_probes_only_the_partitions_of_its_snapshots(dsn: str, plan: str)
     assert events and {e.type for e in events} == {"new"}
     kinds = {(n["Node Type"], position_index(n.get("Index Name"))) for n in nodes(root) if on_events_table(n)
              and n["Actual Rows"] * max(1, n["Actual Loops"]) + n.get("Rows Removed by Filter", 0) > 0}
-    assert kinds <= {("Index Scan", True), ("Index Only Scan", True)}, kinds  # (see the test above: 0016)
+    assert kinds <= {("Index Scan", True), ("Index Only Scan", True)}, kinds  # (see the test above)
 
 
 RANGES = 60
