@@ -820,9 +820,8 @@ class SinkRunner:
     def _checkpoint(self, cp: Checkpoint, tx: Conn | None) -> set[int]:
         """Write ``cp`` in the sink's transaction ``tx``, or on its own; returns the buckets whose fence held."""
         cp.lease_seconds = self.settings.lease_seconds
-        if isinstance(tx, psycopg.Connection) and not self._same_server(tx):
-            raise CheckpointFailed(f"sink {self.sink.name}: the database server restarted since this batch was "
-                                   "read; it is read again from the stored cursors")
+        if isinstance(tx, psycopg.Connection):
+            self._require_same_server(tx)
         try:
             ok = (store.checkpoint(tx, self.sink.name, self.worker, cp) if tx is not None
                   else self._checkpoint_alone(cp))
@@ -840,10 +839,7 @@ class SinkRunner:
         while True:
             try:
                 with self.pool.connection() as conn:
-                    if not self._same_server(conn):
-                        raise CheckpointFailed(f"sink {self.sink.name}: the database server restarted since this "
-                                               "checkpoint's events were read; they are read again from the "
-                                               "stored cursors")
+                    self._require_same_server(conn)
                     return store.checkpoint(conn, self.sink.name, self.worker, cp)
             except psycopg.OperationalError as exc:
                 attempt += 1
@@ -873,6 +869,12 @@ class SinkRunner:
         self._ahead.clear()
         self._owed.clear()
         return False
+
+    def _require_same_server(self, conn: Conn) -> None:
+        """A checkpoint's cursors come from reads before it: refused if the server restarted since."""
+        if not self._same_server(conn):
+            raise CheckpointFailed(f"sink {self.sink.name}: the database server restarted since this batch was "
+                                   "read; it is read again from the stored cursors")
 
     def _fenced(self, cp: Checkpoint, ok: set[int], in_tx: bool) -> set[int]:
         lost = set(cp.fences) - ok
