@@ -5,7 +5,8 @@
 The relay is the real command; an ``Observer.acknowledged`` hook records, per event id, when its first
 delivery report with an offset was served (wall clock, like the producer's commit times), and the
 ``Observer.delivering`` scope times each batch: handed to the sink (read done), its last ack, landed
-(the fenced checkpoint returned). At exit (SIGTERM: the graceful drain) it writes
+(the sink returned: after the fenced checkpoint, or, for a batch whose fence check rides on the relay's
+next read, right after the acks). At exit (SIGTERM: the graceful drain) it writes
 ``{"acks": {id: seconds}, "batches": [[handed, last_ack, landed, events], ...]}`` to OUT.json. A Kafka
 cursor is written at most every --cursor-flush-seconds, so a checkpoint's time is no ack time any more.
 """

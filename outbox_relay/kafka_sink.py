@@ -467,7 +467,10 @@ class KafkaSink:
                 break
             todo = self._resend(messages, flight, reason)
         self._settle(batch, outcomes)
-        return commit(outcomes, None)
+        # Delivered: nothing here acts on whether the fence held, so the runner's commit may check it with
+        # its next read rather than a statement of its own (``later``); any other commit is called as usual.
+        later: Callable[[Outcomes], set[int]] | None = getattr(commit, "later", None)
+        return later(outcomes) if later is not None else commit(outcomes, None)
 
     # -- topic conditions --------------------------------------------------------------------
 

@@ -28,7 +28,9 @@ class Delivery:
 
     def landed(self, checkpoint: Checkpoint | None, buckets: set[int]) -> None:
         """The sink returned: ``checkpoint`` is what its commit wrote (None: it wrote none), ``buckets``
-        the buckets whose fence held (the others' outcomes were discarded)."""
+        the buckets whose fence held (the others' outcomes were discarded). A Kafka batch whose fence check
+        rides on the runner's next read (``Commit.later``) names the buckets it was read under: if that
+        read finds one lost, ``Observer.leases(lost=...)`` says so and ``checkpointed`` leaves it out."""
 
 
 NULL_DELIVERY = Delivery()
@@ -54,7 +56,8 @@ class Observer:
         """A batch's checkpoint committed, fenced: ``delivered`` are done for ``sink`` (no relay delivers them
         again, short of a replay), ``dead`` went to its dead letters. The hook for "this batch is safe",
         e.g. to acknowledge upstream or to wake a waiter. Called on the sink's runner thread right after
-        the commit: keep it short (hand work to a queue of your own)."""
+        the commit (a Kafka batch's: after the runner's next read, which checks its fence): keep it short
+        (hand work to a queue of your own)."""
 
     def acknowledged(self, sink: str, event_ids: Sequence[uuid.UUID]) -> None:
         """The broker acknowledged these events of a Kafka sink's batch (the delivery reports one ``poll``

@@ -83,6 +83,10 @@ PARK_CHECK_IDLE_SECONDS = 60.0
 # passes no event that way, so a next owner rereads nothing by their lag: once a minute (and on release).
 # A sink that filters (a projection) passes events it skips, which retention waits for: every 5 heartbeats.
 AHEAD_FLUSH_UNFILTERED_SECONDS = 60.0
+# While a runner is busy, deferred cursor writes that are due (``_flush_owed``) wait until the oldest is
+# this much overdue (at most ``cursor_flush_seconds``), so that they go out together about once a second
+# rather than as a statement in most cycles: a Kafka batch defers its due writes too (``_BatchCommit.later``).
+OWED_BUSY_SLACK_SECONDS = 1.0
 
 
 def points_at_events(exc: BaseException) -> bool:
@@ -331,6 +335,10 @@ class SinkRunner:
         self._owed: set[int] = set()
         self._lapsed: set[int] = set()
         self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
+        # A delivered Kafka batch's checkpoint whose fence check rides on the next read (``_BatchCommit.later``):
+        # settled by ``_deliver_new``'s read of its buckets, or by a statement of its own
+        # (``_settle_pending``) before anything else writes their cursors. Its cursors are in ``_ahead``.
+        self._pending: Checkpoint | None = None
         # Held bucket -> (fence, reads of it numbered under that fence): see ``_number_read``.
         self._reads: dict[int, tuple[int, int]] = {}
         self._saturated: set[int] = set()
@@ -446,9 +454,9 @@ class SinkRunner:
                 handled += self._retry_parked(normal)
             handled += self._deliver_new(normal)
         if self._ahead and time.monotonic() - self._flushed_at >= self._flush_every():
-            self._flush_ahead(held)
-        elif self._owed and self._until_owed_flush() <= 0:
-            self._flush_owed(held)
+            self._flush_ahead(self.leases.snapshot())  # not the buckets this cycle found lost
+        elif self._owed and self._until_owed_flush() <= (-self._owed_slack() if handled else 0.0):
+            self._flush_owed(self.leases.snapshot())
         return handled
 
     def _forget_lost(self, held: dict[int, int]) -> None:
@@ -491,6 +499,7 @@ class SinkRunner:
         """Write the read cursors that passed empty deltas: for a sink that skips most events (a
         projection), so that retention can delete what it passed; for all, so that a next owner does
         not read those deltas again. Deferred cursor writes (``_owed``) go with them."""
+        self._settle_pending()  # its cursors are among them: checked first, so that it lands as a batch
         self._flushed_at = time.monotonic()
         ahead = {b: c for b, c in self._ahead.items() if b in held}
         if ahead:
@@ -518,6 +527,36 @@ class SinkRunner:
                 if not self._ramp.get(b) and not (b in cp.resets and b in self._lapsed)
                 and now - self._written_at.get(b, -every) < every}
 
+    def _foldable(self, cp: Checkpoint) -> bool:
+        """Whether a delivered batch's checkpoint may wait for the runner's next read (``_BatchCommit.later``):
+        it only moves cursors, one per bucket it read past, and each of them may be written later (as in
+        ``_deferrable``, except that a write that is due waits for ``_flush_owed`` too)."""
+        if self.settings.cursor_flush_seconds <= 0 or not cp.moves_only or cp.advance.keys() != cp.fences.keys():
+            return False
+        return not any(self._ramp.get(b) or (b in cp.resets and b in self._lapsed) for b in cp.fences)
+
+    def _take_pending(self) -> Checkpoint | None:
+        """The checkpoint waiting for its fence check, taken, without the buckets this runner no longer holds
+        under its fences (lost meanwhile, and told so by whoever dropped them: that batch did not land)."""
+        cp, self._pending = self._pending, None
+        if cp is None:
+            return None
+        held = self.leases.snapshot()
+        kept = {b: f for b, f in cp.fences.items() if held.get(b) == f}
+        if kept != cp.fences:
+            cp.fences = kept
+            cp.advance = {b: c for b, c in cp.advance.items() if b in kept}
+            cp.defer &= kept.keys()
+            cp.delivered = [e for e in cp.delivered if e.bucket in kept]
+        return cp if kept else None
+
+    def _settle_pending(self) -> None:
+        """Check the waiting checkpoint's fence with a statement of its own (the read-only ``advance``):
+        before anything else writes its buckets' cursors, and when the runner lets its buckets go."""
+        cp = self._take_pending()
+        if cp is not None:
+            self._landed(cp, self._checkpoint(cp, None))
+
     def _until_owed_flush(self) -> float:
         """Seconds until the oldest deferred cursor write is due (inf: none is owed)."""
         if not self._owed:
@@ -525,8 +564,12 @@ class SinkRunner:
         oldest = min(self._written_at.get(b, 0.0) for b in self._owed)
         return oldest + self.settings.cursor_flush_seconds - time.monotonic()
 
+    def _owed_slack(self) -> float:
+        return min(OWED_BUSY_SLACK_SECONDS, self.settings.cursor_flush_seconds)
+
     def _flush_owed(self, held: dict[int, int]) -> None:
         """Write the deferred cursors that are due (one statement for all of them)."""
+        self._settle_pending()
         now = time.monotonic()
         every = self.settings.cursor_flush_seconds
         due = {b: self._ahead[b] for b in self._owed
@@ -545,7 +588,7 @@ class SinkRunner:
         if not surplus and (self.draining.is_set() or desired <= held.keys()):
             return  # the usual cycle: nothing to hand over or take
         if surplus:
-            self._flush_ahead(surplus)
+            self._flush_ahead(surplus)  # after the waiting fence check, if any (``_settle_pending``)
         # One connection at a time per thread (the pool may hold just one): nothing below checks out another.
         with self.pool.connection() as conn:
             if surplus:
@@ -634,26 +677,51 @@ class SinkRunner:
         return max(MIN_BUCKET_LIMIT, self.settings.batch_size // max(1, buckets))
 
     def _limits(self, held: dict[int, int]) -> dict[int, int]:
+        if not held:
+            return {}
         self._rotation = (self._rotation + 1) % len(held)
         return read_limits(held, self._saturated, self.settings.batch_size, self._rotation)
 
     def _deliver_new(self, held: dict[int, int]) -> int:
+        # The previous batch's fence check, if it waits (``_BatchCommit.later``): this read does it. A read
+        # that fails puts it back.
+        pending = self._take_pending()
         # Read the buckets notifications named (and those whose last read was full); every held bucket
-        # now and then, and always while notifications do not reach this relay.
+        # now and then, and always while notifications do not reach this relay. The waiting batch's other
+        # buckets are only checked (limit 0: their fence, not their delta).
         hinted = self.hints.take()
         now = time.monotonic()
+        checks: set[int] = set()
         if hinted is None or now >= self._full_read_at or not self.listening():
             self._full_read_at = now + self._idle_poll()
         else:
-            held = {b: f for b, f in held.items() if b in hinted or b in self._saturated}
-            if not held:
+            wanted = {b: f for b, f in held.items() if b in hinted or b in self._saturated}
+            if pending is not None:
+                checks = {b for b in pending.fences if b in held and b not in wanted}
+            if not wanted and not checks:
+                self._pending = pending
                 return 0
-        with self.pool.connection() as conn:
-            self._same_server(conn)
-            reads = {b: (limit, self._read_cursor(b)) for b, limit in self._limits(held).items()}
-            read_at = time.monotonic()
-            read = store.fetch_events(conn, self.sink.name, self.worker, reads, self.sink.event_filter,
-                                      formatted=self._formatted)
+            held = {**wanted, **{b: held[b] for b in checks}}
+        try:
+            with self.pool.connection() as conn:
+                if not self._same_server(conn):
+                    pending = None  # its cursors were dropped with the others: its events are read again
+                limits = self._limits({b: f for b, f in held.items() if b not in checks})
+                reads = {b: (limit, self._read_cursor(b)) for b, limit in limits.items()}
+                reads.update((b, (0, self._read_cursor(b))) for b in checks)
+                read_at = time.monotonic()
+                read = store.fetch_events(conn, self.sink.name, self.worker, reads, self.sink.event_filter,
+                                          formatted=self._formatted, fences=held)
+        except BaseException:
+            if pending is not None and self._pending is None:
+                self._pending = pending
+            raise
+        if pending is not None:  # landed where the read found the fence held, before the read moves cursors
+            pending.landed_at = read.checked_at
+            self._landed(pending, set(pending.fences) & read.held)
+        lost = reads.keys() - read.held
+        if lost:  # fenced out (a new owner or fence, or the lease ran out): nothing of them was read
+            self._lose(lost, held)
         self._snapshots.taken(read.now, read_at)
         # A delta: not visible in the cursor's snapshot, so committed after it was taken (once per bucket).
         unseen = {b: self._snapshots.at(cursor.seen) for b, (_, cursor) in reads.items()}
@@ -664,9 +732,10 @@ class SinkRunner:
         # pages against an older snapshot (their cursor's target). A commit after that target is not in
         # those pages, and its wake-up may have been used up by one of them.
         self._saturated = {b for b, evs in by_bucket.items() if len(evs) >= reads[b][0]} | {
-            b for b, (_, cursor) in reads.items() if cursor.target is not None}
-        for b, (_, cursor) in reads.items():
-            if b not in by_bucket:  # an empty delta (or only events the sink does not want): move on
+            b for b, (_, cursor) in reads.items() if cursor.target is not None and b in read.held}
+        for b, (limit, cursor) in reads.items():
+            # An empty delta (or only events the sink does not want): move on. Not a bucket only checked.
+            if b not in by_bucket and b in read.held and limit:
                 moved = cursor.after_read(read.now, None, full=False)
                 if moved != cursor:
                     self._ahead[b] = moved
@@ -718,7 +787,7 @@ class SinkRunner:
                 log.warning("sink %s: a batch failed as a whole (%s); delivering buckets %s one event at a time "
                             "to find the event that causes it", self.sink.name, describe_error(exc), sorted(fences))
             raise
-        if commit.checkpoint is not None:
+        if commit.checkpoint is not None and not commit.waits:  # a waiting one lands with the next read
             self._landed(commit.checkpoint, ok)
         return ok
 
@@ -732,7 +801,7 @@ class SinkRunner:
         with self.pool.connection() as conn:
             parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1)
             read = store.fetch_events(conn, self.sink.name, self.worker, {bucket: (size, cursor)},
-                                      self.sink.event_filter, formatted=self._formatted)
+                                      self.sink.event_filter, formatted=self._formatted, fences={bucket: fence})
         new = read.events
         if not parked and not new:
             return self._probe_idle(bucket, fence, cursor.after_read(read.now, None, full=False))
@@ -756,7 +825,7 @@ class SinkRunner:
                 events = store.fetch_parked(conn, self.sink.name, [bucket], 1, 1)
                 read = None if events else store.fetch_events(
                     conn, self.sink.name, self.worker, {bucket: (1, cursor)}, self.sink.event_filter,
-                    formatted=self._formatted)
+                    formatted=self._formatted, fences=fences)
             if read is not None:
                 events = read.events
                 if not events:
@@ -868,6 +937,7 @@ class SinkRunner:
                         "cursors", self.sink.name, len(self._ahead))
         self._ahead.clear()
         self._owed.clear()
+        self._pending = None  # its cursors were among them: not landed, its events are read again
         return False
 
     def _require_same_server(self, conn: Conn) -> None:
@@ -879,13 +949,16 @@ class SinkRunner:
     def _fenced(self, cp: Checkpoint, ok: set[int], in_tx: bool) -> set[int]:
         lost = set(cp.fences) - ok
         if lost:
-            self.observer.leases(self.sink.name, lost=len(lost))
-            log.warning("sink %s: fenced out of %d buckets; their batch is discarded and will be redelivered "
-                        "by the new owner", self.sink.name, len(lost))
-            self.leases.drop(lost, cp.fences)
+            self._lose(lost, cp.fences)
             if in_tx:
                 raise LeaseLost(f"sink {self.sink.name}: lost buckets {sorted(lost)}")
         return ok
+
+    def _lose(self, lost: set[int], fences: dict[int, int]) -> None:
+        self.observer.leases(self.sink.name, lost=len(lost))
+        log.warning("sink %s: fenced out of %d buckets; their batch is discarded and will be redelivered "
+                    "by the new owner", self.sink.name, len(lost))
+        self.leases.drop(lost, fences)
 
     def _landed(self, cp: Checkpoint, ok: set[int]) -> None:
         now = time.monotonic()
@@ -968,6 +1041,7 @@ class _BatchCommit:
         self.advance = advance
         self.resets = resets
         self.checkpoint: Checkpoint | None = None  # what was written, once it was
+        self.waits = False  # its fence check waits for the runner's next read (``later``)
         # Where each bucket read past its cursor started (the runner's cursors change only when a
         # checkpoint lands), and the events ``partial`` already wrote.
         self.start = {b: runner._read_cursor(b) for b in advance}
@@ -1015,6 +1089,26 @@ class _BatchCommit:
         ok = self.runner._write(cp)
         self.settled.update(e.id for e in new if e.bucket in ok)
         return ok
+
+    def later(self, outcomes: Outcomes) -> set[int]:
+        """``self(outcomes, None)`` for a sink that has delivered already and acts on nothing the answer says
+        (the Kafka sink): a batch that only moves cursors, none of which must be written now, has its fence
+        checked by the runner's next read, which starts the next cycle, instead of a statement of its own
+        here. Returns the buckets it was read under; that read finds which held (``SinkRunner._pending``):
+        the others are let go, and this batch is discarded there (redelivered by the next owner, in order),
+        as a failed check is now. ``Observer.checkpointed`` comes with that read."""
+        r = self.runner
+        cp = self._plan(outcomes)
+        if not r._foldable(cp):
+            return self(outcomes, None)
+        r._settle_pending()  # never two waiting: the read of this batch took the previous one's
+        cp.lease_seconds = r.settings.lease_seconds
+        cp.defer = set(cp.advance)
+        r._ahead.update(cp.advance)  # the next read goes on from after this batch
+        r._pending = cp
+        self.checkpoint = cp
+        self.waits = True
+        return set(cp.fences)
 
     def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]:
         cp = self._plan(outcomes)

@@ -65,6 +65,11 @@ class Commit(Protocol):
     checkpoint commit together; if a bucket's fence did not hold, ``LeaseLost`` is raised
     inside that transaction so that it rolls back. Others pass None: they have delivered already, so
     the fence is checked now and the cursor row may be written later (``cursor_flush_seconds``).
+
+    The runner's commit also has ``partial(outcomes)`` (checkpoint what is settled of a long batch) and
+    ``later(outcomes)``: ``commit(outcomes, None)`` for a sink that acts on nothing the answer says (the
+    Kafka sink), whose fence check may then ride on the runner's next read; it returns the buckets the
+    batch was read under. Both are optional: look them up with ``getattr``.
     """
 
     def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]: ...

@@ -194,6 +194,12 @@ class Read:
 
     events: list[StoredEvent]
     now: Snapshot
+    # The buckets read that were still leased to the reader under the fences it named (owner, fence, lease
+    # not expired) when the read ran: the only ones it returned events of. A Kafka batch whose fence check
+    # rode on the read landed in these (relay.py ``SinkRunner._pending``), at ``checked_at`` (the
+    # database's clock).
+    held: frozenset[int] = frozenset()
+    checked_at: datetime | None = None
 
     def by_bucket(self) -> dict[int, list[StoredEvent]]:
         out: dict[int, list[StoredEvent]] = {}
@@ -209,13 +215,16 @@ _range_starts: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
 
 
 def fetch_params(sink: str, worker: str, reads: dict[int, tuple[int, Cursor]], wanted: EventFilter | None = None,
-                 *, formatted: bool = True) -> dict[str, Any]:
-    """The parameters of ``fetch_sql`` (tests and benches EXPLAIN the statement with them)."""
+                 *, formatted: bool = True, fences: dict[int, int] | None = None) -> dict[str, Any]:
+    """The parameters of ``fetch_sql`` (tests and benches EXPLAIN the statement with them). ``fences``: the
+    fence each bucket must still be leased under (None: any fence of the worker's unexpired lease, for
+    tools and tests that read as the owner; the relay always names them)."""
     buckets = list(reads)
     cursors = [reads[b][1].params() for b in buckets]
     return {"sink": sink, "worker": worker, "buckets": buckets, "limits": [reads[b][0] for b in buckets],
             "seen": [c[0] for c in cursors], "targets": [c[1] for c in cursors],
             "after_xids": [c[2] for c in cursors], "after_seqs": [c[3] for c in cursors],
+            "fences": [fences[b] for b in buckets] if fences is not None else [None] * len(buckets),
             "formatted": formatted, **(wanted or EventFilter()).params()}
 
 
@@ -275,18 +284,22 @@ def server_started(conn: Conn) -> datetime:
 
 
 def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int, Cursor]],
-                 wanted: EventFilter | None = None, *, formatted: bool = True) -> Read:
+                 wanted: EventFilter | None = None, *, formatted: bool = True,
+                 fences: dict[int, int] | None = None) -> Read:
     """Each bucket's delta from its cursor (positions.py), up to its limit: ``reads`` maps a bucket to
-    (limit, read cursor), in the order the buckets are to be read. Buckets ``worker`` does not hold
-    return nothing. ``formatted``: with the Kafka sink's ready-made header values (``id_text``, ...)."""
-    cur = conn.execute(fetch_sql(conn, reads), fetch_params(sink, worker, reads, wanted, formatted=formatted))
+    (limit, read cursor), in the order the buckets are to be read. Buckets ``worker`` does not hold (under
+    the bucket's fence in ``fences``, when given, with its lease not expired) return nothing, and are not in
+    ``Read.held``. ``formatted``: with the Kafka sink's ready-made header values (``id_text``, ...)."""
+    cur = conn.execute(fetch_sql(conn, reads),
+                       fetch_params(sink, worker, reads, wanted, formatted=formatted, fences=fences))
     rows = cur.fetchall()
     event, column = event_reader(cur)
-    now = Snapshot.parse(rows[-1][column["now"]])  # the last row always carries it
+    last = rows[-1]  # the last row always carries the snapshot, the buckets held and the time
     # Per bucket in (xid, seq) order: the delta's delivery order (positions.py). A row without an id
     # is the one that only carries the snapshot.
     events = sorted((event(r) for r in rows if r[column["id"]] is not None), key=_POSITION)
-    return Read(events, now)
+    return Read(events, Snapshot.parse(last[column["now"]]), frozenset(last[column["held"]] or ()),
+                last[column["checked_at"]])
 
 
 _POSITION = operator.attrgetter("bucket", "xid", "seq")

@@ -40,13 +40,17 @@ WHERE i.inhparent = 'outbox.events'::regclass;
 -- name: fetch_events
 -- Read each leased bucket's delta (positions.py): events of transactions visible in the bucket's target
 -- snapshot (the current one unless a delta is being read in pages) and not in the snapshot its cursor
--- has seen, in (xid, seq) order, after the last one delivered, up to a per-bucket limit.
+-- has seen, in (xid, seq) order, after the last one delivered, up to a per-bucket limit. Fenced like a
+-- checkpoint: only buckets still leased under the caller's fence, which the last row lists (the fence
+-- check of the caller's previous Kafka batch rides on this read: relay.py ``SinkRunner._pending``).
 WITH now AS (
     SELECT pg_current_snapshot() AS snapshot
 ),
-wanted AS (
+wanted AS MATERIALIZED (
     -- The buckets to read, in the caller's (rotating) order, each with its limit and read cursor (the
-    -- caller's: it may be ahead of the stored one), if the caller still holds the bucket's lease.
+    -- caller's: it may be ahead of the stored one), if the caller still holds the bucket's lease: its
+    -- owner, under the fence it names (NULL: any), not expired. Materialized: evaluated once, so the
+    -- buckets read are exactly the buckets the last row says were held.
     SELECT w.bucket, w.lim, w.seen::pg_snapshot AS seen, coalesce(w.target::pg_snapshot, n.snapshot) AS target,
            -- Where each half of the delta starts, as a (xid, seq) bound the index scans can start from:
            -- after the last event delivered, if it lies in that half.
@@ -59,9 +63,10 @@ wanted AS (
            ARRAY(SELECT x FROM pg_snapshot_xip(w.seen::pg_snapshot) AS x
                  WHERE pg_visible_in_snapshot(x, coalesce(w.target::pg_snapshot, n.snapshot))) AS committed_since
     FROM unnest(%(buckets)s::int[], %(limits)s::int[], %(seen)s::text[], %(targets)s::text[],
-                %(after_xids)s::text[], %(after_seqs)s::bigint[])
-         AS w(bucket, lim, seen, target, after_xid, after_seq)
+                %(after_xids)s::text[], %(after_seqs)s::bigint[], %(fences)s::bigint[])
+         AS w(bucket, lim, seen, target, after_xid, after_seq, fence)
     JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = w.bucket AND c.owner = %(worker)s
+                         AND c.fence = coalesce(w.fence, c.fence) AND c.lease_expires_at > clock_timestamp()
     CROSS JOIN now n
 ),
 blocked AS (
@@ -85,7 +90,8 @@ SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.top
                                             'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') END AS time_text,
        CASE WHEN %(formatted)s THEN lpad(e.xid::text, 20, '0') || '-' || lpad(e.seq::text, 20, '0') END
            AS sequence_text,
-       (SELECT snapshot::text FROM now) AS now, e.created_at AS stored_at, e.schema_version AS version
+       (SELECT snapshot::text FROM now) AS now, e.created_at AS stored_at, e.schema_version AS version,
+       NULL::int[] AS held, NULL::timestamptz AS checked_at
 FROM wanted w
 CROSS JOIN LATERAL (
     SELECT d.*
@@ -132,9 +138,10 @@ CROSS JOIN LATERAL (
     LIMIT w.lim
 ) e
 UNION ALL
--- One row carrying the current snapshot even when no bucket has anything to read.
+-- One row carrying the current snapshot even when no bucket has anything to read, the buckets that were
+-- held (read), and when (the database's clock: a batch whose check rode on this read landed then).
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       (SELECT snapshot::text FROM now), NULL, NULL;
+       (SELECT snapshot::text FROM now), NULL, NULL, ARRAY(SELECT bucket FROM wanted), clock_timestamp();
 
 -- name: fetch_parked
 -- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it;

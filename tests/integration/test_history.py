@@ -198,7 +198,8 @@ def _migrate_to(dsn: str, version: int) -> None:
 
 def version_12_fetch() -> str:
     """The relay's read as schema version 12 shipped it: today's fetch_events without the xid bounds 0014
-    wrote out for partition pruning and the partition floor added after it (the only changes since)."""
+    wrote out for partition pruning and the partition floor added after it (the changes of the schema
+    since; the fence and lease check, the ``fences`` parameter and the last row's columns are the code's)."""
     text = (sql_dir() / "queries" / "relay.sql").read_text()
     block = text[text.index("-- name: fetch_events"):text.index("-- name: fetch_parked")]
     lines = block.splitlines()
@@ -273,7 +274,8 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
             params = {"sink": "old", "worker": "w", "buckets": [bucket], "limits": [1000], "seen": [origin[0]],
                       "targets": [origin[1]], "after_xids": [origin[2]], "after_seqs": [origin[3]],
                       "types": None, "topics": None,
-                      "formatted": True}  # a later, read-only parameter (Kafka header columns or not)
+                      "formatted": True,  # a later, read-only parameter (Kafka header columns or not)
+                      "fences": [None]}  # a later one too (None: any fence of the worker's lease)
             old = [r[3] for r in conn.execute(version_12_fetch(), params).fetchall() if r[3] is not None]
             new = [e.id for e in store.fetch_events(conn, "old", "w", {bucket: (1000, Cursor.at((0, 0)))}).events]
             assert old and old == new, "the old read finds the bucket's events across the legacy and new partitions"

@@ -1,0 +1,189 @@
+"""A Kafka batch's fence check rides on the runner's next read (issue 14, goal 5): the cycle after a
+batch starts as soon as the broker acknowledged it, and the read that starts it is fenced like a
+checkpoint (owner, fence, lease not expired), so a relay that lost a bucket produces nothing more of
+it (G5) and the batch whose check failed is discarded (its read cursor with it: the next owner sends
+it again, in order, G6). Real PostgreSQL, real broker (Tansu), the real Kafka sink.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import ConnectionPool
+
+from outbox_relay import store
+from outbox_relay.kafka_sink import KafkaSink
+from outbox_relay.observer import Observer
+from outbox_relay.relay import SinkRunner
+from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
+    cursor_row,
+    keys_in_bucket,
+    make_settings,
+    pool_fixture,
+    publish,
+    run_until,
+    runner_for,
+)
+from tests.servers import consume_all
+
+KAFKA = "kafka"
+BUCKET, OTHER = 41, 42
+
+
+class Checkpoints(Observer):
+    """The events ``Observer.checkpointed`` was told of, in order."""
+
+    def __init__(self) -> None:
+        self.delivered: list[uuid.UUID] = []
+
+    def checkpointed(self, sink: str, *, delivered: Sequence[uuid.UUID], dead: Sequence[uuid.UUID]) -> None:
+        self.delivered.extend(delivered)
+
+
+@pytest.fixture
+def kafka_sink(kafka_bootstrap: str, kafka_topic: str) -> Iterator[KafkaSink]:
+    sink = KafkaSink(KAFKA, {"bootstrap.servers": kafka_bootstrap}, kafka_topic, "urn:outbox-relay:test")
+    try:
+        yield sink
+    finally:
+        sink.close()
+
+
+def kafka_runner(dsn: str, pool: ConnectionPool[Any], sink: KafkaSink, buckets: set[int]) -> tuple[
+        SinkRunner, Checkpoints]:
+    # Deferred cursor writes (the default is 5 s; the tests' helper writes every batch unless told).
+    runner = runner_for(sink, pool, make_settings(dsn, "relay-a", cursor_flush_seconds=60.0), buckets)
+    seen = Checkpoints()
+    runner.observer = seen
+    runner.run_once()  # acquires the leases
+    assert runner.leases.snapshot().keys() == buckets
+    return runner, seen
+
+
+def counting_checkpoints(monkeypatch: pytest.MonkeyPatch) -> list[store.Checkpoint]:
+    """Every checkpoint statement the runner runs (``store.checkpoint``: the fence check of a batch of
+    its own, cursor writes), recorded as it goes to the real database."""
+    calls: list[store.Checkpoint] = []
+    real = store.checkpoint
+
+    def recording(conn: Any, sink: str, worker: str, cp: store.Checkpoint) -> set[int]:
+        calls.append(cp)
+        return real(conn, sink, worker, cp)
+
+    monkeypatch.setattr(store, "checkpoint", recording)
+    return calls
+
+
+def test_a_batch_lands_with_the_next_read_without_a_statement_of_its_own(
+        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each batch is checked by the read that starts the next cycle, also when that read is for other
+    buckets (a notification named only those): the batch's buckets are read with it."""
+    runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET, OTHER})
+    checkpoints = counting_checkpoints(monkeypatch)
+    reads: list[set[int]] = []
+    real_fetch = store.fetch_events
+
+    def fetch(conn: Any, sink: str, worker: str, wanted: dict[int, Any], *args: Any, **kwargs: Any) -> Any:
+        reads.append(set(wanted))
+        return real_fetch(conn, sink, worker, wanted, *args, **kwargs)
+
+    monkeypatch.setattr(store, "fetch_events", fetch)
+    runner.listening = lambda: True  # notifications reach it: it reads the buckets they name ...
+    runner._full_read_at = time.monotonic() + 600  # ... and no full read comes in this test
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    [other_key] = keys_in_bucket(dsn, OTHER, 1)
+
+    first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
+    runner.hints.add({BUCKET})
+    assert runner.run_once() == 1
+    assert seen.delivered == [], "not landed yet: its fence check waits for the next read"
+
+    second = publish(dsn, [(other_key, "t", {"n": 2})], topic=kafka_topic)
+    runner.hints.add({OTHER})
+    reads.clear()
+    assert runner.run_once() == 1
+    assert reads and BUCKET in reads[0] and OTHER in reads[0], "the waiting check's bucket is read too"
+    assert seen.delivered == first, "the first batch landed with that read"
+
+    assert runner.run_once() == 0  # nothing new: the read finds nothing, and lands the second batch
+    assert seen.delivered == [*first, *second]
+    assert checkpoints == [], "no batch ran a statement of its own"
+    got = consume_all(kafka_bootstrap, kafka_topic, 2, timeout=20, settle=0.3)
+    assert sorted(m.headers["ce_id"] for m in got) == sorted(str(i) for i in [*first, *second])
+
+
+def _lose(dsn: str, how: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if how == "taken over":  # another relay acquired it (a new fence, its lease)
+            conn.execute("UPDATE outbox.cursors SET owner = 'relay-b', fence = fence + 1, "
+                         "lease_expires_at = clock_timestamp() + interval '60 s' WHERE sink = %s AND bucket = %s",
+                         (KAFKA, BUCKET))
+        elif how == "fence bumped":  # e.g. an operator's keys skip, or this relay's own re-acquisition
+            conn.execute("UPDATE outbox.cursors SET fence = fence + 1 WHERE sink = %s AND bucket = %s",
+                         (KAFKA, BUCKET))
+        else:  # the lease ran out (a stalled relay); nobody took it yet
+            conn.execute("UPDATE outbox.cursors SET lease_expires_at = clock_timestamp() - interval '1 ms' "
+                         "WHERE sink = %s AND bucket = %s", (KAFKA, BUCKET))
+
+
+@pytest.mark.parametrize("how", ["taken over", "fence bumped", "lease expired"])
+def test_a_relay_that_lost_a_bucket_after_a_batch_produces_nothing_more_of_it(
+        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink,
+        how: str) -> None:
+    """G5 with the folded check: the bucket is lost between a batch's acks and the next read. That read
+    returns nothing of the bucket, the relay lets it go, and the batch does not land (its check failed):
+    nothing more of the bucket goes out under the lost fence, and nothing of it counts as done."""
+    runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET})
+    fence = cursor_row(dsn, BUCKET, KAFKA)["fence"]
+    before = cursor_row(dsn, BUCKET, KAFKA)["cursor"]
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
+    assert runner.run_once() == 1  # produced and acknowledged; its fence check waits
+    _lose(dsn, how)
+    later = publish(dsn, [(key, "t", {"n": 2})], topic=kafka_topic)
+    assert runner.run_once() == 0, "the read returned nothing of the lost bucket"
+    assert BUCKET not in runner.leases.snapshot(), "the relay let the bucket go"
+    assert seen.delivered == [], "the batch whose check failed did not land"
+    assert runner._pending is None and BUCKET not in runner._owed
+    messages = consume_all(kafka_bootstrap, kafka_topic, 1, timeout=20, settle=1.0)
+    assert [m.headers["ce_id"] for m in messages] == [str(first[0])], "nothing of the bucket after the loss"
+    assert messages[0].headers["outbox_fence"] == str(fence)
+    assert str(later[0]) not in {m.headers["ce_id"] for m in messages}
+    row = cursor_row(dsn, BUCKET, KAFKA)
+    assert row["cursor"] == before, "the lost bucket's cursor was not written"
+    if how != "taken over":  # it may take the bucket back, under a new fence: from the stored cursor, in order
+        run_until(runner, lambda: seen.delivered == [*first, *later])
+        again = consume_all(kafka_bootstrap, kafka_topic, 3, timeout=20, settle=0.5)
+        newer = [m for m in again if m.headers["outbox_fence"] != str(fence)]
+        assert [m.headers["ce_id"] for m in newer] == [str(first[0]), str(later[0])]
+        assert {int(m.headers["outbox_fence"]) for m in newer} == {row["fence"] + 1}
+
+
+def test_a_bucket_only_checked_keeps_its_cursor_for_the_read_that_finds_its_events(
+        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink) -> None:
+    """G3: the read that checks a waiting batch's bucket nothing named since (limit 0) does not read its
+    delta, so it must not move its read cursor past it: an event there whose wake-up went missing is
+    delivered by the next full read, after the events before it."""
+    runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET, OTHER})
+    runner.listening = lambda: True
+    runner._full_read_at = time.monotonic() + 600
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    [other_key] = keys_in_bucket(dsn, OTHER, 1)
+    first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
+    runner.hints.add({BUCKET})
+    assert runner.run_once() == 1
+    unnamed = publish(dsn, [(key, "t", {"n": 2})], topic=kafka_topic)  # its wake-up is lost
+    other = publish(dsn, [(other_key, "t", {"n": 3})], topic=kafka_topic)
+    runner.hints.add({OTHER})
+    assert runner.run_once() == 1, "OTHER's event; BUCKET only checked"
+    assert seen.delivered == first
+    runner._full_read_at = 0.0  # the safety net: every held bucket is read
+    run_until(runner, lambda: set(seen.delivered) == {*first, *other, *unnamed})
+    messages = consume_all(kafka_bootstrap, kafka_topic, 3, timeout=20, settle=0.3)
+    assert [m.headers["ce_id"] for m in messages if m.key == key] == [str(first[0]), str(unnamed[0])]
