@@ -333,6 +333,7 @@ class SinkRunner:
         # acquired with lapses counted, written at once until a reset lands.
         self._written_at: dict[int, float] = {}
         self._owed: set[int] = set()
+        self._owed_oldest: float | None = None  # min of ``_written_at`` over ``_owed``; None: to be computed
         self._lapsed: set[int] = set()
         self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
         # A delivered Kafka batch's checkpoint whose fence check rides on the next read (``_BatchCommit.later``):
@@ -465,6 +466,7 @@ class SinkRunner:
             self._ahead.pop(b, None)
             self._written_at.pop(b, None)
             self._owed.discard(b)
+            self._owed_oldest = None
             self._lapsed.discard(b)
         for b in set(self._reads) - held.keys():
             del self._reads[b]
@@ -561,8 +563,9 @@ class SinkRunner:
         """Seconds until the oldest deferred cursor write is due (inf: none is owed)."""
         if not self._owed:
             return float("inf")
-        oldest = min(self._written_at.get(b, 0.0) for b in self._owed)
-        return oldest + self.settings.cursor_flush_seconds - time.monotonic()
+        if self._owed_oldest is None:  # once per write of an owed cursor, not per cycle
+            self._owed_oldest = min(self._written_at.get(b, 0.0) for b in self._owed)
+        return self._owed_oldest + self.settings.cursor_flush_seconds - time.monotonic()
 
     def _owed_slack(self) -> float:
         return min(OWED_BUSY_SLACK_SECONDS, self.settings.cursor_flush_seconds)
@@ -613,6 +616,7 @@ class SinkRunner:
                     for b, a in acquired.items():
                         self._ahead.pop(b, None)
                         self._owed.discard(b)
+                        self._owed_oldest = None
                         self._written_at[b] = at
                         if a.lapses:
                             self._lapsed.add(b)
@@ -937,6 +941,7 @@ class SinkRunner:
                         "cursors", self.sink.name, len(self._ahead))
         self._ahead.clear()
         self._owed.clear()
+        self._owed_oldest = None
         self._pending = None  # its cursors were among them: not landed, its events are read again
         return False
 
@@ -967,11 +972,14 @@ class SinkRunner:
                 continue
             if b in cp.defer:  # fenced, not written: the read cursor moves, the row waits (``_flush_owed``)
                 self._ahead[b] = cursor
+                if b not in self._owed and self._owed_oldest is not None:
+                    self._owed_oldest = min(self._owed_oldest, self._written_at.get(b, 0.0))
                 self._owed.add(b)
             else:
                 self._cursors[b] = cursor
                 self._ahead.pop(b, None)
                 self._owed.discard(b)
+                self._owed_oldest = None
                 self._written_at[b] = now
         self._lapsed -= (cp.resets & ok) - cp.defer  # their lapses are 0 in the row now
         if cp.park:
