@@ -20,6 +20,7 @@ from outbox_relay import store
 from outbox_relay.kafka_sink import KafkaSink
 from outbox_relay.observer import Observer
 from outbox_relay.relay import SinkRunner
+from outbox_relay.worker import _configure
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,
     keys_in_bucket,
@@ -29,7 +30,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     run_until,
     runner_for,
 )
-from tests.servers import consume_all
+from tests.integration.test_cursor_writes import durable_crashes  # noqa: F401  (a fixture)
+from tests.servers import PgServer, consume_all
 
 KAFKA = "kafka"
 BUCKET, OTHER = 41, 42
@@ -187,3 +189,26 @@ def test_a_bucket_only_checked_keeps_its_cursor_for_the_read_that_finds_its_even
     run_until(runner, lambda: set(seen.delivered) == {*first, *other, *unnamed})
     messages = consume_all(kafka_bootstrap, kafka_topic, 3, timeout=20, settle=0.3)
     assert [m.headers["ce_id"] for m in messages if m.key == key] == [str(first[0]), str(unnamed[0])]
+
+
+def test_a_batch_waiting_for_its_check_is_read_again_after_a_database_crash_restart(
+        dsn: str, durable_crashes: PgServer,  # noqa: F811  (the fixture imported above)
+        kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink) -> None:
+    """G3/G6: a crash restart can hand out again transaction ids a snapshot had counted as seen, so the
+    waiting batch's cursor (held in memory only) is dropped with the others when the next read finds a
+    new server: that batch does not land, and its bucket is read again from the written cursor (its
+    events sent again, in order: duplicates, never a gap)."""
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    with ConnectionPool(dsn, min_size=1, max_size=4, configure=_configure, kwargs={"autocommit": True}) as pool:
+        runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET})
+        first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
+        assert runner.run_once() == 1
+        assert runner._pending is not None, "its fence check waits for the next read"
+        durable_crashes.stop("immediate")  # type: ignore[call-arg]  (EmbeddedPg: a crash)
+        durable_crashes.start()
+        pool.check()  # the pool drops the connections the restart closed
+        later = publish(dsn, [(key, "t", {"n": 2})], topic=kafka_topic)
+        run_until(runner, lambda: later[0] in seen.delivered, timeout=20)
+        assert seen.delivered == [*first, *later], "told once, with the read again; the batch that waited never landed"
+        messages = consume_all(kafka_bootstrap, kafka_topic, 3, timeout=20, settle=0.3)
+        assert [m.headers["ce_id"] for m in messages] == [str(first[0]), str(first[0]), str(later[0])]
