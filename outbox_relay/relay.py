@@ -455,9 +455,9 @@ class SinkRunner:
                 handled += self._retry_parked(normal)
             handled += self._deliver_new(normal)
         if self._ahead and time.monotonic() - self._flushed_at >= self._flush_every():
-            self._flush_ahead(self.leases.snapshot())  # not the buckets this cycle found lost
+            self._flush_ahead(held)
         elif self._owed and self._until_owed_flush() <= (-self._owed_slack() if handled else 0.0):
-            self._flush_owed(self.leases.snapshot())
+            self._flush_owed(held)
         return handled
 
     def _forget_lost(self, held: dict[int, int]) -> None:
@@ -502,6 +502,7 @@ class SinkRunner:
         projection), so that retention can delete what it passed; for all, so that a next owner does
         not read those deltas again. Deferred cursor writes (``_owed``) go with them."""
         self._settle_pending()  # its cursors are among them: checked first, so that it lands as a batch
+        held = self._still_held(held)
         self._flushed_at = time.monotonic()
         ahead = {b: c for b, c in self._ahead.items() if b in held}
         if ahead:
@@ -552,6 +553,11 @@ class SinkRunner:
             cp.delivered = [e for e in cp.delivered if e.bucket in kept]
         return cp if kept else None
 
+    def _still_held(self, held: dict[int, int]) -> dict[int, int]:
+        """``held`` without what a check since found lost (it is told once, not by every write after it)."""
+        now = self.leases.snapshot()
+        return {b: f for b, f in held.items() if now.get(b) == f}
+
     def _settle_pending(self) -> None:
         """Check the waiting checkpoint's fence with a statement of its own (the read-only ``advance``):
         before anything else writes its buckets' cursors, and when the runner lets its buckets go."""
@@ -573,6 +579,7 @@ class SinkRunner:
     def _flush_owed(self, held: dict[int, int]) -> None:
         """Write the deferred cursors that are due (one statement for all of them)."""
         self._settle_pending()
+        held = self._still_held(held)
         now = time.monotonic()
         every = self.settings.cursor_flush_seconds
         due = {b: self._ahead[b] for b in self._owed
