@@ -273,6 +273,35 @@ CREATE FUNCTION outbox.bucket_has_work_v2(sink text, bucket integer, snapshot pg
                      AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
                                      WHERE k.sink = p.sink AND k.partition_key = p.partition_key));
 
+-- 0016: the same answer, with the events probe planned per call for the partitions from the snapshot's
+-- xmin on only (v2's plan covered every xid range: a lock per partition and index). v2 stays for relays
+-- of version 15.
+CREATE FUNCTION outbox.bucket_has_work_v3(sink text, bucket integer, snapshot pg_snapshot, target pg_snapshot,
+                                          after_xid xid8, after_seq bigint)
+    RETURNS boolean
+    LANGUAGE plpgsql STABLE PARALLEL SAFE AS $$
+DECLARE
+    found boolean;
+BEGIN
+    -- The two halves of a delta: transactions open at the cursor's snapshot, and later ones; none is older
+    -- than its xmin. Planned here, for this call, with the xmin a literal: a parameter (or a plan cached
+    -- for any value) would plan, lock and start a probe of every xid range.
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM outbox.events e '
+                   'WHERE e.bucket = $1 AND e.xid >= %L::xid8 '
+                   'AND (e.xid >= pg_snapshot_xmax($2) OR e.xid IN (SELECT pg_snapshot_xip($2))) '
+                   'AND NOT outbox.delivered_v1(e.xid, e.seq, $2, $3, $4, $5))',
+                   pg_snapshot_xmin(snapshot))
+        INTO found
+        USING bucket, snapshot, target, after_xid, after_seq;
+    RETURN found
+        OR EXISTS (SELECT 1 FROM outbox.parked p
+                   WHERE p.sink = bucket_has_work_v3.sink AND p.bucket = bucket_has_work_v3.bucket
+                     AND p.available_at <= clock_timestamp()
+                     AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
+                                     WHERE k.sink = p.sink AND k.partition_key = p.partition_key));
+END
+$$;
+
 -- 0003_rebuilds: projection rebuilds in progress (see the migration for the design).
 CREATE TABLE outbox.rebuilds (
     projection    text        NOT NULL,
@@ -964,4 +993,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (12, 'event_versions', NULL),
     (13, 'sink_kinds', NULL),
     (14, 'partitioned_history', NULL),
-    (15, 'history_per_class', NULL);
+    (15, 'history_per_class', NULL),
+    (16, 'lapse_check_pruned', NULL);
