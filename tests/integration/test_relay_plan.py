@@ -303,8 +303,8 @@ def test_a_lapse_check_locks_only_the_partitions_from_its_cursors_snapshots(dsn:
         assert row is not None
         new = int(row[0])
         done = LEASED[::2]  # these cursors delivered everything: no work, no lapse
-        conn.execute("UPDATE outbox.cursors SET snapshot = (CASE WHEN bucket = ANY(%s) THEN %s ELSE %s END)::pg_snapshot "
-                     "WHERE sink = %s", (done, f"{new + 1}:{new + 1}:", f"{new}:{new}:", SINK))
+        conn.execute("UPDATE outbox.cursors SET snapshot = (CASE WHEN bucket = ANY(%s) THEN %s ELSE %s END)"
+                     "::pg_snapshot WHERE sink = %s", (done, f"{new + 1}:{new + 1}:", f"{new}:{new}:", SINK))
         conn.execute("UPDATE outbox.cursors SET lease_expires_at = clock_timestamp() - interval '1 second' "
                      "WHERE sink = %s AND owner = 'w'", (SINK,))
         v2 = dict(conn.execute("SELECT bucket, outbox.bucket_has_work_v2(sink, bucket, snapshot, target, after_xid, "
