@@ -163,7 +163,7 @@ CREATE TABLE outbox.cursors (
     fence            bigint      NOT NULL DEFAULT 0,
     lease_expires_at timestamptz,
     -- Leases lost (expired, or freed from a dead owner) while the bucket had work
-    -- (bucket_has_work_v2); reset once the bucket delivers normal batches again. Drives crash-loop
+    -- (bucket_has_work_v3); reset once the bucket delivers normal batches again. Drives crash-loop
     -- isolation of a poison event (max_lapses: its events are then probed one at a time).
     lapses           integer     NOT NULL DEFAULT 0,
     advanced_at      timestamptz,
@@ -224,8 +224,8 @@ CREATE INDEX dead_letters_key ON outbox.dead_letters (sink, partition_key);
 CREATE INDEX dead_letters_position ON outbox.dead_letters (bucket, xid, seq);
 
 -- 0008_paused_keys: keys an operator holds for one sink (outbox-relay keys pause); the relay parks
--- their events and retries none of them until resumed (see the migration). bucket_has_work_v2 below
--- ignores their parked events (its body names this table, so it comes first).
+-- their events and retries none of them until resumed (see the migration). bucket_has_work_v2 and v3 below
+-- ignore their parked events (their bodies name this table, so it comes first).
 CREATE TABLE outbox.paused_keys (
     sink          text        NOT NULL,
     partition_key text        NOT NULL,
