@@ -16,7 +16,7 @@ from .dsn import describe_error
 from .errors import ConfigurationError
 from .housekeeping import application_name
 from .kafka_sink import KafkaSink
-from .observer import NULL_OBSERVER, Observer, Observers
+from .observer import NULL_OBSERVER, Observer, Observers, guarded
 from .settings import RelaySettings
 from .sink import Sink
 from .sink_adapter import EventSinkAdapter
@@ -143,7 +143,7 @@ def build_worker(settings: RelaySettings, sinks: Sequence[object] = (), observer
     if observer is not None:
         observers.append(observer)
     observer = observers[0] if len(observers) == 1 else Observers(*observers) if observers else NULL_OBSERVER
-    made = default_sinks(settings, observer, sinks)
+    made = default_sinks(settings, guarded(observer), sinks)  # a hook that raises is logged, not the sink's failure
     worker = Worker(settings, made, observer)
     if metrics is not None and settings.metrics_port is not None:
         from .metrics import MetricsServer

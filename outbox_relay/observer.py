@@ -4,13 +4,16 @@ The engine calls an ``Observer``; it never imports a metrics or tracing library.
 nothing. ``metrics.PrometheusObserver`` turns the calls into Prometheus metrics (``outbox-relay run
 --metrics-port``), ``tracing.TracingObserver`` into OpenTelemetry spans (``--tracing``); ``Observers``
 hands every call to several. Calls come from several threads (a runner per sink, membership,
-housekeeping), so an implementation must be thread-safe; each call is cheap and never raises into the
-engine.
+housekeeping), so an implementation must be thread-safe and each call cheap. The engine calls its
+observer through ``guarded``: a hook that raises is logged (once a minute per hook) and the work goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -21,6 +24,11 @@ if TYPE_CHECKING:
     from .store import Checkpoint, StoredEvent
 
 HandlerT = TypeVar("HandlerT", bound=Callable[..., Any])
+
+log = logging.getLogger("outbox_relay.observer")
+
+# A hook that keeps raising is logged once per this many seconds (tests shrink it).
+FAILURE_LOG_SECONDS = 60.0
 
 
 class Delivery:
@@ -96,10 +104,11 @@ NULL_OBSERVER = Observer()
 
 
 class Observers(Observer):
-    """Several observers as one (metrics and tracing), called in the order given."""
+    """Several observers as one (metrics and tracing), called in the order given, each ``guarded``: one
+    that raises keeps none of the others from its call."""
 
     def __init__(self, *observers: Observer) -> None:
-        self.observers = observers
+        self.observers = tuple(guarded(o) for o in observers)
 
     def batch(self, sink: str, *, size: int, delivered: int, retried: int, dead: int,
               latencies: Sequence[float]) -> None:
@@ -157,3 +166,140 @@ class _Deliveries(Delivery):
     def landed(self, checkpoint: Checkpoint | None, buckets: set[int]) -> None:
         for d in self.deliveries:
             d.landed(checkpoint, buckets)
+
+
+class Guarded(Observer):
+    """``observer`` with every hook guarded: one that raises is logged, with its traceback, at most once per
+    FAILURE_LOG_SECONDS per hook (with how often it raised since), and the engine goes on. Unguarded, the
+    exception failed the runner's cycle after its checkpoint had landed, and the cycle's backoff slowed
+    every batch. ``Observer.delivering`` scopes see the batch's exception as before and can not swallow it;
+    a ``handler`` wrapper is the handler's own code once made (what it raises is the handler's)."""
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+        self._lock = threading.Lock()
+        self._failures: dict[str, tuple[float, int]] = {}  # hook -> (when last logged, raised since then)
+
+    def __repr__(self) -> str:
+        return f"Guarded({self.observer!r})"
+
+    def _failed(self, hook: str) -> None:
+        """Called in the ``except`` block of a hook that raised."""
+        now = time.monotonic()
+        with self._lock:
+            logged, since = self._failures.get(hook, (-FAILURE_LOG_SECONDS, 0))
+            if now - logged < FAILURE_LOG_SECONDS:
+                self._failures[hook] = (logged, since + 1)
+                return
+            self._failures[hook] = (now, 0)
+        log.error("observer %s: %s raised (%d more times since it was last logged); the relay goes on and "
+                  "logs this at most once every %gs", type(self.observer).__name__, hook, since,
+                  FAILURE_LOG_SECONDS, exc_info=True)
+
+    def batch(self, sink: str, *, size: int, delivered: int, retried: int, dead: int,
+              latencies: Sequence[float]) -> None:
+        try:
+            self.observer.batch(sink, size=size, delivered=delivered, retried=retried, dead=dead, latencies=latencies)
+        except Exception:
+            self._failed("batch")
+
+    def ages(self, sink: str, seconds: Sequence[float]) -> None:
+        try:
+            self.observer.ages(sink, seconds)
+        except Exception:
+            self._failed("ages")
+
+    def checkpointed(self, sink: str, *, delivered: Sequence[uuid.UUID], dead: Sequence[uuid.UUID]) -> None:
+        try:
+            self.observer.checkpointed(sink, delivered=delivered, dead=dead)
+        except Exception:
+            self._failed("checkpointed")
+
+    def acknowledged(self, sink: str, event_ids: Sequence[uuid.UUID]) -> None:
+        try:
+            self.observer.acknowledged(sink, event_ids)
+        except Exception:
+            self._failed("acknowledged")
+
+    def held(self, sink: str, events: int) -> None:
+        try:
+            self.observer.held(sink, events)
+        except Exception:
+            self._failed("held")
+
+    def leases(self, sink: str, *, acquired: int = 0, lost: int = 0, released: int = 0) -> None:
+        try:
+            self.observer.leases(sink, acquired=acquired, lost=lost, released=released)
+        except Exception:
+            self._failed("leases")
+
+    def cycle_failed(self, sink: str, error: str) -> None:
+        try:
+            self.observer.cycle_failed(sink, error)
+        except Exception:
+            self._failed("cycle_failed")
+
+    def producer_recreated(self, sink: str, reason: str) -> None:
+        try:
+            self.observer.producer_recreated(sink, reason)
+        except Exception:
+            self._failed("producer_recreated")
+
+    def housekeeping(self, *, seconds: float, dead_workers: int, expired_leases: int, deleted_events: int) -> None:
+        try:
+            self.observer.housekeeping(seconds=seconds, dead_workers=dead_workers, expired_leases=expired_leases,
+                                       deleted_events=deleted_events)
+        except Exception:
+            self._failed("housekeeping")
+
+    @contextlib.contextmanager
+    def delivering(self, sink: Sink, events: Sequence[StoredEvent]) -> Iterator[Delivery]:
+        try:
+            scope = self.observer.delivering(sink, events)
+            delivery = scope.__enter__()
+        except Exception:
+            self._failed("delivering")
+            yield NULL_DELIVERY
+            return
+        try:
+            yield _GuardedDelivery(delivery, self)
+        except BaseException as exc:
+            try:
+                scope.__exit__(type(exc), exc, exc.__traceback__)  # told; what it returns can not swallow it
+            except BaseException as raised:
+                if raised is not exc:
+                    if not isinstance(raised, Exception):
+                        raise
+                    self._failed("delivering")
+            raise
+        try:
+            scope.__exit__(None, None, None)
+        except Exception:
+            self._failed("delivering")
+
+    def handler(self, sink: str, handler: HandlerT) -> HandlerT:
+        try:
+            return self.observer.handler(sink, handler)
+        except Exception:
+            self._failed("handler")
+            return handler
+
+
+class _GuardedDelivery(Delivery):
+    def __init__(self, delivery: Delivery, guard: Guarded) -> None:
+        self.delivery = delivery
+        self.guard = guard
+
+    def landed(self, checkpoint: Checkpoint | None, buckets: set[int]) -> None:
+        try:
+            self.delivery.landed(checkpoint, buckets)
+        except Exception:
+            self.guard._failed("delivering.landed")
+
+
+def guarded(observer: Observer) -> Observer:
+    """``observer`` as the engine calls it (``Guarded``). As it is: the no-op base, one already guarded,
+    and ``Observers`` (which guards each of its own)."""
+    if type(observer) in (Observer, Observers) or isinstance(observer, Guarded):
+        return observer
+    return Guarded(observer)

@@ -307,19 +307,49 @@ _POSITION = operator.attrgetter("bucket", "xid", "seq")
 
 def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:
     params = {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key}
-    cur = conn.execute(parked_sql(conn, params), params)
-    event, _ = event_reader(cur)
-    return [event(r, parked=True) for r in cur.fetchall()]
+    floor, looked_up = _parked_floor(conn, params)
+    cur = conn.execute(_with_floor("fetch_parked", floor), params)
+    rows = cur.fetchall()
+    event, column = event_reader(cur)
+    at = column["id"]
+    if not looked_up and any(r[at] is None for r in rows):
+        # An event parked since the floor was looked up, older than it (an operator's retry, say): look it
+        # up again and read again, so that no retry waits for the cached floor to expire.
+        floor, _ = _parked_floor(conn, params, fresh=True)
+        cur = conn.execute(_with_floor("fetch_parked", floor), params)
+        rows = cur.fetchall()
+    return [event(r, parked=True) for r in rows if r[at] is not None]
+
+
+# How long the floor of the park's reads (parked_sql) is reused before the oldest parked event is looked
+# up again: it was one more statement at every pass over the park.
+PARKED_FLOOR_SECONDS = RANGE_STARTS_SECONDS
+# Per database, sink and buckets: when the floor was looked up, and the floor.
+_parked_floors: dict[tuple[str, str, str, str, tuple[int, ...]], tuple[float, int]] = {}
 
 
 def parked_sql(conn: Conn, params: dict[str, Any]) -> str:
     """``fetch_parked`` with the start of the range holding the oldest parked event of these buckets
     as a constant, so that its lookup of the events plans the ranges from there on (as ``fetch_sql``).
-    An event parked after that lookup (an operator's retry) may be older: its row is left out of this
-    pass, which delays it and nothing else, since a row parked later is always last in its key's chain
-    (``place``)."""
+    The floor is reused for PARKED_FLOOR_SECONDS. An event parked since may be older: ``fetch_parked``
+    gets its row without the event (it is below the floor) and reads again with the floor looked up anew."""
+    return _with_floor("fetch_parked", _parked_floor(conn, params)[0])
+
+
+def _parked_floor(conn: Conn, params: dict[str, Any], *, fresh: bool = False) -> tuple[int, bool]:
+    """The floor of ``fetch_parked`` for these parameters, and whether it was looked up by this call."""
+    key = (str(conn.info.host), str(conn.info.port), str(conn.info.dbname), str(params["sink"]),
+           tuple(params["buckets"]))
+    now = time.monotonic()
+    cached = _parked_floors.get(key)
+    if not fresh and cached is not None and now - cached[0] <= PARKED_FLOOR_SECONDS:
+        return cached[1], False
     oldest = conn.execute(query("relay", "oldest_parked"), params).fetchone()
-    return _with_floor("fetch_parked", range_floor(conn, int(oldest[0])) if oldest and oldest[0] else 0)
+    floor = range_floor(conn, int(oldest[0])) if oldest and oldest[0] else 0
+    if len(_parked_floors) >= 1024:  # bucket sets come and go (leases move, a probe reads one bucket)
+        _parked_floors.clear()
+    _parked_floors[key] = (now, floor)
+    return floor, True
 
 
 def next_parked_retry(conn: Conn, sink: str, buckets: Sequence[int]) -> float | None:

@@ -39,7 +39,7 @@ from .dsn import connection_problem, probe_connection, redact
 from .errors import ConfigurationError, OutboxError, WorkerIdInUse
 from .housekeeping import Housekeeping, application_name
 from .migrate import check_schema, latest_version
-from .observer import NULL_OBSERVER, Observer
+from .observer import NULL_OBSERVER, Observer, guarded
 from .relay import PARKED_NOTICE, DeliveryGate, SinkRunner
 from .settings import RelaySettings
 from .sink import Sink
@@ -103,6 +103,9 @@ class Worker:
         self.stopped = threading.Event()  # all threads should exit now
         self._sinks = sinks
         self.observer = observer
+        # The observer as the engine calls it (a hook that raises is logged, the work goes on), made at start:
+        # `run` may be handed another observer before (cli/relays.py adds one).
+        self._observing: Observer = guarded(observer)
         self.runners: list[SinkRunner] = []
         self.pool: ConnectionPool[Conn] | None = None
         self._threads: list[threading.Thread] = []
@@ -156,11 +159,12 @@ class Worker:
         # One per process: crash-loop probes run alone across all sinks; a batch in longer than the handler
         # time limit (a stuck sink) stops counting, so it holds no other sink back.
         gate = DeliveryGate(stale_seconds=s.handler_timeout_seconds)
+        observer = self._observing = guarded(self.observer)
         self.runners = [SinkRunner(sink, self.pool, s, gate=gate) for sink in sinks]
         for runner in self.runners:
             runner.listening = lambda: self.listening
             runner.reachable_since = lambda: self._reachable_since
-            runner.observer = self.observer
+            runner.observer = observer
         try:
             self._beat()
         except (psycopg.OperationalError, PoolTimeout) as exc:  # the membership thread tries again
@@ -567,9 +571,9 @@ class Worker:
                 gap = 0.0 if lost else interval / 2 if first else (HOUSEKEEPING_STANDBY - 1) * interval
                 result = hk.run_once(min_gap_seconds=gap)
                 if result.ran:
-                    self.observer.housekeeping(seconds=result.seconds, dead_workers=result.dead_workers,
-                                               expired_leases=result.expired_leases,
-                                               deleted_events=result.deleted_events)
+                    self._observing.housekeeping(seconds=result.seconds, dead_workers=result.dead_workers,
+                                                 expired_leases=result.expired_leases,
+                                                 deleted_events=result.deleted_events)
                 if result.expired_leases or result.dead_workers:
                     self._wake_all()
             except Exception as exc:

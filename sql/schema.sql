@@ -163,7 +163,7 @@ CREATE TABLE outbox.cursors (
     fence            bigint      NOT NULL DEFAULT 0,
     lease_expires_at timestamptz,
     -- Leases lost (expired, or freed from a dead owner) while the bucket had work
-    -- (bucket_has_work_v2); reset once the bucket delivers normal batches again. Drives crash-loop
+    -- (bucket_has_work_v3); reset once the bucket delivers normal batches again. Drives crash-loop
     -- isolation of a poison event (max_lapses: its events are then probed one at a time).
     lapses           integer     NOT NULL DEFAULT 0,
     advanced_at      timestamptz,
@@ -224,8 +224,8 @@ CREATE INDEX dead_letters_key ON outbox.dead_letters (sink, partition_key);
 CREATE INDEX dead_letters_position ON outbox.dead_letters (bucket, xid, seq);
 
 -- 0008_paused_keys: keys an operator holds for one sink (outbox-relay keys pause); the relay parks
--- their events and retries none of them until resumed (see the migration). bucket_has_work_v2 below
--- ignores their parked events (its body names this table, so it comes first).
+-- their events and retries none of them until resumed (see the migration). bucket_has_work_v2 and v3 below
+-- ignore their parked events (their bodies name this table, so it comes first).
 CREATE TABLE outbox.paused_keys (
     sink          text        NOT NULL,
     partition_key text        NOT NULL,
@@ -272,6 +272,35 @@ CREATE FUNCTION outbox.bucket_has_work_v2(sink text, bucket integer, snapshot pg
                      AND p.available_at <= clock_timestamp()
                      AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
                                      WHERE k.sink = p.sink AND k.partition_key = p.partition_key));
+
+-- 0016: the same answer, with the events probe planned per call for the partitions from the snapshot's
+-- xmin on only (v2's plan covered every xid range: a lock per partition and index). v2 stays for relays
+-- of version 15.
+CREATE FUNCTION outbox.bucket_has_work_v3(sink text, bucket integer, snapshot pg_snapshot, target pg_snapshot,
+                                          after_xid xid8, after_seq bigint)
+    RETURNS boolean
+    LANGUAGE plpgsql STABLE PARALLEL SAFE AS $$
+DECLARE
+    found boolean;
+BEGIN
+    -- The two halves of a delta: transactions open at the cursor's snapshot, and later ones; none is older
+    -- than its xmin. Planned here, for this call, with the xmin a literal: a parameter (or a plan cached
+    -- for any value) would plan, lock and start a probe of every xid range.
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM outbox.events e '
+                   'WHERE e.bucket = $1 AND e.xid >= %L::xid8 '
+                   'AND (e.xid >= pg_snapshot_xmax($2) OR e.xid IN (SELECT pg_snapshot_xip($2))) '
+                   'AND NOT outbox.delivered_v1(e.xid, e.seq, $2, $3, $4, $5))',
+                   pg_snapshot_xmin(snapshot))
+        INTO found
+        USING bucket, snapshot, target, after_xid, after_seq;
+    RETURN found
+        OR EXISTS (SELECT 1 FROM outbox.parked p
+                   WHERE p.sink = bucket_has_work_v3.sink AND p.bucket = bucket_has_work_v3.bucket
+                     AND p.available_at <= clock_timestamp()
+                     AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
+                                     WHERE k.sink = p.sink AND k.partition_key = p.partition_key));
+END
+$$;
 
 -- 0003_rebuilds: projection rebuilds in progress (see the migration for the design).
 CREATE TABLE outbox.rebuilds (
@@ -964,4 +993,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (12, 'event_versions', NULL),
     (13, 'sink_kinds', NULL),
     (14, 'partitioned_history', NULL),
-    (15, 'history_per_class', NULL);
+    (15, 'history_per_class', NULL),
+    (16, 'lapse_check_pruned', NULL);

@@ -56,7 +56,7 @@ WITH expired AS (
 )
 UPDATE outbox.cursors c
 SET owner = NULL, lease_expires_at = NULL,
-    lapses = c.lapses + CASE WHEN outbox.bucket_has_work_v2(c.sink, c.bucket, c.snapshot, c.target,
+    lapses = c.lapses + CASE WHEN outbox.bucket_has_work_v3(c.sink, c.bucket, c.snapshot, c.target,
                                                             c.after_xid, c.after_seq)
                              THEN 1 ELSE 0 END
 FROM expired x

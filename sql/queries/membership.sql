@@ -102,7 +102,7 @@ SET owner            = %(worker)s,
     fence            = c.fence + 1,
     lapses           = c.lapses + CASE WHEN c.owner IS NOT NULL
                                         AND (c.owner <> %(worker)s OR c.lease_expires_at < clock_timestamp())
-                                        AND outbox.bucket_has_work_v2(c.sink, c.bucket, c.snapshot, c.target,
+                                        AND outbox.bucket_has_work_v3(c.sink, c.bucket, c.snapshot, c.target,
                                                                       c.after_xid, c.after_seq)
                                        THEN 1 ELSE 0 END,
     lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)

@@ -175,20 +175,22 @@ CROSS JOIN LATERAL (
     ORDER BY q.place
     LIMIT %(per_key)s
 ) q
-CROSS JOIN LATERAL (
-    -- The event: in its partition, or (0015) its copy once retention dropped the partition.
+LEFT JOIN LATERAL (
+    -- The event: in its partition, or (0015) its copy once retention dropped the partition. None: it lies
+    -- below the floor (parked after the floor was looked up): store.fetch_parked reads again.
     (SELECT e.id, e.partition_key, e.topic, e.type, e.payload, e.headers, e.occurred_at, e.created_at,
             e.schema_version
      FROM outbox.events e WHERE e.bucket = q.bucket AND e.xid = q.xid AND e.seq = q.seq
                             -- The start of the range holding the oldest parked event, a constant
-                            -- (store.parked_sql): the planner prunes the xid ranges below it.
+                            -- (store.parked_sql, looked up every 30 s): the planner prunes the xid
+                            -- ranges below it.
                             AND e.xid >= {floor}::xid8)
     UNION ALL
     (SELECT k.id, k.partition_key, k.topic, k.type, k.payload, k.headers, k.occurred_at, k.created_at,
             k.schema_version
      FROM outbox.kept_events k WHERE k.bucket = q.bucket AND k.xid = q.xid AND k.seq = q.seq)
     LIMIT 1
-) e
+) e ON true
 ORDER BY q.bucket, q.partition_key, q.place;
 
 -- name: oldest_parked

@@ -491,10 +491,12 @@ def test_nothing_lost_or_reordered_while_a_key_is_paused_and_resumed_under_load(
     assert parked_ids(dsn) == set()
 
 
-def test_a_paused_key_s_parked_events_are_no_work_for_the_relay(dsn: str, conn: psycopg.Connection[Any]) -> None:
+@pytest.mark.parametrize("version", ["v2", "v3"])  # v2: relays of version 15 still call it (0016)
+def test_a_paused_key_s_parked_events_are_no_work_for_the_relay(dsn: str, conn: psycopg.Connection[Any],
+                                                                version: str) -> None:
     """Parked events of a paused key are neither due (next_parked_retry, has_parked) nor work that makes a
-    lost lease count as a lapse (bucket_has_work_v2): the relay will not retry them, so it must neither
-    spin on them nor blame a crash on them."""
+    lost lease count as a lapse (bucket_has_work_v3, and v2): the relay will not retry them, so it must
+    neither spin on them nor blame a crash on them."""
     register(dsn)
     [event] = publish(dsn, [("k", "t", {})])
     bucket = bucket_of(dsn, "k")
@@ -504,8 +506,8 @@ def test_a_paused_key_s_parked_events_are_no_work_for_the_relay(dsn: str, conn: 
                  "SELECT %s, bucket, xid, seq, partition_key, id FROM outbox.events", (SINK,))
 
     def work() -> bool:
-        row = conn.execute("SELECT outbox.bucket_has_work_v2(sink, bucket, snapshot, target, after_xid, after_seq) "
-                           "FROM outbox.cursors WHERE sink = %s AND bucket = %s", (SINK, bucket)).fetchone()
+        row = conn.execute(f"SELECT outbox.bucket_has_work_{version}(sink, bucket, snapshot, target, after_xid, "
+                           "after_seq) FROM outbox.cursors WHERE sink = %s AND bucket = %s", (SINK, bucket)).fetchone()
         return bool(row and row[0])
 
     assert work() and store.has_parked(conn, SINK, bucket)

@@ -4,9 +4,11 @@ causes it (retried one event at a time, each attempt counted first), never wedgi
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,9 +16,11 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
+from outbox_relay.observer import Observer
 from outbox_relay.relay import points_at_events
 from outbox_relay.sink import Commit
 from outbox_relay.store import StoredEvent
+from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     SINK,
     RecordingSink,
@@ -27,6 +31,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     pool_fixture,
     publish,
     runner_for,
+    running,
 )
 
 
@@ -134,3 +139,50 @@ def test_failed_cycles_back_off_while_notifications_keep_waking_the_runner(
 def test_which_failures_can_be_an_events_doing(exc: BaseException, expected: bool) -> None:
     """A database outage says nothing about the events; a timeout that cut the batch short may."""
     assert points_at_events(exc) is expected
+
+
+class BrokenObserver(Observer):
+    """An observer whose hooks raise (a bug in a user's metrics code); counts the calls."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    def _raise(self, hook: str) -> None:
+        self.calls[hook] += 1
+        raise RuntimeError(f"{hook} is broken")
+
+    def batch(self, sink: str, **_: Any) -> None:
+        self._raise("batch")
+
+    def checkpointed(self, sink: str, **_: Any) -> None:
+        self._raise("checkpointed")
+
+    def leases(self, sink: str, **_: Any) -> None:
+        self._raise("leases")
+
+    def cycle_failed(self, sink: str, error: str) -> None:
+        self._raise("cycle_failed")
+
+    def housekeeping(self, **_: Any) -> None:
+        self._raise("housekeeping")
+
+
+def test_an_observer_that_raises_fails_no_cycle(dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A relay given an observer whose hooks raise delivers as usual: no cycle fails (a failed cycle backed
+    off after every batch, and a raising cycle_failed ended the runner's thread), and each hook's failure is
+    logged once, not per call."""
+    observer = BrokenObserver()
+    sink = RecordingSink("relay-o")
+    worker = Worker(make_settings(dsn, "relay-o"), [sink], observer)
+    ids: list[uuid.UUID] = []
+    with caplog.at_level(logging.ERROR, logger="outbox_relay.observer"), running(worker):
+        for round_ in range(5):  # several batches
+            ids += publish(dsn, [(f"k{i}", "t", {"round": round_}) for i in range(20)])
+            deadline = time.monotonic() + 30
+            while not set(ids) <= set(sink.delivered_ids()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert set(ids) <= set(sink.delivered_ids())
+    assert observer.calls["batch"] >= 5 and observer.calls["leases"] >= 1
+    assert observer.calls["cycle_failed"] == 0, "a raising hook failed the runner's cycle"
+    logged = [r for r in caplog.records if r.name == "outbox_relay.observer"]
+    assert len(logged) == len(observer.calls), [r.getMessage() for r in logged]  # each hook once (within a minute)

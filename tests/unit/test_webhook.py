@@ -188,6 +188,44 @@ def test_a_connection_the_server_closed_while_idle_is_replaced(tls: bool, certs:
         assert len(receiver.received) == 2 and len({r.connection for r in receiver.received}) == 2
 
 
+class Recording:
+    """A socket whose writes (``sendall`` and ``send`` calls) are recorded."""
+
+    def __init__(self, sock: Any, writes: list[bytes]) -> None:
+        self._sock = sock
+        self._writes = writes
+
+    def sendall(self, data: Any, *args: Any) -> Any:
+        self._writes.append(bytes(data))
+        return self._sock.sendall(data, *args)
+
+    def send(self, data: Any, *args: Any) -> Any:
+        self._writes.append(bytes(data))
+        return self._sock.send(data, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_request_goes_out_in_one_write(tls: bool, certs: dict[str, Path]) -> None:
+    # http.client writes the headers and the body apart; behind Nagle's algorithm and the receiver's delayed
+    # ACK the second write can wait about 40 ms on some stacks. One write: headers and body together.
+    with receiving(tls=server_tls(certs) if tls else None) as receiver:
+        sink = sink_for(receiver, ca_file=certs["server_cert"]) if tls else sink_for(receiver)
+        conn, _ = sink._connection(False)
+        writes: list[bytes] = []
+        conn.sock = Recording(conn.sock, writes)
+        payload = json.dumps({"n": 1, "text": "x" * 3000})
+        assert sink.deliver(event(payload=payload)) == Delivered()
+        [received] = receiver.received
+    assert len(writes) == 1, [w[:40] for w in writes]
+    head, _, body = writes[0].partition(b"\r\n\r\n")
+    assert body == payload.encode() == received.body
+    assert head.startswith(b"POST /hooks/outbox?tenant=t1 HTTP/1.1\r\n")
+    assert f"content-length: {len(body)}\r\n".encode() in head.lower() + b"\r\n"
+
+
 # -- the outcomes
 
 
