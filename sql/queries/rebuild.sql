@@ -188,6 +188,24 @@ CROSS JOIN LATERAL (
 ) x
 WHERE c.sink = %(sink)s;
 
+-- name: cursors
+-- A sink's distinct cursors (one row while every bucket's is the same: a rebuild from the start or a position).
+SELECT DISTINCT c.snapshot::text AS seen, c.target::text AS target, c.after_xid::text AS after_xid, c.after_seq
+FROM outbox.cursors c
+WHERE c.sink = %(sink)s
+LIMIT 2;
+
+-- name: remaining_from
+-- ``remaining`` when every bucket's cursor is this one: one scan of the events, not one per bucket (whose
+-- bitmap scans, with a type or topic filter, visited every heap page once per bucket: 9 s for 1M events).
+SELECT count(*)
+FROM outbox.events e
+WHERE e.xid >= pg_snapshot_xmin(%(seen)s::pg_snapshot)
+  AND NOT outbox.delivered_v1(e.xid, e.seq, %(seen)s::pg_snapshot, %(target)s::pg_snapshot, %(after_xid)s::xid8,
+                              %(after_seq)s::bigint)
+  AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
+  AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]));
+
 -- name: lock_cursors
 -- The switch: no relay may checkpoint either sink until it commits.
 SELECT sink, bucket FROM outbox.cursors
