@@ -244,9 +244,10 @@ def case_rebuild(bench: Bench) -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             t = time.monotonic()
             bench.load_events(conn, 1, n, type_="bench.order_paid", topic="bench-orders",
-                              payload_sql=bench.ORDER_PAYLOAD, age="1 day")
+                              payload_sql=bench.ORDER_PAYLOAD, age="1 day", chunk=bench.args.rebuild_tx_events)
             conn.execute("VACUUM ANALYZE outbox.events")  # hint bits and statistics, as a settled table has
-            log(f"rebuild: {n:,} events loaded in {time.monotonic() - t:.0f}s, "
+            log(f"rebuild: {n:,} events loaded in {time.monotonic() - t:.0f}s "
+                f"(transactions of {min(n, bench.args.rebuild_tx_events):,}), "
                 f"{bench.table_sizes(conn)['total_bytes'] / 2**20:.0f} MiB")
         for run in range(bench.args.runs):
             if "sql" in bench.args.rebuild_handlers:

@@ -1511,6 +1511,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="pending events over all 256 buckets (about a quarter fall in the leased 64)")
     p.add_argument("--rebuild-events", type=int, default=None,
                    help="stored events the rebuild case replays (default 1000000)")
+    p.add_argument("--rebuild-tx-events", type=int, default=500_000,
+                   help="the rebuild case loads its events in transactions of this many (default 500000: a bulk "
+                        "import; e.g. 100 for history written by ordinary transactions)")
     p.add_argument("--projection-handlers", default="per-event",
                    help="projection case: per-event (bench_totals, one upsert per event) and/or batched "
                         "(bench_totals_batched, one set-based upsert per batch), interleaved")

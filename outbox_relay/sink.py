@@ -38,6 +38,13 @@ class Failure:
 Outcomes = dict[uuid.UUID, Failure | None]
 
 
+class Keyed(Protocol):
+    """What the per-key rule reads of an event: its partition key."""
+
+    @property
+    def key(self) -> str: ...
+
+
 class KeyHold:
     """The per-key rule of a batch, the same for every sink and for the checkpoint that follows
     (relay.classify): once an event of a key has failed and will be retried, the key's later events
@@ -47,13 +54,13 @@ class KeyHold:
     def __init__(self) -> None:
         self._held: set[str] = set()
 
-    def allows(self, e: StoredEvent) -> bool:
+    def allows(self, e: Keyed) -> bool:
         return e.key not in self._held
 
     def hold(self, key: str) -> None:
         self._held.add(key)
 
-    def record(self, e: StoredEvent, outcome: Failure | None) -> None:
+    def record(self, e: Keyed, outcome: Failure | None) -> None:
         if outcome is not None and outcome.retriable:
             self._held.add(e.key)
 

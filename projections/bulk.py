@@ -29,7 +29,8 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -41,10 +42,11 @@ from outbox_relay.sink import Aborted
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import event_reader
 
-from .declare import Projection
+from .declare import Projection, _headers, decode_json
+from .event import ProjectionEvent, make_event, make_token
 from .guard import Abandoned, Guard, TimedOut, Walk
 from .sink import outside_writes_error
-from .walk import Batch, Redo, drive, walk
+from .walk import Batch, Delivered, Redo, drive, walk
 
 log = logging.getLogger("outbox_relay.rebuild")
 
@@ -53,6 +55,10 @@ FENCES = dict.fromkeys(range(BUCKETS), 0)  # the phase's fence in every bucket: 
 LOCK_POLL_SECONDS = 0.5
 END_WALK_WAIT_MS = 5000
 CONNECT_TRIES = 3
+COLLECT_EVERY = 16  # slices between runs of the cyclic collector (off otherwise while the phase runs)
+# bulk_read's columns, in order (handed_over unpacks them by position).
+READ_COLUMNS = ("bucket", "xid", "seq", "id", "partition_key", "topic", "type", "payload", "headers", "time",
+                "version")
 
 
 class SliceFailed(Exception):
@@ -68,6 +74,95 @@ class Lost(Exception):
 class Outcome:
     result: str  # "done" (over: relay phase next), "stopped" (resumable) or "skipped" (not eligible)
     events: int  # events this process applied in the phase
+    # This process ended the phase with its last slice (nothing failed or was taken over): every event
+    # up to the phase's snapshot is applied, what is left committed after it.
+    finished: bool = False
+
+
+def handed_over(projection: Projection, rows: Sequence[Sequence[Any]]) -> list[ProjectionEvent[Any]] | None:
+    """The events a handler gets for a slice's rows (bulk_read's columns), as ``Projection.prepare`` makes
+    them in the bulk phase (fence 0, read 0, first attempt, a replay), built straight from the rows: no
+    StoredEvent in between. None if any row is not plainly handed over (a type the projection does not
+    take, a payload or headers that do not decode, an upcaster or a model that refuses it): then the slice
+    takes the general path (StoredEvents and ``prepare``), which decides what becomes of such an event.
+    tests/unit/test_bulk_rows.py checks both paths give the same events."""
+    wanted = frozenset(projection.events) if projection.events is not None else None
+    upcasters = projection.upcasters
+    models = projection.models or None
+    events: list[ProjectionEvent[Any]] = []
+    append = events.append
+    try:
+        for _, xid, seq, id_, key, topic, type_, payload_text, headers_text, time_, version in rows:
+            if wanted is not None and type_ not in wanted:
+                return None
+            payload: Any = decode_json(payload_text)
+            headers = _headers(headers_text)
+            if not isinstance(headers, dict):
+                return None
+            if upcasters is not None:
+                payload, version = upcasters.upcast(type_, version, payload)
+            if models is not None:
+                model = models.get(type_)
+                if model is not None:
+                    payload = model.model_validate(payload)
+            append(make_event(id_, type_, key, topic, payload, headers, time_, (xid, seq),
+                              make_token(0, 0, xid, seq), 1, True, version))
+    except Exception:  # whatever it is, prepare says what becomes of the event
+        return None
+    return events
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A slice as read: its events (as the handler gets them, or as stored for the general path), how
+    many rows, and the position of the last one (None: none)."""
+
+    events: Sequence[Delivered]
+    rows: int
+    last: tuple[int, int] | None
+
+
+class _Reader:
+    """Reads the bulk phase's slices on a connection and a thread of its own, one slice ahead of the one
+    being applied: the read's server time and turning its rows into events overlap the applying slice's
+    statements. A read that fails raises in ``result()``; one not needed any more is dropped."""
+
+    def __init__(self, projection: Projection, dsn: str, application_name: str, slice_size: int,
+                 event_filter: dict[str, Any]) -> None:
+        self.projection = projection
+        self.dsn = dsn
+        self.application_name = application_name
+        self.slice_size = slice_size
+        self._filter = event_filter
+        self._conn: psycopg.Connection[Any] | None = None  # the reader thread's
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rebuild-read")
+
+    def read(self, cursor: Cursor, target: Snapshot) -> Future[_Read]:
+        """The slice after ``cursor`` of the delta to ``target``."""
+        return self._pool.submit(self._read, cursor, target)
+
+    def _read(self, cursor: Cursor, target: Snapshot) -> _Read:
+        if self._conn is None:
+            self._conn = psycopg.connect(self.dsn, autocommit=True, application_name=self.application_name)
+        lo = cursor.after if cursor.after is not None else (cursor.seen.xmin, -1)
+        cur = self._conn.execute(query("rebuild", "bulk_read"), {
+            "lo_xid": str(lo[0]), "lo_seq": lo[1], "target": str(target), "seen": str(cursor.seen),
+            "limit": self.slice_size, **self._filter})
+        rows = cur.fetchall()
+        if not rows:
+            return _Read([], 0, None)
+        last = (rows[-1][1], rows[-1][2])
+        names = tuple(d.name for d in cur.description or ())
+        events = handed_over(self.projection, rows) if names == READ_COLUMNS else None
+        if events is not None:
+            return _Read(events, len(rows), last)
+        read, _ = event_reader(cur)
+        return _Read([read(r) for r in rows], len(rows), last)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._conn is not None:
+            self._conn.close()
 
 
 class BulkPhase:
@@ -91,6 +186,7 @@ class BulkPhase:
         self._guard = Guard(sink, handler_timeout_seconds, self._end_walk)
         self._abandoned = False  # the current connection was left to an abandoned slice
         self._never = threading.Event()  # the walk is never aborted mid-slice: a stop waits for the slice
+        self._finished = False  # the last slice of the phase landed (Outcome.finished)
 
     def run(self) -> Outcome:
         if self.projection.is_async:
@@ -98,7 +194,7 @@ class BulkPhase:
         try:
             for attempt in range(1, CONNECT_TRIES + 1):
                 try:
-                    return Outcome(self._run_once(), self.events)
+                    return Outcome(self._run_once(), self.events, self._finished)
                 except psycopg.OperationalError as exc:  # the session (and its lock) is gone: look again
                     log.warning("rebuild %s: the bulk phase lost its connection (%s); attempt %d of %d",
                                 self.projection.name, exc, attempt, CONNECT_TRIES)
@@ -147,18 +243,41 @@ class BulkPhase:
         state = self._state(conn)  # again, under the lock: a peer may have moved it meanwhile
         if state is None:
             return "done"
-        cursor, now = state
+        reader = _Reader(self.projection, self.dsn, self.application_name, self.slice_size, self._filter)
+        # The cyclic collector stays off for the phase: it would scan each slice's tens of thousands of
+        # young objects (rows, events, tokens) again and again while they are built, for no garbage
+        # (they are freed by reference counting); measured at a quarter of a slice's Python time. What
+        # cyclic garbage there is goes every COLLECT_EVERY slices.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._slices(conn, reader, *state)
+        finally:
+            reader.close()
+            if collecting:
+                gc.enable()
+
+    def _slices(self, conn: psycopg.Connection[Any], reader: _Reader, cursor: Cursor, now: Snapshot) -> str:
+        slices = 0
         while True:
             # A cursor with a target is a delta being read (a slice landed before an interruption, or a
             # start from a position): finish it, then read the delta to a fresh snapshot.
             fresh = cursor.target is None
             target = now if fresh else cursor.target
             assert target is not None
+            # The next slice is read (on the reader's connection) while this one is applied: a slice's
+            # read depends only on where the one before it ends, not on its transaction.
+            ahead = reader.read(cursor, target)
             while True:
                 if self.stopping.is_set():
                     return "stopped"
+                got = ahead.result()
+                last = got.rows < self.slice_size
+                if not last:
+                    assert got.last is not None
+                    ahead = reader.read(Cursor(cursor.seen, target, got.last), target)
                 try:
-                    cursor, finished = self._slice(conn, cursor, target, end=fresh)
+                    cursor = self._slice(conn, cursor, target, got, last=last, end=fresh)
                 except (SliceFailed, TimedOut) as exc:
                     self._abandoned = isinstance(exc, TimedOut)
                     self._hand_over(cursor, exc)
@@ -167,31 +286,29 @@ class BulkPhase:
                     log.info("rebuild %s: the bulk phase was taken over or its rebuild changed; it stops here",
                              self.projection.name)
                     return "done"
-                if finished:
+                slices += 1
+                if slices % COLLECT_EVERY == 0:
+                    gc.collect(1)
+                if last:
                     break
             if fresh:
+                self._finished = True
                 return "done"
             row = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
             assert row is not None
             now = Snapshot.parse(row[0])
 
-    def _slice(self, conn: psycopg.Connection[Any], cursor: Cursor, target: Snapshot,
-               end: bool) -> tuple[Cursor, bool]:
-        """One slice in one transaction; the cursor after it and whether it was the delta's last.
-        ``end``: its last slice also ends the phase (bumps the fences)."""
-        def run(w: Walk) -> tuple[Cursor, bool, int]:
+    def _slice(self, conn: psycopg.Connection[Any], cursor: Cursor, target: Snapshot, got: _Read, *,
+               last: bool, end: bool) -> Cursor:
+        """One slice (``got``: read from ``cursor``) in one transaction; the cursor after it. ``last``: the
+        delta's last slice; ``end``: that also ends the phase (bumps the fences)."""
+        after = Cursor(target) if last else Cursor(cursor.seen, target, got.last)
+
+        def run(w: Walk) -> None:
             w.pid = conn.info.backend_pid
-            lo = cursor.after if cursor.after is not None else (cursor.seen.xmin, -1)
-            cur = conn.execute(query("rebuild", "bulk_read"), {
-                "lo_xid": str(lo[0]), "lo_seq": lo[1], "target": str(target), "seen": str(cursor.seen),
-                "limit": self.slice_size, **self._filter})
-            read, _ = event_reader(cur)
-            events = [read(r) for r in cur.fetchall()]
-            last = len(events) < self.slice_size
-            after = Cursor(target) if last else Cursor(cursor.seen, target, events[-1].position)
             with conn.transaction():
-                if events:
-                    self._apply(conn, w, events)
+                if got.events:
+                    self._apply(conn, w, got.events)
                 w.may_commit()
                 seen, old_target, after_xid, after_seq = cursor.params()
                 new = after.params()
@@ -202,23 +319,13 @@ class BulkPhase:
                     "fence_by": 1 if (last and end) else 0}).fetchall()
                 if len(moved) != BUCKETS:
                     raise Lost()
-            return after, last, len(events)
 
-        # The cyclic collector stays off for the slice: it would scan the slice's tens of thousands of
-        # young objects (rows, events, tokens) again and again while they are built, for no garbage
-        # (they are freed by reference counting); measured at a quarter of a slice's Python time.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            after, last, n = self._guard.run(run, self._never)
-        finally:
-            if collecting:
-                gc.enable()
-        self.events += n
-        self.on_slice(n)
-        return after, last
+        self._guard.run(run, self._never)
+        self.events += got.rows
+        self.on_slice(got.rows)
+        return after
 
-    def _apply(self, conn: psycopg.Connection[Any], w: Walk, events: list[Any]) -> None:
+    def _apply(self, conn: psycopg.Connection[Any], w: Walk, events: Sequence[Delivered]) -> None:
         """The slice's walk, fast and pipelined as a relay batch's first run; any failure fails the slice."""
         batch = Batch(self.projection, events, FENCES, replay=True, name=self.sink)
         steps = walk(batch, careful=False, pipelined=True, begin=self._begin)

@@ -164,6 +164,11 @@ class Rebuild:
         if bulk == "stopped":
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
+        if bulk == "finished" and self._nothing_left():
+            # Nothing committed after the bulk phase's snapshot: the relay phase would find nothing to do
+            # (and a start, a count and a drain cost a second or two): switch over without it.
+            self._switch(tables)
+            bulk = "switched"
         if bulk == "switched":
             ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
                 f"switched over ({total:,} events replayed)")
@@ -358,8 +363,19 @@ class Rebuild:
         return total
 
     def _remaining(self, conn: psycopg.Connection[Any], sink: str) -> int:
-        row = conn.execute(query("rebuild", "remaining"), {"sink": sink, **self._filter}).fetchone()
+        cursors = conn.execute(query("rebuild", "cursors"), {"sink": sink}).fetchall()
+        if len(cursors) == 1:  # the same in every bucket: counted in one scan
+            seen, target, after_xid, after_seq = cursors[0]
+            row = conn.execute(query("rebuild", "remaining_from"), {
+                "seen": seen, "target": target, "after_xid": after_xid, "after_seq": after_seq, **self._filter
+            }).fetchone()
+        else:
+            row = conn.execute(query("rebuild", "remaining"), {"sink": sink, **self._filter}).fetchone()
         return int(row[0]) if row else 0
+
+    def _nothing_left(self) -> bool:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            return self._remaining(conn, self.sink) == 0
 
     def _replay(self, worker: Worker, sink: ProjectionSink, total: int) -> str:
         """Report progress until the rebuild has "caught up", was "stopped", or was "switched" over
@@ -401,8 +417,9 @@ class Rebuild:
         return "stopped"
 
     def _bulk(self, total: int, app: str) -> str:
-        """The bulk phase (bulk.py) before the relay phase: "done", "stopped" (resumable), or "switched"
-        (a peer finished the whole rebuild meanwhile). Raises RebuildError if it was cancelled."""
+        """The bulk phase (bulk.py) before the relay phase: "done", "finished" (done, and this process
+        ended the phase with its last slice), "stopped" (resumable), or "switched" (a peer finished the
+        whole rebuild meanwhile). Raises RebuildError if it was cancelled."""
         assert self._started_at is not None
         line = ProgressLine(self.progress, f"rebuild {self.projection.name}", total)
         first = time.monotonic()
@@ -432,7 +449,7 @@ class Rebuild:
             if row is None or row[6] != self._started_at:
                 self._gone(conn, restarted=row is not None)
                 return "switched"
-        return "done"
+        return "finished" if outcome.finished else "done"
 
     def _gone(self, conn: psycopg.Connection[Any], restarted: bool) -> None:
         """This process's rebuild is no longer in outbox.rebuilds. Returns if a peer switched its copies

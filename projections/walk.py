@@ -60,6 +60,10 @@ ENDED_STATES = frozenset({"2D000", "25006", "25P01"})
 
 _NEVER = threading.Event()  # a walk nobody aborts (rebuild of a key, the testing kit)
 
+# An event of a batch: as stored, or already as its handler gets it (a rebuild's bulk phase builds
+# those straight from its rows, bulk.py: nothing left to prepare, the walk is the same).
+Delivered = StoredEvent | ProjectionEvent[Any]
+
 
 @dataclass(frozen=True)
 class Execute:
@@ -73,7 +77,7 @@ class Execute:
 class Call:
     """One handler call: ``stored`` are its events; ``batch``: the handler takes the list."""
 
-    stored: Sequence[StoredEvent]
+    stored: Sequence[Delivered]
     events: Sequence[ProjectionEvent[Any]]
     batch: bool
 
@@ -82,7 +86,7 @@ class Call:
         return list(self.events) if self.batch else self.events[0]
 
     @property
-    def event(self) -> StoredEvent | None:
+    def event(self) -> Delivered | None:
         """The event a hang is charged to (guard.py); None for a call with several, which the careful walk tells."""
         return self.stored[0] if len(self.stored) == 1 else None
 
@@ -147,7 +151,7 @@ class Batch:
     A key whose event failed (retriably) waits: its later events are left out (not attempted)."""
 
     projection: Projection
-    events: Sequence[StoredEvent]
+    events: Sequence[Delivered]
     fences: Mapping[int, int]  # bucket -> fence (the tokens' first part)
     replay: bool = False
     known: Mapping[Any, Failure] = field(default_factory=dict)  # pinned by an earlier run: not called again
@@ -159,7 +163,7 @@ class Batch:
     token: str = field(default_factory=lambda: secrets.token_hex(8))  # the commit guard's, for this run
     _hold: KeyHold = field(default_factory=KeyHold)
 
-    def todo(self, abort: threading.Event) -> Iterator[tuple[StoredEvent, ProjectionEvent[Any]]]:
+    def todo(self, abort: threading.Event) -> Iterator[tuple[Delivered, ProjectionEvent[Any]]]:
         """The events for the handler; the walk records each before asking for the next."""
         known = self.known or None  # most runs pin nothing: no lookup (a uuid's hash) per event
         for i, e in enumerate(self.events):
@@ -175,26 +179,28 @@ class Batch:
             elif prepared is not None:
                 self.record(e, prepared)
 
-    def _prepare(self, e: StoredEvent) -> ProjectionEvent[Any] | Failure | None:
+    def _prepare(self, e: Delivered) -> ProjectionEvent[Any] | Failure | None:
         """``Projection.prepare``, with any exception it raises charged to the event (it is the event's
         stored form that could not be handed over: no retry changes that)."""
+        if isinstance(e, ProjectionEvent):  # prepared already (the bulk phase)
+            return e
         try:
             return self.projection.prepare(e, self.fences[e.bucket], self.replay)
         except Exception as exc:
             return Failure(f"the event could not be prepared for the handler: {describe(exc)}", retriable=False)
 
-    def record(self, e: StoredEvent, outcome: Failure | None, event: ProjectionEvent[Any] | None = None) -> None:
+    def record(self, e: Delivered, outcome: Failure | None, event: ProjectionEvent[Any] | None = None) -> None:
         self.outcomes[e.id] = outcome
         self._hold.record(e, outcome)
         if outcome is None and event is not None:
             self.applied.append(event)
 
-    def record_applied(self, pairs: Sequence[tuple[StoredEvent, ProjectionEvent[Any]]]) -> None:
+    def record_applied(self, pairs: Sequence[tuple[Delivered, ProjectionEvent[Any]]]) -> None:
         """``record(e, None, event)`` for each pair, at once (a batched call's events all succeeded)."""
         self.outcomes.update(dict.fromkeys(e.id for e, _ in pairs))
         self.applied.extend(p for _, p in pairs)
 
-    def settle(self, e: StoredEvent, event: ProjectionEvent[Any], exc: Exception | None, *, ended: bool | None,
+    def settle(self, e: Delivered, event: ProjectionEvent[Any], exc: Exception | None, *, ended: bool | None,
                undone: bool) -> None:
         """Record what became of ``e`` after its handler call: ``exc`` what it raised, ``ended``
         whether it ended the batch's transaction (None: unknown), ``undone`` whether its writes
@@ -262,7 +268,7 @@ def walk(batch: Batch, *, careful: bool, pipelined: bool = False, begin: Mapping
     return batch.outcomes
 
 
-def _careful_call(batch: Batch, e: StoredEvent, event: ProjectionEvent[Any], batched: bool) -> Generator[
+def _careful_call(batch: Batch, e: Delivered, event: ProjectionEvent[Any], batched: bool) -> Generator[
         Step, Reply, None]:
     reply = yield Execute(query("projections", "event_savepoint"))  # undo only this event's writes
     if reply.error is not None:
@@ -280,7 +286,7 @@ def _careful_call(batch: Batch, e: StoredEvent, event: ProjectionEvent[Any], bat
     batch.settle(e, event, error, ended=state == "ended", undone=state == "undone")
 
 
-def redo_known(events: Sequence[StoredEvent], known: Mapping[Any, Failure] | None, redo: Redo) -> dict[Any, Failure]:
+def redo_known(events: Sequence[Delivered], known: Mapping[Any, Failure] | None, redo: Redo) -> dict[Any, Failure]:
     """The failures the next run of a batch starts from."""
     merged = dict(known or {})
     if redo.ended is not None:
@@ -292,7 +298,7 @@ def redo_known(events: Sequence[StoredEvent], known: Mapping[Any, Failure] | Non
     return merged
 
 
-def max_runs(events: Sequence[StoredEvent]) -> int:
+def max_runs(events: Sequence[Delivered]) -> int:
     """Runs of one batch: the fast one, then careful ones. A careful run is redone only when it
     pinned one more event (whose handler ended the transaction) and never calls a pinned one
     again, so handlers that behave the same each time need at most one careful run per event."""
@@ -302,10 +308,10 @@ def max_runs(events: Sequence[StoredEvent]) -> int:
 # -- the two drivers ------------------------------------------------------------------------------
 
 Handler = Callable[[Any, Any], Any]
-OnCall = Callable[[StoredEvent | None], None]  # told before each handler call (None: after it returned)
+OnCall = Callable[[Delivered | None], None]  # told before each handler call (None: after it returned)
 
 
-def _ignore(_: StoredEvent | None) -> None:
+def _ignore(_: Delivered | None) -> None:
     pass
 
 

@@ -67,7 +67,9 @@ CREATE INDEX events_id ON outbox.events (id);
 -- Time-based replay and rebuild, and the newest event of a partition (retention).
 CREATE INDEX events_created_at ON outbox.events (created_at);
 -- Commits since a snapshot (0010, outbox.watch_commits_v1): one range from its xmax, one probe per open id.
-CREATE INDEX events_xid ON outbox.events (xid);
+-- 0017: and (seq + 0), the order within a transaction, for a rebuild's bulk phase (bulk_read) only: an
+-- expression, so that queries ordering one bucket's events by (xid, seq) keep events_position.
+CREATE INDEX events_xid ON outbox.events (xid, (seq + 0));
 
 -- Producer idempotency: one event per key and topic (scope: coalesce(topic, '')) for as long as the
 -- event is kept; rows leave with their event's partition (retire_partition_v1).
@@ -994,4 +996,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (13, 'sink_kinds', NULL),
     (14, 'partitioned_history', NULL),
     (15, 'history_per_class', NULL),
-    (16, 'lapse_check_pruned', NULL);
+    (16, 'lapse_check_pruned', NULL),
+    (17, 'position_order_index', NULL);

@@ -17,7 +17,7 @@ from outbox_relay.sink import Failure
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import StoredEvent, stored_event
 from projections import Projection, ProjectionEvent
-from projections.walk import SWALLOWED_ERROR, Batch, Redo, adrive, drive, max_runs, redo_known, walk
+from projections.walk import SWALLOWED_ERROR, Batch, Delivered, Redo, adrive, drive, max_runs, redo_known, walk
 
 from .published import PublishedEvent, _areader, _local, _params, _reader, _refuse_async, _with_uuid
 
@@ -157,7 +157,7 @@ def _ended(projection: Projection, e: StoredEvent) -> EventDeadLettered:
 
 
 def _result(projection: Projection, batch: Batch) -> list[ProjectionEvent[Any]]:
-    failures: list[tuple[StoredEvent, Exception]] = []
+    failures: list[tuple[Delivered, Exception]] = []
     for e in batch.events:
         outcome = batch.outcomes.get(e.id)
         if outcome is None:

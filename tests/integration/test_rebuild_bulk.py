@@ -10,6 +10,7 @@ its token: the bulk phase applies under fence 0, the relay phase under the fence
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -154,6 +155,21 @@ def test_the_bulk_phase_builds_the_live_model_in_slices_across_partitions(dsn: s
     assert per_key(rows) == live_order, "per-key order kept across slices and partitions"
     assert sorted(r[0] for r in rows) == sorted(ids), "each event applied once"
     assert {r[3] for r in rows} == {0}, "all of it by the bulk phase (fence 0)"
+
+
+def test_with_nothing_committed_after_the_bulk_phase_it_switches_over_without_a_relay_phase(
+        dsn: str, live: Any, caplog: pytest.LogCaptureFixture) -> None:
+    ids = publish(dsn, counted(6, 20))
+    live(tally(True), len(ids))
+    live_model = model(dsn)
+    caplog.set_level(logging.INFO)
+
+    result = Rebuild(tally(True), settings(dsn), progress=None).run()
+
+    assert result is not None and result.events == len(ids)
+    assert model(dsn) == live_model
+    assert not [r for r in caplog.records if r.name.startswith("outbox_relay.worker")], "no relay phase started"
+    assert fetch_all(dsn, "SELECT name FROM outbox.sinks ORDER BY name") == [("tally",)], "switched over"
 
 
 def test_a_crash_mid_slice_resumes_at_the_last_slice_with_no_double_effect(dsn: str, live: Any) -> None:
