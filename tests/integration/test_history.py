@@ -248,6 +248,10 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
             conn.execute("CREATE TABLE outbox.kept_events (id uuid, xid xid8, seq bigint, partition_key text, "
                          "bucket int, topic text, type text, payload jsonb, headers jsonb, occurred_at timestamptz, "
                          "created_at timestamptz, schema_version int)")
+            # ... and its lease statements, the lapse check of 0016 (v3): the same answers as version 12's v2.
+            conn.execute("CREATE FUNCTION outbox.bucket_has_work_v3(sink text, bucket integer, snapshot pg_snapshot, "
+                         "target pg_snapshot, after_xid xid8, after_seq bigint) RETURNS boolean LANGUAGE sql "
+                         "RETURN outbox.bucket_has_work_v2(sink, bucket, snapshot, target, after_xid, after_seq)")
         sink = RecordingSink("w")
         runner = SinkRunner(sink, pool, make_settings(dsn, "w", batch_size=7))  # registered above, as version 12
         runner.desired = set(ALL_BUCKETS)
@@ -255,6 +259,7 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
         runner._release_all()
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("DROP TABLE outbox.kept_events")
+            conn.execute("DROP FUNCTION outbox.bucket_has_work_v3")
         assert [m.version for m in migrate(dsn)][-1] == latest_version()
         assert leaves(dsn).get("events_legacy", "missing") is None
         assert set(where(dsn).values()) == {"outbox.events_legacy"}
