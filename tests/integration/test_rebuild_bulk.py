@@ -352,3 +352,45 @@ def test_a_handler_over_its_time_limit_hands_over_to_the_relay_phase(dsn: str, l
     dead = dead_letters(dsn, "tally")
     assert set(dead) == {hang} and "did not return within" in dead[hang][1], dead
     assert sorted(r[0] for r in rows) == sorted(set(ids) - {hang}), "every other event once"
+
+
+def _leftovers(dsn: str, worker: str = "rebuilder") -> tuple[list[str], int]:
+    """Read-ahead threads alive in this process, and the rebuild's sessions still open on the server."""
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("rebuild-read")]
+    sessions = fetch_all(dsn, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+                              "AND pid <> pg_backend_pid()", (f"outbox-relay {worker}",))[0][0]
+    return threads, sessions
+
+
+@pytest.mark.parametrize("how", ["crash", "stop", "handler failure", "timeout", "done"])
+def test_the_read_ahead_leaves_no_thread_or_session_behind(dsn: str, live: Any, how: str) -> None:
+    """The reader (a thread and a connection of its own, one slice ahead) is closed however the bulk
+    phase ends: a crash in a handler, a stop, a slice handed over to the relay phase, a handler over its
+    time limit, or the end of the rebuild; a read in flight then is waited for, not left running."""
+    ids = publish(dsn, counted(10, 30))
+    live(tally(), len(ids))
+    p = tally(crash_after=2 * SLICE + 5) if how == "crash" else tally(fail_i=12 if how == "handler failure" else None)
+    rebuild = Rebuild(p, make_settings(dsn, "rebuilder", max_attempts=2, batch_size=SLICE,
+                                       handler_timeout_seconds=1.0), progress=None)
+    original = p.handler
+    calls = [0]
+
+    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        calls[0] += 1
+        if calls[0] == SLICE + 3:
+            if how == "stop":
+                rebuild.stop()
+            elif how == "timeout":
+                time.sleep(2.5)
+        original(event, tx)
+
+    p.handler = handler
+    if how == "crash":
+        with pytest.raises(Crash):
+            rebuild.run()
+    else:
+        rebuild.run()
+    deadline = time.monotonic() + 10  # a terminated session leaves pg_stat_activity shortly after
+    while _leftovers(dsn) != ([], 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _leftovers(dsn) == ([], 0)
