@@ -394,3 +394,27 @@ def test_the_read_ahead_leaves_no_thread_or_session_behind(dsn: str, live: Any, 
     while _leftovers(dsn) != ([], 0) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _leftovers(dsn) == ([], 0)
+
+
+def test_a_transaction_open_through_a_switch_over_without_a_relay_phase_is_applied_once_after_it(
+        dsn: str, live: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """G12/G3 across the switch-over that skips the relay phase: a transaction open at the bulk phase's
+    snapshot and still open when the rebuild counts what is left (it counts nothing: not committed) and
+    switches over commits afterwards; live processing applies it once, from the adopted cursors."""
+    first = publish(dsn, counted(5, 20))
+    live_runner = live(tally(), len(first))
+    caplog.set_level(logging.INFO)
+    outbox = Outbox(default_topic="orders")
+    with psycopg.connect(dsn) as open_tx:
+        late = outbox.publish(open_tx, type="Counted", key="k0", payload={"i": 100}).id
+        result = Rebuild(tally(), settings(dsn), progress=None).run()
+        assert result is not None and result.events == len(first)
+        assert not [r for r in caplog.records if r.name.startswith("outbox_relay.worker")], "no relay phase"
+        assert fetch_all(dsn, "SELECT name FROM outbox.sinks ORDER BY name") == [("tally",)], "switched over"
+        open_tx.commit()
+    run_until(live_runner, lambda: late in {r[0] for r in log_rows(dsn)})
+    live_runner.run_once()
+    rows = log_rows(dsn)
+    assert sorted(r[0] for r in rows) == sorted([*first, late]), "each event once"
+    assert model(dsn) == sorted([(f"k{k}", 20 + (k == 0), sum(range(20)) + (100 if k == 0 else 0))
+                                 for k in range(5)])
