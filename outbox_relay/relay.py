@@ -823,6 +823,9 @@ class SinkRunner:
             parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1)
             read = store.fetch_events(conn, self.sink.name, self.worker, {bucket: (size, cursor)},
                                       self.sink.event_filter, formatted=self._formatted, fences={bucket: fence})
+        if bucket not in read.held:  # fenced out: its parked events (``fetch_parked`` is not fenced) stay
+            self._lose({bucket}, {bucket: fence})
+            return 0
         new = read.events
         if not parked and not new:
             return self._probe_idle(bucket, fence, cursor.after_read(read.now, None, full=False))

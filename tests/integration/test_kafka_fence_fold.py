@@ -247,3 +247,48 @@ def test_a_relay_that_lost_a_bucket_after_a_batch_retries_no_parked_event_of_it(
     messages = consume_all(kafka_bootstrap, kafka_topic, 2, timeout=20, settle=1.0)
     stale = sorted(m.headers["ce_id"] for m in messages if m.headers["outbox_fence"] == str(fence))
     assert stale == sorted(str(i) for i in first), "nothing of the bucket after the loss, parked retries included"
+
+
+def test_a_probe_of_a_lost_bucket_produces_no_parked_event_of_it(
+        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink) -> None:
+    """G5, crash-loop isolation: a probe reads the suspect bucket's parked events (not fenced) and its new
+    ones (fenced). When that read says the bucket is no longer held, the parked ones are not produced."""
+    runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET})
+    fence = cursor_row(dsn, BUCKET, KAFKA)["fence"]
+    key, other = keys_in_bucket(dsn, BUCKET, 2)
+    first = publish(dsn, [(key, "t", {"n": 1}), (other, "t", {"n": 2})], topic=kafka_topic)
+    assert runner.run_once() == 2
+    _park_again(dsn, first[1])
+    runner._ramp[BUCKET] = 2  # a crash-loop suspect, probed two events at a time
+    _lose(dsn, "taken over")
+    runner.run_once()
+    assert BUCKET not in runner.leases.snapshot(), "the relay let the bucket go"
+    assert seen.lost == 1, "the loss is told once"
+    messages = consume_all(kafka_bootstrap, kafka_topic, 2, timeout=20, settle=1.0)
+    stale = sorted(m.headers["ce_id"] for m in messages if m.headers["outbox_fence"] == str(fence))
+    assert stale == sorted(str(i) for i in first), "nothing of the bucket after the loss"
+
+
+@pytest.mark.parametrize("how", ["drain", "hand-over"])
+def test_a_waiting_batch_lands_and_its_cursor_is_written_when_its_bucket_is_let_go(
+        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink,
+        how: str) -> None:
+    """G3/G6: a batch whose fence check waits is checked and its cursor written before the lease is handed
+    back (SIGTERM's drain, or a rebalance), so the next owner does not send it again, and it is told once."""
+    runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET, OTHER})
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
+    assert runner.run_once() == 1
+    assert runner._pending is not None and seen.delivered == []
+    if how == "drain":
+        runner.draining.set()
+        runner._release_all()
+    else:
+        runner.desired = {OTHER}
+        runner.run_once()
+    assert seen.delivered == first, "landed once, before the bucket went"
+    row = cursor_row(dsn, BUCKET, KAFKA)
+    assert row["owner"] is None, "handed back"
+    with psycopg.connect(dsn) as conn:
+        position = conn.execute("SELECT xid::text::bigint, seq FROM outbox.events WHERE id = %s", (first[0],)).fetchone()
+    assert position is not None and row["cursor"].delivered(*position), "its cursor was written past it"
