@@ -292,3 +292,33 @@ def test_a_waiting_batch_lands_and_its_cursor_is_written_when_its_bucket_is_let_
     with psycopg.connect(dsn) as conn:
         position = conn.execute("SELECT xid::text::bigint, seq FROM outbox.events WHERE id = %s", (first[0],)).fetchone()
     assert position is not None and row["cursor"].delivered(*position), "its cursor was written past it"
+
+
+def test_a_read_that_fails_after_taking_the_waiting_batch_puts_it_back(
+        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """G3: the read that checks a waiting batch fails (a broken connection): the batch waits for the next
+    read, which lands it once; nothing is lost or sent twice."""
+    runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET})
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
+    assert runner.run_once() == 1
+    later = publish(dsn, [(key, "t", {"n": 2})], topic=kafka_topic)
+    real_fetch = store.fetch_events
+    failures = [1]
+
+    def fetch(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            failures.pop()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return real_fetch(*args, **kwargs)
+
+    monkeypatch.setattr(store, "fetch_events", fetch)
+    with pytest.raises(psycopg.OperationalError):
+        runner.run_once()
+    assert runner._pending is not None, "put back"
+    run_until(runner, lambda: seen.delivered == [*first, *later])
+    runner.run_once()
+    assert seen.delivered == [*first, *later], "each told once"
+    messages = consume_all(kafka_bootstrap, kafka_topic, 2, timeout=20, settle=0.5)
+    assert [m.headers["ce_id"] for m in messages] == [str(first[0]), str(later[0])]
