@@ -453,7 +453,9 @@ class SinkRunner:
         if normal:
             if time.monotonic() >= self._check_parked_at:
                 handled += self._retry_parked(normal)
-            handled += self._deliver_new(normal)
+                normal = self._still_held(normal)  # a loss it found is told once, not again by the read
+            if normal:
+                handled += self._deliver_new(normal)
         if self._ahead and time.monotonic() - self._flushed_at >= self._flush_every():
             self._flush_ahead(held)
         elif self._owed and self._until_owed_flush() <= (-self._owed_slack() if handled else 0.0):
@@ -771,6 +773,14 @@ class SinkRunner:
                     due_in = PARK_CHECK_IDLE_SECONDS if self.listening() else self._idle_poll()
                 self._check_parked_at = time.monotonic() + max(0.0, due_in)
                 return 0
+        if self._pending is not None and not self._pending.fences.keys().isdisjoint(e.bucket for e in events):
+            # ``fetch_parked`` is not fenced: a waiting Kafka batch's fence check (``_BatchCommit.later``) of
+            # these buckets comes first, so that a bucket lost since that batch has nothing more produced.
+            self._settle_pending()
+            held = self._still_held(held)
+            events = [e for e in events if e.bucket in held]
+            if not events:
+                return 0
         fences = {e.bucket: held[e.bucket] for e in events}
         self._number_read(events, fences)
         self._run_batch(events, fences, {}, resets=set(fences))
@@ -813,6 +823,9 @@ class SinkRunner:
             parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1)
             read = store.fetch_events(conn, self.sink.name, self.worker, {bucket: (size, cursor)},
                                       self.sink.event_filter, formatted=self._formatted, fences={bucket: fence})
+        if bucket not in read.held:  # fenced out: its parked events (``fetch_parked`` is not fenced) stay
+            self._lose({bucket}, {bucket: fence})
+            return 0
         new = read.events
         if not parked and not new:
             return self._probe_idle(bucket, fence, cursor.after_read(read.now, None, full=False))

@@ -352,3 +352,69 @@ def test_a_handler_over_its_time_limit_hands_over_to_the_relay_phase(dsn: str, l
     dead = dead_letters(dsn, "tally")
     assert set(dead) == {hang} and "did not return within" in dead[hang][1], dead
     assert sorted(r[0] for r in rows) == sorted(set(ids) - {hang}), "every other event once"
+
+
+def _leftovers(dsn: str, worker: str = "rebuilder") -> tuple[list[str], int]:
+    """Read-ahead threads alive in this process, and the rebuild's sessions still open on the server."""
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("rebuild-read")]
+    sessions = fetch_all(dsn, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+                              "AND pid <> pg_backend_pid()", (f"outbox-relay {worker}",))[0][0]
+    return threads, sessions
+
+
+@pytest.mark.parametrize("how", ["crash", "stop", "handler failure", "timeout", "done"])
+def test_the_read_ahead_leaves_no_thread_or_session_behind(dsn: str, live: Any, how: str) -> None:
+    """The reader (a thread and a connection of its own, one slice ahead) is closed however the bulk
+    phase ends: a crash in a handler, a stop, a slice handed over to the relay phase, a handler over its
+    time limit, or the end of the rebuild; a read in flight then is waited for, not left running."""
+    ids = publish(dsn, counted(10, 30))
+    live(tally(), len(ids))
+    p = tally(crash_after=2 * SLICE + 5) if how == "crash" else tally(fail_i=12 if how == "handler failure" else None)
+    rebuild = Rebuild(p, make_settings(dsn, "rebuilder", max_attempts=2, batch_size=SLICE,
+                                       handler_timeout_seconds=1.0), progress=None)
+    original = p.handler
+    calls = [0]
+
+    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        calls[0] += 1
+        if calls[0] == SLICE + 3:
+            if how == "stop":
+                rebuild.stop()
+            elif how == "timeout":
+                time.sleep(2.5)
+        original(event, tx)
+
+    p.handler = handler
+    if how == "crash":
+        with pytest.raises(Crash):
+            rebuild.run()
+    else:
+        rebuild.run()
+    deadline = time.monotonic() + 10  # a terminated session leaves pg_stat_activity shortly after
+    while _leftovers(dsn) != ([], 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _leftovers(dsn) == ([], 0)
+
+
+def test_a_transaction_open_through_a_switch_over_without_a_relay_phase_is_applied_once_after_it(
+        dsn: str, live: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """G12/G3 across the switch-over that skips the relay phase: a transaction open at the bulk phase's
+    snapshot and still open when the rebuild counts what is left (it counts nothing: not committed) and
+    switches over commits afterwards; live processing applies it once, from the adopted cursors."""
+    first = publish(dsn, counted(5, 20))
+    live_runner = live(tally(), len(first))
+    caplog.set_level(logging.INFO)
+    outbox = Outbox(default_topic="orders")
+    with psycopg.connect(dsn) as open_tx:
+        late = outbox.publish(open_tx, type="Counted", key="k0", payload={"i": 100}).id
+        result = Rebuild(tally(), settings(dsn), progress=None).run()
+        assert result is not None and result.events == len(first)
+        assert not [r for r in caplog.records if r.name.startswith("outbox_relay.worker")], "no relay phase"
+        assert fetch_all(dsn, "SELECT name FROM outbox.sinks ORDER BY name") == [("tally",)], "switched over"
+        open_tx.commit()
+    run_until(live_runner, lambda: late in {r[0] for r in log_rows(dsn)})
+    live_runner.run_once()
+    rows = log_rows(dsn)
+    assert sorted(r[0] for r in rows) == sorted([*first, late]), "each event once"
+    assert model(dsn) == sorted([(f"k{k}", 20 + (k == 0), sum(range(20)) + (100 if k == 0 else 0))
+                                 for k in range(5)])
