@@ -65,7 +65,8 @@ def timed(conn: psycopg.Connection[Any], sql: str, sink: str, per_key: int, keys
     rows = 0
     for _ in range(20):
         t0 = time.perf_counter()
-        rows = len(conn.execute(sql, {"sink": sink, "buckets": BUCKETS, "keys": keys, "per_key": per_key}).fetchall())
+        rows = len(conn.execute(sql, {"sink": sink, "buckets": BUCKETS, "keys": keys, "per_key": per_key,
+                                        "worker": None, "fences": [None] * len(BUCKETS)}).fetchall())
         times.append(time.perf_counter() - t0)
     return statistics.median(times), rows
 

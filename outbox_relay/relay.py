@@ -765,21 +765,14 @@ class SinkRunner:
 
     def _retry_parked(self, held: dict[int, int]) -> int:
         with self.pool.connection() as conn:
-            events = store.fetch_parked(conn, self.sink.name, list(held), PARKED_KEYS_PER_PASS, PARKED_PER_KEY)
+            events = store.fetch_parked(conn, self.sink.name, list(held), PARKED_KEYS_PER_PASS, PARKED_PER_KEY,
+                                        worker=self.worker, fences=held)
             if not events:
                 # Nothing due: look again when the next retry is (the idle wait ends then too).
                 due_in = store.next_parked_retry(conn, self.sink.name, list(held))
                 if due_in is None:  # nothing parked: whatever parks an event says so (PARK_CHECK_IDLE_SECONDS)
                     due_in = PARK_CHECK_IDLE_SECONDS if self.listening() else self._idle_poll()
                 self._check_parked_at = time.monotonic() + max(0.0, due_in)
-                return 0
-        if self._pending is not None and not self._pending.fences.keys().isdisjoint(e.bucket for e in events):
-            # ``fetch_parked`` is not fenced: a waiting Kafka batch's fence check (``_BatchCommit.later``) of
-            # these buckets comes first, so that a bucket lost since that batch has nothing more produced.
-            self._settle_pending()
-            held = self._still_held(held)
-            events = [e for e in events if e.bucket in held]
-            if not events:
                 return 0
         fences = {e.bucket: held[e.bucket] for e in events}
         self._number_read(events, fences)
@@ -820,10 +813,11 @@ class SinkRunner:
             return self._probe_alone(bucket, fence)
         cursor = self._read_cursor(bucket)
         with self.pool.connection() as conn:
-            parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1)
+            parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1, worker=self.worker,
+                                        fences={bucket: fence})
             read = store.fetch_events(conn, self.sink.name, self.worker, {bucket: (size, cursor)},
                                       self.sink.event_filter, formatted=self._formatted, fences={bucket: fence})
-        if bucket not in read.held:  # fenced out: its parked events (``fetch_parked`` is not fenced) stay
+        if bucket not in read.held:  # fenced out (the parked read above returned nothing of it then)
             self._lose({bucket}, {bucket: fence})
             return 0
         new = read.events
@@ -846,7 +840,7 @@ class SinkRunner:
         for _ in range(PROBE_QUIET_STEPS):
             cursor = self._read_cursor(bucket)
             with self.pool.connection() as conn:
-                events = store.fetch_parked(conn, self.sink.name, [bucket], 1, 1)
+                events = store.fetch_parked(conn, self.sink.name, [bucket], 1, 1, worker=self.worker, fences=fences)
                 read = None if events else store.fetch_events(
                     conn, self.sink.name, self.worker, {bucket: (1, cursor)}, self.sink.event_filter,
                     formatted=self._formatted, fences=fences)

@@ -13,7 +13,7 @@ import operator
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -305,8 +305,14 @@ def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int,
 _POSITION = operator.attrgetter("bucket", "xid", "seq")
 
 
-def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int) -> list[StoredEvent]:
-    params = {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key}
+def fetch_parked(conn: Conn, sink: str, buckets: Sequence[int], keys: int, per_key: int, *,
+                 worker: str | None = None, fences: Mapping[int, int] | None = None) -> list[StoredEvent]:
+    """The due parked chains of ``buckets``. With ``worker`` (a relay), only of the buckets it still holds
+    under ``fences`` (bucket -> fence), as ``fetch_events``: a relay that lost a bucket retries nothing of it."""
+    if worker is not None and fences is None:
+        raise ValueError("fetch_parked: a worker's read names the fence of every bucket")
+    params = {"sink": sink, "buckets": list(buckets), "keys": keys, "per_key": per_key, "worker": worker,
+              "fences": [fences[b] for b in buckets] if fences is not None else [None] * len(buckets)}
     floor, looked_up = _parked_floor(conn, params)
     cur = conn.execute(_with_floor("fetch_parked", floor), params)
     rows = cur.fetchall()

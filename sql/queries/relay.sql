@@ -145,13 +145,23 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, N
 
 -- name: fetch_parked
 -- Parked chains that are due: per key, the head (whose retry time has come) and the events queued behind it;
--- none of a paused key.
-WITH heads AS (
+-- none of a paused key; only of buckets the caller still holds under the fences it names.
+WITH held AS (
+    -- Fenced as fetch_events: a relay that lost a bucket (a new owner or fence, or its lease ran out)
+    -- retries nothing more of it. A caller that names no worker (an operator's read) gets every bucket.
+    SELECT w.bucket
+    FROM unnest(%(buckets)s::int[], %(fences)s::bigint[]) AS w(bucket, fence)
+    WHERE %(worker)s::text IS NULL
+       OR EXISTS (SELECT 1 FROM outbox.cursors c
+                  WHERE c.sink = %(sink)s AND c.bucket = w.bucket AND c.owner = %(worker)s
+                    AND c.fence = w.fence AND c.lease_expires_at > clock_timestamp())
+),
+heads AS (
     -- The first parked event of each key (chain order: the order they were parked in, 0009) decides
     -- when the key may move again.
     SELECT DISTINCT ON (p.bucket, p.partition_key) p.bucket, p.partition_key, p.available_at
     FROM outbox.parked p
-    WHERE p.sink = %(sink)s AND p.bucket = ANY(%(buckets)s::int[])
+    WHERE p.sink = %(sink)s AND p.bucket = ANY(ARRAY(SELECT bucket FROM held))
     ORDER BY p.bucket, p.partition_key, p.place
 ),
 due AS (

@@ -325,9 +325,6 @@ def test_a_read_that_fails_after_taking_the_waiting_batch_puts_it_back(
     assert [m.headers["ce_id"] for m in messages] == [str(first[0]), str(later[0])]
 
 
-@pytest.mark.xfail(strict=True, reason="fetch_parked is not fenced: a relay that lost a bucket with no batch "
-                   "waiting for its check produces the bucket's due parked retries before a fenced statement "
-                   "finds the loss (docs/guarantees.md G5: 'nor read the bucket again')")
 def test_a_relay_that_lost_a_bucket_with_no_batch_waiting_retries_no_parked_event_of_it(
         dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink) -> None:
     runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET})

@@ -228,7 +228,8 @@ def test_a_parked_retry_plans_only_the_partitions_from_its_oldest_event(dsn: str
             "SELECT DISTINCT ON (bucket) %s, bucket, xid, seq, partition_key, id, clock_timestamp() "
             "FROM outbox.events WHERE type = 'new' AND bucket = ANY(%s) ORDER BY bucket, xid, seq RETURNING event_id",
             (SINK, LEASED)).fetchall()
-        params = {"sink": SINK, "buckets": LEASED, "keys": 100, "per_key": 10}
+        params = {"sink": SINK, "buckets": LEASED, "keys": 100, "per_key": 10, "worker": None,
+                  "fences": [None] * len(LEASED)}
         root = explain(conn, store.parked_sql(conn, params), params, "custom")
         events = store.fetch_parked(conn, SINK, LEASED, 100, 10)
     planned = {str(n["Relation Name"]) for n in nodes(root) if on_events_table(n)}
