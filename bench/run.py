@@ -283,7 +283,8 @@ class Bench:
     MAX_PAUSE_SECONDS = 5.0
 
     def release_backlog(self, dsn: str, n: int, topic: str, relays: list[tuple[str, subprocess.Popen[bytes]]],
-                        out: dict[str, Any]) -> tuple[tuple[list[int], list[int], list[int]], float]:
+                        out: dict[str, Any], on_release: Callable[[], None] | None = None,
+                        ) -> tuple[tuple[list[int], list[int], list[int]], float]:
         """Publish the backlog while the running relays are stopped (SIGSTOP), then let them go
         (SIGCONT): the clock starts when they resume. Returns the delivery targets and that time.
 
@@ -305,6 +306,8 @@ class Bench:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 targets = self.targets(conn)
         finally:
+            if on_release is not None:  # e.g. a CPU window that leaves the publishing out
+                on_release()
             t0 = time.time()
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
