@@ -46,7 +46,7 @@ from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkS
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor, Snapshot
 from .settings import RelaySettings
-from .sink import Aborted, AsyncConn, KeyHold, Outcomes, Sink, wait_idle
+from .sink import Aborted, AsyncConn, Failure, KeyHold, Outcomes, Sink, wait_idle
 from .store import Checkpoint, Conn, StoredEvent
 
 log = logging.getLogger("outbox_relay.relay")
@@ -246,6 +246,9 @@ def read_limits(buckets: Iterable[int], saturated: set[int], batch_size: int, ro
     return {b: hot if b in busy else base for b in order[start:] + order[:start]}
 
 
+_UNTRIED = Failure("not attempted")  # classify: an event the sink did not attempt (no outcome)
+
+
 def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int, int], *,
              max_attempts: int, backoff: Backoff) -> Checkpoint:
     """Turn per-event outcomes into a checkpoint that keeps per-key order.
@@ -259,12 +262,12 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
     cp = Checkpoint(fences=fences)
     hold = KeyHold()  # keys whose head is parked in this batch (the sink followed the same rule)
     for e in events:
-        if e.blocked or not hold.allows(e) or e.id not in outcomes:
+        outcome = outcomes.get(e.id, _UNTRIED)  # one lookup: a uuid's hash is a Python call
+        if e.blocked or not hold.allows(e) or outcome is _UNTRIED:
             hold.hold(e.key)
             if not e.parked:
                 cp.park.append((e, e.attempts, 0.0, None))
             continue
-        outcome = outcomes[e.id]
         if outcome is None:
             cp.delivered.append(e)
             if e.parked:

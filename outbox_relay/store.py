@@ -279,7 +279,10 @@ def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int,
     """Each bucket's delta from its cursor (positions.py), up to its limit: ``reads`` maps a bucket to
     (limit, read cursor), in the order the buckets are to be read. Buckets ``worker`` does not hold
     return nothing. ``formatted``: with the Kafka sink's ready-made header values (``id_text``, ...)."""
-    cur = conn.execute(fetch_sql(conn, reads), fetch_params(sink, worker, reads, wanted, formatted=formatted))
+    # Binary results: ids, times and numbers travel as their bytes, so that neither the server formats nor
+    # the client parses text for them (the text columns are the same either way).
+    cur = conn.execute(fetch_sql(conn, reads), fetch_params(sink, worker, reads, wanted, formatted=formatted),
+                       binary=True)
     rows = cur.fetchall()
     event, column = event_reader(cur)
     now = Snapshot.parse(rows[-1][column["now"]])  # the last row always carries it
