@@ -79,7 +79,8 @@ def projection_once(bench: Bench, relays_n: int, verify: bool, run: int, handler
         with psycopg.connect(dsn, autocommit=True) as poll:
             poll.execute(SCHEMA)
             args = [*PROJECTION_ARGS[:-1], sink]
-            relays = bench.start_relays(relays_n, dsn, topic, f"proj{relays_n}r{run}", args, projections=True)
+            relays = bench.start_relays(relays_n, dsn, topic, f"proj{relays_n}r{run}", args, projections=True,
+                                        batch_size=bench.args.projection_batch_size or None)
             out["settle_seconds"] = bench.wait_ring(poll, [w for w, _ in relays], relays, sink=sink)
             warmups = bench.warm_up(dsn, topic, relays, sink=sink, type_="bench.order_paid",
                                     payload={"customer": "warmup", "amount_cents": 0})

@@ -63,12 +63,12 @@ def main() -> int:
     p.add_argument("--events", type=int, default=100_000)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--handler", default="batched", choices=sorted(projection_cases.REBUILD_HANDLERS))
-    p.add_argument("--batch-size", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=0, help="relay --batch-size (0: the relay's own default)")
     p.add_argument("--spy", type=Path, help="py-spy raw stacks of the first relay (on-CPU samples) to this file")
     p.add_argument("--relay-args", default="", help="more `outbox-relay run` arguments")
     a = p.parse_args()
-    args = run.parse_args(["--cases", "projection", "--events", str(a.events), "--batch-size", str(a.batch_size),
-                           "--relay-args", a.relay_args])
+    args = run.parse_args(["--cases", "projection", "--events", str(a.events),
+                           "--projection-batch-size", str(a.batch_size), "--relay-args", a.relay_args])
     results: list[dict[str, Any]] = []
     with Servers(keep=False) as servers:
         bench = run.Bench(args, servers)

@@ -304,6 +304,9 @@ class SinkRunner:
         self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
         self.gate = gate or DeliveryGate()
         self._formatted = sink.kind == "kafka"  # reads carry the Kafka headers' ready-made values
+        # Events per read: the sink's own if it has one (a batched projection's, projections/sink.py), else
+        # --batch-size.
+        self._batch_size: int = getattr(sink, "batch_size", None) or settings.batch_size
         self.leases = Leases()
         self.hints = Hints()  # buckets notifications said were written (the worker's listener adds)
         self.desired: set[int] | None = None  # None until the first assignment is known
@@ -634,11 +637,11 @@ class SinkRunner:
     # -- delivery --------------------------------------------------------------------------
 
     def _bucket_limit(self, buckets: int) -> int:
-        return max(MIN_BUCKET_LIMIT, self.settings.batch_size // max(1, buckets))
+        return max(MIN_BUCKET_LIMIT, self._batch_size // max(1, buckets))
 
     def _limits(self, held: dict[int, int]) -> dict[int, int]:
         self._rotation = (self._rotation + 1) % len(held)
-        return read_limits(held, self._saturated, self.settings.batch_size, self._rotation)
+        return read_limits(held, self._saturated, self._batch_size, self._rotation)
 
     def _deliver_new(self, held: dict[int, int]) -> int:
         # Read the buckets notifications named (and those whose last read was full); every held bucket
