@@ -65,6 +65,7 @@ class CpuWindow:
         self._start: dict[str, dict[int, float]] = {}
         self._t0 = 0.0
         self._busy0 = 0.0
+        self.elapsed = 0.0  # the window's seconds, once stopped (shares x elapsed = CPU seconds)
 
     def _read(self) -> dict[str, dict[int, float]]:
         return {name: {pid: cpu_seconds(pid) for pid in pids()} for name, pids in self.groups.items()}
@@ -78,7 +79,7 @@ class CpuWindow:
         """Per group, its share of one core over the window (1.0 = a whole core); ``machine`` is all
         cores' busy time, ``other`` what no group accounts for."""
         end = self._read()
-        seconds = max(1e-9, time.monotonic() - self._t0)
+        seconds = self.elapsed = max(1e-9, time.monotonic() - self._t0)
         out: dict[str, float] = {}
         for name, readings in end.items():
             before = self._start.get(name, {})

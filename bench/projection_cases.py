@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import cpu
 import psycopg
 from bench_projection import SCHEMA
 
@@ -64,7 +65,7 @@ def check_totals(conn: psycopg.Connection[Any], applied_by: str | None = None) -
 
 
 def projection_once(bench: Bench, relays_n: int, verify: bool, run: int, handler: str = "per-event",
-                    spy: Path | None = None) -> dict[str, Any]:
+                    spy: Path | None = None, spy_idle: bool = True) -> dict[str, Any]:
     """As drain_once in warm mode, with relays that run the projection instead of Kafka; ``handler``:
     per-event (one upsert per event) or batched (one set-based upsert per batch, ``batch=True``).
     ``spy``: record the first relay with py-spy (raw stacks to that file) from before the release."""
@@ -78,19 +79,26 @@ def projection_once(bench: Bench, relays_n: int, verify: bool, run: int, handler
         with psycopg.connect(dsn, autocommit=True) as poll:
             poll.execute(SCHEMA)
             args = [*PROJECTION_ARGS[:-1], sink]
-            relays = bench.start_relays(relays_n, dsn, topic, f"proj{relays_n}r{run}", args, projections=True)
+            relays = bench.start_relays(relays_n, dsn, topic, f"proj{relays_n}r{run}", args, projections=True,
+                                        batch_size=bench.args.projection_batch_size or None)
             out["settle_seconds"] = bench.wait_ring(poll, [w for w, _ in relays], relays, sink=sink)
             warmups = bench.warm_up(dsn, topic, relays, sink=sink, type_="bench.order_paid",
                                     payload={"customer": "warmup", "amount_cents": 0})
             spy_proc = None
             if spy is not None:
                 exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-                spy_proc = subprocess.Popen([exe, "record", "--pid", str(relays[0][1].pid), "--rate", "200", "--idle",
+                spy_proc = subprocess.Popen([exe, "record", "--pid", str(relays[0][1].pid), "--rate", "200",
+                                             *(["--idle"] if spy_idle else []),
                                              "--nonblocking", "--format", "raw", "--output", str(spy)],
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
-            targets, t0 = bench.release_backlog(dsn, n, topic, relays, out)
+            window = relay_cpu_window(bench, relays)
+            targets, t0 = bench.release_backlog(dsn, n, topic, relays, out, on_release=window.start)
             t_end = bench.wait_delivered(poll, targets, relays, timeout=bench.args.drain_timeout, sink=sink)
+            shares = window.stop()
+            # CPU per event from release to the last checkpoint (load-insensitive, unlike events/s): the relay
+            # processes, their PostgreSQL sessions, and the rest of the server (autovacuum, WAL writer, ...).
+            out["cpu_us_per_event"] = {k: v * window.elapsed / n * 1e6 for k, v in shares.items()}
             if spy_proc is not None:
                 spy_proc.send_signal(signal.SIGINT)
                 spy_proc.wait(30)
@@ -110,6 +118,22 @@ def projection_once(bench: Bench, relays_n: int, verify: bool, run: int, handler
     return out
 
 
+def relay_cpu_window(bench: Bench, relays: list[tuple[str, subprocess.Popen[bytes]]]) -> cpu.CpuWindow:
+    """CPU of the relay processes, of their PostgreSQL sessions (application name ``outbox-relay ...``)
+    and of the server's other processes, between ``start()`` and ``stop()``."""
+    postmaster = cpu.postmaster_pid(bench.pg.dir)
+
+    def backends(of_relays: bool) -> list[int]:
+        pids = [postmaster, *cpu.children(postmaster)] if postmaster else []
+        with psycopg.connect(bench.pg.admin_dsn, autocommit=True) as conn:
+            apps = dict(conn.execute("SELECT pid, application_name FROM pg_stat_activity").fetchall())
+        return [p for p in pids if str(apps.get(p) or "").startswith("outbox-relay") == of_relays]
+
+    return cpu.CpuWindow({"relays": lambda: [p.pid for _, p in relays],
+                          "postgres for relays": lambda: backends(True),
+                          "postgres other": lambda: backends(False)})
+
+
 def case_projection(bench: Bench) -> None:
     runs = []
     for run in range(bench.args.runs):  # interleaved: every relay count and handler, then the next run
@@ -117,8 +141,11 @@ def case_projection(bench: Bench) -> None:
             for handler in bench.args.projection_handlers:
                 r = projection_once(bench, relays_n, run == 0, run, handler)
                 rss = max(v or 0 for v in r["peak_rss_mb"].values())
+                us = r["cpu_us_per_event"]
                 log(f"projection {handler} {relays_n} relays run {run + 1}: {r['events_per_s']:,.0f} ev/s "
-                    f"({r['seconds']:.2f}s, rss {rss:.0f} MB)" + (f", check {r['check']}" if "check" in r else ""))
+                    f"({r['seconds']:.2f}s, rss {rss:.0f} MB; CPU per event: relays {us['relays']:.1f} us, their "
+                    f"postgres sessions {us['postgres for relays']:.1f} us, other postgres {us['postgres other']:.1f} "
+                    f"us, machine {us['machine']:.1f} us)" + (f", check {r['check']}" if "check" in r else ""))
                 runs.append(r)
     bench.results["projection"] = runs
 

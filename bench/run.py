@@ -129,9 +129,12 @@ class Bench:
 
     def start_relays(self, n: int, dsn: str, topic: str, tag: str, extra: Sequence[str] = (),
                      projections: bool = False,
-                     acks_to: Sequence[Path] = ()) -> list[tuple[str, subprocess.Popen[bytes]]]:
+                     acks_to: Sequence[Path] = (), batch_size: int | None = -1,
+                     ) -> list[tuple[str, subprocess.Popen[bytes]]]:
         """``acks_to``: one file per relay, where it writes each event's broker-ack time when it stops
-        (bench/ack_relay.py: the same command with an Observer.acknowledged hook)."""
+        (bench/ack_relay.py: the same command with an Observer.acknowledged hook). ``batch_size``: the relays'
+        --batch-size (-1: the bench's --batch-size; None: none given, the relay's own default)."""
+        size = self.args.batch_size if batch_size == -1 else batch_size
         env = self.relay_env(dsn, projections)
         relays = []
         for i in range(n):
@@ -140,7 +143,8 @@ class Bench:
             entry = [str(HERE / "ack_relay.py"), str(acks_to[i])] if acks_to else ["-m", "outbox_relay.cli"]
             cmd = [sys.executable, *entry, "--log-level", "warning", "run",
                    "--default-topic", topic, "--kafka-bootstrap-servers", self.kafka.bootstrap,
-                   "--batch-size", str(self.args.batch_size), "--worker-id", wid, *self.args.relay_args, *extra]
+                   *(["--batch-size", str(size)] if size is not None else []), "--worker-id", wid,
+                   *self.args.relay_args, *extra]
             relays.append((wid, subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
                                                  stdin=subprocess.DEVNULL)))
         return relays
@@ -283,7 +287,8 @@ class Bench:
     MAX_PAUSE_SECONDS = 5.0
 
     def release_backlog(self, dsn: str, n: int, topic: str, relays: list[tuple[str, subprocess.Popen[bytes]]],
-                        out: dict[str, Any]) -> tuple[tuple[list[int], list[int], list[int]], float]:
+                        out: dict[str, Any], on_release: Callable[[], None] | None = None,
+                        ) -> tuple[tuple[list[int], list[int], list[int]], float]:
         """Publish the backlog while the running relays are stopped (SIGSTOP), then let them go
         (SIGCONT): the clock starts when they resume. Returns the delivery targets and that time.
 
@@ -305,6 +310,8 @@ class Bench:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 targets = self.targets(conn)
         finally:
+            if on_release is not None:  # e.g. a CPU window that leaves the publishing out
+                on_release()
             t0 = time.time()
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
@@ -1195,7 +1202,9 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                      + ". Anything well above 0% means the figures are skewed by other work.")
     a = meta["args"]
     lines.append(f"N = {a['events']:,} events over {a['keys']:,} keys, published in transactions of {a['tx_size']}; "
-                 f"relay --batch-size {a['batch_size']}; {a['runs']} runs per case: median (min-max).")
+                 f"relay --batch-size {a['batch_size']} (projection relays: "
+                 f"{a.get('projection_batch_size') or 'none given, their default'}); {a['runs']} runs per case: "
+                 "median (min-max).")
     if a.get("issue8"):
         lines.append("")
         lines.append(issue8.table(meta, results))
@@ -1514,6 +1523,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rebuild-tx-events", type=int, default=500_000,
                    help="the rebuild case loads its events in transactions of this many (default 500000: a bulk "
                         "import; e.g. 100 for history written by ordinary transactions)")
+    p.add_argument("--projection-batch-size", type=int, default=0,
+                   help="relay --batch-size in the projection case (0: none given, the relay's default: 4,096 for a "
+                        "batched projection, 1,000 for a per-event one)")
     p.add_argument("--projection-handlers", default="per-event",
                    help="projection case: per-event (bench_totals, one upsert per event) and/or batched "
                         "(bench_totals_batched, one set-based upsert per batch), interleaved")

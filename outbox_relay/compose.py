@@ -38,15 +38,18 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
         sinks.append(kafka)
     if s.projection:
         from projections.declare import load_registry
-        from projections.sink import ProjectionSink
+        from projections.sink import BATCHED_READ_SIZE, ProjectionSink
 
         assert s.projections is not None  # settings validation
         registry = load_registry(s.projections)
         dsn = s.dsn.get_secret_value()
+        chosen = "batch_size" in s.model_fields_set  # --batch-size given: every sink reads that many
         for name in s.projection:
-            sink = ProjectionSink(registry.get(name), dsn, lease_seconds=s.lease_seconds,
+            p = registry.get(name)
+            sink = ProjectionSink(p, dsn, lease_seconds=s.lease_seconds,
                                   application_name=application_name(s.worker_id),
-                                  handler_timeout_seconds=s.handler_timeout_seconds)
+                                  handler_timeout_seconds=s.handler_timeout_seconds,
+                                  batch_size=BATCHED_READ_SIZE if p.batch and not chosen else None)
             sink.observer = observer
             sinks.append(sink)
     for spec in s.sink:

@@ -46,7 +46,7 @@ from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkS
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor, Snapshot
 from .settings import RelaySettings
-from .sink import Aborted, AsyncConn, KeyHold, Outcomes, Sink, wait_idle
+from .sink import Aborted, AsyncConn, Failure, KeyHold, Outcomes, Sink, wait_idle
 from .store import Checkpoint, Conn, StoredEvent
 
 log = logging.getLogger("outbox_relay.relay")
@@ -250,6 +250,9 @@ def read_limits(buckets: Iterable[int], saturated: set[int], batch_size: int, ro
     return {b: hot if b in busy else base for b in order[start:] + order[:start]}
 
 
+_UNTRIED = Failure("not attempted")  # classify: an event the sink did not attempt (no outcome)
+
+
 def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int, int], *,
              max_attempts: int, backoff: Backoff) -> Checkpoint:
     """Turn per-event outcomes into a checkpoint that keeps per-key order.
@@ -263,12 +266,12 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
     cp = Checkpoint(fences=fences)
     hold = KeyHold()  # keys whose head is parked in this batch (the sink followed the same rule)
     for e in events:
-        if e.blocked or not hold.allows(e) or e.id not in outcomes:
+        outcome = outcomes.get(e.id, _UNTRIED)  # one lookup: a uuid's hash is a Python call
+        if e.blocked or not hold.allows(e) or outcome is _UNTRIED:
             hold.hold(e.key)
             if not e.parked:
                 cp.park.append((e, e.attempts, 0.0, None))
             continue
-        outcome = outcomes[e.id]
         if outcome is None:
             cp.delivered.append(e)
             if e.parked:
@@ -305,6 +308,9 @@ class SinkRunner:
         self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
         self.gate = gate or DeliveryGate()
         self._formatted = sink.kind == "kafka"  # reads carry the Kafka headers' ready-made values
+        # Events per read: the sink's own if it has one (a batched projection's, projections/sink.py), else
+        # --batch-size.
+        self._batch_size: int = getattr(sink, "batch_size", None) or settings.batch_size
         self.leases = Leases()
         self.hints = Hints()  # buckets notifications said were written (the worker's listener adds)
         self.desired: set[int] | None = None  # None until the first assignment is known
@@ -687,13 +693,13 @@ class SinkRunner:
     # -- delivery --------------------------------------------------------------------------
 
     def _bucket_limit(self, buckets: int) -> int:
-        return max(MIN_BUCKET_LIMIT, self.settings.batch_size // max(1, buckets))
+        return max(MIN_BUCKET_LIMIT, self._batch_size // max(1, buckets))
 
     def _limits(self, held: dict[int, int]) -> dict[int, int]:
         if not held:
             return {}
         self._rotation = (self._rotation + 1) % len(held)
-        return read_limits(held, self._saturated, self.settings.batch_size, self._rotation)
+        return read_limits(held, self._saturated, self._batch_size, self._rotation)
 
     def _deliver_new(self, held: dict[int, int]) -> int:
         # The previous batch's fence check, if it waits (``_BatchCommit.later``): this read does it. A read

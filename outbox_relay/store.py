@@ -290,14 +290,17 @@ def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int,
     (limit, read cursor), in the order the buckets are to be read. Buckets ``worker`` does not hold (under
     the bucket's fence in ``fences``, when given, with its lease not expired) return nothing, and are not in
     ``Read.held``. ``formatted``: with the Kafka sink's ready-made header values (``id_text``, ...)."""
+    # Binary results: ids, times and numbers travel as their bytes, so that neither the server formats nor
+    # the client parses text for them (the text columns are the same either way).
     cur = conn.execute(fetch_sql(conn, reads),
-                       fetch_params(sink, worker, reads, wanted, formatted=formatted, fences=fences))
+                       fetch_params(sink, worker, reads, wanted, formatted=formatted, fences=fences), binary=True)
     rows = cur.fetchall()
     event, column = event_reader(cur)
     last = rows[-1]  # the last row always carries the snapshot, the buckets held and the time
     # Per bucket in (xid, seq) order: the delta's delivery order (positions.py). A row without an id
     # is the one that only carries the snapshot.
-    events = sorted((event(r) for r in rows if r[column["id"]] is not None), key=_POSITION)
+    i = column["id"]
+    events = sorted((event(r) for r in rows if r[i] is not None), key=_POSITION)
     return Read(events, Snapshot.parse(last[column["now"]]), frozenset(last[column["held"]] or ()),
                 last[column["checked_at"]])
 
@@ -499,37 +502,43 @@ def event_reader(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> tuple[
     """A function that turns one of ``cur``'s rows into a StoredEvent by column name (extra keyword
     arguments set more fields), and the index of every column by name."""
     column = {d.name: i for i, d in enumerate(cur.description or [])}
-    picked = [(EVENT_COLUMNS[name], i) for name, i in column.items() if name in EVENT_COLUMNS]
-    # The columns that are StoredEvent's leading fields, in order, go in positionally (every read's
-    # first ten): keyword arguments cost a third of building the event, once per event.
-    lead = 0
-    while lead < len(picked) and lead < len(_FIELDS) and picked[lead][0] == _FIELDS[lead]:
-        lead += 1
-    first = _getter([i for _, i in picked[:lead]])
-    names = [name for name, _ in picked[lead:]]
-    rest = _getter([i for _, i in picked[lead:]])
+    by_field = {EVENT_COLUMNS[name]: i for name, i in column.items() if name in EVENT_COLUMNS}
+    # Every field goes in positionally, from its column or else its default (appended to the row): keyword
+    # arguments cost half of building the event, once per event of every read.
+    defaults: list[Any] = []
+    indices: list[int] = []
+    for f in _FIELD_DEFS:
+        if f.name in by_field:
+            indices.append(by_field[f.name])
+        elif f.default is not dataclasses.MISSING:
+            indices.append(len(column) + len(defaults))
+            defaults.append(f.default)
+        else:  # a required field no column gives: StoredEvent refuses the row, naming it
+            return _event_by_name(by_field), column
+    pick = operator.itemgetter(*indices)
+    tail = tuple(defaults)
 
     def event(row: Sequence[Any], **extra: Any) -> StoredEvent:
-        fields = dict(zip(names, rest(row), strict=True))  # once per event: the C paths
+        values = pick((row if type(row) is tuple else tuple(row)) + tail)
         if extra:
-            fields.update(extra)
-        return StoredEvent(*first(row), **fields)
+            changed = list(values)
+            for name, value in extra.items():
+                changed[_FIELD_INDEX[name]] = value
+            return StoredEvent(*changed)
+        return StoredEvent(*values)
 
     return event, column
 
 
-_FIELDS = [f.name for f in dataclasses.fields(StoredEvent)]
+def _event_by_name(by_field: dict[str, int]) -> Callable[..., StoredEvent]:
+    def event(row: Sequence[Any], **extra: Any) -> StoredEvent:
+        return StoredEvent(**{name: row[i] for name, i in by_field.items()}, **extra)
+
+    return event
 
 
-def _getter(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
-    """The values at ``indices`` of a row, as a tuple (``itemgetter`` returns a lone value bare)."""
-    if list(indices) == list(range(len(indices))):
-        n = len(indices)
-        return lambda row: tuple(row[:n])
-    if len(indices) == 1:
-        i = indices[0]
-        return lambda row: (row[i],)
-    return operator.itemgetter(*indices)
+_FIELD_DEFS = dataclasses.fields(StoredEvent)
+_FIELD_INDEX = {f.name: i for i, f in enumerate(_FIELD_DEFS)}
 
 
 def stored_event(row: Sequence[Any], **extra: Any) -> StoredEvent:

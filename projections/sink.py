@@ -48,6 +48,11 @@ from .walk import Batch, Redo, adrive, drive, max_runs, redo_known, walk
 log = logging.getLogger("outbox_relay.projections")
 
 END_WALK_WAIT_MS = 5000  # how long ending an abandoned walk's backend may take (pg_terminate_backend)
+# Events per read of a live batched projection unless --batch-size is given (compose.build_worker): its
+# read's per-bucket work and its checkpoint are the server's per-batch cost, spread over 4 times the events
+# of the relays' default (1,000): 64 per bucket for a relay of four holding 64 buckets. Measured: the
+# PostgreSQL sessions' CPU per event about half (docs/benchmarks/2026-11-26-live-projection.md).
+BATCHED_READ_SIZE = 4096
 
 
 def outside_writes_error(projection: Projection, shadow: str | None, tables: list[str]) -> OutboxError:
@@ -88,8 +93,10 @@ class ProjectionSink:
 
     def __init__(self, projection: Projection, dsn: str, *, lease_seconds: float = 30.0, name: str | None = None,
                  replay: bool = False, shadow_schema: str | None = None,
-                 application_name: str | None = None, handler_timeout_seconds: float = 30.0) -> None:
+                 application_name: str | None = None, handler_timeout_seconds: float = 30.0,
+                 batch_size: int | None = None) -> None:
         self.projection = projection
+        self.batch_size = batch_size  # events per read of this sink (None: the relay's --batch-size)
         self.name = name or projection.name
         self.replay = replay
         self._dsn = dsn

@@ -88,3 +88,37 @@ def test_make_token_and_make_event_give_what_the_constructors_give() -> None:
         fast.key = "other"  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         token.fence = 4  # type: ignore[misc]
+
+
+def test_event_reader_names_a_required_field_no_column_gives() -> None:
+    read, _ = event_reader(_Cursor(["bucket", "xid", "seq", "id", "partition_key", "topic", "type", "payload",
+                                    "headers"]))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="time"):
+        read((1, 2, 3, ID, "k", None, "t", "{}", "{}"))
+
+
+def test_event_reader_takes_rows_that_are_not_tuples() -> None:
+    read, _ = event_reader(_Cursor(READ))  # type: ignore[arg-type]
+    assert read(list(READ_ROW)) == read(READ_ROW)
+
+
+def test_prepare_builds_what_the_constructors_build() -> None:
+    from projections import projection
+
+    @projection("p", events=["t.x"])
+    def p(event: Any, tx: Any) -> None:
+        pass
+
+    stored = StoredEvent(7, 100, 2, ID, "k", "top", "t.x", '{"a": [1, 2]}', '{"h": "v"}', TIME, attempts=2, read=5,
+                         version=1)
+    got = p.prepare(stored, 9, True)
+    want = ProjectionEvent(id=ID, type="t.x", key="k", topic="top", payload={"a": [1, 2]}, headers={"h": "v"},
+                           time=TIME, position=(100, 2), token=FenceToken(9, 5, 100, 2), attempt=3, replay=True,
+                           version=1)
+    assert got == want and repr(got) == repr(want) and vars(got) == vars(want)
+    assert isinstance(got, ProjectionEvent) and got.fence == 9 and pickle.loads(pickle.dumps(got)) == want
+    assert vars(got.token) == vars(want.token) and hash(got.token) == hash(want.token)
+    no_headers = p.prepare(dataclasses.replace(stored, headers_text="{}"), 9, False)
+    assert isinstance(no_headers, ProjectionEvent) and no_headers.headers == {} and no_headers.replay is False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.key = "other"  # type: ignore[misc]
