@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -55,6 +56,7 @@ FENCES = dict.fromkeys(range(BUCKETS), 0)  # the phase's fence in every bucket: 
 LOCK_POLL_SECONDS = 0.5
 END_WALK_WAIT_MS = 5000
 CONNECT_TRIES = 3
+READ_WAIT_STEP_SECONDS = 0.25  # how often a wait for a slice's read looks at the stop flag
 COLLECT_EVERY = 16  # slices between runs of the cyclic collector (off otherwise while the phase runs)
 # bulk_read's columns, in order (handed_over unpacks them by position).
 READ_COLUMNS = ("bucket", "xid", "seq", "id", "partition_key", "topic", "type", "payload", "headers", "time",
@@ -160,6 +162,9 @@ class _Reader:
         return _Read([read(r) for r in rows], len(rows), last)
 
     def close(self) -> None:
+        # A read still in flight (blocked behind a lock, say) is cancelled, not waited out.
+        if self._conn is not None and not self._conn.closed:
+            self._conn.cancel_safe(timeout=5.0)
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._conn is not None:
             self._conn.close()
@@ -184,6 +189,7 @@ class BulkPhase:
         self._begin = {"idle_ms": str(int(lease_seconds * 1000)), "shadow": shadow}
         self._filter = projection.event_filter.params()
         self._guard = Guard(sink, handler_timeout_seconds, self._end_walk)
+        self._read_limit = handler_timeout_seconds  # a slice's read, as its handler calls
         self._abandoned = False  # the current connection was left to an abandoned slice
         self._never = threading.Event()  # the walk is never aborted mid-slice: a stop waits for the slice
         self._finished = False  # the last slice of the phase landed (Outcome.finished)
@@ -271,7 +277,13 @@ class BulkPhase:
             while True:
                 if self.stopping.is_set():
                     return "stopped"
-                got = ahead.result()
+                try:
+                    got = self._wait(ahead)
+                except SliceFailed as exc:
+                    self._hand_over(cursor, exc)
+                    return "done"
+                if got is None:
+                    return "stopped"
                 last = got.rows < self.slice_size
                 if not last:
                     assert got.last is not None
@@ -297,6 +309,19 @@ class BulkPhase:
             row = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
             assert row is not None
             now = Snapshot.parse(row[0])
+
+    def _wait(self, ahead: Future[_Read]) -> _Read | None:
+        """The slice read ahead; None once the rebuild is stopping. A read that does not return within the
+        handler time limit fails the slice, as a handler over its limit does (the relay phase goes on)."""
+        deadline = time.monotonic() + self._read_limit
+        while True:
+            try:
+                return ahead.result(timeout=READ_WAIT_STEP_SECONDS)
+            except FutureTimeout:
+                if self.stopping.is_set():
+                    return None
+                if time.monotonic() >= deadline:
+                    raise SliceFailed(f"a slice's read did not return within {self._read_limit:g}s") from None
 
     def _slice(self, conn: psycopg.Connection[Any], cursor: Cursor, target: Snapshot, got: _Read, *,
                last: bool, end: bool) -> Cursor:

@@ -418,3 +418,55 @@ def test_a_transaction_open_through_a_switch_over_without_a_relay_phase_is_appli
     assert sorted(r[0] for r in rows) == sorted([*first, late]), "each event once"
     assert model(dsn) == sorted([(f"k{k}", 20 + (k == 0), sum(range(20)) + (100 if k == 0 else 0))
                                  for k in range(5)])
+
+
+def test_a_slice_read_over_the_time_limit_hands_over_to_the_relay_phase(
+        dsn: str, live: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A slice is read ahead on a connection of its own; a read that does not return within the handler
+    time limit (here: blocked behind a lock) ends the bulk phase as a handler over its limit does, its
+    query cancelled, and the relay phase goes on from the last slice that landed."""
+    ids = publish(dsn, counted(10, 30))
+    live(tally(), len(ids))
+    live_model = model(dsn)
+    caplog.set_level(logging.INFO)
+    p = tally()
+    original = p.handler
+    locked = threading.Event()
+    release = threading.Event()
+
+    def hold_lock() -> None:  # blocks every later read of outbox.events until the hand-over is logged
+        with psycopg.connect(dsn) as conn:
+            conn.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+            locked.set()
+            release.wait(30)
+
+    locker = threading.Thread(target=hold_lock)
+    calls = [0]
+
+    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 1:  # the first slice: the read of the second one is in flight or done, the third blocks
+            locker.start()
+            assert locked.wait(10)
+        original(event, tx)
+
+    def handed_over() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any("relay phase takes over" in r.getMessage()
+                                                      for r in caplog.records):
+            time.sleep(0.05)
+        release.set()
+
+    watcher = threading.Thread(target=handed_over)
+    watcher.start()
+    p.handler = handler
+    result = Rebuild(p, make_settings(dsn, "rebuilder", max_attempts=2, batch_size=SLICE,
+                                      handler_timeout_seconds=1.0), progress=None).run()
+    watcher.join()
+    locker.join()
+    assert result is not None and model(dsn) == live_model
+    assert any("did not return within" in r.getMessage() for r in caplog.records), "the read's time limit"
+    rows = log_rows(dsn)
+    assert 0 < sum(1 for r in rows if r[3] == 0) < len(ids), "some slices by the bulk phase, the rest by the relay's"
+    assert sorted(r[0] for r in rows) == sorted(ids), "every event once"
+    assert _leftovers(dsn) == ([], 0)
