@@ -57,7 +57,9 @@ fi
 # roles are server-wide). Left out: tests of Kafka, metrics, tracing, the CLI's connection handling and
 # the ORM/testing-kit layers above publish, whose SQL the tests kept here already run, and the inbox's main
 # tests (a Kafka consumer whose connection-cut test times its cut against the embedded server) and metrics;
-# its attempts' SQL (test_inbox_attempts.py) runs here.
+# its attempts' SQL (test_inbox_attempts.py) runs here. The sink contract suite (every sink class, the
+# webhook's too) and the stuck-handler tests exercise the sinks' Python over the relay's SQL, which the
+# relay's own tests run here; they run in the first step only (this step is serial: the suite's longest).
 if [ -z "${OUTBOX_TEST_DSN:-}" ]; then
     if "$VENV/bin/python" - "$LOCAL_PG_DSN" <<'PY' 2>/dev/null
 import sys
@@ -75,7 +77,9 @@ PY
             --ignore=tests/integration/test_metrics.py --ignore=tests/integration/test_relay_kafka.py \
             --ignore=tests/integration/test_tracing.py --ignore=tests/integration/test_testing_kit.py \
             --ignore=tests/integration/test_contrib_sqlalchemy.py --ignore=tests/integration/test_cli_projections.py \
-            --ignore=tests/integration/test_inbox.py --ignore=tests/integration/test_inbox_metrics.py
+            --ignore=tests/integration/test_inbox.py --ignore=tests/integration/test_inbox_metrics.py \
+            --ignore=tests/integration/test_sink_contract.py --ignore=tests/integration/test_webhook.py \
+            --ignore=tests/integration/test_stuck_sinks.py
     else
         echo
         echo "=== no PostgreSQL answers at $LOCAL_PG_DSN: skipping the second integration run"
