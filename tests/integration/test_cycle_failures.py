@@ -8,7 +8,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +15,6 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from outbox_relay.observer import Observer
 from outbox_relay.relay import points_at_events
 from outbox_relay.sink import Commit
 from outbox_relay.store import StoredEvent
@@ -33,6 +31,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     runner_for,
     running,
 )
+from tests.unit.test_observer import Broken  # every hook raises
 
 
 class Boom(RuntimeError):
@@ -141,37 +140,11 @@ def test_which_failures_can_be_an_events_doing(exc: BaseException, expected: boo
     assert points_at_events(exc) is expected
 
 
-class BrokenObserver(Observer):
-    """An observer whose hooks raise (a bug in a user's metrics code); counts the calls."""
-
-    def __init__(self) -> None:
-        self.calls: Counter[str] = Counter()
-
-    def _raise(self, hook: str) -> None:
-        self.calls[hook] += 1
-        raise RuntimeError(f"{hook} is broken")
-
-    def batch(self, sink: str, **_: Any) -> None:
-        self._raise("batch")
-
-    def checkpointed(self, sink: str, **_: Any) -> None:
-        self._raise("checkpointed")
-
-    def leases(self, sink: str, **_: Any) -> None:
-        self._raise("leases")
-
-    def cycle_failed(self, sink: str, error: str) -> None:
-        self._raise("cycle_failed")
-
-    def housekeeping(self, **_: Any) -> None:
-        self._raise("housekeeping")
-
-
 def test_an_observer_that_raises_fails_no_cycle(dsn: str, caplog: pytest.LogCaptureFixture) -> None:
     """A relay given an observer whose hooks raise delivers as usual: no cycle fails (a failed cycle backed
     off after every batch, and a raising cycle_failed ended the runner's thread), and each hook's failure is
     logged once, not per call."""
-    observer = BrokenObserver()
+    observer = Broken()
     sink = RecordingSink("relay-o")
     worker = Worker(make_settings(dsn, "relay-o"), [sink], observer)
     ids: list[uuid.UUID] = []
