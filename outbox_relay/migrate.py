@@ -75,6 +75,7 @@ def apply_migrations(conn: psycopg.Connection[Any]) -> list[Migration]:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
         conn.execute(BOOTSTRAP)
+        _check_names(conn)
         done = {r[0] for r in conn.execute("SELECT version FROM outbox.schema_migrations")}
         for m in migrations():
             if m.version in done:
@@ -87,6 +88,20 @@ def apply_migrations(conn: psycopg.Connection[Any]) -> list[Migration]:
                              (m.min_code_version, m.version))
             applied.append(m)
     return applied
+
+
+def _check_names(conn: psycopg.Connection[Any]) -> None:
+    """Refuse a database whose version N was recorded under another name than this code's N (migrated by
+    another build, or by a migration later withdrawn and its number reused): migrate would skip this
+    code's N for good and every relay would take the schema for current."""
+    recorded = dict(conn.execute("SELECT version, name FROM outbox.schema_migrations").fetchall())
+    for m in migrations():
+        name = recorded.get(m.version)
+        if name is not None and name != m.name:
+            raise SchemaError(
+                f"the outbox schema's version {m.version} is {str(name)!r}, but this code's migration {m.version} is "
+                f"{m.name!r}: the database was migrated by another build of outbox-relay. Migrate it with the build "
+                "that created it, or restore it, before running this one")
 
 
 def check_schema(conn: psycopg.Connection[Any]) -> None:
@@ -106,6 +121,7 @@ def check_schema(conn: psycopg.Connection[Any]) -> None:
     if version < ours:
         raise SchemaError(f"the outbox schema is at version {version}, this relay needs {ours}: "
                           "run `outbox-relay migrate`")
+    _check_names(conn)
     # At version 5 or later: the column exists (0005 added it).
     needs = conn.execute("SELECT max(min_code_version) FROM outbox.schema_migrations").fetchone()
     required = needs[0] if needs else None

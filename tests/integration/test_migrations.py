@@ -214,6 +214,25 @@ def test_check_schema(database_factory: Callable[..., str]) -> None:
             check_schema(conn)
 
 
+def test_migrate_refuses_a_version_recorded_under_another_name(database_factory: Callable[..., str]) -> None:
+    """A database migrated by another build (a branch, a withdrawn migration) whose version N is not this
+    code's N: migrate would skip this code's N for good, and check_schema would call the schema current.
+    Both refuse, naming the version and both names, and migrate applies nothing."""
+    dsn = database_factory()
+    ours = migrations()
+    middle = ours[len(ours) // 2]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate(dsn)
+        conn.execute("UPDATE outbox.schema_migrations SET name = 'withdrawn_index' WHERE version = %s",
+                     (middle.version,))
+        recorded = applied_versions(dsn)
+        with pytest.raises(SchemaError, match=f"version {middle.version} .*'withdrawn_index'.*'{middle.name}'"):
+            migrate(dsn)
+        assert applied_versions(dsn) == recorded
+        with pytest.raises(SchemaError, match=f"version {middle.version} .*'withdrawn_index'.*'{middle.name}'"):
+            check_schema(conn)
+
+
 def test_a_newer_schema_is_refused_only_when_its_migrations_need_newer_code(dsn: str) -> None:
     """Relays of the previous release keep running while a rollout migrates first, unless a migration
     says they can not (its ``-- min-code-version``)."""
