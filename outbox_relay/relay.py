@@ -950,7 +950,10 @@ class SinkRunner:
         written are safe (their write committed after their snapshot was taken, so recovery resumes
         past its xmax); the ones held only in memory (``_ahead``, deferred writes) are dropped here, and
         their buckets are read again from the written ones (duplicates, never a gap)."""
-        started = store.server_started(conn)
+        return self._same_start(store.server_started(conn))
+
+    def _same_start(self, started: datetime) -> bool:
+        """``_same_server`` for a server start time already read."""
         if started == self._server_started:
             return True
         known, self._server_started = self._server_started, started
@@ -967,7 +970,10 @@ class SinkRunner:
 
     def _require_same_server(self, conn: Conn) -> None:
         """A checkpoint's cursors come from reads before it: refused if the server restarted since."""
-        if not self._same_server(conn):
+        self._require_same_start(store.server_started(conn))
+
+    def _require_same_start(self, started: datetime) -> None:
+        if not self._same_start(started):
             raise CheckpointFailed(f"sink {self.sink.name}: the database server restarted since this batch was "
                                    "read; it is read again from the stored cursors")
 
@@ -1150,6 +1156,8 @@ class _BatchCommit:
         r = self.runner
         cp = self._plan(outcomes)
         cp.lease_seconds = r.settings.lease_seconds
+        # As ``_checkpoint`` does on a sync transaction (the runner's thread waits for this one meanwhile).
+        r._require_same_start(await store.aserver_started(tx))
         try:
             written = await store.acheckpoint(tx, r.sink.name, r.worker, cp)
         except psycopg.Error as exc:

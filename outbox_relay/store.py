@@ -283,6 +283,17 @@ def server_started(conn: Conn) -> datetime:
     return started
 
 
+async def aserver_started(conn: psycopg.AsyncConnection[Any]) -> datetime:
+    """``server_started`` on an async connection (an async projection's own)."""
+    started = _server_started.get(conn)
+    if started is None:
+        cur = await conn.execute(query("relay", "server_started"))
+        row = await cur.fetchone()
+        assert row is not None
+        started = _server_started[conn] = row[0]
+    return started
+
+
 def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int, Cursor]],
                  wanted: EventFilter | None = None, *, formatted: bool = True,
                  fences: dict[int, int] | None = None) -> Read:

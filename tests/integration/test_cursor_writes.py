@@ -11,6 +11,7 @@ owner starts from the last written cursor and sends the rest again in order.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -21,8 +22,10 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from outbox_relay import store
+from outbox_relay.observer import Observer
 from outbox_relay.relay import SinkRunner
 from outbox_relay.worker import _configure
+from projections import ProjectionEvent, projection
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     SINK,
@@ -253,3 +256,70 @@ def test_read_cursors_held_in_memory_are_dropped_when_the_database_server_restar
         later = publish(dsn, [(key, "t", {"n": "later"})])
         run_until(runner, lambda: set(later) <= sink.delivered_ids(), timeout=20)
         assert [a.event_id for a in sink.delivered()] == [*first, *first, *later]
+
+
+@pytest.mark.parametrize("handler", ["sync", "async"])
+def test_a_projection_batch_read_before_a_crash_restart_is_not_checkpointed_after_it(
+        dsn: str, durable_crashes: PgServer, handler: str) -> None:
+    """The same crash restart, between a projection batch's read and its transaction: the batch's cursor
+    comes from a snapshot taken before the crash, which counts the transaction that got the rolled-back
+    id again after it as seen. Checkpointed, that transaction's event would never be applied (G3). The
+    checkpoint is refused instead (the transaction rolls back) and the batch is read again from the stored
+    cursor: the sync projection's own transaction checked this; the async one's did not."""
+    from tests.integration.test_projections import setup_tables
+
+    setup_tables(dsn)
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    log_sql = "INSERT INTO applied_log (event_id, key, worker, replay) VALUES (%s, %s, 'w', false)"
+    if handler == "sync":
+        @projection("restart_" + handler, events=["OrderPlaced"], tables=["applied_log"])
+        def apply(event: ProjectionEvent[Any], tx: Any) -> None:
+            tx.execute(log_sql, (event.id, event.key))
+    else:
+        @projection("restart_" + handler, events=["OrderPlaced"], tables=["applied_log"])
+        async def apply(event: ProjectionEvent[Any], tx: psycopg.AsyncConnection[Any]) -> None:
+            await tx.execute(log_sql, (event.id, event.key))
+    assert apply.is_async == (handler == "async")
+    later: list[uuid.UUID] = []
+
+    class CrashBeforeTheBatch(Observer):
+        """Crashes the server once, after the first batch was read and before the sink applies it, and
+        publishes at once after the restart (the transaction that gets the rolled-back id again)."""
+
+        def delivering(self, sink: Any, events: Any) -> Any:
+            if not later:
+                durable_crashes.stop("immediate")  # type: ignore[call-arg]  (EmbeddedPg: a crash)
+                durable_crashes.start()
+                pool.check()
+                later.extend(publish(dsn, [(key, "OrderPlaced", {"customer": key})]))
+            return super().delivering(sink, events)
+
+    sink = ProjectionSink(apply, dsn, lease_seconds=30.0)
+    try:
+        with ConnectionPool(dsn, min_size=1, max_size=4, configure=_configure, kwargs={"autocommit": True}) as pool:
+            runner = runner_for(sink, pool, make_settings(dsn, "worker-a"), {BUCKET})
+            runner.run_once()  # the lease, and the server's start time as the runner knows it
+            first = publish(dsn, [(key, "OrderPlaced", {"customer": key})])
+            with psycopg.connect(dsn) as conn:  # an id handed out again after the crash
+                conn.execute("CREATE TEMP TABLE scratch (n int)")
+                conn.execute("INSERT INTO scratch VALUES (1)")
+                conn.rollback()
+            runner.observer = CrashBeforeTheBatch()
+
+            def applied() -> set[Any]:
+                return {r[0] for r in fetch_all(dsn, "SELECT event_id FROM applied_log")}
+
+            def all_applied() -> bool:
+                return bool(later) and {*first, *later} <= applied()
+
+            failures: list[str] = []
+            deadline = time.monotonic() + 20
+            while not all_applied() and time.monotonic() < deadline:
+                try:
+                    runner.run_once()
+                except Exception as exc:  # a refused checkpoint fails the cycle (the runner backs off)
+                    failures.append(str(exc))
+            assert all_applied(), f"applied {applied()} of {[*first, *later]}; cycles failed: {failures}"
+            assert any("restarted" in f for f in failures), failures
+    finally:
+        sink.close()
