@@ -10,7 +10,7 @@ import threading
 import time
 import unicodedata
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator
@@ -31,6 +31,11 @@ MAX_SCHEMA_VERSION = 32767  # also a CHECK on outbox.events.schema_version
 # json (the relay, projections) stops near 1,000 levels minus the caller's own stack, so a payload
 # close to that is stored and then fails in every sink that reads it. 256 leaves room for them all.
 MAX_PAYLOAD_DEPTH = 256
+# The times an event may carry: those every PostgreSQL session time zone reads back as a Python datetime
+# (years 1-9999; zones are less than a day from UTC). PostgreSQL stores years up to 294276 and BC too,
+# and psycopg can not load those into a datetime: the relay's read of the event's bucket would fail.
+EARLIEST_TIME = datetime(1, 1, 2, tzinfo=UTC)
+LATEST_TIME = datetime(9999, 12, 30, 23, 59, 59, 999999, tzinfo=UTC)
 # Kafka's own rule for topic names; fullmatch, since "$" would also match before a trailing newline.
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 # Headers the relay sets on every Kafka message (kafka_sink); the trigger outbox.check_event_v3
@@ -104,6 +109,15 @@ class Event(BaseModel):
             raise ValueError(f"{topic!r} is not a Kafka topic name (1-249 of A-Z a-z 0-9 . _ -, not . or ..)")
         return topic
 
+    @field_validator("time")
+    @classmethod
+    def _time(cls, time: datetime | None) -> datetime | None:
+        if time is not None and not EARLIEST_TIME <= time <= LATEST_TIME:
+            raise ValueError(f"{time.isoformat()} is out of range: a time must lie between "
+                             f"{EARLIEST_TIME.isoformat()} and {LATEST_TIME.isoformat()} (every time zone reads it "
+                             "back as a datetime); for an unknown time leave time out, not datetime.min or max")
+        return time
+
     @field_validator("headers")
     @classmethod
     def _headers(cls, headers: dict[str, str]) -> dict[str, str]:
@@ -145,7 +159,8 @@ def plain_fields_valid(type: Any, key: Any, payload: Any, topic: Any, idempotenc
         return False
     if idempotency_key is not None and not (builtins.type(idempotency_key) is str and 0 < len(idempotency_key) <= 512):
         return False
-    if time is not None and not (builtins.type(time) is datetime and time.utcoffset() is not None):
+    if time is not None and not (builtins.type(time) is datetime and time.utcoffset() is not None
+                                 and EARLIEST_TIME <= time <= LATEST_TIME):
         return False
     if not key or len(key) > MAX_KEY_BYTES or (not key.isascii() and _utf8_length(key) > MAX_KEY_BYTES):
         return False

@@ -257,7 +257,8 @@ class Outbox:
         ``key`` orders it (one key, one order, in every sink); ``topic`` defaults to ``default_topic``;
         ``headers`` go with the Kafka message (names the relay sets are refused); ``idempotency_key``:
         publishing the same event with it again returns the stored one with ``created=False``, another
-        event with it raises ``IdempotencyConflict``; ``time`` (timezone-aware) is when the event
+        event with it raises ``IdempotencyConflict``; ``time`` (timezone-aware, within
+        ``EARLIEST_TIME``-``LATEST_TIME``: years 1-9999 in every time zone) is when the event
         happened, sent as ``ce_time``, never what retention counts from (created_at, the database's
         clock when the event is stored);
         ``id`` defaults to a new UUIDv7; ``version`` is the version of the payload's schema (1 unless

@@ -14,7 +14,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -864,6 +864,14 @@ BAD_INPUT: dict[str, tuple[dict[str, Any], str]] = {
     "header Outbox_Replay": ({"headers": {"Outbox_Replay": "1"}}, "'Outbox_Replay' is reserved"),
     "empty idempotency key": ({"idempotency_key": ""}, "idempotency_key"),
     "time without a time zone": ({"time": datetime(2026, 1, 1)}, "time"),
+    # Stored, then unreadable by every relay: PostgreSQL keeps 1 BC and year 10000, Python's datetime
+    # (psycopg loads times into it) does not, and the read of the event's whole bucket failed.
+    "time before year 1 in UTC": ({"time": datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=1)))}, "time"),
+    "time after year 9999 in UTC": ({"time": datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5)))},
+                                    "time"),
+    # datetime.min/max as "no time": read back in a session time zone west (east) of UTC, they are too.
+    "datetime.min as a time": ({"time": datetime.min.replace(tzinfo=UTC)}, "time"),
+    "datetime.max as a time": ({"time": datetime.max.replace(tzinfo=UTC)}, "time"),
 }
 
 
