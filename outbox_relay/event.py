@@ -26,6 +26,9 @@ MAX_KEY_BYTES = 1024  # also a CHECK on outbox.events.partition_key
 # binary form passes 256 MB (ProgramLimitExceeded, which would abort the caller's transaction), and
 # that form can be up to ~6x the text (an array of small numbers): 32 MiB of text stays below it.
 MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
+# The most an event's headers may hold, names and values in UTF-8: they are stored as jsonb too, and
+# a value PostgreSQL refuses fails the INSERT mid-statement, which aborts the caller's transaction.
+MAX_HEADERS_BYTES = MAX_PAYLOAD_BYTES
 MAX_SCHEMA_VERSION = 32767  # also a CHECK on outbox.events.schema_version
 # How deeply a payload may nest (objects and arrays). JSON parsers recurse once per level: Python's
 # json (the relay, projections) stops near 1,000 levels minus the caller's own stack, so a payload

@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from .errors import IdempotencyConflict, InvalidEvent, NoTransaction, OutboxError
-from .event import MAX_PAYLOAD_BYTES, Event, dump_payload, make_event, plain_fields_valid, uuid7
+from .event import MAX_HEADERS_BYTES, MAX_PAYLOAD_BYTES, Event, dump_payload, make_event, plain_fields_valid, uuid7
 from .sqlfiles import query
 from .tracing import with_trace
 
@@ -456,6 +456,14 @@ def _check_text(type: str, key: str, topic: str | None, idempotency_key: str | N
             raise InvalidEvent(f"invalid event: {field}: contains a NUL character, which PostgreSQL can not store")
         if not _encodable(value):
             raise InvalidEvent(f"invalid event: {field}: is not valid Unicode (a lone surrogate)")
+    if headers:
+        # Every name and value is valid Unicode by now (checked above).
+        held = sum(len(name.encode()) + len(value.encode()) for name, value in headers.items())
+        if held > MAX_HEADERS_BYTES:
+            raise InvalidEvent(f"invalid event: headers of {type!r} event (key {key!r}) hold {held:,} bytes of names "
+                               f"and values; the limit is MAX_HEADERS_BYTES = {MAX_HEADERS_BYTES:,} (PostgreSQL's "
+                               "jsonb refuses values near 256 MB, and a sink's own limit is far lower: Kafka's default "
+                               "message size is 1 MB, HTTP servers take some KB of headers)")
     if "\\u0000" in payload and _JSON_NUL.search(payload):
         raise InvalidEvent(f"invalid event: payload of {type!r} event (key {key!r}) contains a NUL "
                            "character (\\u0000), which PostgreSQL jsonb can not store")

@@ -30,7 +30,13 @@ from sqlalchemy.pool import NullPool
 
 from outbox_relay import IdempotencyConflict, InvalidEvent, Outbox, Published
 from outbox_relay.errors import NoTransaction
-from outbox_relay.event import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, RESERVED_HEADERS, make_event
+from outbox_relay.event import (
+    MAX_HEADERS_BYTES,
+    MAX_PAYLOAD_BYTES,
+    MAX_PAYLOAD_DEPTH,
+    RESERVED_HEADERS,
+    make_event,
+)
 from outbox_relay.sqlfiles import query
 from tests.servers import sqlalchemy_url, wait_until
 
@@ -857,6 +863,9 @@ BAD_INPUT: dict[str, tuple[dict[str, Any], str]] = {
     "header that is bytes": ({"headers": {"n": b"1"}}, "headers"),
     "header name that is not text": ({"headers": {1: "n"}}, "headers"),
     "header with a NUL": ({"headers": {"n": "\x00"}}, "headers"),
+    # Past PostgreSQL's jsonb limit (256 MB) the INSERT failed mid-statement and aborted the transaction.
+    "headers over MAX_HEADERS_BYTES": ({"headers": {"a": "x" * (MAX_HEADERS_BYTES // 2),
+                                                    "b": "é" * (MAX_HEADERS_BYTES // 4)}}, "MAX_HEADERS_BYTES"),
     "header ce_id": ({"headers": {"ce_id": "mine"}}, "'ce_id' is reserved"),
     "header CE_Type": ({"headers": {"CE_Type": "mine"}}, "'CE_Type' is reserved"),
     "header Content-Type": ({"headers": {"Content-Type": "text/plain"}}, "'Content-Type' is reserved"),
