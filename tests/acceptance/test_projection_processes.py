@@ -206,11 +206,11 @@ def test_cli_rebuild_while_live_events_keep_arriving(dsn: str, relays: Relays) -
     assert relay.terminate() == 0
 
 
-def interrupted_rebuild(dsn: str, marks: Path, sig: signal.Signals) -> tuple[int, str, str]:
+def interrupted_rebuild(dsn: str, marks: Path, sig: signal.Signals, *extra: str) -> tuple[int, str, str]:
     """`outbox-relay rebuild ledger` with a slow handler, sent ``sig`` while it replays: (exit code, out, err)."""
     marks.mkdir()
     env = {**os.environ, "OUTBOX_DSN": dsn, "OUTBOX_TEST_REPLAY_DELAY": "0.05", "OUTBOX_TEST_PAUSE_DIR": str(marks)}
-    argv = [sys.executable, "-m", "outbox_relay.cli", "rebuild", "ledger", *APP, "--batch-size", "20"]
+    argv = [sys.executable, "-m", "outbox_relay.cli", "rebuild", "ledger", *APP, "--batch-size", "20", *extra]
     with subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as rebuild:
         try:
@@ -236,4 +236,14 @@ def test_cli_rebuild_interrupted_exits_130_and_the_same_command_resumes(dsn: str
     result = cli(dsn, "rebuild", "ledger", *APP, "--batch-size", "20", timeout=120)
     assert result.returncode == 0, result.stderr
     assert "(resumed)" in result.stdout, result.stdout
+    assert_exactly_once_in_order(dsn, published)
+    # One key in place is one transaction: stopped, it changes nothing, and the same command does it all.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        code, out, err = interrupted_rebuild(dsn, tmp_path / f"key-{sig.name}", sig, "--key", keys[0])
+        assert code == 130, (sig.name, code, out, err)
+        assert "interrupted" in err, (sig.name, err)
+        assert_exactly_once_in_order(dsn, published)
+    result = cli(dsn, "rebuild", "ledger", *APP, "--key", keys[0], timeout=120)
+    replayed = f"{len(published.by_key[keys[0]])} events replayed"
+    assert result.returncode == 0 and replayed in result.stdout, result.stdout + result.stderr
     assert_exactly_once_in_order(dsn, published)
