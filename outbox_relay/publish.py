@@ -14,7 +14,7 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from .errors import IdempotencyConflict, InvalidEvent, NoTransaction, OutboxError
@@ -120,7 +120,7 @@ class Outbox:
             _check_storable(e, payload)
             rows.append({"id": str(e.id), "topic": e.topic, "key": e.key, "type": e.type, "payload": payload,
                          "headers": json.dumps(e.headers) if e.headers else "{}",
-                         "idempotency_key": e.idempotency_key, "time": e.time.isoformat() if e.time else None,
+                         "idempotency_key": e.idempotency_key, "time": _utc_text(e.time),
                          "version": e.version})
         return rows
 
@@ -316,8 +316,15 @@ def _plain_row(type: Any, key: Any, payload: Any, topic: Any, idempotency_key: A
     _check_text(type, key, topic, idempotency_key, None, payload_json)
     event_id = uuid7()
     return {"id": str(event_id), "topic": topic, "key": key, "type": type, "payload": payload_json, "headers": "{}",
-            "idempotency_key": idempotency_key, "time": time.isoformat() if time is not None else None,
+            "idempotency_key": idempotency_key, "time": _utc_text(time),
             "version": version, "uuid": event_id}
+
+
+def _utc_text(time: datetime | None) -> str | None:
+    """An event's time as the statement sends it: in UTC. PostgreSQL's timestamptz input takes offsets
+    up to 15:59 only, Python's up to 23:59 (the stored value is an instant either way); in range by
+    ``Event``'s rule, so the conversion can not leave years 1-9999."""
+    return time.astimezone(UTC).isoformat() if time is not None else None
 
 
 def _plan_one(row: dict[str, Any], event_id: uuid.UUID) -> _Plan:

@@ -388,6 +388,24 @@ def test_time_is_when_the_event_happened_not_the_retention_clock(dsn: str, outbo
     assert rows == {stamped.id: (row[0], epoch), plain.id: (row[0], None)}
 
 
+@pytest.mark.parametrize("path", ["publish", "publish_many with headers"])
+def test_a_time_in_any_utc_offset_python_allows_is_stored_as_that_instant(dsn: str, outbox: Outbox, path: str) -> None:
+    """Python allows offsets up to 23:59 either way, PostgreSQL's timestamptz input only to 15:59: such a
+    time failed the INSERT mid-statement and aborted the caller's transaction."""
+    times = [datetime(2026, 1, 1, tzinfo=timezone(timedelta(hours=h, minutes=59 if h > 0 else -59)))
+             for h in (23, 16, 15, -16, -23)]
+    with psycopg.connect(dsn) as conn:
+        if path == "publish":
+            ids = [outbox.publish(conn, type="t", key="k", payload={}, time=t).id for t in times]
+        else:
+            ids = [p.id for p in outbox.publish_many(conn, [{"type": "t", "key": "k", "payload": {}, "time": t,
+                                                             "headers": {"h": "v"}} for t in times])]
+        conn.commit()
+    with psycopg.connect(dsn) as conn:
+        stored_times = dict(conn.execute("SELECT id, occurred_at FROM outbox.events").fetchall())
+    assert [stored_times[i] for i in ids] == times
+
+
 @pytest.mark.parametrize(("column", "value"), [("created_at", "1970-01-01T00:00:00Z"), ("xid", "1")])
 def test_sql_producers_can_not_set_what_the_database_owns(dsn: str, column: str, value: str) -> None:
     insert = sql.SQL("INSERT INTO outbox.events (topic, partition_key, type, payload, {}) "
