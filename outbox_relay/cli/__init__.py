@@ -13,6 +13,7 @@ variable named in ``--help``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -254,6 +255,17 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that what is still buffered for a reader that went away is dropped
+    at exit instead of reported ("Exception ignored ... BrokenPipeError", exit status 120)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (replaced in-process): nothing to redirect
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``outbox-relay`` command; returns its exit status (EXIT_*)."""
     try:
@@ -263,7 +275,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command != "run":
             setup_logging(args.log_level, args.log_json, "-")
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # here, where a reader that went away is handled below, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # stdout's reader stopped reading (`| head -1`): its choice, not a failure of the command.
+        _discard_stdout()
+        return EXIT_OK
     except OutboxError as exc:
         _error(f"error: {exc}")
     except psycopg.OperationalError as exc:
