@@ -10,7 +10,7 @@ import threading
 import time
 import unicodedata
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator
@@ -26,11 +26,19 @@ MAX_KEY_BYTES = 1024  # also a CHECK on outbox.events.partition_key
 # binary form passes 256 MB (ProgramLimitExceeded, which would abort the caller's transaction), and
 # that form can be up to ~6x the text (an array of small numbers): 32 MiB of text stays below it.
 MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
+# The most an event's headers may hold, names and values in UTF-8: they are stored as jsonb too, and
+# a value PostgreSQL refuses fails the INSERT mid-statement, which aborts the caller's transaction.
+MAX_HEADERS_BYTES = MAX_PAYLOAD_BYTES
 MAX_SCHEMA_VERSION = 32767  # also a CHECK on outbox.events.schema_version
 # How deeply a payload may nest (objects and arrays). JSON parsers recurse once per level: Python's
 # json (the relay, projections) stops near 1,000 levels minus the caller's own stack, so a payload
 # close to that is stored and then fails in every sink that reads it. 256 leaves room for them all.
 MAX_PAYLOAD_DEPTH = 256
+# The times an event may carry: those every PostgreSQL session time zone reads back as a Python datetime
+# (years 1-9999; zones are less than a day from UTC). PostgreSQL stores years up to 294276 and BC too,
+# and psycopg can not load those into a datetime: the relay's read of the event's bucket would fail.
+EARLIEST_TIME = datetime(1, 1, 2, tzinfo=UTC)
+LATEST_TIME = datetime(9999, 12, 30, 23, 59, 59, 999999, tzinfo=UTC)
 # Kafka's own rule for topic names; fullmatch, since "$" would also match before a trailing newline.
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 # Headers the relay sets on every Kafka message (kafka_sink); the trigger outbox.check_event_v3
@@ -93,6 +101,8 @@ class Event(BaseModel):
     def _key(cls, key: str) -> str:
         if not key:
             raise ValueError("must not be empty")
+        if key.isspace():  # a key built from a value that was missing (" ", "\n"): it would order unrelated events
+            raise ValueError(f"is only whitespace ({key[:20]!r})")
         if len(key.encode()) > MAX_KEY_BYTES:
             raise ValueError(f"is {len(key.encode())} bytes; the limit is {MAX_KEY_BYTES}")
         return key
@@ -103,6 +113,15 @@ class Event(BaseModel):
         if topic is not None and (not _TOPIC.fullmatch(topic) or topic in (".", "..")):
             raise ValueError(f"{topic!r} is not a Kafka topic name (1-249 of A-Z a-z 0-9 . _ -, not . or ..)")
         return topic
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, time: datetime | None) -> datetime | None:
+        if time is not None and not EARLIEST_TIME <= time <= LATEST_TIME:
+            raise ValueError(f"{time.isoformat()} is out of range: a time must lie between "
+                             f"{EARLIEST_TIME.isoformat()} and {LATEST_TIME.isoformat()} (every time zone reads it "
+                             "back as a datetime); for an unknown time leave time out, not datetime.min or max")
+        return time
 
     @field_validator("headers")
     @classmethod
@@ -145,9 +164,11 @@ def plain_fields_valid(type: Any, key: Any, payload: Any, topic: Any, idempotenc
         return False
     if idempotency_key is not None and not (builtins.type(idempotency_key) is str and 0 < len(idempotency_key) <= 512):
         return False
-    if time is not None and not (builtins.type(time) is datetime and time.utcoffset() is not None):
+    if time is not None and not (builtins.type(time) is datetime and time.utcoffset() is not None
+                                 and EARLIEST_TIME <= time <= LATEST_TIME):
         return False
-    if not key or len(key) > MAX_KEY_BYTES or (not key.isascii() and _utf8_length(key) > MAX_KEY_BYTES):
+    if (not key or key.isspace() or len(key) > MAX_KEY_BYTES
+            or (not key.isascii() and _utf8_length(key) > MAX_KEY_BYTES)):
         return False
     if topic in (".", "..") or not _TOPIC.fullmatch(topic):
         return False

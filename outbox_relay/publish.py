@@ -14,11 +14,11 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from .errors import IdempotencyConflict, InvalidEvent, NoTransaction, OutboxError
-from .event import MAX_PAYLOAD_BYTES, Event, dump_payload, make_event, plain_fields_valid, uuid7
+from .event import MAX_HEADERS_BYTES, MAX_PAYLOAD_BYTES, Event, dump_payload, make_event, plain_fields_valid, uuid7
 from .sqlfiles import query
 from .tracing import with_trace
 
@@ -120,7 +120,7 @@ class Outbox:
             _check_storable(e, payload)
             rows.append({"id": str(e.id), "topic": e.topic, "key": e.key, "type": e.type, "payload": payload,
                          "headers": json.dumps(e.headers) if e.headers else "{}",
-                         "idempotency_key": e.idempotency_key, "time": e.time.isoformat() if e.time else None,
+                         "idempotency_key": e.idempotency_key, "time": _utc_text(e.time),
                          "version": e.version})
         return rows
 
@@ -257,7 +257,8 @@ class Outbox:
         ``key`` orders it (one key, one order, in every sink); ``topic`` defaults to ``default_topic``;
         ``headers`` go with the Kafka message (names the relay sets are refused); ``idempotency_key``:
         publishing the same event with it again returns the stored one with ``created=False``, another
-        event with it raises ``IdempotencyConflict``; ``time`` (timezone-aware) is when the event
+        event with it raises ``IdempotencyConflict``; ``time`` (timezone-aware, within
+        ``EARLIEST_TIME``-``LATEST_TIME``: years 1-9999 in every time zone) is when the event
         happened, sent as ``ce_time``, never what retention counts from (created_at, the database's
         clock when the event is stored);
         ``id`` defaults to a new UUIDv7; ``version`` is the version of the payload's schema (1 unless
@@ -315,8 +316,15 @@ def _plain_row(type: Any, key: Any, payload: Any, topic: Any, idempotency_key: A
     _check_text(type, key, topic, idempotency_key, None, payload_json)
     event_id = uuid7()
     return {"id": str(event_id), "topic": topic, "key": key, "type": type, "payload": payload_json, "headers": "{}",
-            "idempotency_key": idempotency_key, "time": time.isoformat() if time is not None else None,
+            "idempotency_key": idempotency_key, "time": _utc_text(time),
             "version": version, "uuid": event_id}
+
+
+def _utc_text(time: datetime | None) -> str | None:
+    """An event's time as the statement sends it: in UTC. PostgreSQL's timestamptz input takes offsets
+    up to 15:59 only, Python's up to 23:59 (the stored value is an instant either way); in range by
+    ``Event``'s rule, so the conversion can not leave years 1-9999."""
+    return time.astimezone(UTC).isoformat() if time is not None else None
 
 
 def _plan_one(row: dict[str, Any], event_id: uuid.UUID) -> _Plan:
@@ -455,6 +463,14 @@ def _check_text(type: str, key: str, topic: str | None, idempotency_key: str | N
             raise InvalidEvent(f"invalid event: {field}: contains a NUL character, which PostgreSQL can not store")
         if not _encodable(value):
             raise InvalidEvent(f"invalid event: {field}: is not valid Unicode (a lone surrogate)")
+    if headers:
+        # Every name and value is valid Unicode by now (checked above).
+        held = sum(len(name.encode()) + len(value.encode()) for name, value in headers.items())
+        if held > MAX_HEADERS_BYTES:
+            raise InvalidEvent(f"invalid event: headers of {type!r} event (key {key!r}) hold {held:,} bytes of names "
+                               f"and values; the limit is MAX_HEADERS_BYTES = {MAX_HEADERS_BYTES:,} (PostgreSQL's "
+                               "jsonb refuses values near 256 MB, and a sink's own limit is far lower: Kafka's default "
+                               "message size is 1 MB, HTTP servers take some KB of headers)")
     if "\\u0000" in payload and _JSON_NUL.search(payload):
         raise InvalidEvent(f"invalid event: payload of {type!r} event (key {key!r}) contains a NUL "
                            "character (\\u0000), which PostgreSQL jsonb can not store")

@@ -13,6 +13,7 @@ variable named in ``--help``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ from .common import (
     _keep,
     _key_args,
     _parser_with,
+    _partition_key,
     _position,
     _retention,
     _seconds,
@@ -133,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay only events from this time on (earlier history is skipped)")
     p.add_argument("--from-position", type=_position, default=None, metavar="XID:SEQ",
                    help="replay only events from this position on")
-    p.add_argument("--key", default=None, help="rebuild only this partition key, in place (needs a key_reset)")
+    p.add_argument("--key", type=_partition_key, default=None,
+                   help="rebuild only this partition key, in place (needs a key_reset)")
     p.add_argument("--restart", action="store_true", help="discard a rebuild in progress and start over")
     p.add_argument("--cancel", action="store_true", help="discard a rebuild in progress and stop")
     p.add_argument("--accept-partial", action="store_true",
@@ -144,15 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the replaced tables in schema outbox_retired_<projection> (until the next rebuild)")
 
     p = sub.add_parser("replay", help="re-publish stored events of a topic (a time range, or one key) to Kafka")
-    p.add_argument("--topic", required=True, help="replay the events stored for this topic")
+    p.add_argument("--topic", type=_topic, required=True, help="replay the events stored for this topic")
     for name in REPLAY_SETTINGS:
         _add_setting(p, name, RelaySettings.model_fields[name])
     p.add_argument("--from-time", type=_timestamp, default=None, metavar="ISO-8601",
                    help="events created at or after this time")
     p.add_argument("--to-time", type=_timestamp, default=None, metavar="ISO-8601",
                    help="events created before this time")
-    p.add_argument("--key", default=None, help="only this partition key")
-    p.add_argument("--to-topic", default=None, help="produce to this topic instead of the events' own")
+    p.add_argument("--key", type=_partition_key, default=None, help="only this partition key")
+    p.add_argument("--to-topic", type=_topic, default=None, help="produce to this topic instead of the events' own")
     p.add_argument("--upcasters", default=None, metavar="MODULE:ATTR",
                    help="an outbox_relay.upcast.Upcasters: payloads of older schema versions are sent in their "
                         "type's current shape")
@@ -252,6 +255,17 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that what is still buffered for a reader that went away is dropped
+    at exit instead of reported ("Exception ignored ... BrokenPipeError", exit status 120)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (replaced in-process): nothing to redirect
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``outbox-relay`` command; returns its exit status (EXIT_*)."""
     try:
@@ -261,7 +275,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command != "run":
             setup_logging(args.log_level, args.log_json, "-")
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # here, where a reader that went away is handled below, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # stdout's reader stopped reading (`| head -1`): its choice, not a failure of the command.
+        _discard_stdout()
+        return EXIT_OK
     except OutboxError as exc:
         _error(f"error: {exc}")
     except psycopg.OperationalError as exc:

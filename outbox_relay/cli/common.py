@@ -167,8 +167,9 @@ def _global_options(parser: argparse.ArgumentParser, default: Callable[[Any], An
 
 
 def _topic(text: str) -> str:
-    if not TOPIC_NAME.match(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a valid topic name (1-249 of A-Z a-z 0-9 . _ -)")
+    if not TOPIC_NAME.match(text) or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{text[:300]!r} is not a valid topic name (1-249 of A-Z a-z 0-9 . _ -, "
+                                         "not . or ..)")
     return text
 
 

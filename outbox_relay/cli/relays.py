@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -155,7 +156,12 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     with _database(dsn):
         pass
     if args.key is not None:
-        n = rebuild_key(projection, dsn, args.key, accept_partial=args.accept_partial)
+        n = _rebuild_key_interruptibly(lambda: rebuild_key(projection, dsn, args.key,
+                                                           accept_partial=args.accept_partial))
+        if n is None:
+            _say(f"rebuild of key {args.key!r} of {projection.name!r} interrupted; it is one transaction, all or "
+                 "nothing: run the same command again", file=sys.stderr)
+            return EXIT_INTERRUPTED
         _say(f"rebuilt key {args.key!r} of {projection.name!r}: {n} events replayed")
         return EXIT_OK
     rebuild = Rebuild(projection, settings, from_time=args.from_time, from_position=args.from_position,
@@ -177,6 +183,29 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     _say(f"rebuilt {projection.name!r}: {result.events} events in {result.seconds:.1f}s"
           + (" (resumed)" if result.resumed else ""))
     return EXIT_OK
+
+
+def _rebuild_key_interruptibly(rebuild: Callable[[], int]) -> int | None:
+    """``rebuild()``, or None if SIGINT or SIGTERM stopped it. The signal raises KeyboardInterrupt where the
+    rebuild is, which may be inside the user's handler: the walk then reports it as the handler's failure
+    (HandlerExited), so whatever it raises after a signal counts as the interruption."""
+    stopped: list[int] = []
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return rebuild()
+    except BaseException:
+        if not stopped:
+            raise
+        log.debug("rebuild of one key stopped by %s", signal.Signals(stopped[0]).name, exc_info=True)
+        return None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

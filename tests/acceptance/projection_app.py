@@ -37,6 +37,12 @@ def ledger(event: ProjectionEvent[Any], tx: Any) -> None:
         if pause_dir and not event.replay:
             Path(pause_dir, f"{os.getpid()}-{event.id}").touch()
             time.sleep(float(p["pause"]))
+    delay = os.environ.get("OUTBOX_TEST_REPLAY_DELAY")
+    if delay and event.replay:  # a rebuild slow enough to interrupt; it marks that it is replaying
+        pause_dir = os.environ.get("OUTBOX_TEST_PAUSE_DIR")
+        if pause_dir:
+            Path(pause_dir, f"{os.getpid()}-replaying").touch()
+        time.sleep(float(delay))
     tx.execute("INSERT INTO ledger (event_id, key, n, pid, replay) VALUES (%s, %s, %s, %s, %s)",
                (event.id, event.key, p["n"], os.getpid(), event.replay))
     tx.execute("INSERT INTO counts VALUES (%s, 1, %s) ON CONFLICT (key) DO UPDATE "

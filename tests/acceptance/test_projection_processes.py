@@ -4,7 +4,10 @@ between sinks), with the projections of tests/acceptance/projection_app.py.
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -201,3 +204,46 @@ def test_cli_rebuild_while_live_events_keep_arriving(dsn: str, relays: Relays) -
     flags: dict[Any, int] = dict(db_rows(dsn, "SELECT replay, count(*) FROM ledger GROUP BY replay"))
     assert flags.get(True, 0) >= 3000, f"the rebuild's rows are marked as a replay: {flags}"
     assert relay.terminate() == 0
+
+
+def interrupted_rebuild(dsn: str, marks: Path, sig: signal.Signals, *extra: str) -> tuple[int, str, str]:
+    """`outbox-relay rebuild ledger` with a slow handler, sent ``sig`` while it replays: (exit code, out, err)."""
+    marks.mkdir()
+    env = {**os.environ, "OUTBOX_DSN": dsn, "OUTBOX_TEST_REPLAY_DELAY": "0.05", "OUTBOX_TEST_PAUSE_DIR": str(marks)}
+    argv = [sys.executable, "-m", "outbox_relay.cli", "rebuild", "ledger", *APP, "--batch-size", "20", *extra]
+    with subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as rebuild:
+        try:
+            wait_until(lambda: any(marks.iterdir()) or rebuild.poll() is not None, 60, 0.05, "the rebuild replaying")
+            rebuild.send_signal(sig)
+            out, err = rebuild.communicate(timeout=60)
+        finally:
+            rebuild.kill()
+    return rebuild.returncode, out, err
+
+
+def test_cli_rebuild_interrupted_exits_130_and_the_same_command_resumes(dsn: str, tmp_path: Path) -> None:
+    """README's exit codes: `rebuild` stopped by SIGINT (Ctrl-C) or SIGTERM exits 130 saying how to resume;
+    the same command then resumes and switches over, every event applied once."""
+    setup(dsn)
+    keys = [f"key-{i:02d}" for i in range(10)]
+    published = Published()
+    Producers(dsn, "t", keys, 400, published, producers=1, rate=100_000).join()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        code, out, err = interrupted_rebuild(dsn, tmp_path / sig.name, sig)
+        assert code == 130, (sig.name, code, out, err)
+        assert "interrupted; run the same command again to resume" in err, (sig.name, err)
+    result = cli(dsn, "rebuild", "ledger", *APP, "--batch-size", "20", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "(resumed)" in result.stdout, result.stdout
+    assert_exactly_once_in_order(dsn, published)
+    # One key in place is one transaction: stopped, it changes nothing, and the same command does it all.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        code, out, err = interrupted_rebuild(dsn, tmp_path / f"key-{sig.name}", sig, "--key", keys[0])
+        assert code == 130, (sig.name, code, out, err)
+        assert "interrupted" in err, (sig.name, err)
+        assert_exactly_once_in_order(dsn, published)
+    result = cli(dsn, "rebuild", "ledger", *APP, "--key", keys[0], timeout=120)
+    replayed = f"{len(published.by_key[keys[0]])} events replayed"
+    assert result.returncode == 0 and replayed in result.stdout, result.stdout + result.stderr
+    assert_exactly_once_in_order(dsn, published)

@@ -6,6 +6,8 @@ only with --all-databases), and the backlog is a library call."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable
 
@@ -150,3 +152,26 @@ def test_backlog_from_python(dsn: str) -> None:
         [kafka] = backlog(conn, sink="kafka")
     assert isinstance(kafka, SinkBacklog) and kafka.pending == 2 and kafka.kind == "kafka", kafka
     assert kafka.dead_letters == 0 and kafka.oldest_pending_seconds is not None and kafka.oldest_pending_seconds >= 0
+
+
+@pytest.mark.parametrize("json_output", [False, True], ids=["table", "json"])
+def test_a_reader_that_stops_early_is_no_error(dsn: str, json_output: bool) -> None:
+    """`outbox-relay dead-letters list | head -1`: the reader closes the pipe while output is still being
+    written. That is the reader's choice, not a bug of the command: no "unexpected error", exit 0."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        store.register_sink(conn, "kafka", "kafka")
+        conn.execute("WITH e AS (INSERT INTO outbox.events (partition_key, type, topic, payload) "
+                     "SELECT 'k' || g, 't', 'orders', '{}' FROM generate_series(1, 3000) AS g "
+                     "RETURNING bucket, xid, seq, partition_key, id) "
+                     "INSERT INTO outbox.dead_letters (sink, event_id, bucket, xid, seq, partition_key, attempts, "
+                     "last_error) SELECT 'kafka', id, bucket, xid, seq, partition_key, 3, 'boom' FROM e")
+    argv = [sys.executable, "-m", "outbox_relay.cli", "dead-letters", "list", "--limit", "3000", "--dsn", dsn]
+    with subprocess.Popen([*argv, *(["--json"] if json_output else [])], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL) as command:
+        assert command.stdout is not None and command.stderr is not None
+        assert command.stdout.readline()  # the first line, more than a pipe's buffer still to come
+        command.stdout.close()
+        err = command.stderr.read().decode()
+        code = command.wait(60)
+    assert code == cli.EXIT_OK, err
+    assert "error" not in err and "Broken pipe" not in err, err

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import random
 import time
+import uuid
+from datetime import datetime
 from typing import Any
 
 import psycopg
+import pytest
+from psycopg import sql
 from psycopg_pool import ConnectionPool
 
+from outbox_relay.event import EARLIEST_TIME, LATEST_TIME
 from outbox_relay.publish import Outbox
 from outbox_relay.sink import Failure
 from outbox_relay.store import StoredEvent
@@ -187,3 +192,58 @@ def test_rolled_back_events_are_never_delivered_and_do_not_stall(dsn: str, pool:
     (b,) = publish(dsn, [(k, "t", {"n": "b"})])
     run_until(runner, lambda: sink.delivered_ids() == {b})
     assert [x.event_id for x in sink.attempts] == [b]
+
+
+# Zones whose offset is the largest west of UTC in year 1 (local mean time, -15:56) and east of it in
+# year 9999 (+14): the times a session there reads back are the furthest from their UTC values.
+FAR_ZONES = ("Asia/Manila", "Pacific/Kiritimati")
+
+
+@pytest.mark.parametrize("zone", FAR_ZONES)
+def test_the_earliest_and_latest_times_publish_accepts_are_delivered_in_any_session_time_zone(
+        dsn: str, zone: str) -> None:
+    """The relay loads each event's time into a Python datetime in its session's time zone (years 1-9999
+    only). The bounds publish accepts are read back in any zone, and so the events around them flow."""
+    bucket = 20
+    early, late, other = keys_in_bucket(dsn, bucket, 3)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("ALTER DATABASE {} SET TimeZone = {}").format(
+            sql.Identifier(conn.info.dbname), sql.Literal(zone)))
+    outbox = Outbox(default_topic=TOPIC)
+    with psycopg.connect(dsn) as conn:
+        ids = [outbox.publish(conn, type="t", key=early, payload={}, time=EARLIEST_TIME).id,
+               outbox.publish(conn, type="t", key=late, payload={}, time=LATEST_TIME).id,
+               outbox.publish(conn, type="t", key=other, payload={}).id]
+    with ConnectionPool(dsn, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:  # sessions in `zone`
+        times: dict[uuid.UUID, datetime] = {}  # each event's time as the relay read it
+
+        def note_time(e: StoredEvent, _n: int) -> None:
+            times[e.id] = e.time
+
+        sink = RecordingSink("w", fail=note_time)
+        runner = runner_for(sink, pool, make_settings(dsn, "w"), {bucket})
+        run_until(runner, lambda: set(ids) <= sink.delivered_ids())
+    assert (times[ids[0]], times[ids[1]]) == (EARLIEST_TIME, LATEST_TIME)
+
+
+@pytest.mark.xfail(strict=True, reason="a SQL producer's occurred_at of 'infinity' (or BC, or after year 9999) is "
+                                       "stored, and then the relay's read of its bucket fails at every cycle "
+                                       "(psycopg can not load it): every key of the bucket waits. Needs a CHECK on "
+                                       "outbox.events.occurred_at (a migration), or a read that does not load it "
+                                       "as a datetime (relay.sql)")
+@pytest.mark.parametrize("occurred_at", ["infinity", "0001-01-01 00:00:00+01", "10000-01-01 00:00:00+00"])
+def test_a_sql_producers_time_python_can_not_hold_blocks_no_other_key(dsn: str, pool: ConnectionPool[Any],
+                                                                      occurred_at: str) -> None:
+    bucket = 20
+    bad, other = keys_in_bucket(dsn, bucket, 2)
+    with psycopg.connect(dsn) as conn:
+        try:
+            conn.execute("INSERT INTO outbox.events (topic, partition_key, type, payload, occurred_at) "
+                         "VALUES (%s, %s, 't', '{}', %s)", (TOPIC, bad, occurred_at))
+        except psycopg.errors.CheckViolation:
+            return  # refused at INSERT: the producer hears of it, and nothing is stored
+        conn.commit()
+    [after] = publish(dsn, [(other, "t", {})])
+    sink = RecordingSink("w")
+    runner = runner_for(sink, pool, make_settings(dsn, "w"), {bucket})
+    run_until(runner, lambda: after in sink.delivered_ids(), timeout=10)

@@ -14,7 +14,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,13 @@ from sqlalchemy.pool import NullPool
 
 from outbox_relay import IdempotencyConflict, InvalidEvent, Outbox, Published
 from outbox_relay.errors import NoTransaction
-from outbox_relay.event import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, RESERVED_HEADERS, make_event
+from outbox_relay.event import (
+    MAX_HEADERS_BYTES,
+    MAX_PAYLOAD_BYTES,
+    MAX_PAYLOAD_DEPTH,
+    RESERVED_HEADERS,
+    make_event,
+)
 from outbox_relay.sqlfiles import query
 from tests.servers import sqlalchemy_url, wait_until
 
@@ -380,6 +386,24 @@ def test_time_is_when_the_event_happened_not_the_retention_clock(dsn: str, outbo
             "SELECT id, created_at, occurred_at FROM outbox.events"))
     # created_at (retention) is the database's clock at insert; time= is stored as occurred_at (ce_time).
     assert rows == {stamped.id: (row[0], epoch), plain.id: (row[0], None)}
+
+
+@pytest.mark.parametrize("path", ["publish", "publish_many with headers"])
+def test_a_time_in_any_utc_offset_python_allows_is_stored_as_that_instant(dsn: str, outbox: Outbox, path: str) -> None:
+    """Python allows offsets up to 23:59 either way, PostgreSQL's timestamptz input only to 15:59: such a
+    time failed the INSERT mid-statement and aborted the caller's transaction."""
+    times = [datetime(2026, 1, 1, tzinfo=timezone(timedelta(hours=h, minutes=59 if h > 0 else -59)))
+             for h in (23, 16, 15, -16, -23)]
+    with psycopg.connect(dsn) as conn:
+        if path == "publish":
+            ids = [outbox.publish(conn, type="t", key="k", payload={}, time=t).id for t in times]
+        else:
+            ids = [p.id for p in outbox.publish_many(conn, [{"type": "t", "key": "k", "payload": {}, "time": t,
+                                                             "headers": {"h": "v"}} for t in times])]
+        conn.commit()
+    with psycopg.connect(dsn) as conn:
+        stored_times = dict(conn.execute("SELECT id, occurred_at FROM outbox.events").fetchall())
+    assert [stored_times[i] for i in ids] == times
 
 
 @pytest.mark.parametrize(("column", "value"), [("created_at", "1970-01-01T00:00:00Z"), ("xid", "1")])
@@ -844,6 +868,7 @@ BAD_INPUT: dict[str, tuple[dict[str, Any], str]] = {
     "payload over MAX_PAYLOAD_BYTES": ({"payload": "x" * MAX_PAYLOAD_BYTES}, "MAX_PAYLOAD_BYTES"),
     "payload over MAX_PAYLOAD_BYTES in UTF-8": ({"payload": "é" * (MAX_PAYLOAD_BYTES // 2)}, "MAX_PAYLOAD_BYTES"),
     "empty key": ({"key": ""}, "key"),
+    "key of only whitespace": ({"key": " \t\u3000"}, "key"),
     "key over 1024 bytes": ({"key": "é" * 513}, "key"),
     "key with a NUL": ({"key": "a\x00b"}, "key"),
     "missing topic": ({"topic": None, "_no_default": True}, "topic"),
@@ -857,6 +882,9 @@ BAD_INPUT: dict[str, tuple[dict[str, Any], str]] = {
     "header that is bytes": ({"headers": {"n": b"1"}}, "headers"),
     "header name that is not text": ({"headers": {1: "n"}}, "headers"),
     "header with a NUL": ({"headers": {"n": "\x00"}}, "headers"),
+    # Past PostgreSQL's jsonb limit (256 MB) the INSERT failed mid-statement and aborted the transaction.
+    "headers over MAX_HEADERS_BYTES": ({"headers": {"a": "x" * (MAX_HEADERS_BYTES // 2),
+                                                    "b": "é" * (MAX_HEADERS_BYTES // 4)}}, "MAX_HEADERS_BYTES"),
     "header ce_id": ({"headers": {"ce_id": "mine"}}, "'ce_id' is reserved"),
     "header CE_Type": ({"headers": {"CE_Type": "mine"}}, "'CE_Type' is reserved"),
     "header Content-Type": ({"headers": {"Content-Type": "text/plain"}}, "'Content-Type' is reserved"),
@@ -864,6 +892,14 @@ BAD_INPUT: dict[str, tuple[dict[str, Any], str]] = {
     "header Outbox_Replay": ({"headers": {"Outbox_Replay": "1"}}, "'Outbox_Replay' is reserved"),
     "empty idempotency key": ({"idempotency_key": ""}, "idempotency_key"),
     "time without a time zone": ({"time": datetime(2026, 1, 1)}, "time"),
+    # Stored, then unreadable by every relay: PostgreSQL keeps 1 BC and year 10000, Python's datetime
+    # (psycopg loads times into it) does not, and the read of the event's whole bucket failed.
+    "time before year 1 in UTC": ({"time": datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=1)))}, "time"),
+    "time after year 9999 in UTC": ({"time": datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5)))},
+                                    "time"),
+    # datetime.min/max as "no time": read back in a session time zone west (east) of UTC, they are too.
+    "datetime.min as a time": ({"time": datetime.min.replace(tzinfo=UTC)}, "time"),
+    "datetime.max as a time": ({"time": datetime.max.replace(tzinfo=UTC)}, "time"),
 }
 
 

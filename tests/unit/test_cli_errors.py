@@ -42,6 +42,13 @@ def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     (["status", "--dsn", "postgresql://relay:pa ss@db/app"], "the DSN is not a valid PostgreSQL connection string"),
     (["run", "--dsn", "host=db password=pa ss"], "the DSN is not a valid PostgreSQL connection string"),
     (["run", "--no-kafka", "--projection", "x"], "--projection needs --projections"),
+    # Names and keys no stored event can have: refused, rather than "0 events" and exit 0.
+    (["replay", "--topic", "or ders", "--kafka-bootstrap-servers", "k:9"], "'or ders' is not a valid topic name"),
+    (["replay", "--topic", "orders", "--to-topic", "..", "--kafka-bootstrap-servers", "k:9"],
+     "'..' is not a valid topic name"),
+    (["replay", "--topic", "orders", "--key", "", "--kafka-bootstrap-servers", "k:9"], "a partition key is not empty"),
+    (["rebuild", "totals", "--projections", "m", "--key", "k" * 1025], "a partition key is at most 1024 bytes"),
+    (["dev", "--topic", "."], "'.' is not a valid topic name"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                  message: str) -> None:
