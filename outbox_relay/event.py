@@ -101,8 +101,6 @@ class Event(BaseModel):
     def _key(cls, key: str) -> str:
         if not key:
             raise ValueError("must not be empty")
-        if key.isspace():  # a key built from a value that was missing (" ", "\n"): it would order unrelated events
-            raise ValueError(f"is only whitespace ({key[:20]!r})")
         if len(key.encode()) > MAX_KEY_BYTES:
             raise ValueError(f"is {len(key.encode())} bytes; the limit is {MAX_KEY_BYTES}")
         return key
@@ -167,8 +165,7 @@ def plain_fields_valid(type: Any, key: Any, payload: Any, topic: Any, idempotenc
     if time is not None and not (builtins.type(time) is datetime and time.utcoffset() is not None
                                  and EARLIEST_TIME <= time <= LATEST_TIME):
         return False
-    if (not key or key.isspace() or len(key) > MAX_KEY_BYTES
-            or (not key.isascii() and _utf8_length(key) > MAX_KEY_BYTES)):
+    if not key or len(key) > MAX_KEY_BYTES or (not key.isascii() and _utf8_length(key) > MAX_KEY_BYTES):
         return False
     if topic in (".", "..") or not _TOPIC.fullmatch(topic):
         return False

@@ -59,7 +59,6 @@ def test_events_get_distinct_ids_by_default() -> None:
     ({"type": ""}, "type"),
     ({"type": "x" * 256}, "type"),
     ({"key": ""}, "key"),
-    ({"key": "  "}, "key"),
     ({"key": "é" * (MAX_KEY_BYTES // 2 + 1)}, "key"),
     ({"key": 42}, "key"),
     ({"topic": "no spaces"}, "topic"),
@@ -256,8 +255,7 @@ def test_the_quick_check_refuses_what_event_refuses() -> None:
 
 
 @pytest.mark.parametrize("bad", [
-    {"type": ""}, {"key": ""}, {"key": " \n"}, {"key": "é" * 513}, {"key": "a\x00b"}, {"type": "a\x00"},
-    {"topic": ".."},
+    {"type": ""}, {"key": ""}, {"key": "é" * 513}, {"key": "a\x00b"}, {"type": "a\x00"}, {"topic": ".."},
     {"payload": {"x": math.nan}}, {"payload": {"s": {1}}}, {"payload": "a\x00"}, {"payload": "\ud800"},
     {"idempotency_key": ""}, {"idempotency_key": "a\x00"}, {"version": 0}, {"time": datetime(2026, 1, 1)},
     {"headers": {"ce_id": "x"}}, {"time": datetime.min.replace(tzinfo=UTC)}, {"time": datetime.max.replace(tzinfo=UTC)},
