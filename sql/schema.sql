@@ -354,8 +354,9 @@ $$;
 
 -- Refuse an event the relays could not position, keep, or deliver; fingerprint an idempotent event
 -- and record its key, skipping the row (NULL) when the key already stands for an event: the outcome
--- ON CONFLICT DO NOTHING gave on the unique index that 0014 replaced. Otherwise check_event_v2.
-CREATE FUNCTION outbox.check_event_v3() RETURNS trigger
+-- ON CONFLICT DO NOTHING gave on the unique index that 0014 replaced. 0018 (v4): and an occurred_at
+-- outside 0001-01-02..9999-12-30 UTC. Otherwise check_event_v2.
+CREATE FUNCTION outbox.check_event_v4() RETURNS trigger
     LANGUAGE plpgsql AS $$
 DECLARE
     name  text;
@@ -374,6 +375,12 @@ BEGIN
        AND (NEW.topic !~ '^[A-Za-z0-9._-]+$' OR length(NEW.topic) > 249 OR NEW.topic IN ('.', '..')) THEN
         RAISE EXCEPTION 'outbox.events.topic % is not a Kafka topic name', quote_literal(left(NEW.topic, 300))
             USING ERRCODE = 'check_violation', HINT = '1-249 of A-Z a-z 0-9 . _ -, and not "." or ".."';
+    END IF;
+    -- 0018: what Python (and so the relays and most consumers) can hold in every time zone; 'infinity',
+    -- BC and year 10000 are stored by PostgreSQL, then no read of the event's bucket succeeds.
+    IF NEW.occurred_at NOT BETWEEN timestamptz '0001-01-02 00:00:00+00' AND timestamptz '9999-12-30 23:59:59.999999+00' THEN
+        RAISE EXCEPTION 'outbox.events.occurred_at % is outside 0001-01-02 to 9999-12-30 UTC', NEW.occurred_at
+            USING ERRCODE = 'check_violation', HINT = 'leave occurred_at NULL for an event without a time of its own';
     END IF;
     IF NEW.headers <> '{}'::jsonb THEN
         IF jsonb_typeof(NEW.headers) <> 'object' THEN
@@ -416,8 +423,9 @@ CREATE TRIGGER events_check BEFORE INSERT ON outbox.events
           OR NEW.headers <> '{}'::jsonb
           OR NEW.xid IS DISTINCT FROM pg_current_xact_id()
           OR NEW.created_at IS DISTINCT FROM now()
-          OR NEW.topic !~ '^[A-Za-z0-9._-]{1,249}$' OR NEW.topic IN ('.', '..'))
-    EXECUTE FUNCTION outbox.check_event_v3();
+          OR NEW.topic !~ '^[A-Za-z0-9._-]{1,249}$' OR NEW.topic IN ('.', '..')
+          OR NEW.occurred_at NOT BETWEEN timestamptz '0001-01-02 00:00:00+00' AND timestamptz '9999-12-30 23:59:59.999999+00')
+    EXECUTE FUNCTION outbox.check_event_v4();
 
 -- Events leave by partition. A DELETE is refused unless the transaction says it means it
 -- (SET LOCAL outbox_relay.delete_events = 'on'): relays of the previous version delete by ctid, which
@@ -997,4 +1005,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (14, 'partitioned_history', NULL),
     (15, 'history_per_class', NULL),
     (16, 'lapse_check_pruned', NULL),
-    (17, 'position_order_index', NULL);
+    (17, 'position_order_index', NULL),
+    (18, 'occurred_at_range', NULL);

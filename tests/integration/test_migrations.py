@@ -144,7 +144,7 @@ def test_snapshot_equals_all_migrations(database_factory: Callable[..., str]) ->
     ("ALTER TABLE outbox.events DISABLE TRIGGER events_check", "triggers"),
     # A WHEN clause that lets one more row through unchecked is drift too.
     ("DROP TRIGGER events_check ON outbox.events; CREATE TRIGGER events_check BEFORE INSERT ON outbox.events "
-     "FOR EACH ROW WHEN (NEW.idempotency_key IS NOT NULL) EXECUTE FUNCTION outbox.check_event_v3()", "triggers"),
+     "FOR EACH ROW WHEN (NEW.idempotency_key IS NOT NULL) EXECUTE FUNCTION outbox.check_event_v4()", "triggers"),
     ("COMMENT ON TABLE outbox.events IS 'the log'", "comments"),
 ])
 def test_catalog_comparison_sees_changes(dsn: str, change: str, section: str) -> None:

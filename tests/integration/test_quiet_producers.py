@@ -145,6 +145,12 @@ def test_one_relay_watches_and_another_takes_over_when_it_leaves(dsn: str) -> No
     ("topic, partition_key, type, payload", "'..', 'k', 'x', '{}'", "is not a Kafka topic name"),
     ("topic, partition_key, type, payload, headers", "'t', 'k', 'x', '{}', '{\"ce_id\": \"1\"}'",
      "is reserved for the relay"),
+    ("topic, partition_key, type, payload, occurred_at", "'t', 'k', 'x', '{}', 'infinity'",
+     "occurred_at infinity is outside 0001-01-02 to 9999-12-30 UTC"),
+    ("topic, partition_key, type, payload, occurred_at", "'t', 'k', 'x', '{}', '0001-01-01 23:59:59.999999+00'",
+     "occurred_at .* is outside"),
+    ("topic, partition_key, type, payload, occurred_at", "'t', 'k', 'x', '{}', '9999-12-31 00:00:00+00'",
+     "occurred_at .* is outside"),
 ])
 def test_the_sql_path_still_refuses_what_no_relay_could_deliver(dsn: str, columns: str, values: str,
                                                                  message: str) -> None:
