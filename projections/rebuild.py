@@ -8,7 +8,9 @@
    copies. It has its own leases, retries and dead letters; several ``rebuild`` processes share
    the work through the stored assignment; an interrupted rebuild resumes from its cursors. A
    guard refuses any batch that wrote to the live tables.
-3. Switch, once caught up, in one transaction: lock the live tables, move them out and the
+3. Switch, once caught up, in one transaction: hold the live projection (its writes wait, its
+   cursors are locked) until the rebuild has applied every event it did (the relay phase still
+   runs meanwhile; otherwise readers could lose an event they saw), lock the tables, move them out and the
    copies in (grants and owner carried over), give the live projection the rebuild's cursors,
    parked events and dead letters, bump its fences (relays holding its buckets are fenced out
    and their open batches roll back), drop the rebuild's sink. Live processing goes on from
@@ -61,6 +63,10 @@ MAX_POSITION = 2**63 - 1  # positions are read as bigint (ce_sequence prints the
 SWITCH_LOCK_TIMEOUT = "5s"
 KEY_REBUILD_IDLE_MS = "30000"
 SWITCH_TRIES = 12
+# How long the switch-over holds the live projection (its writes wait) for the relay phase to apply what
+# the live projection applied since the rebuild last caught up, and how often it looks meanwhile.
+CATCH_UP_SECONDS = 5.0
+CATCH_UP_POLL_SECONDS = 0.02
 PROGRESS_SECONDS = 2.0
 # Events a rebuild of a batched projection reads per batch unless --batch-size (OUTBOX_BATCH_SIZE)
 # says otherwise. A read spreads its batch over the 256 buckets and the batch's checkpoint writes
@@ -164,33 +170,39 @@ class Rebuild:
         if bulk == "stopped":
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
-        if bulk == "finished" and self._nothing_left():
+        if bulk == "finished" and self._nothing_left() and self._switch(tables, None):
             # Nothing committed after the bulk phase's snapshot: the relay phase would find nothing to do
-            # (and a start, a count and a drain cost a second or two): switch over without it.
-            self._switch(tables)
+            # (and a start, a count and a drain cost a second or two): switched over without it.
             bulk = "switched"
         if bulk == "switched":
             ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
                 f"switched over ({total:,} events replayed)")
             return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
-        sink = ProjectionSink(self.projection, self.dsn, name=self.sink, lease_seconds=self.settings.lease_seconds,
-                              replay=True, shadow_schema=self.shadow, application_name=application_name(worker_id),
-                              handler_timeout_seconds=self.settings.handler_timeout_seconds)
-        worker = Worker(self.settings.model_copy(update={
-            "worker_id": worker_id, "kafka": False, "projection": [], "batch_size": self.batch_size}),
-            sinks=[sink])
-        if not worker.start():
-            return None
-        try:
-            outcome = self._replay(worker, sink, total)
-        finally:
-            worker.drain()
-            worker.wait()
+        while True:
+            sink = ProjectionSink(self.projection, self.dsn, name=self.sink,
+                                  lease_seconds=self.settings.lease_seconds, replay=True, shadow_schema=self.shadow,
+                                  application_name=application_name(worker_id),
+                                  handler_timeout_seconds=self.settings.handler_timeout_seconds)
+            worker = Worker(self.settings.model_copy(update={
+                "worker_id": worker_id, "kafka": False, "projection": [], "batch_size": self.batch_size}),
+                sinks=[sink])
+            if not worker.start():
+                return None
+            try:
+                outcome = self._replay(worker, sink, total)
+                # While this relay phase still runs: the switch waits for it to pass the live cursors.
+                if outcome == "caught up" and not self._switch(tables, worker):
+                    outcome = "behind"
+            finally:
+                worker.drain()
+                worker.wait()
+            if outcome != "behind":
+                break
+            log.info("rebuild %s: live processing got ahead of the rebuild during the switch-over; catching up "
+                     "again", self.projection.name)
         if outcome == "stopped":
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
-        if outcome == "caught up":
-            self._switch(tables)
         ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
             f"switched over ({total:,} events replayed)")
         return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
@@ -469,12 +481,14 @@ class Rebuild:
 
     # -- switch -------------------------------------------------------------------------------
 
-    def _switch(self, tables: Sequence[LiveTable]) -> None:
+    def _switch(self, tables: Sequence[LiveTable], worker: Worker | None) -> bool:
+        """Swap the copies in; False if the rebuild has not applied every event the live projection has
+        (``worker``, the relay phase still running, had CATCH_UP_SECONDS to get there under the switch's
+        locks; without one, none)."""
         for attempt in range(1, SWITCH_TRIES + 1):
             try:
                 with psycopg.connect(self.dsn, autocommit=True) as conn:
-                    self._switch_once(conn, tables)
-                return
+                    return self._switch_once(conn, tables, worker)
             except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
                 log.warning("rebuild %s: switch-over attempt %d waited too long for locks (%s); retrying",
                             self.projection.name, attempt, type(exc).__name__)
@@ -482,7 +496,12 @@ class Rebuild:
         raise RebuildError(f"rebuild {self.projection.name!r}: could not lock the live tables to switch over "
                            f"after {SWITCH_TRIES} tries; long transactions on them? Run it again to retry")
 
-    def _switch_once(self, conn: psycopg.Connection[Any], tables: Sequence[LiveTable]) -> None:
+    def _switch_once(self, conn: psycopg.Connection[Any], tables: Sequence[LiveTable], worker: Worker | None) -> bool:
+        """The switch-over in one transaction. The live projection is held first (its writers wait, its
+        cursors are locked) while readers go on; then the rebuild must have applied every event the live
+        projection did (``behind_live``), or a reader could miss in the new model an event it saw in the
+        old one: the running relay phase gets CATCH_UP_SECONDS to get there. Then the copies' writers
+        finish, both sinks' cursors are locked, readers wait, and the tables swap."""
         names = {"live": self.live_sink, "rebuild": self.sink}
         with conn.transaction():
             conn.execute("SELECT set_config('lock_timeout', %s, true)", (SWITCH_LOCK_TIMEOUT,))
@@ -490,11 +509,19 @@ class Rebuild:
             row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
             if row is None or row[6] != self._started_at:
                 self._gone(conn, restarted=row is not None)
-                return
-            for t in sorted(tables, key=lambda t: t.oid):
-                conn.execute(_template("lock_table", table=sql.Identifier(t.schema, t.name)))
+                return True
+            live = sorted(tables, key=lambda t: t.oid)
+            for t in live:
+                conn.execute(_template("lock_table_writes", table=sql.Identifier(t.schema, t.name)))
             store.register_sink(conn, self.live_sink, "projection", self.projection.topics)
+            conn.execute(query("rebuild", "lock_live_cursors"), names)
+            if not self._caught_up_with_live(conn, worker):
+                return False  # rolls back: the live projection goes on
+            for t in sorted(tables, key=lambda t: t.name):  # a batch of the relay phase in flight lands first
+                conn.execute(_template("lock_table_writes", table=sql.Identifier(self.shadow, t.name)))
             conn.execute(query("rebuild", "lock_cursors"), names)
+            for t in live:
+                conn.execute(_template("lock_table", table=sql.Identifier(t.schema, t.name)))
             conn.execute(query("rebuild", "adopt_cursors"), names)
             conn.execute(query("rebuild", "adopt_history"), names)
             conn.execute(query("rebuild", "drop_parked_and_dead"), names)
@@ -512,6 +539,24 @@ class Rebuild:
             if not self.keep_old:
                 conn.execute(_template("drop_schema", schema=retired))
             conn.execute(query("rebuild", "drop_sink"), {"sink": self.sink})
+        return True
+
+    def _caught_up_with_live(self, conn: psycopg.Connection[Any], worker: Worker | None) -> bool:
+        """Whether the rebuild's cursors pass every event the live projection's do (locked: they stand
+        still); with ``worker`` running, waits up to CATCH_UP_SECONDS for them to get there. Each look is a
+        statement of its own, so it sees the relay phase's checkpoints as they commit."""
+        deadline = time.monotonic() + CATCH_UP_SECONDS
+        params = {"live": self.live_sink, "rebuild": self.sink, **self._filter}
+        while True:
+            row = conn.execute(query("rebuild", "behind_live"), params).fetchone()
+            behind = int(row[0]) if row else 0
+            if behind == 0:
+                return True
+            if worker is None or worker.stopping.is_set() or time.monotonic() >= deadline:
+                log.info("rebuild %s: the live projection applied events the rebuild has not yet, in %d buckets",
+                         self.projection.name, behind)
+                return False
+            time.sleep(CATCH_UP_POLL_SECONDS)
 
     def _carry_privileges(self, conn: psycopg.Connection[Any], old: LiveTable) -> None:
         new = sql.Identifier(old.schema, old.name)

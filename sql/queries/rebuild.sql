@@ -344,3 +344,32 @@ WHERE c.sink = %(sink)s AND c.fence = 0 AND c.owner IS NULL
   AND c.after_seq IS NOT DISTINCT FROM %(after_seq)s::bigint
   AND EXISTS (SELECT 1 FROM outbox.rebuilds r WHERE r.sink = c.sink AND r.started_at = %(started_at)s)
 RETURNING c.bucket;
+
+-- name: lock_table_writes
+-- The switch, first: live projection writers finish, later ones wait; readers go on until the swap.
+LOCK TABLE {table} IN EXCLUSIVE MODE;
+
+-- name: lock_live_cursors
+-- The switch, next: the live projection can not checkpoint (so can not move on) until it commits.
+SELECT bucket FROM outbox.cursors WHERE sink = %(live)s ORDER BY bucket FOR UPDATE;
+
+-- name: behind_live
+-- Buckets where the live projection applied an event (its cursor passed it) that the rebuild has not:
+-- swapped in now, the new model would lack an event a reader may have seen (wait_for) until the live
+-- projection applied it again from the rebuild's cursor. One probe per bucket, from the xmin of the
+-- rebuild cursor's snapshot (what it has not delivered is its delta: small once it caught up).
+SELECT count(*)
+FROM outbox.cursors l
+JOIN outbox.cursors r ON r.sink = %(rebuild)s AND r.bucket = l.bucket
+CROSS JOIN LATERAL (
+    SELECT 1
+    FROM outbox.events e
+    WHERE e.bucket = l.bucket
+      AND e.xid >= pg_snapshot_xmin(r.snapshot)
+      AND NOT outbox.delivered_v1(e.xid, e.seq, r.snapshot, r.target, r.after_xid, r.after_seq)
+      AND outbox.delivered_v1(e.xid, e.seq, l.snapshot, l.target, l.after_xid, l.after_seq)
+      AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
+      AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
+    LIMIT 1
+) behind
+WHERE l.sink = %(live)s;
