@@ -1,26 +1,35 @@
 """The bulk phase of a rebuild: stored history read in large sequential slices, before the relay phase.
 
 A fresh rebuild's sink has the same cursor in every bucket (the start of history, or a position).
-The bulk phase pins a snapshot ``S`` and reads the delta from that cursor to ``S`` in (xid, seq)
-order, across all buckets at once, in slices of ``slice_size`` events (``bulk_read``: an index range
-scan per xid partition, no per-bucket probes). Each slice is one transaction on the connection that
-holds the phase's lock: the projection's walk (walk.py, the relay's own, so batched handlers get the
-slice in one call and per-event handlers one call each), the rebuild's guard against writes outside
-the shadow schema (once per slice), and the checkpoint: every bucket's cursor becomes
-``Cursor(seen, S, last)`` (positions.py: what a relay reading that delta in pages would have
-written). The last slice moves them to ``Cursor(S)`` and bumps their fences, which ends the phase;
-the relay phase (an ordinary Worker) then reads what committed after ``S`` (transactions open at
-``S`` included) and never sees the cursors it would take over change under it.
+The phase is split into LANES lanes, contiguous ranges of buckets; a key lives in one bucket and a
+bucket in one lane, so lanes are independent and several processes (``outbox-relay rebuild NAME``
+started N times, on one host or several) run them at once, one lane per process at a time; one process
+alone runs them one after another. A lane pins a snapshot ``S`` and reads the delta of its buckets from
+their cursor to ``S`` in (xid, seq) order, in slices of ``slice_size`` events (``bulk_read``: an index
+range scan per xid partition, the other lanes' rows filtered out, no per-bucket probes). Each slice is
+one transaction on the connection that holds the lane's lock: the projection's walk (walk.py, the
+relay's own, so batched handlers get the slice in one call and per-event handlers one call each), the
+rebuild's guard against writes outside the shadow schema (once per slice), and the checkpoint: the
+lane's buckets' cursors become ``Cursor(seen, S, last)`` (positions.py: what a relay reading that delta
+in pages would have written). The lane's last slice moves them to ``Cursor(S)`` and bumps their fences,
+which ends the lane. A process starts the relay phase (an ordinary Worker) only once every lane has
+ended, whoever ran it; the relay phase then reads what committed after each lane's ``S`` (transactions
+open at it included) and never sees the cursors it would take over change under it.
 
-Exclusive: a session advisory lock held for the phase (one process runs it; others wait for it,
-then find it over or resume it), and each slice's checkpoint is a compare-and-set on the cursors
-(fence 0, no owner, where the last slice left them, the same rebuild): a process that lost the
-phase, or whose rebuild was cancelled or restarted, changes nothing and rolls its slice back (G5).
+Exclusive: a session advisory lock per lane, held while a process runs it (a process skips lanes
+others hold and waits for them at the end; if their process dies, the lock goes with its session and a
+waiting process, or a rerun, resumes the lane from its last slice), and each slice's checkpoint is a
+compare-and-set on the lane's cursors (fence 0, no owner, where the last slice left them, the same
+rebuild): a process that lost the lane, or whose rebuild was cancelled or restarted, changes nothing and
+rolls its slice back (G5).
 
 An optimisation of the happy path only: any failure in a slice (a handler raising, an event that
 can not be prepared, a handler that does not return within the time limit) rolls that slice back
-and ends the phase where the last slice left the cursors; the relay phase takes over from there
-with its retries, parking, dead letters and handler time limit. Async projections skip it.
+and ends that lane where its last slice left its cursors; the relay phase takes over its buckets from
+there with its retries, parking, dead letters and handler time limit. The other lanes go on in the bulk
+phase: their buckets hold other keys, which the failure does not concern, and the relay phase starts
+after them anyway. Async projections skip the phase, and so do rebuilds --from-time (their buckets start
+at different places).
 """
 
 from __future__ import annotations
@@ -53,6 +62,10 @@ log = logging.getLogger("outbox_relay.rebuild")
 
 BUCKETS = 256
 FENCES = dict.fromkeys(range(BUCKETS), 0)  # the phase's fence in every bucket: tokens (0, 0, xid, seq)
+# Lanes of the phase: up to this many processes run it at once. A lane's read walks the whole xid range and
+# drops the other lanes' rows, so one process running every lane reads history LANES times over (measured:
+# docs/benchmarks/2026-11-26-rebuild-lanes.md).
+LANES = 4
 LOCK_POLL_SECONDS = 0.5
 END_WALK_WAIT_MS = 5000
 CONNECT_TRIES = 3
@@ -61,6 +74,11 @@ COLLECT_EVERY = 16  # slices between runs of the cyclic collector (off otherwise
 # bulk_read's columns, in order (handed_over unpacks them by position).
 READ_COLUMNS = ("bucket", "xid", "seq", "id", "partition_key", "topic", "type", "payload", "headers", "time",
                 "version")
+
+
+def lane_buckets(lane: int) -> tuple[int, int]:
+    """The buckets of a lane: lo <= bucket < hi, a contiguous range."""
+    return lane * BUCKETS // LANES, (lane + 1) * BUCKETS // LANES
 
 
 class SliceFailed(Exception):
@@ -76,8 +94,9 @@ class Lost(Exception):
 class Outcome:
     result: str  # "done" (over: relay phase next), "stopped" (resumable) or "skipped" (not eligible)
     events: int  # events this process applied in the phase
-    # This process ended the phase with its last slice (nothing failed or was taken over): every event
-    # up to the phase's snapshot is applied, what is left committed after it.
+    # Every lane is over and none this process ran was handed over or lost: what is left (if anything) most
+    # likely committed after the lanes' snapshots (the rebuild counts it before it switches over without a
+    # relay phase).
     finished: bool = False
 
 
@@ -146,6 +165,7 @@ class _Reader:
     def _read(self, cursor: Cursor, target: Snapshot) -> _Read:
         if self._conn is None:
             self._conn = psycopg.connect(self.dsn, autocommit=True, application_name=self.application_name)
+            self._conn.execute(query("rebuild", "bulk_read_session"))
         lo = cursor.after if cursor.after is not None else (cursor.seen.xmin, -1)
         cur = self._conn.execute(query("rebuild", "bulk_read"), {
             "lo_xid": str(lo[0]), "lo_seq": lo[1], "target": str(target), "seen": str(cursor.seen),
@@ -192,7 +212,7 @@ class BulkPhase:
         self._read_limit = handler_timeout_seconds  # a slice's read, as its handler calls
         self._abandoned = False  # the current connection was left to an abandoned slice
         self._never = threading.Event()  # the walk is never aborted mid-slice: a stop waits for the slice
-        self._finished = False  # the last slice of the phase landed (Outcome.finished)
+        self._handed = False  # a lane this process ran was handed over to the relay phase, or lost
 
     def run(self) -> Outcome:
         if self.projection.is_async:
@@ -200,7 +220,8 @@ class BulkPhase:
         try:
             for attempt in range(1, CONNECT_TRIES + 1):
                 try:
-                    return Outcome(self._run_once(), self.events, self._finished)
+                    result = self._lanes()
+                    return Outcome(result, self.events, result == "done" and not self._handed)
                 except psycopg.OperationalError as exc:  # the session (and its lock) is gone: look again
                     log.warning("rebuild %s: the bulk phase lost its connection (%s); attempt %d of %d",
                                 self.projection.name, exc, attempt, CONNECT_TRIES)
@@ -211,45 +232,70 @@ class BulkPhase:
         finally:
             self._guard.close()
 
-    # -- the phase, holding its lock ------------------------------------------------------------
+    # -- the lanes ------------------------------------------------------------------------------
 
-    def _run_once(self) -> str:
+    def _lanes(self) -> str:
+        """Run every lane no other process runs, one after another, until each is over (ended by its last
+        slice, handed over to the relay phase, or not in the phase: another process ran it, or it is not
+        eligible); meanwhile wait for lanes that other processes hold (if one dies, its lock goes and
+        this process resumes its lane). "done" once every lane is over, "stopped" on a stop."""
+        over: set[int] = set()
+        while True:
+            for lane in range(LANES):
+                if lane in over:
+                    continue
+                if self.stopping.is_set():
+                    return "stopped"
+                result = self._lane(lane)
+                if result == "stopped":
+                    return "stopped"
+                if result != "busy":
+                    over.add(lane)
+            if len(over) == LANES:
+                return "done"
+            # Other processes run the rest: the relay phase must not start before they end (its leases
+            # would bump the fences under their slices, which then roll back: safe, but work lost).
+            if self.stopping.wait(LOCK_POLL_SECONDS):
+                return "stopped"
+
+    def _lane(self, lane: int) -> str:
+        """One lane, if no other process runs it: "over" (it ended, or was not in the phase), "busy"
+        (another process holds it) or "stopped" (resumable)."""
+        lo, hi = lane_buckets(lane)
         conn = psycopg.connect(self.dsn, autocommit=True, application_name=self.application_name)
         self._abandoned = False
         try:
             conn.execute(query("projections", "prepare_session"))
             conn.read_only = False  # conn.transaction() begins READ WRITE
-            while True:
-                state = self._state(conn)
-                if state is None:
-                    return "done"  # over, or not eligible: the relay phase does it all
-                locked = conn.execute(query("rebuild", "bulk_lock"), {"projection": self.projection.name}).fetchone()
-                if locked and locked[0]:
-                    break
-                if self.stopping.wait(LOCK_POLL_SECONDS):  # another process runs the phase: wait for it
-                    return "stopped"
-            return self._phase(conn)
+            if self._state(conn, lo, hi) is None:
+                return "over"  # ended, or not eligible: the relay phase does the rest
+            locked = conn.execute(query("rebuild", "bulk_lock"),
+                                  {"projection": self.projection.name, "lane": lane}).fetchone()
+            if not (locked and locked[0]):
+                return "busy"
+            state = self._state(conn, lo, hi)  # again, under the lock: a peer may have moved it meanwhile
+            if state is None:
+                return "over"
+            return self._phase(conn, lo, hi, *state)
         finally:
             # An abandoned slice's helper thread still holds the connection (its session was ended, the
             # lock with it): leave it to that thread, as the projection sink does.
             if not self._abandoned:
-                conn.close()  # ends the session: the lock goes with it
+                conn.close()  # ends the session: the lane's lock goes with it
 
-    def _state(self, conn: psycopg.Connection[Any]) -> tuple[Cursor, Snapshot] | None:
-        """Every bucket's cursor and the current snapshot while the phase is on; None once it is over
-        (fences bumped), for a start that is not the same in every bucket (--from-time), or when the
-        rebuild is gone."""
+    def _state(self, conn: psycopg.Connection[Any], lo: int, hi: int) -> tuple[Cursor, Snapshot] | None:
+        """The cursor of the lane's buckets and the current snapshot while the lane is in the phase; None
+        once it is over (fences bumped), for a start that is not the same in each of its buckets
+        (--from-time), or when the rebuild is gone."""
         row = conn.execute(query("rebuild", "bulk_state"),
-                           {"sink": self.sink, "started_at": self.started_at}).fetchone()
-        if row is None or row[0] != BUCKETS or row[1] != 1 or not row[2]:
+                           {"sink": self.sink, "started_at": self.started_at, "lo": lo, "hi": hi}).fetchone()
+        if row is None or row[0] != hi - lo or row[1] != 1 or not row[2]:
             return None
         return Cursor.from_row(row[3], row[4], row[5], row[6]), Snapshot.parse(row[7])
 
-    def _phase(self, conn: psycopg.Connection[Any]) -> str:
-        state = self._state(conn)  # again, under the lock: a peer may have moved it meanwhile
-        if state is None:
-            return "done"
-        reader = _Reader(self.projection, self.dsn, self.application_name, self.slice_size, self._filter)
+    def _phase(self, conn: psycopg.Connection[Any], lo: int, hi: int, cursor: Cursor, now: Snapshot) -> str:
+        reader = _Reader(self.projection, self.dsn, self.application_name, self.slice_size,
+                         {**self._filter, "lo": lo, "hi": hi})
         # The cyclic collector stays off for the phase: it would scan each slice's tens of thousands of
         # young objects (rows, events, tokens) again and again while they are built, for no garbage
         # (they are freed by reference counting); measured at a quarter of a slice's Python time. What
@@ -257,13 +303,15 @@ class BulkPhase:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            return self._slices(conn, reader, *state)
+            return self._slices(conn, reader, (lo, hi), cursor, now)
         finally:
             reader.close()
             if collecting:
                 gc.enable()
 
-    def _slices(self, conn: psycopg.Connection[Any], reader: _Reader, cursor: Cursor, now: Snapshot) -> str:
+    def _slices(self, conn: psycopg.Connection[Any], reader: _Reader, lane: tuple[int, int], cursor: Cursor,
+                now: Snapshot) -> str:
+        """A lane's slices, from ``cursor``: "over" when it ended or was handed over or lost, or "stopped"."""
         slices = 0
         while True:
             # A cursor with a target is a delta being read (a slice landed before an interruption, or a
@@ -280,8 +328,8 @@ class BulkPhase:
                 try:
                     got = self._wait(ahead)
                 except SliceFailed as exc:
-                    self._hand_over(cursor, exc)
-                    return "done"
+                    self._hand_over(lane, cursor, exc)
+                    return "over"
                 if got is None:
                     return "stopped"
                 last = got.rows < self.slice_size
@@ -289,23 +337,23 @@ class BulkPhase:
                     assert got.last is not None
                     ahead = reader.read(Cursor(cursor.seen, target, got.last), target)
                 try:
-                    cursor = self._slice(conn, cursor, target, got, last=last, end=fresh)
+                    cursor = self._slice(conn, lane, cursor, target, got, last=last, end=fresh)
                 except (SliceFailed, TimedOut) as exc:
                     self._abandoned = isinstance(exc, TimedOut)
-                    self._hand_over(cursor, exc)
-                    return "done"
+                    self._hand_over(lane, cursor, exc)
+                    return "over"
                 except Lost:
-                    log.info("rebuild %s: the bulk phase was taken over or its rebuild changed; it stops here",
-                             self.projection.name)
-                    return "done"
+                    log.info("rebuild %s: lane %d-%d of the bulk phase was taken over or its rebuild changed; "
+                             "it stops here", self.projection.name, lane[0], lane[1] - 1)
+                    self._handed = True
+                    return "over"
                 slices += 1
                 if slices % COLLECT_EVERY == 0:
                     gc.collect(1)
                 if last:
                     break
             if fresh:
-                self._finished = True
-                return "done"
+                return "over"
             row = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
             assert row is not None
             now = Snapshot.parse(row[0])
@@ -323,10 +371,10 @@ class BulkPhase:
                 if time.monotonic() >= deadline:
                     raise SliceFailed(f"a slice's read did not return within {self._read_limit:g}s") from None
 
-    def _slice(self, conn: psycopg.Connection[Any], cursor: Cursor, target: Snapshot, got: _Read, *,
-               last: bool, end: bool) -> Cursor:
-        """One slice (``got``: read from ``cursor``) in one transaction; the cursor after it. ``last``: the
-        delta's last slice; ``end``: that also ends the phase (bumps the fences)."""
+    def _slice(self, conn: psycopg.Connection[Any], lane: tuple[int, int], cursor: Cursor, target: Snapshot,
+               got: _Read, *, last: bool, end: bool) -> Cursor:
+        """One slice of a lane (``got``: read from ``cursor``) in one transaction; the cursor after it.
+        ``last``: the delta's last slice; ``end``: that also ends the lane's phase (bumps its fences)."""
         after = Cursor(target) if last else Cursor(cursor.seen, target, got.last)
 
         def run(w: Walk) -> None:
@@ -338,11 +386,11 @@ class BulkPhase:
                 seen, old_target, after_xid, after_seq = cursor.params()
                 new = after.params()
                 moved = conn.execute(query("rebuild", "bulk_advance"), {
-                    "sink": self.sink, "started_at": self.started_at,
+                    "sink": self.sink, "started_at": self.started_at, "lo": lane[0], "hi": lane[1],
                     "seen": seen, "target": old_target, "after_xid": after_xid, "after_seq": after_seq,
                     "new_seen": new[0], "new_target": new[1], "new_after_xid": new[2], "new_after_seq": new[3],
                     "fence_by": 1 if (last and end) else 0}).fetchall()
-                if len(moved) != BUCKETS:
+                if len(moved) != lane[1] - lane[0]:
                     raise Lost()
 
         self._guard.run(run, self._never)
@@ -379,17 +427,20 @@ class BulkPhase:
                 raise Lost()
             raise outside_writes_error(self.projection, self.shadow, [r[0] for r in rows])
 
-    def _hand_over(self, cursor: Cursor, exc: BaseException) -> None:
-        """End the phase where the last slice left the cursors (bump their fences): the relay phase goes on
-        from there, with retries, parking and dead letters for what failed."""
+    def _hand_over(self, lane: tuple[int, int], cursor: Cursor, exc: BaseException) -> None:
+        """End the lane's phase where its last slice left its cursors (bump their fences): the relay phase
+        goes on from there, with retries, parking and dead letters for what failed. The other lanes go on
+        (see the module docstring)."""
+        self._handed = True
         reason = (f"a handler did not return within {exc.seconds:g}s" if isinstance(exc, TimedOut)
                   else f"{type(exc.__cause__ or exc).__name__}: {exc}")
-        log.info("rebuild %s: a slice of the bulk phase failed (%s); the relay phase takes over after %d events",
-                 self.projection.name, reason[:300], self.events)
+        log.info("rebuild %s: a slice of lane %d-%d of the bulk phase failed (%s); the relay phase takes over "
+                 "that lane's buckets from its last slice", self.projection.name, lane[0], lane[1] - 1,
+                 reason[:300])
         seen, target, after_xid, after_seq = cursor.params()
         with psycopg.connect(self.dsn, autocommit=True, application_name=self.application_name) as conn:
             conn.execute(query("rebuild", "bulk_advance"), {
-                "sink": self.sink, "started_at": self.started_at,
+                "sink": self.sink, "started_at": self.started_at, "lo": lane[0], "hi": lane[1],
                 "seen": seen, "target": target, "after_xid": after_xid, "after_seq": after_seq,
                 "new_seen": seen, "new_target": target, "new_after_xid": after_xid, "new_after_seq": after_seq,
                 "fence_by": 1})

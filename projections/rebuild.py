@@ -50,7 +50,7 @@ from outbox_relay.sqlfiles import query
 from outbox_relay.store import StoredEvent, event_reader
 from outbox_relay.worker import Worker
 
-from .bulk import BulkPhase
+from .bulk import LANES, BulkPhase
 from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, reserved_schema
 from .sink import ProjectionSink
 from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, adrive, drive, walk
@@ -171,8 +171,8 @@ class Rebuild:
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
         if bulk == "finished" and self._nothing_left() and self._switch(tables, None):
-            # Nothing committed after the bulk phase's snapshot: the relay phase would find nothing to do
-            # (and a start, a count and a drain cost a second or two): switched over without it.
+            # Every lane ended and nothing committed after the lanes' snapshots: the relay phase would find
+            # nothing to do (and a start, a count and a drain cost a second or two): switched over without it.
             bulk = "switched"
         if bulk == "switched":
             ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
@@ -375,15 +375,19 @@ class Rebuild:
         return total
 
     def _remaining(self, conn: psycopg.Connection[Any], sink: str) -> int:
-        cursors = conn.execute(query("rebuild", "cursors"), {"sink": sink}).fetchall()
-        if len(cursors) == 1:  # the same in every bucket: counted in one scan
-            seen, target, after_xid, after_seq = cursors[0]
-            row = conn.execute(query("rebuild", "remaining_from"), {
-                "seen": seen, "target": target, "after_xid": after_xid, "after_seq": after_seq, **self._filter
-            }).fetchone()
-        else:
+        cursors = conn.execute(query("rebuild", "cursors"), {"sink": sink, "limit": LANES + 1}).fetchall()
+        if len(cursors) > LANES:
             row = conn.execute(query("rebuild", "remaining"), {"sink": sink, **self._filter}).fetchone()
-        return int(row[0]) if row else 0
+            return int(row[0]) if row else 0
+        # The same cursor in every bucket (a start), or in each lane's (after the bulk phase): one scan per
+        # cursor, from its snapshot on.
+        left = 0
+        for seen, target, after_xid, after_seq, buckets in cursors:
+            row = conn.execute(query("rebuild", "remaining_from"), {
+                "seen": seen, "target": target, "after_xid": after_xid, "after_seq": after_seq,
+                "buckets": buckets if len(cursors) > 1 else None, **self._filter}).fetchone()
+            left += int(row[0]) if row else 0
+        return left
 
     def _nothing_left(self) -> bool:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
@@ -429,10 +433,12 @@ class Rebuild:
         return "stopped"
 
     def _bulk(self, total: int, app: str) -> str:
-        """The bulk phase (bulk.py) before the relay phase: "done", "finished" (done, and this process
-        ended the phase with its last slice), "stopped" (resumable), or "switched" (a peer finished the
-        whole rebuild meanwhile). Raises RebuildError if it was cancelled."""
+        """The bulk phase (bulk.py) before the relay phase: "done", "finished" (done: every lane ended, and
+        none that this process ran was handed over), "stopped" (resumable), or "switched" (a peer finished
+        the whole rebuild meanwhile). Raises RebuildError if it was cancelled."""
         assert self._started_at is not None
+        if self.from_time is not None:
+            return "done"  # each bucket starts at its own place: the relay phase does it all
         line = ProgressLine(self.progress, f"rebuild {self.projection.name}", total)
         first = time.monotonic()
 

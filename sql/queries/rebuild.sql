@@ -189,20 +189,25 @@ CROSS JOIN LATERAL (
 WHERE c.sink = %(sink)s;
 
 -- name: cursors
--- A sink's distinct cursors (one row while every bucket's is the same: a rebuild from the start or a position).
-SELECT DISTINCT c.snapshot::text AS seen, c.target::text AS target, c.after_xid::text AS after_xid, c.after_seq
+-- A sink's distinct cursors and the buckets at each, up to a limit (one while every bucket's is the same: a
+-- rebuild from the start or a position; one per lane after the bulk phase's lanes, bulk.py).
+SELECT c.snapshot::text AS seen, c.target::text AS target, c.after_xid::text AS after_xid, c.after_seq,
+       array_agg(c.bucket ORDER BY c.bucket) AS buckets
 FROM outbox.cursors c
 WHERE c.sink = %(sink)s
-LIMIT 2;
+GROUP BY c.snapshot::text, c.target::text, c.after_xid, c.after_seq
+LIMIT %(limit)s;
 
 -- name: remaining_from
--- ``remaining`` when every bucket's cursor is this one: one scan of the events, not one per bucket (whose
--- bitmap scans, with a type or topic filter, visited every heap page once per bucket: 9 s for 1M events).
+-- ``remaining`` of the buckets (NULL: all) whose cursor is this one: one scan of the events, not one per
+-- bucket (whose bitmap scans, with a type or topic filter, visited every heap page once per bucket: 9 s for
+-- 1M events).
 SELECT count(*)
 FROM outbox.events e
 WHERE e.xid >= pg_snapshot_xmin(%(seen)s::pg_snapshot)
   AND NOT outbox.delivered_v1(e.xid, e.seq, %(seen)s::pg_snapshot, %(target)s::pg_snapshot, %(after_xid)s::xid8,
                               %(after_seq)s::bigint)
+  AND (%(buckets)s::int[] IS NULL OR e.bucket = ANY(%(buckets)s::int[]))
   AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
   AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]));
 
@@ -286,17 +291,16 @@ WHERE e.bucket = outbox.bucket_v1(%(key)s) AND e.partition_key = %(key)s
 ORDER BY e.xid, e.seq;
 
 -- name: bulk_lock
--- The bulk phase of one rebuild runs in one process at a time: a session lock held by the
--- connection that commits its slices (it goes with the session, and so does any slice in flight).
-SELECT pg_try_advisory_lock(hashtextextended('outbox-relay rebuild bulk ' || %(projection)s, 0));
-
--- name: bulk_unlock
--- Let a waiting rebuild process look at the bulk phase (it finds it over, or resumes it).
-SELECT pg_advisory_unlock(hashtextextended('outbox-relay rebuild bulk ' || %(projection)s, 0));
+-- A lane of the bulk phase of one rebuild runs in one process at a time: a session lock per lane held
+-- by the connection that commits the lane's slices (it goes with the session, and so does any slice in
+-- flight).
+SELECT pg_try_advisory_lock(hashtextextended('outbox-relay rebuild bulk ' || %(projection)s || ' lane '
+                                             || %(lane)s::int, 0));
 
 -- name: bulk_state
--- Whether the rebuild is still in its bulk phase, and where: while it is, every bucket's cursor is
--- the same and no relay has taken a bucket (fence 0); its end bumps the fences (bulk_end).
+-- Whether a lane (the buckets lo <= bucket < hi) is still in the rebuild's bulk phase, and where: while
+-- it is, every bucket of the lane has the same cursor and no relay has taken one (fence 0); the lane's
+-- last slice bumps their fences (bulk_advance).
 SELECT count(*) AS buckets,
        count(DISTINCT concat_ws('/', c.snapshot::text, coalesce(c.target::text, '-'),
                                 coalesce(c.after_xid::text, '-'), coalesce(c.after_seq::text, '-'))) AS cursors,
@@ -306,13 +310,22 @@ SELECT count(*) AS buckets,
        pg_current_snapshot()::text AS now
 FROM outbox.cursors c
 JOIN outbox.rebuilds r ON r.sink = c.sink AND r.started_at = %(started_at)s
-WHERE c.sink = %(sink)s;
+WHERE c.sink = %(sink)s AND c.bucket >= %(lo)s AND c.bucket < %(hi)s;
+
+-- name: bulk_read_session
+-- The session that reads a rebuild's slices (bulk_read, and nothing else): no sorts. bulk_read's only
+-- good plan walks events_xid in order; with the lane's condition (lo <= bucket < hi) the planner, which
+-- estimates the snapshot tests at a third each, takes a slice for most of the delta and sorts the delta
+-- instead (a sequential or bitmap scan, or events_position's bucket range, then a sort of all it found).
+SET enable_sort = off;
 
 -- name: bulk_read
--- One slice of the bulk phase: the events of the target snapshot's delta from the cursor's seen
--- snapshot, in (xid, seq) order, after the last one delivered. An index range scan per xid
--- partition (events_xid: (xid, seq + 0), 0017), walked in xid order, from the last event delivered even
--- inside a large transaction; no per-bucket probes. (seq + 0 is seq: the expression of the index.)
+-- One slice of a lane of the bulk phase: the events of the lane's buckets (lo <= bucket < hi) in the
+-- target snapshot's delta from the cursor's seen snapshot, in (xid, seq) order, after the last one
+-- delivered. An index range scan per xid partition (events_xid: (xid, seq + 0), 0017), walked in xid
+-- order, from the last event delivered even inside a large transaction; no per-bucket probes. The other
+-- lanes' events are read and dropped (bucket is not in that index): about LANES rows read per row
+-- returned. Run in a bulk_read_session. (seq + 0 is seq: the expression of the index.)
 SELECT e.bucket, e.xid::text::bigint AS xid, e.seq, e.id, e.partition_key, e.topic, e.type,
        e.payload::text AS payload, e.headers::text AS headers, coalesce(e.occurred_at, e.created_at) AS time,
        e.schema_version AS version
@@ -322,22 +335,23 @@ WHERE e.xid >= %(lo_xid)s::xid8
   AND e.xid < pg_snapshot_xmax(%(target)s::pg_snapshot)
   AND pg_visible_in_snapshot(e.xid, %(target)s::pg_snapshot)
   AND NOT pg_visible_in_snapshot(e.xid, %(seen)s::pg_snapshot)
+  AND e.bucket >= %(lo)s AND e.bucket < %(hi)s
   AND (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
   AND (%(topics)s::text[] IS NULL OR e.topic = ANY(%(topics)s::text[]))
 ORDER BY e.xid, e.seq + 0
 LIMIT %(limit)s;
 
 -- name: bulk_advance
--- A slice's checkpoint, in its transaction: every bucket's cursor moves to the slice's last event of
--- the target's delta (or past the delta when it was the last slice), only if the cursors are still
--- where this process left them and the rebuild is still its (a process that lost the bulk phase,
--- or whose rebuild was cancelled or restarted, changes nothing: 0 rows, and it rolls back). ``fence_by``
--- 1 ends the bulk phase with it.
+-- A slice's checkpoint, in its transaction: the cursor of every bucket of its lane (lo <= bucket < hi)
+-- moves to the slice's last event of the target's delta (or past the delta when it was the last slice),
+-- only if those cursors are still where this process left them and the rebuild is still its (a process
+-- that lost the lane, or whose rebuild was cancelled or restarted, changes nothing: 0 rows, and it rolls
+-- back). ``fence_by`` 1 ends the lane's bulk phase with it.
 UPDATE outbox.cursors c
 SET snapshot = %(new_seen)s::pg_snapshot, target = %(new_target)s::pg_snapshot,
     after_xid = %(new_after_xid)s::xid8, after_seq = %(new_after_seq)s,
     fence = c.fence + %(fence_by)s, advanced_at = clock_timestamp()
-WHERE c.sink = %(sink)s AND c.fence = 0 AND c.owner IS NULL
+WHERE c.sink = %(sink)s AND c.bucket >= %(lo)s AND c.bucket < %(hi)s AND c.fence = 0 AND c.owner IS NULL
   AND c.snapshot::text = %(seen)s
   AND c.target::text IS NOT DISTINCT FROM %(target)s
   AND c.after_xid IS NOT DISTINCT FROM %(after_xid)s::xid8
