@@ -238,50 +238,58 @@ class BulkPhase:
         """Run every lane no other process runs, one after another, until each is over (ended by its last
         slice, handed over to the relay phase, or not in the phase: another process ran it, or it is not
         eligible); meanwhile wait for lanes that other processes hold (if one dies, its lock goes and
-        this process resumes its lane). "done" once every lane is over, "stopped" on a stop."""
+        this process resumes its lane). "done" once every lane is over, "stopped" on a stop. One
+        connection looks at the lanes, holds the lock of the one it runs and commits its slices."""
         over: set[int] = set()
-        while True:
-            for lane in range(LANES):
-                if lane in over:
-                    continue
-                if self.stopping.is_set():
-                    return "stopped"
-                result = self._lane(lane)
-                if result == "stopped":
-                    return "stopped"
-                if result != "busy":
-                    over.add(lane)
-            if len(over) == LANES:
-                return "done"
-            # Other processes run the rest: the relay phase must not start before they end (its leases
-            # would bump the fences under their slices, which then roll back: safe, but work lost).
-            if self.stopping.wait(LOCK_POLL_SECONDS):
-                return "stopped"
-
-    def _lane(self, lane: int) -> str:
-        """One lane, if no other process runs it: "over" (it ended, or was not in the phase), "busy"
-        (another process holds it) or "stopped" (resumable)."""
-        lo, hi = lane_buckets(lane)
-        conn = psycopg.connect(self.dsn, autocommit=True, application_name=self.application_name)
-        self._abandoned = False
+        conn: psycopg.Connection[Any] | None = None
         try:
-            conn.execute(query("projections", "prepare_session"))
-            conn.read_only = False  # conn.transaction() begins READ WRITE
-            if self._state(conn, lo, hi) is None:
-                return "over"  # ended, or not eligible: the relay phase does the rest
-            locked = conn.execute(query("rebuild", "bulk_lock"),
-                                  {"projection": self.projection.name, "lane": lane}).fetchone()
-            if not (locked and locked[0]):
-                return "busy"
-            state = self._state(conn, lo, hi)  # again, under the lock: a peer may have moved it meanwhile
-            if state is None:
-                return "over"
-            return self._phase(conn, lo, hi, *state)
+            while True:
+                for lane in range(LANES):
+                    if lane in over:
+                        continue
+                    if self.stopping.is_set():
+                        return "stopped"
+                    if conn is None or self._abandoned:  # the last one was left to an abandoned slice
+                        conn = self._connect()
+                    result = self._lane(conn, lane)
+                    if result == "stopped":
+                        return "stopped"
+                    if result != "busy":
+                        over.add(lane)
+                if len(over) == LANES:
+                    return "done"
+                # Other processes run the rest: the relay phase must not start before they end (its leases
+                # would bump the fences under their slices, which then roll back: safe, but work lost).
+                if self.stopping.wait(LOCK_POLL_SECONDS):
+                    return "stopped"
         finally:
             # An abandoned slice's helper thread still holds the connection (its session was ended, the
             # lock with it): leave it to that thread, as the projection sink does.
-            if not self._abandoned:
-                conn.close()  # ends the session: the lane's lock goes with it
+            if conn is not None and not self._abandoned:
+                conn.close()  # ends the session: a lane's lock goes with it
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(self.dsn, autocommit=True, application_name=self.application_name)
+        self._abandoned = False
+        conn.execute(query("projections", "prepare_session"))
+        conn.read_only = False  # conn.transaction() begins READ WRITE
+        return conn
+
+    def _lane(self, conn: psycopg.Connection[Any], lane: int) -> str:
+        """One lane, if no other process runs it: "over" (it ended, or was not in the phase), "busy"
+        (another process holds it) or "stopped" (resumable)."""
+        lo, hi = lane_buckets(lane)
+        if self._state(conn, lo, hi) is None:
+            return "over"  # ended, or not eligible: the relay phase does the rest
+        lock = {"projection": self.projection.name, "lane": lane}
+        locked = conn.execute(query("rebuild", "bulk_lock"), lock).fetchone()
+        if not (locked and locked[0]):
+            return "busy"
+        state = self._state(conn, lo, hi)  # again, under the lock: a peer may have moved it meanwhile
+        result = "over" if state is None else self._phase(conn, lo, hi, *state)
+        if not self._abandoned:  # (an abandoned slice's session was ended, and the lock with it)
+            conn.execute(query("rebuild", "bulk_unlock"), lock)
+        return result
 
     def _state(self, conn: psycopg.Connection[Any], lo: int, hi: int) -> tuple[Cursor, Snapshot] | None:
         """The cursor of the lane's buckets and the current snapshot while the lane is in the phase; None

@@ -297,6 +297,11 @@ ORDER BY e.xid, e.seq;
 SELECT pg_try_advisory_lock(hashtextextended('outbox-relay rebuild bulk ' || %(projection)s || ' lane '
                                              || %(lane)s::int, 0));
 
+-- name: bulk_unlock
+-- The lane is over or stopped here: let another process look at it (it finds it over, or resumes it).
+SELECT pg_advisory_unlock(hashtextextended('outbox-relay rebuild bulk ' || %(projection)s || ' lane '
+                                           || %(lane)s::int, 0));
+
 -- name: bulk_state
 -- Whether a lane (the buckets lo <= bucket < hi) is still in the rebuild's bulk phase, and where: while
 -- it is, every bucket of the lane has the same cursor and no relay has taken one (fence 0); the lane's
