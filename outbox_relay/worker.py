@@ -357,6 +357,11 @@ class Worker:
             self.fatal = fatal
             self.drain()
 
+    def sinks_done(self, timeout: float) -> bool:
+        """After ``drain``: wait up to ``timeout`` seconds for the sink threads to finish their batches and
+        end; whether they did (a rebuild's switch-over lets its relay phase's last batch land first)."""
+        return self._sinks_done(timeout)
+
     def _sinks_done(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         for t in self._threads:

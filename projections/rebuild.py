@@ -557,7 +557,16 @@ class Rebuild:
             row = conn.execute(query("rebuild", "behind_live"), params).fetchone()
             behind = int(row[0]) if row else 0
             if behind == 0:
-                return True
+                if worker is None:
+                    return True
+                # The relay phase's batch in flight lands in the copies (its writes and cursors are not
+                # locked yet); it starts no other. Then nothing writes the copies but this transaction.
+                worker.drain()
+                if worker.sinks_done(max(0.0, deadline - time.monotonic())):
+                    return True
+                log.info("rebuild %s: the relay phase's last batch did not land within %gs", self.projection.name,
+                         CATCH_UP_SECONDS)
+                return False
             if worker is None or worker.stopping.is_set() or time.monotonic() >= deadline:
                 log.info("rebuild %s: the live projection applied events the rebuild has not yet, in %d buckets",
                          self.projection.name, behind)
