@@ -8,9 +8,9 @@
    copies. It has its own leases, retries and dead letters; several ``rebuild`` processes share
    the work through the stored assignment; an interrupted rebuild resumes from its cursors. A
    guard refuses any batch that wrote to the live tables.
-3. Switch, once caught up, in one transaction: hold the live projection (its writes wait, its
-   cursors are locked) until the rebuild has applied every event it did (the relay phase still
-   runs meanwhile; otherwise readers could lose an event they saw), lock the tables, move them out and the
+3. Switch, once caught up, in one transaction: lock the live tables and cursors, wait until the
+   rebuild has applied every event the live projection did (the relay phase still runs meanwhile;
+   otherwise readers could lose an event they saw), move the live tables out and the
    copies in (grants and owner carried over), give the live projection the rebuild's cursors,
    parked events and dead letters, bump its fences (relays holding its buckets are fenced out
    and their open batches roll back), drop the rebuild's sink. Live processing goes on from
@@ -63,9 +63,9 @@ MAX_POSITION = 2**63 - 1  # positions are read as bigint (ce_sequence prints the
 SWITCH_LOCK_TIMEOUT = "5s"
 KEY_REBUILD_IDLE_MS = "30000"
 SWITCH_TRIES = 12
-# How long the switch-over holds the live projection (its writes wait) for the relay phase to apply what
+# How long the switch-over holds the live tables (writers and readers wait) for the relay phase to apply what
 # the live projection applied since the rebuild last caught up, and how often it looks meanwhile.
-CATCH_UP_SECONDS = 5.0
+CATCH_UP_SECONDS = 2.0
 CATCH_UP_POLL_SECONDS = 0.02
 PROGRESS_SECONDS = 2.0
 # Events a rebuild of a batched projection reads per batch unless --batch-size (OUTBOX_BATCH_SIZE)
@@ -503,11 +503,11 @@ class Rebuild:
                            f"after {SWITCH_TRIES} tries; long transactions on them? Run it again to retry")
 
     def _switch_once(self, conn: psycopg.Connection[Any], tables: Sequence[LiveTable], worker: Worker | None) -> bool:
-        """The switch-over in one transaction. The live projection is held first (its writers wait, its
-        cursors are locked) while readers go on; then the rebuild must have applied every event the live
-        projection did (``behind_live``), or a reader could miss in the new model an event it saw in the
-        old one: the running relay phase gets CATCH_UP_SECONDS to get there. Then the copies' writers
-        finish, both sinks' cursors are locked, readers wait, and the tables swap."""
+        """The switch-over in one transaction. The live tables are locked first (live batches in flight
+        land, later ones and readers wait) and the live cursors with them; then the rebuild must have
+        applied every event the live projection did (``behind_live``), or a reader could miss in the new
+        model an event it saw in the old one: the running relay phase gets CATCH_UP_SECONDS to get there,
+        and its last batch lands. Then the copies and both sinks' cursors are locked, and the tables swap."""
         names = {"live": self.live_sink, "rebuild": self.sink}
         with conn.transaction():
             conn.execute("SELECT set_config('lock_timeout', %s, true)", (SWITCH_LOCK_TIMEOUT,))
@@ -516,18 +516,19 @@ class Rebuild:
             if row is None or row[6] != self._started_at:
                 self._gone(conn, restarted=row is not None)
                 return True
-            live = sorted(tables, key=lambda t: t.oid)
-            for t in live:
-                conn.execute(_template("lock_table_writes", table=sql.Identifier(t.schema, t.name)))
+            # ACCESS EXCLUSIVE from the start, not a lock that lets readers on and is raised for the swap: a
+            # live batch that read a table and then waited to write it would deadlock with the raise.
+            for t in sorted(tables, key=lambda t: t.oid):
+                conn.execute(_template("lock_table", table=sql.Identifier(t.schema, t.name)))
             store.register_sink(conn, self.live_sink, "projection", self.projection.topics)
             conn.execute(query("rebuild", "lock_live_cursors"), names)
             if not self._caught_up_with_live(conn, worker):
                 return False  # rolls back: the live projection goes on
-            for t in sorted(tables, key=lambda t: t.name):  # a batch of the relay phase in flight lands first
-                conn.execute(_template("lock_table_writes", table=sql.Identifier(self.shadow, t.name)))
+            # The copies too, before the cursors: a peer process's relay batch in flight lands first, and
+            # none starts after (one that read a copy, then waited for the cursors, would deadlock).
+            for t in sorted(tables, key=lambda t: t.name):
+                conn.execute(_template("lock_table", table=sql.Identifier(self.shadow, t.name)))
             conn.execute(query("rebuild", "lock_cursors"), names)
-            for t in live:
-                conn.execute(_template("lock_table", table=sql.Identifier(t.schema, t.name)))
             conn.execute(query("rebuild", "adopt_cursors"), names)
             conn.execute(query("rebuild", "adopt_history"), names)
             conn.execute(query("rebuild", "drop_parked_and_dead"), names)

@@ -365,10 +365,6 @@ WHERE c.sink = %(sink)s AND c.bucket >= %(lo)s AND c.bucket < %(hi)s AND c.fence
   AND EXISTS (SELECT 1 FROM outbox.rebuilds r WHERE r.sink = c.sink AND r.started_at = %(started_at)s)
 RETURNING c.bucket;
 
--- name: lock_table_writes
--- The switch, first: live projection writers finish, later ones wait; readers go on until the swap.
-LOCK TABLE {table} IN EXCLUSIVE MODE;
-
 -- name: lock_live_cursors
 -- The switch, next: the live projection can not checkpoint (so can not move on) until it commits.
 SELECT bucket FROM outbox.cursors WHERE sink = %(live)s ORDER BY bucket FOR UPDATE;
