@@ -3,35 +3,63 @@ live sink was never registered, events of types the projection does not take aro
 snapshots, a process of a run restarted (--restart) under it while it holds a lane, a second process's
 relay phase through the switch-over."""
 
-# ruff: noqa: F811  (the `live` fixture, imported, is each test's parameter)
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg_pool import ConnectionPool
 
+from outbox_relay import store
+from outbox_relay.relay import SinkRunner
 from projections import ProjectionEvent, projection
 from projections.rebuild import Rebuild, RebuildError
+from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
+    ALL_BUCKETS,
     fetch_all,
+    make_settings,
     pool_fixture,
     publish,
     run_until,
 )
-from tests.integration.test_rebuild_bulk import (  # noqa: F401  (the `live` fixture)
+from tests.integration.test_rebuild_bulk import (
     SLICE,
+    TABLES,
     counted,
-    live,
     log_rows,
     model,
     settings,
     tally,
 )
+
+
+@pytest.fixture(name="live")
+def live_fixture(dsn: str, pool: ConnectionPool[Any]) -> Iterator[Any]:
+    """``live(projection, n)``: live processing applies the n published events (test_rebuild_bulk's)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(TABLES)
+    sinks: list[ProjectionSink] = []
+
+    def make(p: Any, n: int) -> SinkRunner:
+        sink = ProjectionSink(p, dsn)
+        sinks.append(sink)
+        with pool.connection() as conn:
+            store.register_sink(conn, sink.name, sink.kind)
+        r = SinkRunner(sink, pool, make_settings(dsn, "live", max_attempts=2))
+        r.desired = set(ALL_BUCKETS)
+        run_until(r, lambda: len(log_rows(dsn)) >= n, timeout=60)
+        return r
+
+    yield make
+    for s in sinks:
+        s.close()
 
 
 def test_a_projection_never_run_live_rebuilds_and_its_live_sink_goes_on_from_the_rebuild(
@@ -212,11 +240,11 @@ def reading_tally() -> Any:
 
 def test_a_switch_over_under_live_traffic_of_a_handler_that_reads_before_it_writes_succeeds(
         dsn: str, live: Any, caplog: pytest.LogCaptureFixture) -> None:
-    """Liveness: the live projection's batch that began while the switch-over held the live tables read
-    them (a read lock) and waits to write; the switch's ACCESS EXCLUSIVE lock then waits for that read
-    lock: a deadlock, and the switch-over was the one aborted (and the relay phase started again),
-    attempt after attempt while live events keep arriving. That batch can not land anyway (the switch
-    bumps its fences): the switch must win."""
+    """Liveness: with the switch-over holding the live tables in a lock that let reads through, a live
+    projection batch read them (a read lock) and waited to write; raising the switch's lock to ACCESS
+    EXCLUSIVE then waited for that read lock: a deadlock, and the switch-over was the one aborted (its
+    relay phase started again), attempt after attempt while live events kept arriving. The switch now
+    takes ACCESS EXCLUSIVE first: such a batch lands before it, or waits for it."""
     caplog.set_level(logging.INFO)
     ids = publish(dsn, counted(8, 10))
     runner = live(reading_tally(), len(ids))
