@@ -3,63 +3,35 @@ live sink was never registered, events of types the projection does not take aro
 snapshots, a process of a run restarted (--restart) under it while it holds a lane, a second process's
 relay phase through the switch-over."""
 
+# ruff: noqa: F811  (the `live` fixture, imported, is each test's parameter)
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg_pool import ConnectionPool
 
-from outbox_relay import store
-from outbox_relay.relay import SinkRunner
 from projections import ProjectionEvent, projection
 from projections.rebuild import Rebuild, RebuildError
-from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
-    ALL_BUCKETS,
     fetch_all,
-    make_settings,
     pool_fixture,
     publish,
     run_until,
 )
-from tests.integration.test_rebuild_bulk import (
+from tests.integration.test_rebuild_bulk import (  # noqa: F401  (the `live` fixture)
     SLICE,
-    TABLES,
     counted,
+    live,
     log_rows,
     model,
     settings,
     tally,
 )
-
-
-@pytest.fixture(name="live")
-def live_fixture(dsn: str, pool: ConnectionPool[Any]) -> Iterator[Any]:
-    """``live(projection, n)``: live processing applies the n published events (test_rebuild_bulk's)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(TABLES)
-    sinks: list[ProjectionSink] = []
-
-    def make(p: Any, n: int) -> SinkRunner:
-        sink = ProjectionSink(p, dsn)
-        sinks.append(sink)
-        with pool.connection() as conn:
-            store.register_sink(conn, sink.name, sink.kind)
-        r = SinkRunner(sink, pool, make_settings(dsn, "live", max_attempts=2))
-        r.desired = set(ALL_BUCKETS)
-        run_until(r, lambda: len(log_rows(dsn)) >= n, timeout=60)
-        return r
-
-    yield make
-    for s in sinks:
-        s.close()
 
 
 def test_a_projection_never_run_live_rebuilds_and_its_live_sink_goes_on_from_the_rebuild(
