@@ -127,6 +127,10 @@ DEFAULT_STALL_SECONDS = 60.0
 # rest to be sent again. A batch acknowledged sooner costs nothing extra.
 PARTIAL_CHECKPOINT_SECONDS = 1.0
 POLL_SECONDS = 0.05
+# While a batch waits for its acknowledgements and the runner waits for a wake-up to read the next batch
+# meanwhile (``finish_batch``'s ``until``): how long one poll may block without a report.
+WOKEN_POLL_SECONDS = 0.001
+_WOKEN = "woken"  # _wait: ``until`` was set
 FIRST_RECREATE_DELAY = 1.0  # spacing of replacements in a row (doubling up to the stall time)
 SLOW_DESTROY_SECONDS = 5.0  # a replaced producer that takes longer to shut down is logged
 # Replaced producers whose destruction has not finished (``_retire``), across sinks.
@@ -353,6 +357,30 @@ class _Batch:
         return Failure(f"kafka: topic {topic}: {_describe(err)}", hold_seconds=0.0)  # replaced by ``_settle``
 
 
+class _Ticket:
+    """One batch handed to the producer and not finished yet (``KafkaSink.start_batch``). Only the thread
+    that calls the sink touches it."""
+
+    def __init__(self, messages: list[_Message], outcomes: Outcomes, commit: Commit, session: _Session,
+                 partial_seconds: float) -> None:
+        self.messages = messages
+        self.outcomes = outcomes
+        self.commit = commit
+        self.batch = _Batch()
+        self.flight = _Flight(outcomes, session, self.batch)  # replaced with the producer (``_resend``)
+        # The runner's commit can checkpoint the acknowledged part of a batch early; another may not.
+        self.partial: Callable[[Outcomes], set[int]] | None = getattr(commit, "partial", None)
+        self.next_partial = time.monotonic() + partial_seconds
+        self.reported = 0  # outcomes when ``partial`` was last called
+
+    def hold(self) -> KeyHold:
+        """A key whose event failed in this batch is parked at that event: what follows it waits."""
+        hold = KeyHold()
+        for m in self.messages:
+            hold.record(m.event, self.outcomes.get(m.event.id))
+        return hold
+
+
 class KafkaSink:
     kind = "kafka"
     event_filter: EventFilter | None = None  # every event goes to Kafka
@@ -383,6 +411,7 @@ class KafkaSink:
         # After a lookup got no answer (brokers away): no lookups before this monotonic time, so that an
         # outage does not cost every batch a metadata timeout per topic (deliver()'s thread only).
         self._lookups_after = 0.0
+        self._inflight: list[_Ticket] = []  # started, not finished, in start order (deliver()'s thread only)
         self.observer: Observer = NULL_OBSERVER  # set by the composition root
         try:
             self._producer = self._new_producer(self._session)
@@ -433,6 +462,22 @@ class KafkaSink:
 
     def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                 abort: threading.Event) -> set[int]:
+        landed = self.finish_batch(self.start_batch(events, fences, commit, abort), abort)
+        assert landed is not None  # nothing to be woken by: it waited for every report
+        return landed
+
+    # -- batches in flight -------------------------------------------------------------------
+    #
+    # ``deliver`` is ``start_batch`` then ``finish_batch``. The runner may instead start a second batch
+    # (over other buckets, so other keys) while the first one's acknowledgements are on their way
+    # (``SinkRunner._pipeline``): ``finish_batch`` then returns None when ``until`` is set, and the
+    # runner reads and starts the next batch before it waits again. Both run on the runner's thread,
+    # so every callback still runs on it. A replaced producer takes every batch in flight with it: each
+    # one's unacknowledged messages are produced again, batch by batch, each in its original order.
+
+    def start_batch(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
+                    abort: threading.Event) -> _Ticket:
+        """Hand ``events`` to the producer without waiting for their acknowledgements."""
         outcomes: Outcomes = {}
         messages: list[_Message] = []
         for e in events:
@@ -445,32 +490,52 @@ class KafkaSink:
                 outcomes[e.id] = headers
                 continue
             messages.append(_Message(e, topic, headers))
-        if messages:
-            self._check_producer(abort)
-            messages = self._hold_back(messages, outcomes)
-        batch = _Batch()
-        # The runner's commit can checkpoint the acknowledged part of a batch early; another may not.
-        partial: Callable[[Outcomes], set[int]] | None = getattr(commit, "partial", None)
-        todo = messages
-        while todo:
-            flight = _Flight(outcomes, self._session, batch)
-            # A key whose event failed in this batch is parked at that event: what follows it waits.
-            hold = KeyHold()
-            for m in messages:
-                hold.record(m.event, outcomes.get(m.event.id))
-            self._produce(todo, hold, flight, abort)
-            # Wait for every delivery report. With no message timeout this waits out a broker
-            # outage; the membership thread keeps renewing our leases meanwhile.
-            reason = self._wait(flight, abort, partial)
-            if reason is None:
-                self._recreate_delay = FIRST_RECREATE_DELAY
-                break
-            todo = self._resend(messages, flight, reason)
-        self._settle(batch, outcomes)
+        try:
+            if messages:
+                if self._inflight:  # serve its reports; a producer to replace is found by finish_batch
+                    self._poll(abort, 0)
+                else:
+                    self._check_producer(abort)
+                messages = self._hold_back(messages, outcomes)
+            ticket = _Ticket(messages, outcomes, commit, self._session, self.partial_seconds)
+            self._inflight.append(ticket)
+            self._produce(messages, ticket.hold(), ticket.flight, abort)
+        except BaseException:
+            self.abandon_batches()
+            raise
+        return ticket
+
+    def finish_batch(self, ticket: _Ticket, abort: threading.Event,
+                     until: threading.Event | None = None) -> set[int] | None:
+        """Wait for every report of ``ticket``'s messages, then call its commit; returns what that returned.
+        None: ``until`` was set first (the batch is still in flight; call again)."""
+        try:
+            while True:
+                # With no message timeout this waits out a broker outage; the membership thread keeps
+                # renewing our leases meanwhile.
+                reason = self._wait(ticket, abort, until)
+                if reason is None:
+                    self._recreate_delay = FIRST_RECREATE_DELAY
+                    break
+                if reason is _WOKEN:
+                    return None
+                self._resend(reason, abort)
+            self._inflight.remove(ticket)
+            self._settle(ticket.batch, ticket.outcomes)
+        except BaseException:
+            self.abandon_batches()
+            raise
         # Delivered: nothing here acts on whether the fence held, so the runner's commit may check it with
         # its next read rather than a statement of its own (``later``); any other commit is called as usual.
-        later: Callable[[Outcomes], set[int]] | None = getattr(commit, "later", None)
-        return later(outcomes) if later is not None else commit(outcomes, None)
+        later: Callable[[Outcomes], set[int]] | None = getattr(ticket.commit, "later", None)
+        return later(ticket.outcomes) if later is not None else ticket.commit(ticket.outcomes, None)
+
+    def abandon_batches(self) -> None:
+        """Forget every batch in flight (a batch failed, or the runner gives up its cycle): their late reports
+        are ignored, nothing of them is checkpointed, and their events are read again."""
+        for ticket in self._inflight:
+            ticket.flight.live = False
+        self._inflight.clear()
 
     # -- topic conditions --------------------------------------------------------------------
 
@@ -639,27 +704,29 @@ class KafkaSink:
             self._replace(f"every broker connection was lost ({self._session.client_error}); the broker may have "
                           "forgotten this producer or handed its id to another")
 
-    def _wait(self, flight: _Flight, abort: threading.Event,
-              partial: Callable[[Outcomes], set[int]] | None = None) -> str | None:
-        """Poll until every report of ``flight`` arrived, checkpointing what is acknowledged every
-        ``partial_seconds`` meanwhile (with ``partial``). Returns why the producer has to be replaced
-        instead, if it has to."""
-        next_partial = time.monotonic() + self.partial_seconds
-        reported = len(flight.outcomes)
+    def _wait(self, ticket: _Ticket, abort: threading.Event, until: threading.Event | None) -> str | None:
+        """Poll until every report of ``ticket``'s flight arrived, checkpointing what is acknowledged every
+        ``partial_seconds`` meanwhile (with its commit's ``partial``). Returns why the producer has to be
+        replaced instead, if it has to, or ``_WOKEN`` once ``until`` is set."""
+        flight = ticket.flight
         while True:
-            self._tell_acknowledged(flight)  # what the last poll served (or _produce's, on a full queue)
+            for t in self._inflight:  # what the last poll served (or _produce's, on a full queue)
+                self._tell_acknowledged(t.flight)
             reason = self._wedged(flight)
             if reason is None and flight.pending == 0:
                 return None
             if reason is not None and time.monotonic() >= self._recreate_after:
                 return reason
-            if partial is not None and time.monotonic() >= next_partial:
-                next_partial = time.monotonic() + self.partial_seconds
-                if len(flight.outcomes) > reported:
-                    reported = len(flight.outcomes)
-                    if not self._checkpoint_acknowledged(partial, flight.outcomes):
-                        partial = None  # the database is away: not again in this batch
-            self._poll(abort)
+            if until is not None and until.is_set():
+                return _WOKEN
+            if ticket.partial is not None and time.monotonic() >= ticket.next_partial:
+                ticket.next_partial = time.monotonic() + self.partial_seconds
+                if len(flight.outcomes) > ticket.reported:
+                    ticket.reported = len(flight.outcomes)
+                    if not self._checkpoint_acknowledged(ticket.partial, flight.outcomes):
+                        ticket.partial = None  # the database is away: not again in this batch
+            # Waiting for a wake-up too: look at it every WOKEN_POLL_SECONDS even with no report coming.
+            self._poll(abort, POLL_SECONDS if until is None else WOKEN_POLL_SECONDS)
 
     def _tell_acknowledged(self, flight: _Flight) -> None:
         if flight.acked:
@@ -722,8 +789,9 @@ class KafkaSink:
         self._producer = self._new_producer(self._session)
         _retire(retired, self.name)
 
-    def _resend(self, messages: list[_Message], flight: _Flight, reason: str) -> list[_Message]:
-        """Replace the producer; returns the messages to send again, in their original order.
+    def _resend(self, reason: str, abort: threading.Event) -> None:
+        """Replace the producer and produce every batch in flight's unacknowledged messages again, batch by
+        batch, each in its original order (the batches are over other keys: their order does not matter).
 
         Why per-key order survives (a key maps to one partition): per partition the idempotent
         producer writes, acknowledges and fails messages in produce order, so the acknowledged
@@ -738,14 +806,18 @@ class KafkaSink:
         with contextlib.suppress(KafkaException):
             self._producer.purge()  # queued and in flight: their reports say _PURGE_*, i.e. not acknowledged
             self._producer.poll(0)  # acks that made it before the purge still count
-        flight.live = False
-        self._tell_acknowledged(flight)
-        todo = [m for m in messages if m.event.id not in flight.outcomes]
+        todo: list[list[_Message]] = []
+        for ticket in self._inflight:
+            ticket.flight.live = False
+            self._tell_acknowledged(ticket.flight)
+            todo.append([m for m in ticket.messages if m.event.id not in ticket.outcomes])
         log.warning("kafka sink %s: %s; recreating the producer and producing %d unacknowledged messages again",
-                    self.name, reason, len(todo))
+                    self.name, reason, sum(map(len, todo)))
         self.observer.producer_recreated(self.name, reason)
         self._session = _Session(may_hold_id=False)  # it may start while the brokers are still away
         self._swap_producer()
         self._recreate_after = time.monotonic() + self._recreate_delay
         self._recreate_delay = min(self._recreate_delay * 2, self.stall_seconds)
-        return todo
+        for ticket, messages in zip(self._inflight, todo, strict=True):
+            ticket.flight = _Flight(ticket.outcomes, self._session, ticket.batch)
+            self._produce(messages, ticket.hold(), ticket.flight, abort)

@@ -28,13 +28,16 @@ itself once it makes progress again; the fences keep whatever it still does from
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime
+from typing import Any, cast
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -43,10 +46,10 @@ from . import store
 from .backoff import Backoff
 from .dsn import describe_error
 from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck
-from .observer import NULL_OBSERVER, Observer
+from .observer import NULL_OBSERVER, Delivery, Observer
 from .positions import Cursor, Snapshot
 from .settings import RelaySettings
-from .sink import Aborted, AsyncConn, Failure, KeyHold, Outcomes, Sink, wait_idle
+from .sink import Aborted, AsyncConn, Failure, KeyHold, Outcomes, Pipelined, Sink, wait_idle
 from .store import Checkpoint, Conn, StoredEvent
 
 log = logging.getLogger("outbox_relay.relay")
@@ -87,6 +90,10 @@ AHEAD_FLUSH_UNFILTERED_SECONDS = 60.0
 # this much overdue (at most ``cursor_flush_seconds``), so that they go out together about once a second
 # rather than as a statement in most cycles: a Kafka batch defers its due writes too (``_BatchCommit.later``).
 OWED_BUSY_SLACK_SECONDS = 1.0
+# A sink that can have a batch in flight while the next one is read (``SinkRunner._pipeline``): how many
+# batches at most, and how many reads one cycle makes while a batch is in flight before it ends.
+PIPELINE_DEPTH = 2
+READS_AHEAD = 16
 
 
 def points_at_events(exc: BaseException) -> bool:
@@ -295,6 +302,28 @@ def classify(events: Sequence[StoredEvent], outcomes: Outcomes, fences: dict[int
     return cp
 
 
+# One read's events, the fences they were read under and each bucket's cursor after them.
+_Read = tuple[list[StoredEvent], dict[int, int], dict[int, Cursor]]
+
+
+class _Flight:
+    """A batch a pipelining sink has in flight (``SinkRunner._pipeline``): its ticket, commit and observer scope."""
+
+    def __init__(self, context: contextvars.Context, scope: AbstractContextManager[Delivery], observed: Delivery,
+                 commit: _BatchCommit, to_send: list[StoredEvent]) -> None:
+        self.context = context
+        self.scope = scope
+        self.observed = observed
+        self.commit = commit
+        self.fences = commit.fences
+        self.to_send = to_send
+        self.ticket: Any = None  # the sink's, once started
+
+    def leave(self, exc: BaseException | None) -> None:
+        self.context.run(self.scope.__exit__, None if exc is None else type(exc), exc,
+                         None if exc is None else exc.__traceback__)
+
+
 class SinkRunner:
     """Runs one sink in its own thread. ``desired`` is set by the membership thread."""
 
@@ -308,6 +337,9 @@ class SinkRunner:
         self.backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
         self.gate = gate or DeliveryGate()
         self._formatted = sink.kind == "kafka"  # reads carry the Kafka headers' ready-made values
+        # The sink can have a second batch in flight while the next one is read (``_pipeline``).
+        pipelined = all(callable(getattr(sink, n, None)) for n in ("start_batch", "finish_batch", "abandon_batches"))
+        self._pipelined: Pipelined | None = cast(Pipelined, sink) if pipelined else None
         # Events per read: the sink's own if it has one (a batched projection's, projections/sink.py), else
         # --batch-size.
         self._batch_size: int = getattr(sink, "batch_size", None) or settings.batch_size
@@ -350,6 +382,7 @@ class SinkRunner:
         self._reads: dict[int, tuple[int, int]] = {}
         self._saturated: set[int] = set()
         self._server_started: datetime | None = None  # the server start its read cursors come from
+        self._epoch = 0  # server restarts found since the runner started (``_same_server``)
         self._snapshots = _SnapshotTimes()  # when this runner's reads took their snapshots (delivery latency)
         self._full_read_at = 0.0  # monotonic time of the next read of every held bucket (the safety net)
         self._check_parked_at = 0.0
@@ -702,6 +735,19 @@ class SinkRunner:
         return read_limits(held, self._saturated, self._batch_size, self._rotation)
 
     def _deliver_new(self, held: dict[int, int]) -> int:
+        batch = self._read_new(held)
+        if batch is None:
+            return 0
+        if self._pipelined:
+            return self._pipeline(batch, held)
+        events, fences, advance = batch
+        self._run_batch(events, fences, advance, resets=set(fences))
+        return len(events)
+
+    def _read_new(self, held: dict[int, int], busy: set[int] | None = None) -> _Read | None:
+        """Read past the cursors of the buckets to read now: the events, the fences and the cursors after
+        them, numbered (``_number_read``); None if nothing was read. ``busy``: a read ahead while batches
+        over these buckets are in flight (``_pipeline``), which reads none of them, nor every bucket."""
         # The previous batch's fence check, if it waits (``_BatchCommit.later``): this read does it. A read
         # that fails puts it back.
         pending = self._take_pending()
@@ -711,15 +757,25 @@ class SinkRunner:
         hinted = self.hints.take()
         now = time.monotonic()
         checks: set[int] = set()
-        if hinted is None or now >= self._full_read_at or not self.listening():
+        kept: set[int] = set()  # busy buckets whose last read was full: read again after their batch
+        if busy is not None:
+            if hinted is None or not self.listening():  # every bucket: the next cycle reads them
+                self.hints.everything()
+                self._pending = pending
+                return None
+            self.hints.add(hinted & busy)  # read after their batch landed
+            kept = self._saturated & busy
+            held = {b: f for b, f in held.items() if b not in busy}
+        if busy is None and (hinted is None or now >= self._full_read_at or not self.listening()):
             self._full_read_at = now + self._idle_poll()
         else:
+            assert hinted is not None
             wanted = {b: f for b, f in held.items() if b in hinted or b in self._saturated}
             if pending is not None:
                 checks = {b for b in pending.fences if b in held and b not in wanted}
             if not wanted and not checks:
                 self._pending = pending
-                return 0
+                return None
             held = {**wanted, **{b: held[b] for b in checks}}
         try:
             with self.pool.connection() as conn:
@@ -750,7 +806,7 @@ class SinkRunner:
         # Read again next cycle, whatever the hints say: buckets whose read was full, and buckets read in
         # pages against an older snapshot (their cursor's target). A commit after that target is not in
         # those pages, and its wake-up may have been used up by one of them.
-        self._saturated = {b for b, evs in by_bucket.items() if len(evs) >= reads[b][0]} | {
+        self._saturated = kept | {b for b, evs in by_bucket.items() if len(evs) >= reads[b][0]} | {
             b for b, (_, cursor) in reads.items() if cursor.target is not None and b in read.held}
         for b, (limit, cursor) in reads.items():
             # An empty delta (or only events the sink does not want): move on. Not a bucket only checked.
@@ -759,15 +815,91 @@ class SinkRunner:
                 if moved != cursor:
                     self._ahead[b] = moved
         if not read.events:
-            return 0
+            return None
         advance = {b: reads[b][1].after_read(read.now, evs[-1].position, full=len(evs) >= reads[b][0])
                    for b, evs in by_bucket.items()}
         if any(e.blocked for e in read.events):
             self._check_parked_at = 0.0
         fences = {b: held[b] for b in advance}
         self._number_read(read.events, fences)
-        self._run_batch(read.events, fences, advance, resets=set(fences))
-        return len(read.events)
+        return read.events, fences, advance
+
+    def _pipeline(self, first: _Read, held: dict[int, int]) -> int:
+        """Deliver ``first`` with a sink that can have a second batch in flight (the Kafka sink's
+        ``start_batch`` / ``finish_batch``): while a batch's acknowledgements are on their way, a wake-up
+        has the next batch read and produced, over the buckets that have no batch in flight (so a key's
+        event never goes out before the batch with its earlier events is done, G6: that bucket is read
+        after the batch landed, and a park it made is seen by that read). Each batch lands as it would
+        alone, in the order they were started; at most PIPELINE_DEPTH are in flight, and a cycle reads
+        ahead at most READS_AHEAD times before it ends with the batches it started (so that leases,
+        parked retries and a drain get their turn). Returns the events handled."""
+        sink = self._pipelined
+        assert sink is not None
+        flights: list[_Flight] = []
+        handled = 0
+        reads = 0
+        batch: _Read | None = first
+        try:
+            with self.gate.shared(self.abort):
+                while True:
+                    if batch is not None:
+                        flight = self._flight(batch)
+                        flights.append(flight)  # before it starts: a batch that fails to start fails with the others
+                        flight.ticket = flight.context.run(sink.start_batch, flight.to_send, flight.fences,
+                                                           flight.commit, self.abort)
+                        handled += len(batch[0])
+                        batch = None
+                    if not flights:
+                        return handled
+                    head = flights[0]
+                    ahead = len(flights) < PIPELINE_DEPTH and reads < READS_AHEAD and not self._stopping()
+                    ok = head.context.run(sink.finish_batch, head.ticket, self.abort, self.wake if ahead else None)
+                    if ok is None:  # woken while its acknowledgements are on their way: read the next batch
+                        self.wake.clear()
+                        reads += 1
+                        got = self._read_ahead(held, {b for f in flights for b in f.fences})
+                        if got is False:
+                            reads = READS_AHEAD  # not again in this cycle
+                        batch = got if isinstance(got, tuple) else None
+                        continue
+                    flights.pop(0)
+                    head.observed.landed(head.commit.checkpoint, ok)
+                    head.leave(None)
+                    if head.commit.checkpoint is not None and not head.commit.waits:
+                        self._landed(head.commit.checkpoint, ok)
+        except BaseException as exc:
+            # Whatever is still in flight is not checkpointed: its events are read again (duplicates at most).
+            sink.abandon_batches()
+            for f in flights:
+                with contextlib.suppress(Exception):
+                    f.leave(exc)
+            if isinstance(exc, Exception) and points_at_events(exc):
+                buckets = {b for f in flights for b in f.fences}
+                self._ramp.update({b: 1 for b in buckets})
+                log.warning("sink %s: a batch failed as a whole (%s); delivering buckets %s one event at a time "
+                            "to find the event that causes it", self.sink.name, describe_error(exc), sorted(buckets))
+            raise
+
+    def _flight(self, batch: _Read) -> _Flight:
+        events, fences, advance = batch
+        commit = _BatchCommit(self, events, fences, advance, set(fences))
+        # Each batch's observer scope (a tracing span) is current in a context of its own: the scopes of
+        # two batches in flight end in the order they began, which nested contexts would not allow.
+        context = contextvars.copy_context()
+        to_send = [e for e in events if not e.blocked]
+        scope = self.observer.delivering(self.sink, to_send)
+        return _Flight(context, scope, context.run(scope.__enter__), commit, to_send)
+
+    def _read_ahead(self, held: dict[int, int], busy: set[int]) -> _Read | bool | None:
+        """The next batch, read while batches over ``busy`` are in flight; False: the read failed (the
+        next cycle reads every held bucket, so what the wake-ups named is not lost)."""
+        try:
+            return self._read_new(self._still_held(held), busy)
+        except Exception as exc:
+            self._full_read_at = 0.0
+            log.warning("sink %s: a read while a batch was in flight failed (%s); reading again after it",
+                        self.sink.name, describe_error(exc))
+            return False
 
     def _retry_parked(self, held: dict[int, int]) -> int:
         with self.pool.connection() as conn:
@@ -959,6 +1091,7 @@ class SinkRunner:
         known, self._server_started = self._server_started, started
         if known is None:
             return True
+        self._epoch += 1  # batches read before it (in flight, ``_pipeline``) must not land either
         if self._ahead:
             log.warning("sink %s: the database server restarted; %d buckets are read again from their stored "
                         "cursors", self.sink.name, len(self._ahead))
@@ -1080,9 +1213,18 @@ class _BatchCommit:
         # checkpoint lands), and the events ``partial`` already wrote.
         self.start = {b: runner._read_cursor(b) for b in advance}
         self.settled: set[uuid.UUID] = set()
+        self.epoch = runner._epoch
+
+    def _same_server(self) -> None:
+        """Refuse the checkpoint if the server restarted since the batch was read (``SinkRunner._same_server``):
+        its cursors come from before the restart, also when another statement found it first."""
+        if self.epoch != self.runner._epoch:
+            raise CheckpointFailed(f"sink {self.runner.sink.name}: the database server restarted since this batch "
+                                   "was read; it is read again from the stored cursors")
 
     def _plan(self, outcomes: Outcomes) -> Checkpoint:
         r = self.runner
+        self._same_server()
         cp = classify(self.events, outcomes, self.fences, max_attempts=r.settings.max_attempts, backoff=r.backoff)
         cp.advance = self.advance
         cp.resets = self.resets
@@ -1114,6 +1256,7 @@ class _BatchCommit:
         buckets = {e.bucket for e in new}
         if not buckets:
             return set()
+        self._same_server()
         advance = {}
         for b in buckets:
             end = self.advance[b]

@@ -84,6 +84,22 @@ class Commit(Protocol):
     async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]: ...
 
 
+class Pipelined(Protocol):
+    """An optional capability of a sink (the Kafka sink's; not part of the contract a user's sink implements):
+    ``deliver`` split in two, so that the runner can read and start the next batch, over other buckets,
+    while a batch's acknowledgements are on their way (``SinkRunner._pipeline``). Both halves run on the
+    runner's thread. ``finish_batch`` calls the batch's commit as ``deliver`` does and returns what it
+    returned, or None if ``until`` was set before the batch was done (call it again)."""
+
+    def start_batch(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
+                    abort: threading.Event) -> Any: ...
+
+    def finish_batch(self, ticket: Any, abort: threading.Event,
+                     until: threading.Event | None = None) -> set[int] | None: ...
+
+    def abandon_batches(self) -> None: ...
+
+
 class Aborted(Exception):
     """Hard stop while a batch was in flight: nothing is checkpointed, the next owner redelivers."""
 
@@ -134,4 +150,5 @@ def wait_idle(sink: Sink, wake: threading.Event, seconds: float) -> bool:
             return True
 
 
-__all__ = ["Aborted", "AsyncConn", "Checkpoint", "Commit", "Failure", "KeyHold", "Outcomes", "Sink", "wait_idle"]
+__all__ = ["Aborted", "AsyncConn", "Checkpoint", "Commit", "Failure", "KeyHold", "Outcomes", "Pipelined", "Sink",
+           "wait_idle"]
