@@ -1175,6 +1175,13 @@ class SinkRunner:
                                 retried=retried, dead=len(dead), latencies=latencies)
 
 
+def _joined(first: Checkpoint, then: Checkpoint) -> Checkpoint:
+    """Two checkpoints that move cursors only, over other buckets, as one (``_BatchCommit.later``)."""
+    return Checkpoint(fences={**first.fences, **then.fences}, advance={**first.advance, **then.advance},
+                      resets=first.resets | then.resets, defer=first.defer | then.defer,
+                      lease_seconds=then.lease_seconds, delivered=[*first.delivered, *then.delivered])
+
+
 class _SnapshotTimes:
     """Monotonic time each read snapshot was last taken, for the snapshots the runner's cursors may still
     hold (runner thread only). Bounded: the oldest are forgotten, which only loses precision."""
@@ -1278,11 +1285,16 @@ class _BatchCommit:
         cp = self._plan(outcomes)
         if not r._foldable(cp):
             return self(outcomes, None)
-        r._settle_pending()  # never two waiting: the read of this batch took the previous one's
+        waiting = r._pending
+        if waiting is not None and not waiting.fences.keys().isdisjoint(cp.fences):
+            r._settle_pending()  # never two waiting over one bucket (the read of this batch took the other's)
+            waiting = None
         cp.lease_seconds = r.settings.lease_seconds
         cp.defer = set(cp.advance)
         r._ahead.update(cp.advance)  # the next read goes on from after this batch
-        r._pending = cp
+        # A batch that landed while this one was in flight (``SinkRunner._pipeline``), over other buckets:
+        # both wait for the same read, one check for the two rather than a statement for the first.
+        r._pending = cp if waiting is None else _joined(waiting, cp)
         self.checkpoint = cp
         self.waits = True
         return set(cp.fences)

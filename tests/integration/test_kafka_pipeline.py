@@ -36,7 +36,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     runner_for,
 )
 from tests.integration.test_cursor_writes import durable_crashes  # noqa: F401  (a fixture)
-from tests.integration.test_kafka_fence_fold import Checkpoints
+from tests.integration.test_kafka_fence_fold import Checkpoints, counting_checkpoints
 from tests.servers import PgServer, consume_all
 
 KAFKA = "kafka"
@@ -102,10 +102,12 @@ def while_in_flight(runner: SinkRunner, sink: KafkaSink, seen: Timeline,
 
 
 def test_a_keys_next_event_waits_for_the_batch_in_flight_with_its_earlier_one(
-        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink) -> None:
+        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """G6: the read while a batch is in flight takes only buckets with nothing in flight. A key's second
     event, committed while its first is in flight, is not produced before the first is acknowledged and
-    landed; another bucket's event committed at the same time goes out at once, in a second batch."""
+    landed; another bucket's event committed at the same time goes out at once, in a second batch. The
+    two batches' fence checks ride on the next read together, without a statement of their own."""
     runner, seen = pipelined_runner(dsn, pool, kafka_sink, {BUCKET, OTHER})
     [key] = keys_in_bucket(dsn, BUCKET, 1)
     [other_key] = keys_in_bucket(dsn, OTHER, 1)
@@ -118,11 +120,15 @@ def test_a_keys_next_event_waits_for_the_batch_in_flight_with_its_earlier_one(
         return {BUCKET, OTHER}
 
     started = while_in_flight(runner, kafka_sink, seen, commit_more)
+    checkpoints = counting_checkpoints(monkeypatch)
     first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
     runner.hints.add({BUCKET})
     assert runner.run_once() == 2, "the first batch, and the other bucket's event read while it was in flight"
     assert started == [first, [later[1]]]
-    assert seen.delivered == first, "the first batch landed"
+    assert seen.delivered == [], "both wait for the next read's fence check"
+    assert runner.run_once() == 1, "the key's second event, read after the batch with its first landed"
+    assert seen.delivered == [first[0], later[1]]
+    assert checkpoints == [], "no batch ran a statement of its own"
     run_until(runner, lambda: later[0] in seen.delivered)
     assert started[2:] == [[later[0]]], "the key's second event, in a batch of its own after the first landed"
     assert seen.log.index(("ack", first[0])) < seen.log.index(("start", later[0]))
