@@ -128,8 +128,11 @@ DEFAULT_STALL_SECONDS = 60.0
 PARTIAL_CHECKPOINT_SECONDS = 1.0
 POLL_SECONDS = 0.05
 # While a batch waits for its acknowledgements and the runner waits for a wake-up to read the next batch
-# meanwhile (``finish_batch``'s ``until``): how long one poll may block without a report.
+# meanwhile (``finish_batch``'s ``until``): how long one poll may block without a report, for the batch's
+# first WOKEN_POLL_FOR_SECONDS (then POLL_SECONDS: a batch that waits longer waits for a slow or absent
+# broker, and a wake-up a few milliseconds late changes nothing there).
 WOKEN_POLL_SECONDS = 0.001
+WOKEN_POLL_FOR_SECONDS = 1.0
 _WOKEN = "woken"  # _wait: ``until`` was set
 FIRST_RECREATE_DELAY = 1.0  # spacing of replacements in a row (doubling up to the stall time)
 SLOW_DESTROY_SECONDS = 5.0  # a replaced producer that takes longer to shut down is logged
@@ -372,6 +375,7 @@ class _Ticket:
         self.partial: Callable[[Outcomes], set[int]] | None = getattr(commit, "partial", None)
         self.next_partial = time.monotonic() + partial_seconds
         self.reported = 0  # outcomes when ``partial`` was last called
+        self.started = time.monotonic()
 
     def hold(self) -> KeyHold:
         """A key whose event failed in this batch is parked at that event: what follows it waits."""
@@ -726,7 +730,8 @@ class KafkaSink:
                     if not self._checkpoint_acknowledged(ticket.partial, flight.outcomes):
                         ticket.partial = None  # the database is away: not again in this batch
             # Waiting for a wake-up too: look at it every WOKEN_POLL_SECONDS even with no report coming.
-            self._poll(abort, POLL_SECONDS if until is None else WOKEN_POLL_SECONDS)
+            short = until is not None and time.monotonic() - ticket.started < WOKEN_POLL_FOR_SECONDS
+            self._poll(abort, WOKEN_POLL_SECONDS if short else POLL_SECONDS)
 
     def _tell_acknowledged(self, flight: _Flight) -> None:
         if flight.acked:
