@@ -738,7 +738,7 @@ class SinkRunner:
         batch = self._read_new(held)
         if batch is None:
             return 0
-        if self._pipelined:
+        if self._pipelined is not None:
             return self._pipeline(batch, held)
         events, fences, advance = batch
         self._run_batch(events, fences, advance, resets=set(fences))
