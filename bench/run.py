@@ -330,12 +330,15 @@ class Bench:
         relays: list[tuple[str, subprocess.Popen[bytes]]] = []
         out: dict[str, Any] = {"relays": relays_n, "mode": mode, "run": run}
         warmups = 0
+        # The drain ends at the broker's last acknowledgement (bench/ack_relay.py records each one); the
+        # cursors only say when it is over: a Kafka relay writes them at most every --cursor-flush-seconds.
+        acks = [self.base / f"drain-acks-{mode}{relays_n}r{run}-{i}.json" for i in range(relays_n)]
         try:
             with psycopg.connect(dsn, autocommit=True) as poll:
                 if mode == "warm":
                     # Relays up and settled on the stored assignment, producers warmed up; then the backlog is
                     # published while they are stopped, and released by letting them go on.
-                    relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}")
+                    relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}", acks_to=acks)
                     out["settle_seconds"] = self.wait_ring(poll, [w for w, _ in relays], relays)
                     warmups = self.warm_up(dsn, topic, relays)
                     targets, t0 = self.release_backlog(dsn, n, topic, relays, out)
@@ -343,7 +346,7 @@ class Bench:
                     out["publish_seconds"] = self.publish_backlog(dsn, n, topic)
                     targets = self.targets(poll)
                     t0 = time.time()
-                    relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}")
+                    relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}", acks_to=acks)
                 t_end = self.wait_delivered(poll, targets, relays, timeout=self.args.drain_timeout)
                 row = poll.execute("SELECT extract(epoch FROM min(advanced_at))::float8 FROM outbox.cursors "
                                    "WHERE sink = %s AND advanced_at > to_timestamp(%s)", (SINK, t0)).fetchone()
@@ -357,6 +360,12 @@ class Bench:
         finally:
             self.stop_relays(relays)
             self.pg.drop_database(name)
+        last_ack = max((t for f in acks if f.exists() for t in json.loads(f.read_text())["acks"].values()),
+                       default=None)
+        out["cursor_seconds"] = out["seconds"]
+        if last_ack is not None and last_ack > t0:
+            out["seconds"] = last_ack - t0
+            out["events_per_s"] = n / out["seconds"]
         return out
 
     def case_throughput(self, kinds: Sequence[str]) -> None:
