@@ -300,7 +300,7 @@ class Worker:
         threading.Thread(target=self._drain_deadline, daemon=True).start()
 
     def _drain_deadline(self) -> None:
-        if not self._sinks_done(self.settings.drain_seconds):
+        if not self.sinks_done(self.settings.drain_seconds):
             log.warning("drain did not finish within %.0fs: stopping hard", self.settings.drain_seconds)
             self.stop_hard()
 
@@ -358,11 +358,8 @@ class Worker:
             self.drain()
 
     def sinks_done(self, timeout: float) -> bool:
-        """After ``drain``: wait up to ``timeout`` seconds for the sink threads to finish their batches and
-        end; whether they did (a rebuild's switch-over lets its relay phase's last batch land first)."""
-        return self._sinks_done(timeout)
-
-    def _sinks_done(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the sink threads to end (after ``drain``: once they finished
+        their batches); whether they did. A rebuild's switch-over lets its relay phase's last batch land."""
         deadline = time.monotonic() + timeout
         for t in self._threads:
             if t.name.startswith("sink-"):
@@ -372,7 +369,7 @@ class Worker:
         return True
 
     def wait(self) -> None:
-        while not self._sinks_done(0.5):
+        while not self.sinks_done(0.5):
             self._check_fatal()
             if self._hard_deadline is not None and time.monotonic() >= self._hard_deadline:
                 break

@@ -147,6 +147,15 @@ def settings(dsn: str, worker: str = "rebuilder") -> Any:
     return make_settings(dsn, worker, max_attempts=2, batch_size=SLICE)
 
 
+def outcome_of(p: Any, dsn: str, worker: str) -> Any:
+    """``Rebuild(p).run()`` as ``worker``, for a test that runs rebuilds on threads: its result, or the
+    exception it raised (the test checks which)."""
+    try:
+        return Rebuild(p, settings(dsn, worker), progress=None).run()
+    except BaseException as exc:  # handed to the test
+        return exc
+
+
 @pytest.fixture
 def live(dsn: str, pool: ConnectionPool[Any]) -> Iterator[Any]:
     """``live(projection, n)``: live processing applies the n published events, the reference model."""
@@ -259,10 +268,7 @@ def test_two_rebuild_processes_at_once_apply_each_event_once(dsn: str, live: Any
     results: list[Any] = []
 
     def run(worker: str) -> None:
-        try:
-            results.append(Rebuild(tally(), settings(dsn, worker), progress=None).run())
-        except BaseException as exc:  # checked below
-            results.append(exc)
+        results.append(outcome_of(tally(), dsn, worker))
 
     threads = [threading.Thread(target=run, args=(w,)) for w in ("rebuilder-a", "rebuilder-b")]
     for t in threads:
@@ -543,10 +549,7 @@ def test_two_rebuild_processes_run_lanes_at_once(dsn: str, live: Any) -> None:
             original(event, tx)
 
         p.handler = handler
-        try:
-            results[worker] = Rebuild(p, settings(dsn, worker), progress=None).run()
-        except BaseException as exc:  # checked below
-            results[worker] = exc
+        results[worker] = outcome_of(p, dsn, worker)
 
     threads = [threading.Thread(target=run, args=(w,)) for w in ("rebuilder-a", "rebuilder-b")]
     for t in threads:
@@ -659,10 +662,7 @@ def test_a_cancel_while_two_processes_run_lanes_changes_nothing_live(dsn: str, l
             original(event, tx)
 
         p.handler = handler
-        try:
-            results[worker] = Rebuild(p, settings(dsn, worker), progress=None).run()
-        except BaseException as exc:  # checked below
-            results[worker] = exc
+        results[worker] = outcome_of(p, dsn, worker)
 
     threads = [threading.Thread(target=run, args=(w,)) for w in ("rebuilder-a", "rebuilder-b")]
     for t in threads:

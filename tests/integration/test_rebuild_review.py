@@ -29,6 +29,7 @@ from tests.integration.test_rebuild_bulk import (  # noqa: F401  (the `live` fix
     live,
     log_rows,
     model,
+    outcome_of,
     settings,
     tally,
 )
@@ -90,10 +91,7 @@ def test_a_process_of_a_restarted_run_holding_a_lane_changes_nothing_in_the_new_
     outcome: list[Any] = []
 
     def run_a() -> None:
-        try:
-            outcome.append(Rebuild(a, settings(dsn, "rebuilder-a"), progress=None).run())
-        except BaseException as exc:  # checked below
-            outcome.append(exc)
+        outcome.append(outcome_of(a, dsn, "rebuilder-a"))
 
     thread = threading.Thread(target=run_a)
     thread.start()
@@ -133,10 +131,7 @@ def test_two_processes_with_live_traffic_through_the_switch_over_apply_each_even
     results: dict[str, Any] = {}
 
     def run(worker: str) -> None:
-        try:
-            results[worker] = Rebuild(tally(), settings(dsn, worker), progress=None).run()
-        except BaseException as exc:  # checked below
-            results[worker] = exc
+        results[worker] = outcome_of(tally(), dsn, worker)
 
     side = [threading.Thread(target=produce), threading.Thread(target=live_loop)]
     for t in side:
