@@ -58,6 +58,7 @@ from servers import Servers, busy_fraction, machine  # noqa: E402
 
 from outbox_relay import Outbox, migrate, positions  # noqa: E402
 from outbox_relay import store as relay_store  # noqa: E402
+from outbox_relay.wakeups import WATCH_LOCK  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # What `--cases issue8` runs: every row of issue 8's table (bench/README.md).
@@ -67,6 +68,20 @@ RESULTS = HERE / "results"
 PROCS = HERE / "procs.py"
 SINK = "kafka"
 PARTITIONS = 8
+# The latency case's relay kinds that run outbox-relay. "notified" is a control, never a product mode:
+# the events table gets back a producer-side NOTIFY (the trigger migration 0010 removed), so that the
+# run shows what the commit watcher's wake-up costs against a wake-up sent at the producer's commit.
+# The bench also holds the watcher's lock (WATCH_LOCK), so that no relay watches.
+OURS = ("ours", "notified")
+PRODUCER_NOTIFY = """
+CREATE FUNCTION public.bench_notify_events() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('outbox_events_v2', (SELECT string_agg(DISTINCT n.bucket::text, ',') FROM new_events n));
+    RETURN NULL;
+END $$;
+CREATE TRIGGER bench_notify AFTER INSERT ON outbox.events REFERENCING NEW TABLE AS new_events
+    FOR EACH STATEMENT EXECUTE FUNCTION public.bench_notify_events();
+"""
 
 
 def log(msg: str) -> None:
@@ -520,8 +535,11 @@ class Bench:
         ``longtx``: a writing transaction in another database of the same server stays open from
         before the first event until the consumer has everything (or gave up waiting)."""
         tag = f"{kind}{int(rate)}x{relays_n}r{run}{'L' if longtx else ''}"
-        if kind == "ours":
+        if kind in OURS:
             name, dsn = self.fresh_outbox_db()
+            if kind == "notified":
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    conn.execute(PRODUCER_NOTIFY)
         else:
             from procs import TUNED_SCHEMA
 
@@ -535,6 +553,12 @@ class Bench:
         consumer = producer = None
         held: psycopg.Connection[Any] | None = None
         held_db = None
+        # The control: the bench holds the commit watcher's lock, so that no relay watches and every
+        # relay's LISTEN connection is free to read the producer's notification at once.
+        unwatched = None
+        if kind == "notified":
+            unwatched = psycopg.connect(dsn, autocommit=True)
+            unwatched.execute("SELECT pg_advisory_lock(%s)", (WATCH_LOCK,))
         commits_path = self.base / f"lat-commits-{tag}.json"
         received_path = self.base / f"lat-received-{tag}.json"
         acks_paths = [self.base / f"lat-acks-{tag}-{i}.json" for i in range(relays_n)]
@@ -545,7 +569,7 @@ class Bench:
                  "--topic", topic, "--partitions", str(PARTITIONS), "--out", str(received_path), "--timeout", "10"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             warmups = 0
-            if kind == "ours":
+            if kind in OURS:
                 relays = self.start_relays(relays_n, dsn, topic, f"lat-{tag}", acks_to=acks_paths)
                 with psycopg.connect(dsn, autocommit=True) as poll:
                     self.wait_ring(poll, [w for w, _ in relays], relays)
@@ -565,9 +589,9 @@ class Bench:
                 held_db, held = self.open_long_transaction()
                 out["held_from"] = time.time()
             out["table_before"] = self.hot_table(dsn, kind)
-            notes = NotifyLog(dsn) if kind == "ours" and self.args.latency_stages else None
+            notes = NotifyLog(dsn) if kind in OURS and self.args.latency_stages else None
             spy = None
-            if kind == "ours" and self.args.latency_spy:
+            if kind in OURS and self.args.latency_spy:
                 spy_raw = self.base / f"lat-spy-{tag}.txt"
                 spy = subprocess.Popen(
                     [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
@@ -578,7 +602,7 @@ class Bench:
                 [sys.executable, str(PROCS), "latency-producer", "--dsn", dsn, "--topic", topic,
                  "--rate", str(rate), "--duration", str(seconds),
                  "--tick-ms", str(self.args.latency_tick_ms), "--keys", str(self.args.keys),
-                 "--target", "outbox" if kind == "ours" else "tuned", "--out", str(commits_path)],
+                 "--target", "outbox" if kind in OURS else "tuned", "--out", str(commits_path)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             assert producer.stdout is not None and producer.stdin is not None
             if producer.stdout.readline().strip() != "ready":
@@ -629,7 +653,7 @@ class Bench:
                 out.update(notify_stages(json.loads(commits_path.read_text())["commits"],
                                          json.loads(received_path.read_text()).get("produced", {}), buckets,
                                          notes.stop()))
-            if kind == "ours":
+            if kind in OURS:
                 out["peak_rss_mb"] = {wid: self.peak_rss_mb(p.pid) for wid, p in relays}
                 out["missing_diagnosis"] = self.diagnose_missing(dsn, commits_path, received_path, topic)
                 self.stop_relays(relays)  # each writes its ack times as it exits
@@ -666,6 +690,8 @@ class Bench:
                     p.wait()
             if held is not None:
                 held.close()
+            if unwatched is not None:
+                unwatched.close()
             if held_db is not None:
                 self.pg.drop_database(held_db)
             self.stop_relays(relays)
@@ -710,7 +736,7 @@ class Bench:
     def hot_table(dsn: str, kind: str) -> dict[str, Any]:
         """Size and dead row versions of the table each batch updates (ours: outbox.cursors; the tuned
         relay: its table and its claim index): what vacuum can not clean while a transaction is open."""
-        table, index = ("outbox.cursors", "outbox.cursors_pkey") if kind == "ours" else (
+        table, index = ("outbox.cursors", "outbox.cursors_pkey") if kind in OURS else (
             "public.tuned_outbox", "public.tuned_outbox_claim")
         with psycopg.connect(dsn, autocommit=True) as conn:
             row = conn.execute(
@@ -1307,7 +1333,8 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
             lines.append(f"| {case} | events the live consumer never received (all runs) | {lost} | | | |")
             lines.append(f"| {case} | ... of which a second consumer found on the topic | {found} | | | |")
 
-    kind_label = {"ours": "outbox-relay", "tuned": "tuned SQL relay"}
+    kind_label = {"ours": "outbox-relay", "notified": "outbox-relay + producer NOTIFY (control)",
+                  "tuned": "tuned SQL relay"}
     if "latency" in results:
         for rate in a["latency_rates"]:
             for r_n in a["latency_relays"]:
@@ -1316,7 +1343,7 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                           and r["kind"] == kind]
                     if rs:
                         latency_rows(f"latency {kind_label[kind]} at {rate:,.0f} ev/s, {r_n} "
-                                     f"{'relay' if kind == 'ours' else 'worker'}{'s' if r_n > 1 else ''}, "
+                                     f"{'relay' if kind in OURS else 'worker'}{'s' if r_n > 1 else ''}, "
                                      f"{a['latency_seconds']:.0f}s", rs)
     if "longtx" in results:
         for kind in a["longtx_kinds"]:
@@ -1494,7 +1521,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-seconds", type=float, default=None, help="publish duration (default 15)")
     p.add_argument("--latency-relays", default="1,4", help="relay process counts, comma list")
     p.add_argument("--latency-kinds", default="ours,tuned",
-                   help="ours (outbox-relay run) and/or tuned (the tuned SQL relay), comma list")
+                   help="ours (outbox-relay run), tuned (the tuned SQL relay) and/or notified (a control: ours with "
+                        "a producer-side NOTIFY trigger added by the bench), comma list")
     p.add_argument("--longtx-seconds", type=float, default=None,
                    help="longtx: publish duration with the transaction held open (default 60, --quick 20)")
     p.add_argument("--longtx-rate", type=float, default=1000.0)

@@ -257,10 +257,11 @@ class RelaySettings(BaseSettings):
         description="idle poll interval while LISTEN is connected (notifications wake a relay at once; "
                     "polling is the safety net)")
     listen: bool = Field(True, description="use LISTEN/NOTIFY to wake idle workers")
-    watch_interval_ms: float = Field(
-        1.0, ge=0.1, le=1000,
-        description="how often the one relay that watches for commits looks for new ones (milliseconds; it "
-                    "then wakes the owners of the buckets written)")
+    # Whole milliseconds: the watch sleeps with pg_sleep, which rounds a shorter or fractional sleep up.
+    watch_interval_ms: int = Field(
+        1, ge=1, le=1000,
+        description="how often the one relay that watches for commits looks for new ones (whole milliseconds; "
+                    "it then wakes the owners of the buckets written)")
     housekeeping_seconds: float = Field(5.0, ge=0.01, le=3600,
                                         description="housekeeping interval (one pass per interval across all relays)")
 

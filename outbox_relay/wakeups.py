@@ -41,7 +41,7 @@ WATCH_RETRY_AFTER_ERROR = 60.0  # seconds before a relay whose watch failed trie
 class CommitWatcher:
     """The watching side of one relay's LISTEN connection; owned by the listener thread."""
 
-    def __init__(self, conn: Conn, interval_ms: float) -> None:
+    def __init__(self, conn: Conn, interval_ms: int) -> None:
         self.conn = conn
         self.interval_ms = interval_ms
         self.leading = False

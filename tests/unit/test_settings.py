@@ -37,12 +37,19 @@ def _no_outbox_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     ("batch_size", "0"),
     ("max_attempts", "1000000000"),
     ("retention_batch", "-5"),
+    # The watcher sleeps with pg_sleep, which rounds up to whole milliseconds: 0.2 would silently be 1.
+    ("watch_interval_ms", "0.2"),
+    ("watch_interval_ms", "1.5"),
 ])
 def test_numbers_out_of_bounds_are_refused_by_name(field: str, value: str) -> None:
     with pytest.raises(ConfigurationError) as caught:
         load_settings(**{field: value})
     message = str(caught.value)
     assert f"--{field.replace('_', '-')}" in message and f"OUTBOX_{field.upper()}" in message, message
+
+
+def test_the_commit_watcher_interval_is_whole_milliseconds() -> None:
+    assert load_settings(watch_interval_ms="2").watch_interval_ms == 2
 
 
 def test_every_number_has_finite_bounds_that_threads_can_wait_on() -> None:
