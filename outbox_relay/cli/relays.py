@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import signal
@@ -54,6 +55,15 @@ def _check_projections(settings: RelaySettings) -> None:
             registry.get(name)
 
 
+def keep_out_of_the_collector() -> None:
+    """Before a long-running command's work: what exists now (modules, settings, the worker, its pools)
+    lives as long as the process, so the cyclic collector's full passes need not scan it again and
+    again while batches allocate and drop events. bench/cycle_cost.py: 14-17% of the runner thread's
+    CPU on 1,000-event cycles, 6% on 10-event ones."""
+    gc.collect()
+    gc.freeze()
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
     if settings.projections and not settings.projection:
@@ -76,6 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         waiting = EventsWaiting(settings.kafka_sink)
         worker.observer = Observers(worker.observer, waiting)  # the runners take it when the worker starts
         outages = summarise_outages(waiting)
+    keep_out_of_the_collector()
     try:
         worker.run()
     finally:
@@ -176,6 +187,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
+    keep_out_of_the_collector()
     result = rebuild.run()
     if result is None:
         _say(f"rebuild of {projection.name!r} interrupted; run the same command again to resume", file=sys.stderr)
