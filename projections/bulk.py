@@ -47,6 +47,8 @@ from typing import Any
 
 import psycopg
 
+from outbox_relay.backoff import Backoff
+from outbox_relay.dsn import describe_error
 from outbox_relay.positions import Cursor, Snapshot
 from outbox_relay.sink import Aborted
 from outbox_relay.sqlfiles import query
@@ -68,7 +70,11 @@ FENCES = dict.fromkeys(range(BUCKETS), 0)  # the phase's fence in every bucket: 
 LANES = 4
 LOCK_POLL_SECONDS = 0.5
 END_WALK_WAIT_MS = 5000
-CONNECT_TRIES = 3
+# A lost server (a restart, a failover): the phase reconnects after RECONNECT's delays for up to
+# RECONNECT_SECONDS from the first failure with no slice landed since, then leaves the rest of history to
+# the relay phase, which has its own retries and is several times slower.
+RECONNECT = Backoff(0.2, 2.0)
+RECONNECT_SECONDS = 60.0
 READ_WAIT_STEP_SECONDS = 0.25  # how often a wait for a slice's read looks at the stop flag
 COLLECT_EVERY = 16  # slices between runs of the cyclic collector (off otherwise while the phase runs)
 # bulk_read's columns, in order (handed_over unpacks them by position).
@@ -217,15 +223,29 @@ class BulkPhase:
     def run(self) -> Outcome:
         if self.projection.is_async:
             return Outcome("skipped", 0)
+        failures = 0
+        lost_since = 0.0
+        landed = -1  # self.events at the last failure: a slice landed since starts the window again
         try:
-            for attempt in range(1, CONNECT_TRIES + 1):
+            while True:
                 try:
                     result = self._lanes()
                     return Outcome(result, self.events, result == "done" and not self._handed)
                 except psycopg.OperationalError as exc:  # the session (and its lock) is gone: look again
-                    log.warning("rebuild %s: the bulk phase lost its connection (%s); attempt %d of %d",
-                                self.projection.name, exc, attempt, CONNECT_TRIES)
-                    time.sleep(min(2.0, 0.2 * attempt))
+                    now = time.monotonic()
+                    if self.events != landed:
+                        failures, lost_since, landed = 0, now, self.events
+                    failures += 1
+                    if now - lost_since >= RECONNECT_SECONDS:
+                        log.warning("rebuild %s: the bulk phase could not reconnect for %.0fs (%s); the relay "
+                                    "phase goes on from its last slice", self.projection.name, now - lost_since,
+                                    describe_error(exc))
+                        break
+                    delay = RECONNECT.delay(failures)
+                    log.warning("rebuild %s: the bulk phase lost its connection (%s); reconnecting in %.1fs",
+                                self.projection.name, describe_error(exc), delay)
+                    if self.stopping.wait(delay):
+                        return Outcome("stopped", self.events)
             # Safe to go on without it: the relay phase's first lease bumps the fences, so any slice still
             # in flight elsewhere rolls back (bulk_advance).
             return Outcome("done", self.events)

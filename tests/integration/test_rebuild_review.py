@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from projections import ProjectionEvent, projection
+from projections import ProjectionEvent, bulk, projection
 from projections.rebuild import Rebuild, RebuildError
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     fetch_all,
@@ -186,6 +186,56 @@ def test_the_server_ending_every_rebuild_session_mid_lane_resumes_with_each_even
     rows = log_rows(dsn)
     assert sorted(r[0] for r in rows) == sorted(ids), "each event once"
     assert {r[3] for r in rows} == {0}, "all of it by the bulk phase: resumed after reconnecting"
+
+
+@pytest.mark.parametrize("window", [bulk.RECONNECT_SECONDS, 0.3])
+def test_a_server_away_for_seconds_mid_lane_is_waited_out_by_the_bulk_phase(
+        dsn: str, live: Any, monkeypatch: pytest.MonkeyPatch, window: float) -> None:
+    """A restart that keeps the server away for a few seconds (here: every session of the rebuild ended
+    as soon as it appears, for 3 s). The bulk phase tried three times in about a second, then left the
+    rest of history to the relay phase, several times slower; it now waits out such an outage (up to
+    bulk.RECONNECT_SECONDS) and finishes the lanes itself: each event once, all of it under the bulk
+    phase's fence 0. An outage longer than the window still hands the rest over safely."""
+    monkeypatch.setattr(bulk, "RECONNECT_SECONDS", window)
+    ids = publish(dsn, counted(20, 30))
+    live(tally(), len(ids))
+    live_model = model(dsn)
+    p = tally()
+    original = p.handler
+    calls = [0]
+    ended = [0]
+    outage = threading.Thread(target=lambda: None)
+
+    def keep_ending(until: float) -> None:
+        with psycopg.connect(dsn, autocommit=True) as other:
+            while time.monotonic() < until:
+                ended[0] += len(other.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name LIKE 'outbox-relay rebuilder%%'").fetchall())
+                time.sleep(0.01)
+
+    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
+        nonlocal outage
+        calls[0] += 1
+        if calls[0] == SLICE + 1:
+            outage = threading.Thread(target=keep_ending, args=(time.monotonic() + 3.0,))
+            outage.start()
+            time.sleep(0.05)  # this slice's session is among the first to go
+        original(event, tx)
+
+    p.handler = handler
+    result = Rebuild(p, settings(dsn), progress=None).run()
+    outage.join()
+    assert ended[0] >= 3, "the outage ended the phase's sessions again and again"
+    assert result is not None
+    assert model(dsn) == live_model
+    rows = log_rows(dsn)
+    assert sorted(r[0] for r in rows) == sorted(ids), "each event once"
+    fences = {r[3] for r in rows}
+    if window > 3.0:
+        assert fences == {0}, "all of it by the bulk phase, after the outage"
+    else:
+        assert 0 in fences and len(fences) > 1, "the window ran out: the relay phase applied the rest"
 
 
 def reading_tally() -> Any:
