@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -157,30 +158,44 @@ def test_two_processes_with_live_traffic_through_the_switch_over_apply_each_even
     assert model(dsn) == sorted((k, n, t) for k, (n, t) in per.items()), "G12"
 
 
-def test_the_server_ending_every_rebuild_session_mid_lane_resumes_with_each_event_once(dsn: str, live: Any) -> None:
-    """What a PostgreSQL crash restart does to the lanes: every session of the rebuild process ends in
-    a lane's second slice (its lock, its slice in flight and its read ahead go). The phase reconnects
-    and resumes the lane from its last slice: each event once, the same model."""
+def end_rebuild_sessions(conn: psycopg.Connection[Any]) -> int:
+    """End every session of the rebuild process (what a crash restart of the server does to it)."""
+    return len(conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE application_name LIKE 'outbox-relay rebuilder%%'").fetchall())
+
+
+def rebuild_through(dsn: str, live: Any, outage: Callable[[], None]) -> tuple[Any, list[Any], Any]:
+    """Rebuild the tally (its events applied live first) with ``outage`` called as a lane's second slice
+    begins; the rebuild's result, the events and the live model."""
     ids = publish(dsn, counted(20, 30))
     live(tally(), len(ids))
     live_model = model(dsn)
     p = tally()
     original = p.handler
     calls = [0]
-    ended: list[Any] = []
 
     def handler(event: ProjectionEvent[Any], tx: Any) -> None:
         calls[0] += 1
         if calls[0] == SLICE + 1:
-            with psycopg.connect(dsn, autocommit=True) as other:
-                ended.extend(other.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE application_name LIKE 'outbox-relay rebuilder%%'").fetchall())
+            outage()
         original(event, tx)
 
     p.handler = handler
-    result = Rebuild(p, settings(dsn), progress=None).run()
-    assert len(ended) >= 2, "the slice's session and the reader's ended"
+    return Rebuild(p, settings(dsn), progress=None).run(), ids, live_model
+
+
+def test_the_server_ending_every_rebuild_session_mid_lane_resumes_with_each_event_once(dsn: str, live: Any) -> None:
+    """What a PostgreSQL crash restart does to the lanes: every session of the rebuild process ends in
+    a lane's second slice (its lock, its slice in flight and its read ahead go). The phase reconnects
+    and resumes the lane from its last slice: each event once, the same model."""
+    ended = [0]
+
+    def crash() -> None:
+        with psycopg.connect(dsn, autocommit=True) as other:
+            ended[0] += end_rebuild_sessions(other)
+
+    result, ids, live_model = rebuild_through(dsn, live, crash)
+    assert ended[0] >= 2, "the slice's session and the reader's ended"
     assert result is not None
     assert model(dsn) == live_model
     rows = log_rows(dsn)
@@ -197,35 +212,22 @@ def test_a_server_away_for_seconds_mid_lane_is_waited_out_by_the_bulk_phase(
     bulk.RECONNECT_SECONDS) and finishes the lanes itself: each event once, all of it under the bulk
     phase's fence 0. An outage longer than the window still hands the rest over safely."""
     monkeypatch.setattr(bulk, "RECONNECT_SECONDS", window)
-    ids = publish(dsn, counted(20, 30))
-    live(tally(), len(ids))
-    live_model = model(dsn)
-    p = tally()
-    original = p.handler
-    calls = [0]
     ended = [0]
-    outage = threading.Thread(target=lambda: None)
+    threads: list[threading.Thread] = []
 
     def keep_ending(until: float) -> None:
         with psycopg.connect(dsn, autocommit=True) as other:
             while time.monotonic() < until:
-                ended[0] += len(other.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE application_name LIKE 'outbox-relay rebuilder%%'").fetchall())
+                ended[0] += end_rebuild_sessions(other)
                 time.sleep(0.01)
 
-    def handler(event: ProjectionEvent[Any], tx: Any) -> None:
-        nonlocal outage
-        calls[0] += 1
-        if calls[0] == SLICE + 1:
-            outage = threading.Thread(target=keep_ending, args=(time.monotonic() + 3.0,))
-            outage.start()
-            time.sleep(0.05)  # this slice's session is among the first to go
-        original(event, tx)
+    def away() -> None:
+        threads.append(threading.Thread(target=keep_ending, args=(time.monotonic() + 3.0,)))
+        threads[0].start()
+        time.sleep(0.05)  # this slice's session is among the first to go
 
-    p.handler = handler
-    result = Rebuild(p, settings(dsn), progress=None).run()
-    outage.join()
+    result, ids, live_model = rebuild_through(dsn, live, away)
+    threads[0].join()
     assert ended[0] >= 3, "the outage ended the phase's sessions again and again"
     assert result is not None
     assert model(dsn) == live_model
