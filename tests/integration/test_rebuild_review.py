@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox_relay.backoff import Backoff
 from projections import ProjectionEvent, bulk, projection
 from projections.rebuild import Rebuild, RebuildError
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
@@ -164,9 +165,9 @@ def end_rebuild_sessions(conn: psycopg.Connection[Any]) -> int:
                             "WHERE application_name LIKE 'outbox-relay rebuilder%%'").fetchall())
 
 
-def rebuild_through(dsn: str, live: Any, outage: Callable[[], None]) -> tuple[Any, list[Any], Any]:
-    """Rebuild the tally (its events applied live first) with ``outage`` called as a lane's second slice
-    begins; the rebuild's result, the events and the live model."""
+def rebuild_through(dsn: str, live: Any, outage: Callable[[], None]) -> tuple[Rebuild, list[Any], Any]:
+    """A rebuild of the tally (its events applied live first) that calls ``outage`` as a lane's second
+    slice begins, not started yet; the events and the live model."""
     ids = publish(dsn, counted(20, 30))
     live(tally(), len(ids))
     live_model = model(dsn)
@@ -181,7 +182,7 @@ def rebuild_through(dsn: str, live: Any, outage: Callable[[], None]) -> tuple[An
         original(event, tx)
 
     p.handler = handler
-    return Rebuild(p, settings(dsn), progress=None).run(), ids, live_model
+    return Rebuild(p, settings(dsn), progress=None), ids, live_model
 
 
 def test_the_server_ending_every_rebuild_session_mid_lane_resumes_with_each_event_once(dsn: str, live: Any) -> None:
@@ -194,7 +195,8 @@ def test_the_server_ending_every_rebuild_session_mid_lane_resumes_with_each_even
         with psycopg.connect(dsn, autocommit=True) as other:
             ended[0] += end_rebuild_sessions(other)
 
-    result, ids, live_model = rebuild_through(dsn, live, crash)
+    rebuild, ids, live_model = rebuild_through(dsn, live, crash)
+    result = rebuild.run()
     assert ended[0] >= 2, "the slice's session and the reader's ended"
     assert result is not None
     assert model(dsn) == live_model
@@ -226,7 +228,8 @@ def test_a_server_away_for_seconds_mid_lane_is_waited_out_by_the_bulk_phase(
         threads[0].start()
         time.sleep(0.05)  # this slice's session is among the first to go
 
-    result, ids, live_model = rebuild_through(dsn, live, away)
+    rebuild, ids, live_model = rebuild_through(dsn, live, away)
+    result = rebuild.run()
     threads[0].join()
     assert ended[0] >= 3, "the outage ended the phase's sessions again and again"
     assert result is not None
@@ -238,6 +241,28 @@ def test_a_server_away_for_seconds_mid_lane_is_waited_out_by_the_bulk_phase(
         assert fences == {0}, "all of it by the bulk phase, after the outage"
     else:
         assert 0 in fences and len(fences) > 1, "the window ran out: the relay phase applied the rest"
+
+
+def test_a_stop_while_the_bulk_phase_waits_for_the_server_ends_the_wait_and_resumes(
+        dsn: str, live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop (SIGTERM) that comes while the bulk phase waits to reconnect ends the wait at once, as a
+    resumable stop; the rerun finishes with each event once."""
+    monkeypatch.setattr(bulk, "RECONNECT", Backoff(30.0, 30.0))  # a wait the test would notice
+    stop: list[Callable[[], None]] = []
+
+    def crash_then_stop() -> None:
+        with psycopg.connect(dsn, autocommit=True) as other:
+            end_rebuild_sessions(other)
+        threading.Timer(1.0, stop[0]).start()
+
+    first, ids, live_model = rebuild_through(dsn, live, crash_then_stop)
+    stop.append(first.stop)
+    started = time.monotonic()
+    assert first.run() is None, "a stop is resumable"
+    assert time.monotonic() - started < 20, "the stop ended the 30 s wait"
+    result = Rebuild(tally(), settings(dsn), progress=None).run()
+    assert result is not None and result.resumed and model(dsn) == live_model
+    assert sorted(r[0] for r in log_rows(dsn)) == sorted(ids), "each event once"
 
 
 def reading_tally() -> Any:
