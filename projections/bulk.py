@@ -66,7 +66,7 @@ BUCKETS = 256
 FENCES = dict.fromkeys(range(BUCKETS), 0)  # the phase's fence in every bucket: tokens (0, 0, xid, seq)
 # Lanes of the phase: up to this many processes run it at once. A lane's read walks the whole xid range and
 # drops the other lanes' rows, so one process running every lane reads history LANES times over (measured:
-# docs/benchmarks/2026-11-26-rebuild-lanes.md).
+# bench/results/2026-11-26-rebuild-lanes.md).
 LANES = 4
 LOCK_POLL_SECONDS = 0.5
 END_WALK_WAIT_MS = 5000

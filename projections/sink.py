@@ -51,7 +51,7 @@ END_WALK_WAIT_MS = 5000  # how long ending an abandoned walk's backend may take 
 # Events per read of a live batched projection unless --batch-size is given (compose.build_worker): its
 # read's per-bucket work and its checkpoint are the server's per-batch cost, spread over 4 times the events
 # of the relays' default (1,000): 64 per bucket for a relay of four holding 64 buckets. Measured: the
-# PostgreSQL sessions' CPU per event about half (docs/benchmarks/2026-11-26-live-projection.md).
+# PostgreSQL sessions' CPU per event about half (bench/results/2026-11-26-live-projection.md).
 BATCHED_READ_SIZE = 4096
 
 

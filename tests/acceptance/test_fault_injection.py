@@ -6,7 +6,7 @@ and stalled at proxies, backends terminated) over about a minute; the command ex
 nothing was lost, nothing appeared that was never committed, and every key kept its order. It
 starts its own PostgreSQL (or uses ``OUTBOX_TEST_DSN``, without database restarts) and its own
 Tansu behind a proxy (it must restart the broker and cut its connections, so ``OUTBOX_TEST_KAFKA``
-is not used). The full run, 120 s with 50 faults, is in docs/faults.md.
+is not used). The full run, 120 s with 50 faults, is in bench/results/2026-11-23-faults.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Real ``outbox-relay run`` processes, real PostgreSQL and a real Kafka-protocol b
 faults injected from outside (process kills and stops, broker and database restarts, connections
 cut or stalled at TCP proxies, backends terminated), a recorder consuming the topic, and a checker
 of no loss, no phantoms, per-key order after de-duplication, duplicate rate and recovery per fault.
-docs/faults.md has the results of a full run and says how to read them.
+bench/results/2026-11-23-faults.md has the results of a full run and says how to read them.
 
 Modules: ``run`` (one run, start to finish), ``cluster`` (the servers and relay processes),
 ``faults`` (the injectors and the plan), ``proxy`` (the TCP proxy), ``producer`` (a producer

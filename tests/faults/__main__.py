@@ -1,4 +1,4 @@
-"""``python -m tests.faults --seconds 120 --faults 50 [--relays 4] [--seed N] [--report docs/faults.md]``
+"""``python -m tests.faults --seconds 120 --faults 50 [--relays 4] [--seed N] [--report bench/results/DATE-faults.md]``
 
 Exit code 0 only if the checker passed (no loss, no phantoms, per-key order, relays drained and
 exited cleanly); 1 if it did not; 2 if the run itself could not be done.

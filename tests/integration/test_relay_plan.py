@@ -195,7 +195,7 @@ def test_a_read_plans_and_locks_only_the_newest_partitions(dsn: str) -> None:
     the newest range's partitions only, as the relay runs it (prepared, plan_cache_mode auto): a plan
     over every partition cost tens of ms per read at a few hundred ranges and a lock per partition
     and index, and at ~1,000 ranges the read failed with "out of shared memory"
-    (docs/benchmarks/2026-11-26-read-cost.md)."""
+    (bench/results/2026-11-26-read-cost.md)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         newest, seen = many_ranges(conn)
         reads = {b: (LIMIT, Cursor(seen)) for b in LEASED}
