@@ -6,7 +6,7 @@
 -- its events probe, but as a value known only while the function runs: its plan covers every xid range,
 -- so each statement that called it planned and locked every partition and index of outbox.events (with
 -- 300 ranges kept: 4,500 locks and 0.8 s for acquire_leases taking over 64 buckets,
--- docs/benchmarks/2026-11-26-read-cost.md). outbox.bucket_has_work_v3 gives the same answer; it runs the
+-- bench/results/2026-11-26-read-cost.md). outbox.bucket_has_work_v3 gives the same answer; it runs the
 -- events probe as a statement planned per call with the xmin written into it as a constant, so the
 -- planner leaves out the ranges below it, however many are kept.
 --
