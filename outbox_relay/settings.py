@@ -262,6 +262,11 @@ class RelaySettings(BaseSettings):
         1, ge=1, le=1000,
         description="how often the one relay that watches for commits looks for new ones (whole milliseconds; "
                     "it then wakes the owners of the buckets written)")
+    watch_max_interval_ms: int = Field(
+        8, ge=1, le=1000,
+        description="the longest interval of those looks: each second without a commit doubles it up to this "
+                    "(an idle server is not woken every millisecond); the first commit brings back "
+                    "--watch-interval-ms (a value below that is read as it)")
     housekeeping_seconds: float = Field(5.0, ge=0.01, le=3600,
                                         description="housekeeping interval (one pass per interval across all relays)")
 

@@ -7,7 +7,9 @@ Instead, the relay that holds an advisory lock (``WATCH_LOCK``) on its LISTEN co
 ``--watch-interval-ms`` for transactions that wrote events and have committed since its last look
 (a short index range on ``events.xid``), and returns with their buckets after sending the same
 ``NOTIFY outbox_events_v2`` the trigger used to send, so every relay's listener wakes the owners as
-before. Idle, it costs one statement per ``WATCH_WAIT_MS`` on one relay.
+before. Idle, it costs one statement per ``WATCH_WAIT_MS`` on one relay, and the looks back off
+(``WatchPace``): every call that found nothing doubles the interval of the next, up to
+``--watch-max-interval-ms``; the first commit found brings it back to ``--watch-interval-ms``.
 
 Who watches: whichever listening relay takes the lock first. The lock is session-level, so a relay
 that dies or loses its connection frees it at once; the first live member of a sink (the relay that
@@ -38,12 +40,33 @@ LEAD_RETRY_OTHERS = 20.0  # ... for every other listening relay (a first member 
 WATCH_RETRY_AFTER_ERROR = 60.0  # seconds before a relay whose watch failed tries to lead again
 
 
+class WatchPace:
+    """How often the watch looks: every ``shortest_ms`` while commits come; each call (up to
+    WATCH_WAIT_MS) that found none doubles the next call's interval up to ``longest_ms``, so that an
+    idle server is not woken every millisecond; the first commit found brings it back at once. Per
+    call, not per look: commits a second apart keep the shortest interval."""
+
+    def __init__(self, shortest_ms: int, longest_ms: int) -> None:
+        self.shortest_ms = shortest_ms
+        self.longest_ms = max(shortest_ms, longest_ms)
+        self.interval_ms = shortest_ms
+
+    def after(self, found: bool) -> int:
+        """The interval of the next call, after one that found commits (or none)."""
+        self.interval_ms = self.shortest_ms if found else min(self.longest_ms, 2 * self.interval_ms)
+        return self.interval_ms
+
+    def reset(self) -> None:
+        self.interval_ms = self.shortest_ms
+
+
 class CommitWatcher:
     """The watching side of one relay's LISTEN connection; owned by the listener thread."""
 
-    def __init__(self, conn: Conn, interval_ms: int) -> None:
+    def __init__(self, conn: Conn, interval_ms: int, max_interval_ms: int | None = None) -> None:
         self.conn = conn
-        self.interval_ms = interval_ms
+        self.pace = WatchPace(interval_ms, interval_ms if max_interval_ms is None else max_interval_ms)
+        self.looks = 0  # calls of the watch function so far (tests count them)
         self.leading = False
         self._since: str | None = None  # snapshot of the last look (text)
         self._last_try = -LEAD_RETRY_OTHERS  # monotonic time of the last try to lead (none yet)
@@ -62,6 +85,7 @@ class CommitWatcher:
             self.leading = bool(row and row[0])
             if self.leading:
                 self._since = None
+                self.pace.reset()
                 # A statement_timeout or transaction_timeout (PostgreSQL 17) of the relay's role or
                 # database below WATCH_WAIT_MS would cancel every wait: wait at most half of it.
                 limit = self.conn.execute(query("wakeups", "timeout_ms")).fetchone()
@@ -86,9 +110,13 @@ class CommitWatcher:
 
     def watch(self) -> str | None:
         """Wait (at most WATCH_WAIT_MS) for commits since the last look; the buckets they wrote, or None."""
+        self.looks += 1
         row = self.conn.execute(query("wakeups", "watch"), {
-            "since": self._since, "wait_ms": self._wait_ms, "interval_ms": self.interval_ms}).fetchone()
+            "since": self._since, "wait_ms": self._wait_ms, "interval_ms": self.pace.interval_ms}).fetchone()
         if row is None:
             return None
+        first = self._since is None  # the call that only took a snapshot says nothing about commits
         self._since = row[0]
+        if not first:
+            self.pace.after(found=row[1] is not None)
         return row[1]  # type: ignore[no-any-return]

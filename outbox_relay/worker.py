@@ -603,7 +603,7 @@ class Worker:
                     failures = 0
                     self._read_everything()  # notifications may have been missed while disconnected
                     self.membership_changed.set()
-                    watcher = CommitWatcher(conn, self.settings.watch_interval_ms)
+                    watcher = CommitWatcher(conn, self.settings.watch_interval_ms, self.settings.watch_max_interval_ms)
                     own_pid = conn.info.backend_pid
                     while not self.stopped.is_set():
                         if self.stopping.is_set():
