@@ -1,8 +1,11 @@
-"""An idle commit watcher (wakeups.py) looks less often, and still wakes the owner of the first commit
-after the quiet at once."""
+"""An idle commit watcher (wakeups.py) looks less often and less deeply, and still wakes the owner of
+the first commit after the quiet at once."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import psycopg
 import pytest
 
 from outbox_relay import wakeups
@@ -43,3 +46,29 @@ def test_a_quiet_watcher_backs_off_and_the_first_commit_brings_it_back(
         wait_until(lambda: len(calls) > found_at + 1, 10, message="the next call")
     assert calls[found_at][0] == 16, "the commit was found by a look at the longest interval"
     assert calls[found_at + 1][0] == 1, "the first commit brought the shortest interval back"
+
+
+def _index_scans(conn: psycopg.Connection[Any]) -> int:
+    """Scans of the events indexes by this transaction (not yet flushed to pg_stat_*)."""
+    (n,) = conn.execute("SELECT coalesce(sum(pg_stat_get_xact_numscans(i.indexrelid)), 0)::int "  # type: ignore[misc]
+                        "FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid "
+                        "JOIN pg_namespace s ON s.oid = c.relnamespace "
+                        "WHERE s.nspname = 'outbox' AND c.relname LIKE 'events%'").fetchone()
+    return int(n)
+
+
+def test_an_idle_look_compares_snapshots_and_scans_nothing(dsn: str) -> None:
+    """While no transaction with an id ends, a look (0023) is a snapshot comparison: fifty looks
+    make no index scan; the first commit after them is still found."""
+    with psycopg.connect(dsn) as conn, psycopg.connect(dsn) as other:
+        other.execute("SELECT pg_current_xact_id()")  # open, with an id: nothing has ended while it stays
+        (since,) = conn.execute("SELECT snapshot::text FROM outbox.watch_commits_v1(NULL, 0, 1)").fetchone()  # type: ignore[misc]
+        scans = _index_scans(conn)
+        row = conn.execute("SELECT snapshot::text, buckets FROM outbox.watch_commits_v1(%s::pg_snapshot, 50, 1)",
+                           (since,)).fetchone()
+        assert row == (since, None)
+        assert _index_scans(conn) == scans, "an idle look scanned the events indexes"
+        [event] = publish(dsn, [("key-1", "t", {})])
+        row = conn.execute("SELECT buckets FROM outbox.watch_commits_v1(%s::pg_snapshot, 2000, 1)",
+                           (since,)).fetchone()
+        assert row is not None and row[0] is not None and event
