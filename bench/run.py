@@ -12,6 +12,8 @@ Cases (bench/README.md explains each one and its caveats):
                (drain, tuned and reference run interleaved when selected together)
     latency    commit-to-ack latency at 1k and 5k events/s with 1 and 4 relays, ours and the tuned SQL relay
     longtx     the same while a writing transaction stays open on the server, next to a run without one
+    idle       1 and 4 relays with nothing to deliver: CPU of relays + their backends, then the first event
+               after a quiet spell (idle.py; --idle-baseline DIR: the same for the code exported there)
     fleet      32 and 64 relays on a server of their own: idle statements/s, wake-ups per commit,
                housekeeping passes, connections, bucket balance, hand-over times
     enqueue    4 concurrent producer processes, 1 and 100 events per transaction
@@ -50,6 +52,7 @@ warnings.filterwarnings("ignore", module="platformdirs")
 
 import cpu  # noqa: E402
 import fleet  # noqa: E402
+import idle  # noqa: E402
 import issue8  # noqa: E402
 import projection_cases  # noqa: E402
 import psycopg  # noqa: E402
@@ -135,22 +138,24 @@ class Bench:
     # -- relay processes -----------------------------------------------------------------------
 
     @staticmethod
-    def relay_env(dsn: str, projections: bool = False) -> dict[str, str]:
+    def relay_env(dsn: str, projections: bool = False, code: Path | None = None) -> dict[str, str]:
+        """``code``: a directory with another version's outbox_relay package (a baseline), imported first."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
         env["OUTBOX_DSN"] = dsn
-        if projections:  # bench_projection.py lives here
-            env["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+        if projections or code:  # bench_projection.py lives here
+            env["PYTHONPATH"] = os.pathsep.join([*([str(code)] if code else []), str(HERE),
+                                                 *filter(None, [os.environ.get("PYTHONPATH")])])
         return env
 
     def start_relays(self, n: int, dsn: str, topic: str, tag: str, extra: Sequence[str] = (),
                      projections: bool = False,
-                     acks_to: Sequence[Path] = (), batch_size: int | None = -1,
+                     acks_to: Sequence[Path] = (), batch_size: int | None = -1, code: Path | None = None,
                      ) -> list[tuple[str, subprocess.Popen[bytes]]]:
         """``acks_to``: one file per relay, where it writes each event's broker-ack time when it stops
         (bench/ack_relay.py: the same command with an Observer.acknowledged hook). ``batch_size``: the relays'
         --batch-size (-1: the bench's --batch-size; None: none given, the relay's own default)."""
         size = self.args.batch_size if batch_size == -1 else batch_size
-        env = self.relay_env(dsn, projections)
+        env = self.relay_env(dsn, projections, code)
         relays = []
         for i in range(n):
             wid = f"bench-{tag}-{i}"
@@ -1361,6 +1366,9 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     row(case, "commit -> ack p99 ms, last quarter of the window", "ms",
                         [r["ack_p99_last_quarter_ms"] for r in rs])
                     row(case, "transaction held open s", "s", [r["held_seconds"] for r in rs])
+    if "idle" in results:
+        lines.append("")
+        lines.extend(idle.report_rows(argparse.Namespace(**a), results["idle"]))
     if "fleet" in results:
         for f_n in a["fleet_sizes"]:
             rs = [r for r in results["fleet"] if r["relays"] == f_n]
@@ -1529,6 +1537,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--longtx-relays", type=int, default=4)
     p.add_argument("--longtx-kinds", default="ours,tuned")
     p.add_argument("--longtx-runs", type=int, default=None, help="default: --runs (--quick: 1)")
+    p.add_argument("--idle-relays", default="1,4", help="idle case: relay process counts, comma list")
+    p.add_argument("--idle-seconds", type=float, default=60.0, help="idle case: the CPU window")
+    p.add_argument("--idle-settle", type=float, default=10.0, help="idle case: quiet seconds before the window")
+    p.add_argument("--idle-events", type=int, default=20, help="idle case: single-event commits after quiet gaps")
+    p.add_argument("--idle-gap", type=float, default=10.0, help="idle case: quiet seconds before each (plus 0-1 s)")
+    p.add_argument("--idle-runs", type=int, default=1)
+    p.add_argument("--idle-max-intervals", default="",
+                   help="idle case: also run this tree with each of these --watch-max-interval-ms, comma list")
+    p.add_argument("--idle-baseline", default=None,
+                   help="idle case: also run the outbox_relay package in this directory (git archive main | tar -x)")
     p.add_argument("--fleet-sizes", default="32,64", help="relay processes in the fleet case, comma list")
     p.add_argument("--fleet-runs", type=int, default=1)
     p.add_argument("--fleet-idle-seconds", type=float, default=None, help="default 60, --quick 20")
@@ -1599,6 +1617,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.longtx_kinds = [x for x in args.longtx_kinds.split(",") if x]
     args.longtx_runs = args.longtx_runs or (1 if quick else args.runs)
     args.fleet_sizes = [int(x) for x in args.fleet_sizes.split(",")]
+    args.idle_relays = [int(x) for x in args.idle_relays.split(",")]
+    args.idle_max_intervals = [x for x in args.idle_max_intervals.split(",") if x]
     args.fleet_idle_seconds = args.fleet_idle_seconds or (20.0 if quick else 60.0)
     args.fleet_commits = args.fleet_commits or (60 if quick else 120)
     args.fleet_settle_seconds = args.fleet_settle_seconds if args.fleet_settle_seconds is not None else (
@@ -1655,6 +1675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases: dict[str, Callable[[], None]] = {"+".join(together): lambda: bench.case_throughput(together),
                                                 "latency": bench.case_latency, "longtx": bench.case_longtx,
                                                 "fleet": lambda: fleet.case_fleet(bench),
+                                                "idle": lambda: idle.case_idle(bench),
                                                 "enqueue": bench.case_enqueue,
                                                 "claim": bench.case_claim, "profile": bench.case_profile,
                                                 "projection": lambda: projection_cases.case_projection(bench),
