@@ -60,7 +60,8 @@ def _migrate_with(code: Path | None, dsn: str) -> None:
               "assert code is None or outbox_relay.__file__.startswith(code), outbox_relay.__file__; "
               "migrate(sys.argv[1]); c = psycopg.connect(sys.argv[1], autocommit=True); "
               "store.register_sink(c, 'kafka', 'kafka')").replace("code", repr(str(code)) if code else "None")
-    subprocess.run([sys.executable, "-c", script, dsn], env=env, check=True)
+    # In its directory: `python -c` puts the working directory first on sys.path.
+    subprocess.run([sys.executable, "-c", script, dsn], env=env, check=True, cwd=code)
 
 
 def _threads(pids: list[int]) -> dict[str, float]:
