@@ -3,6 +3,7 @@ the first commit after the quiet at once."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import psycopg
@@ -72,3 +73,20 @@ def test_an_idle_look_compares_snapshots_and_scans_nothing(dsn: str) -> None:
         row = conn.execute("SELECT buckets FROM outbox.watch_commits_v1(%s::pg_snapshot, 2000, 1)",
                            (since,)).fetchone()
         assert row is not None and row[0] is not None and event
+
+
+def test_a_commit_while_a_call_sleeps_is_found_by_that_call(dsn: str) -> None:
+    """The comparison sees the server's current snapshot at every look, not the one of the call's
+    start: a commit made while a call waits is returned by that call, not left for its deadline."""
+    result: list[Any] = []
+    with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn, autocommit=True) as admin:
+        (since,) = conn.execute("SELECT snapshot::text FROM outbox.watch_commits_v1(NULL, 0, 1)").fetchone()  # type: ignore[misc]
+        pid = conn.info.backend_pid
+        call = threading.Thread(target=lambda: result.append(conn.execute(
+            "SELECT buckets FROM outbox.watch_commits_v1(%s::pg_snapshot, 30000, 8)", (since,)).fetchone()))
+        call.start()
+        wait_until(lambda: admin.execute("SELECT wait_event = 'PgSleep' FROM pg_stat_activity WHERE pid = %s",
+                                         (pid,)).fetchone() == (True,), 10, message="the call to sleep")
+        publish(dsn, [("key-1", "t", {})])
+        call.join(60)
+    assert result and result[0][0] is not None, "the call did not see the commit made while it slept"
