@@ -49,7 +49,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, 
 
 from ..backoff import Backoff
 from ..dsn import redact
-from ..errors import LeaseLost
+from ..errors import LeaseLost, counted
 from ..hosts import pid_alive
 from ..sqlfiles import query
 from .message import InboxMessage
@@ -679,8 +679,8 @@ class InboxConsumer:
             log.warning("database unavailable: %s", redact(str(exc)))
             self._hold_for_database(p, message)  # its next turn finds the attempts spent: dead-letters it
             return
-        log.error("%s/%d@%d (id %s): %d attempts failed: moved to the inbox's dead letters: %s", message.topic,
-                  message.partition, message.offset, message.id, p.attempts, error)
+        log.error("%s/%d@%d (id %s): %s failed: moved to the inbox's dead letters: %s", message.topic,
+                  message.partition, message.offset, message.id, counted(p.attempts, "attempt"), error)
         self.stats.dead += 1
         if p.held is None:
             self._unassign(p)
