@@ -14,6 +14,7 @@ from outbox_relay.errors import LeaseLost
 from outbox_relay.inbox import InboxMessage, apply_test_message, make_message, migrate_inbox
 from outbox_relay.inbox.admin import drop_dead_letters, list_dead_letters, request_retry, show_dead_letter
 from outbox_relay.inbox.consumer import InboxConsumer
+from outbox_relay.inbox.schema import inbox_migrations
 from outbox_relay.inbox.store import HandlerBrokeTransaction, InboxStuck, Lease, apply_batch, apply_message, dead_letter
 from outbox_relay.inbox.testing import TESTING_MEMBER
 from tests.integration import inbox_app
@@ -256,7 +257,9 @@ def test_retention_deletes_old_dedupe_records_in_bounded_batches(inbox_dsn: str,
 def test_migrate_is_idempotent_and_needs_no_outbox_schema(database_factory: Callable[..., str]) -> None:
     dsn = database_factory()
     with psycopg.connect(dsn, autocommit=True) as conn:
-        assert migrate_inbox(conn) == ["0001_initial", "0002_crash_attempts"]
+        applied = migrate_inbox(conn)
+        assert applied == [f"{v:04d}_{name}" for v, name, _ in inbox_migrations()]
+        assert applied[:2] == ["0001_initial", "0002_crash_attempts"] and "0004_incarnations" in applied
         assert migrate_inbox(conn) == []
         assert conn.execute("SELECT to_regnamespace('outbox')").fetchone() == (None,)
 
