@@ -31,13 +31,14 @@ LEASE = 2.0
 BOUND = LEASE + LEASE / 3 + 8.0
 
 
-def start(tmp: Path, member: str, dsn: str, bootstrap: str, topic: str) -> subprocess.Popen[bytes]:
+def start(tmp: Path, member: str, dsn: str, bootstrap: str, topic: str,
+          lease: float = LEASE) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OUTBOX_INBOX_DSN": dsn, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     with (tmp / "consumer.log").open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "outbox_relay.cli", "inbox", "run",
              "--handler", "tests.integration.inbox_app:handle", "--topic", topic,
-             "--bootstrap-servers", bootstrap, "--member-id", member, "--lease-seconds", str(LEASE),
+             "--bootstrap-servers", bootstrap, "--member-id", member, "--lease-seconds", str(lease),
              "--verify-seconds", "3"],
             env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -111,3 +112,48 @@ def test_a_message_that_kills_a_consumer_with_a_stable_member_id_is_dead_lettere
     finally:
         supervisor.stop()
     assert Counter(e[0] for e in effects(dsn)) == Counter(before + after), "each exactly once"
+
+
+def test_a_paused_holder_with_the_same_member_id_is_waited_out_and_fenced(
+        database_factory: Callable[..., str], kafka_bootstrap: str, kafka_topic: str, tmp_path: Path) -> None:
+    """A holder that is alive (here: SIGSTOP; or on another host) is not taken over at once: the new run
+    under its id waits for its leases to run out (``inbox status`` says so), then claims them; the old
+    run, resumed, finds them gone, applies nothing, and its stop releases nothing of the new run's."""
+    dsn = database_factory()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate_inbox(conn)
+        setup(conn)
+    lease = 8.0  # longer than the new run's start-up: it finds the old leases running
+    first = start(tmp_path, "pod-0", dsn, kafka_bootstrap, kafka_topic, lease)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        wait_until(lambda: [p["state"] for p in status(dsn)] == ["consuming"] * 4, 60, 0.2, "the first run holds all")
+        first.send_signal(signal.SIGSTOP)
+        paused = time.monotonic()
+        second = start(tmp_path, "pod-0", dsn, kafka_bootstrap, kafka_topic, lease)
+        waiting = wait_until(lambda: [p for p in status(dsn) if p["state"] == "waiting for previous run"], 30, 0.1,
+                             "status: waiting for the previous run's leases")
+        assert "did not release it" in str(waiting[0]["detail"]), waiting
+        wait_until(lambda: [p["state"] for p in status(dsn)] == ["consuming"] * 4, lease + lease / 3 + 10, 0.1,
+                   "the new run holds all after the old leases ran out")
+        took = time.monotonic() - paused
+        ids = produce_events(kafka_bootstrap, kafka_topic, [(f"k{i}", i % 4, {"n": i}) for i in range(20)])
+        wait_until(lambda: len(effects(dsn)) == 20, 30, 0.1, "the new run applies")
+        first.send_signal(signal.SIGCONT)
+        log = tmp_path / "consumer.log"
+        wait_until(lambda: "also used by another live process" in log.read_text(errors="replace"), 30, 0.2,
+                   "the clash is logged")
+        more = produce_events(kafka_bootstrap, kafka_topic, [(f"k{i}", i % 4, {"n": i}) for i in range(20)])
+        wait_until(lambda: len(effects(dsn)) == 40, 30, 0.1, "applied while both run")
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0
+        assert [p["state"] for p in status(dsn)] == ["consuming"] * 4, "the old run's stop left the new run's leases"
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0
+        assert [p["state"] for p in status(dsn)] == ["free"] * 4
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+    assert Counter(e[0] for e in effects(dsn)) == Counter(ids + more), "each exactly once"
+    print(f"paused holder: taken over {took:.2f}s after it stopped (lease {lease:g}s)")
