@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import threading
 import time
-import uuid
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -50,8 +47,8 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, 
 from ..backoff import Backoff
 from ..dsn import redact
 from ..errors import LeaseLost, counted
-from ..hosts import pid_alive
 from ..sqlfiles import query
+from .incarnation import Run
 from .message import InboxMessage
 from .schema import check_inbox_schema, connect
 from .settings import InboxSettings
@@ -147,15 +144,7 @@ class InboxConsumer:
         # Partitions reassigned while a fetched batch is handled: the rest of the batch's messages of
         # them are from before (the client drops what it holds itself, not what it already returned).
         self._reassigned: set[tuple[str, int]] = set()
-        # This run of the process: its leases are its own, not its member id's (a restart with the same id
-        # must not renew the leases of the run before it, which nobody consumes).
-        self.incarnation = uuid.uuid4().hex
-        self.host = socket.gethostname()
-        # A previous run under this member id, known to be dead (on this host, its pid gone): its leases are
-        # claimed at once instead of when they run out.
-        self._gone: str | None = None
-        self._joined = False
-        self._clash: tuple[str | None, int | None] | None = None  # the other live process using the member id
+        self.this_run = Run(settings.consumer, settings.member_id, settings.lease_seconds)  # its leases are its own
         # For /healthz, /readyz and the gauges (read by the metrics server's threads): written by this thread.
         self.share = 0  # partitions this process should hold, from the last membership round
         self._membership_ok_at: float | None = None  # monotonic time of the last membership round that went through
@@ -213,7 +202,7 @@ class InboxConsumer:
         self._closing = True
         if self._control is not None and not self._control.closed:
             try:
-                self._control.execute(query("inbox", "leave"), self._member())
+                self._control.execute(query("inbox", "leave"), self.this_run.params())
             except psycopg.Error as exc:
                 log.warning("could not release the leases (they lapse after %gs): %s", self.settings.lease_seconds,
                             redact(str(exc)))
@@ -258,10 +247,6 @@ class InboxConsumer:
         if not self._broker_answered:
             problems.append("the brokers did not answer the last metadata request")
         return problems
-
-    def _member(self) -> dict[str, Any]:
-        return {"consumer": self.settings.consumer, "member": self.settings.member_id, "host": self.host,
-                "pid": os.getpid(), "incarnation": self.incarnation}
 
     def _on_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError._ALL_BROKERS_DOWN:
@@ -318,15 +303,11 @@ class InboxConsumer:
         assert self._control is not None and self._kafka is not None
         s = self.settings
         try:
-            before = self._control.execute(query("inbox", "join"), self._member()).fetchone()
-            if before is not None:
-                self._another_run(*before)
-            self._joined = True
+            self.this_run.joined(self._control.execute(query("inbox", "join"), self.this_run.params()).fetchone())
             self._discover()
             topics = list(self.settings.topics)
             held = {(r[0], r[1]): r[2] for r in self._control.execute(query("inbox", "renew"), {
-                "consumer": s.consumer, "member": s.member_id, "incarnation": self.incarnation, "topics": topics,
-                "lease": s.lease_seconds})}
+                **self.this_run.params(), "topics": topics, "lease": s.lease_seconds})}
             for key, p in list(self.partitions.items()):
                 if held.get(key) != p.fence:
                     log.warning("lost the lease of %s/%d: another process applies it now", *key)
@@ -340,8 +321,7 @@ class InboxConsumer:
                 self._release(p)
             if len(self.partitions) < share:
                 claimed = self._control.execute(query("inbox", "claim"), {
-                    "consumer": s.consumer, "member": s.member_id, "incarnation": self.incarnation,
-                    "gone": self._gone, "topics": topics, "lease": s.lease_seconds,
+                    **self.this_run.params(), "topics": topics, "lease": s.lease_seconds,
                     "limit": share - len(self.partitions)}).fetchall()
                 for topic, partition, fence, next_offset, last_id, lapsed, attempt_id, attempts, error in claimed:
                     p = _Partition(topic, partition, fence, next_offset, last_id, attempt_id=attempt_id,
@@ -360,29 +340,6 @@ class InboxConsumer:
             log.warning("inbox membership: database unavailable: %s", redact(str(exc)))
             if self._control.closed or self._control.broken:
                 self._control = _try_connect(self.dsn, autocommit=True) or self._control
-
-    def _another_run(self, incarnation: str | None, host: str | None, pid: int | None, silent: float) -> None:
-        """The member id was registered by another run: a previous one (killed, crashed) or, heard from
-        after this one joined, a live process given the same id."""
-        member, lease = self.settings.member_id, self.settings.lease_seconds
-        if self._joined:
-            if (host, pid) == self._clash:
-                return  # said once; the two keep overwriting the registration
-            self._clash = (host, pid)
-            log.error("member id %s is also used by another live process (host %s, pid %s): give each process its "
-                      "own --member-id; each applies only the partitions it claimed", member, host, pid)
-            return
-        if incarnation is not None and host == self.host and pid is not None and (pid == os.getpid()
-                                                                                  or not pid_alive(pid)):
-            # Its pid is gone from this host, or is ours (a container's pid 1): that run is over.
-            self._gone = incarnation
-            log.warning("member id %s: the previous run on this host (pid %s, heard from %.1fs ago) stopped without "
-                        "releasing its partitions: they are claimed now, each applied carefully", member, pid, silent)
-        elif silent < lease:
-            log.warning("member id %s was used by a process on %s (pid %s) heard from %.1fs ago: the partitions it "
-                        "holds are claimed when their leases run out (within %gs), unless it renews them (then "
-                        "two processes share this id: give each its own --member-id)", member, host, pid, silent,
-                        lease - silent)
 
     def _watermarks(self) -> None:
         """The high watermark each held partition's last fetch returned (librdkafka's cache: no request;
