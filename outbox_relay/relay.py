@@ -42,7 +42,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import store
 from .backoff import Backoff
 from .dsn import describe_error
-from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck
+from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck, counted
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor, Snapshot
 from .settings import RelaySettings
@@ -1012,8 +1012,8 @@ class SinkRunner:
             self._check_parked_at = 0.0
         dead = [(e, attempts, error) for e, attempts, error in cp.dead if e.bucket in ok]
         for e, attempts, error in dead:
-            log.error("sink %s: event %s (key %r, type %s) dead-lettered after %d attempts: %s",
-                      self.sink.name, e.id, e.key, e.type, attempts, error)
+            log.error("sink %s: event %s (key %r, type %s) dead-lettered after %s: %s",
+                      self.sink.name, e.id, e.key, e.type, counted(attempts, "attempt"), error)
         delivered = [e for e in cp.delivered if e.bucket in ok]
         # A parked event with an error but no attempt added waits for a condition of the sink (held).
         retried = held = 0

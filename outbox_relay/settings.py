@@ -46,6 +46,29 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+# -- what the inbox's settings (outbox_relay.inbox.settings) share with the relay's: the same checks, and
+# the same variables for the same things (the OUTBOX_DSN and OUTBOX_KAFKA_BOOTSTRAP_SERVERS that
+# `outbox-relay dev` prints serve both).
+
+
+def _dsn_value(value: SecretStr) -> SecretStr:
+    dsn = value.get_secret_value()
+    if not dsn.strip():  # libpq reads "" as every default: the silent guess a required DSN prevents
+        raise ValueError(NO_DSN)
+    remember_dsn(dsn)  # before anything can fail and print it
+    check_dsn(dsn)
+    return value
+
+
+def _kafka_values(value: dict[str, str]) -> dict[str, str]:
+    return {k: _option_value(k, v) for k, v in value.items()}
+
+
+Dsn = Annotated[SecretStr, AfterValidator(_dsn_value)]
+KafkaOptions = Annotated[dict[str, str], AfterValidator(_kafka_values)]
+KAFKA_OPTIONS_HELP = ("a value @PATH is read from that file (secrets stay out of `ps`), @@ stands for a literal @")
+
+
 # -- the webhook sink's settings (outbox_relay.webhook): shared by RelaySettings (``outbox-relay run
 # --webhook-url ...``) and WebhookSettings (``--sink outbox_relay.webhook:from_env``).
 
@@ -172,7 +195,7 @@ class RelaySettings(BaseSettings):
                                       allow_inf_nan=False)
 
     # Required: a default database is a silent guess (it once put the schema into `postgres`).
-    dsn: SecretStr = Field(description="PostgreSQL connection string")
+    dsn: Dsn = Field(description="PostgreSQL connection string")
     worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200,
                            description="unique per process")
 
@@ -184,10 +207,10 @@ class RelaySettings(BaseSettings):
     kafka_bootstrap_servers: str | None = Field(
         None, min_length=1, max_length=4096,
         description="Kafka bootstrap servers, e.g. 127.0.0.1:9092 (required while Kafka is on)")
-    kafka_config: dict[str, str] = Field(
+    kafka_config: KafkaOptions = Field(
         default_factory=dict,
-        description="extra librdkafka settings, e.g. security.protocol, sasl.*, ssl.* (passed through); a value "
-                    "@PATH is read from that file (secrets stay out of `ps`), @@ stands for a literal @",
+        description="extra librdkafka settings, e.g. security.protocol, sasl.*, ssl.* (passed through); "
+                    + KAFKA_OPTIONS_HELP,
     )
     kafka_config_file: Path | None = Field(
         None, description="librdkafka settings from a file of KEY=VALUE lines (# comments); --kafka-option and "
@@ -294,16 +317,6 @@ class RelaySettings(BaseSettings):
         description="about how much time one history partition of outbox.events covers (sized from the "
                     "transaction rate; retention drops whole partitions, so this is its granularity)")
 
-    @field_validator("dsn")
-    @classmethod
-    def _dsn(cls, value: SecretStr) -> SecretStr:
-        dsn = value.get_secret_value()
-        if not dsn.strip():  # libpq reads "" as every default: the silent guess a required DSN prevents
-            raise ValueError(NO_DSN)
-        remember_dsn(dsn)  # before anything can fail and print it
-        check_dsn(dsn)
-        return value
-
     @field_validator("kafka_sink")
     @classmethod
     def _kafka_sink(cls, value: str) -> str:
@@ -358,11 +371,6 @@ class RelaySettings(BaseSettings):
         if len(set(value)) != len(value):
             raise ValueError(f"a sink is named twice: {value}")
         return value
-
-    @field_validator("kafka_config")
-    @classmethod
-    def _kafka_values(cls, value: dict[str, str]) -> dict[str, str]:
-        return {k: _option_value(k, v) for k, v in value.items()}
 
     @model_validator(mode="after")
     def _consistent(self) -> RelaySettings:

@@ -37,6 +37,7 @@ from .assignment import buckets_of, rebalance
 from .backoff import Backoff
 from .dsn import connection_problem, probe_connection, redact
 from .errors import ConfigurationError, OutboxError, WorkerIdInUse
+from .hosts import pid_alive
 from .housekeeping import Housekeeping, application_name
 from .migrate import check_schema, latest_version
 from .observer import NULL_OBSERVER, Observer, guarded
@@ -221,7 +222,7 @@ class Worker:
             return
         except WorkerIdInUse as exc:
             if exc.host != socket.gethostname() or (exc.pid is not None and exc.pid != os.getpid()
-                                                    and _pid_alive(exc.pid)):
+                                                    and pid_alive(exc.pid)):
                 store.record_clash(conn, self.id, socket.gethostname(), os.getpid())
                 raise
             log.warning("worker id %s: taking over the registration of a previous run on this host (pid %s, "
@@ -638,14 +639,3 @@ class Worker:
                 log.warning("listener: %s: %s; polling until it reconnects (in %.0fs)", type(exc).__name__,
                             redact(str(exc)), delay)
                 self.stopped.wait(delay)
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True

@@ -19,10 +19,11 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from ..errors import ConfigurationError
+from ..settings import default_text
 from . import admin
 from .consumer import InboxConsumer
 from .schema import check_inbox_schema, connect, migrate_inbox
-from .settings import ENV_PREFIX, InboxSettings, env_var, load_inbox_settings
+from .settings import ENV_PREFIX, InboxSettings, env_var, env_vars, load_inbox_settings
 from .store import Handler
 
 EXIT_OK = 0
@@ -92,7 +93,7 @@ def _consumer(p: argparse.ArgumentParser) -> None:
 
 
 def _setting(p: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
-    default = "required" if field.is_required() else ("host-pid" if name == "member_id" else field.default)
+    default = "host-pid" if name == "member_id" else default_text(name, field)
     text = f"{field.description} (default: {default}; {env_var(name)})"
     if name == "topics":
         p.add_argument("--topic", dest="topics", action="append", default=None, help=text + "; repeatable")
@@ -114,7 +115,7 @@ def _dsn_of(args: argparse.Namespace) -> str:
 
     from ..dsn import check_dsn, remember_dsn
 
-    dsn = args.dsn or os.environ.get(env_var("dsn"), "")
+    dsn = args.dsn or next((os.environ[v] for v in env_vars("dsn") if os.environ.get(v)), "")
     if not dsn.strip():
         raise ConfigurationError(f"no database given: pass --dsn or set {env_var('dsn')}")
     remember_dsn(dsn)

@@ -237,16 +237,21 @@ def test_a_crash_mid_slice_resumes_at_the_last_slice_with_no_double_effect(dsn: 
     assert sorted(r[0] for r in rows) == sorted(ids) and {r[3] for r in rows} == {0}
 
 
-def test_a_handler_failure_hands_over_to_the_relay_phase(dsn: str, live: Any) -> None:
+def test_a_handler_failure_hands_over_to_the_relay_phase(dsn: str, live: Any, caplog: pytest.LogCaptureFixture) -> None:
     """The failing events are retried and dead-lettered by the relay phase exactly as before; in each lane
     everything before the slice of its first failing event was applied by the bulk phase, the rest by the
-    relay phase."""
+    relay phase. The hand-over logs the handler's error as raised (it said "Redo: 'customer'" for a
+    KeyError: the walk's exception that carried it)."""
     ids = publish(dsn, counted(10, 30))
     poison = ids[10 * 12 + 3]  # key k3, i == 12: in the third slice
     live(tally(fail_i=12), len(ids) - 10)
     live_model = model(dsn)
+    caplog.set_level(logging.INFO, logger="outbox_relay.rebuild")
 
     result = Rebuild(tally(fail_i=12), settings(dsn), progress=None).run()
+
+    handed = [r.getMessage() for r in caplog.records if "relay phase takes over" in r.getMessage()]
+    assert handed and all("(ValueError: event 12 fails)" in m for m in handed), handed
 
     assert result is not None
     assert model(dsn) == live_model
