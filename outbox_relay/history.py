@@ -58,15 +58,17 @@ def make_ahead(conn: Conn, seconds: float, min_width: int = MIN_PARTITION_XIDS) 
 
 
 def retire(conn: Conn, retention_seconds: float, budget_seconds: float) -> list[Retired]:
-    """Drop partitions that may go, oldest first, each in its own short transaction, within a time budget;
-    then release the copies of parked and dead-lettered events (0015) that nothing names any more."""
+    """Store ``retention_seconds`` as the default class's keep (0019: all that retention goes by), drop
+    partitions that may go, oldest first, each in its own short transaction, within a time budget; then
+    release the copies of parked and dead-lettered events (0015) that nothing names any more."""
+    conn.execute(query("history", "store_default_keep"), {"retention": retention_seconds})
     done: list[Retired] = []
     deadline = time.monotonic() + budget_seconds
     while time.monotonic() < deadline:
         try:
             with conn.transaction():
                 conn.execute(query("history", "lock_timeout"), {"ms": LOCK_TIMEOUT_MS})
-                row = conn.execute(query("history", "retire_partition"), {"retention": retention_seconds}).fetchone()
+                row = conn.execute(query("history", "retire_partition")).fetchone()
         except psycopg.errors.LockNotAvailable:
             log.info("history: the events table was busy; retention goes on at the next pass")
             break
