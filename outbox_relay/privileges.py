@@ -104,6 +104,16 @@ ROW_SECURITY = "\n".join((
 ))
 
 
+def close_to_public(schema: str) -> str:
+    """What ``migrate`` (and ``inbox migrate``) runs after applying migrations: nothing in ``schema`` open
+    to PUBLIC, so that a function a later migration adds starts closed (PostgreSQL grants EXECUTE on new
+    functions to PUBLIC, and ``ALTER DEFAULT PRIVILEGES ... IN SCHEMA`` can not revoke that: a per-schema
+    default only adds to the global one)."""
+    assert schema in SCHEMAS  # a fixed name, never input
+    kinds = ("SCHEMA", "ALL TABLES IN SCHEMA", "ALL SEQUENCES IN SCHEMA", "ALL FUNCTIONS IN SCHEMA")
+    return "\n".join(f"REVOKE ALL ON {kind} {schema} FROM PUBLIC;" for kind in kinds)
+
+
 def _comment(text: str) -> list[str]:
     lines, line = [], "--"
     for word in text.split():
