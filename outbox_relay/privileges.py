@@ -139,16 +139,27 @@ def grants_sql() -> str:
     ]
     for g in GRANTS:
         out += ["", *_comment(g.why)] if g.why else []
-        kind = "FUNCTION " if g.functions else ""
-        objects = kind + ", ".join(f"outbox.{o}" for o in g.objects)
-        columns = f" ({', '.join(g.columns)})" if g.columns else ""
-        privileges = ", ".join(g.privileges)
-        line = f"GRANT {privileges}{columns} ON {objects} TO {', '.join(g.roles)};"
-        if len(line) > 110:  # one object a line
-            objects = kind + f",\n       {' ' * len(kind)}".join(f"outbox.{o}" for o in g.objects)
-            line = f"GRANT {privileges}{columns}\n    ON {objects}\n    TO {', '.join(g.roles)};"
-        out.append(line)
+        out.append(_statement(g, ", ".join(g.roles)))
     return "\n".join([*out, "", ROW_SECURITY, "COMMIT;"]) + "\n"
+
+
+def grant_statements(role: str, grantee: str) -> list[str]:
+    """The GRANTs of ``role`` (one of ROLES) given to ``grantee`` instead (a quoted identifier): for a
+    login that should hold exactly one kind's rights without being a member of it (tests)."""
+    return [f"GRANT USAGE ON SCHEMA outbox TO {grantee};",
+            *(_statement(g, grantee) for g in GRANTS if role in g.roles)]
+
+
+def _statement(g: Grant, grantees: str) -> str:
+    kind = "FUNCTION " if g.functions else ""
+    objects = kind + ", ".join(f"outbox.{o}" for o in g.objects)
+    columns = f" ({', '.join(g.columns)})" if g.columns else ""
+    privileges = ", ".join(g.privileges)
+    line = f"GRANT {privileges}{columns} ON {objects} TO {grantees};"
+    if len(line) > 110:  # one object a line
+        objects = kind + f",\n       {' ' * len(kind)}".join(f"outbox.{o}" for o in g.objects)
+        line = f"GRANT {privileges}{columns}\n    ON {objects}\n    TO {grantees};"
+    return line
 
 
 def expected_table_rights(role: str) -> dict[str, set[str]]:
