@@ -118,7 +118,10 @@ CREATE TABLE outbox.partitions (
     xid_to      xid8,
     created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
     created_xid xid8        NOT NULL DEFAULT pg_current_xact_id(),  -- sizes the next range (xid rate)
-    CONSTRAINT partitions_pkey PRIMARY KEY (name)
+    CONSTRAINT partitions_pkey PRIMARY KEY (name),
+    -- 0019: when retention first saw its range closed (NULL: not yet; '-infinity': closed before 0019).
+    -- Its keep counts from the later of this and its newest event (created_at: the transaction's start).
+    closed_at   timestamptz
 );
 
 CREATE TABLE outbox.events_default PARTITION OF outbox.events DEFAULT;
@@ -836,6 +839,16 @@ BEGIN
         RETURN format('within retention (class %s keeps %s; newest event %s)',
                       coalesce(p.class, '(all classes)'), k.keep, newest);
     END IF;
+    -- 0019: and from when its range closed (retire_partition_v1 records it): a long transaction's events
+    -- carry its start, so they would otherwise go as soon as they are delivered.
+    IF p.range_name IS NOT NULL AND k.keep > interval '0' THEN
+        IF p.closed_at IS NULL AND outbox.range_open_v1(p.xid_from, p.xid_to) THEN
+            RETURN 'still being written';
+        ELSIF coalesce(p.closed_at, clock_timestamp()) >= clock_timestamp() - k.keep THEN
+            RETURN format('within retention (class %s keeps %s; its range closed %s)', p.class, k.keep,
+                          coalesce(p.closed_at::text, 'just now'));
+        END IF;
+    END IF;
     IF p.range_name IS NOT NULL THEN
         lo := p.xid_from;
         hi := p.xid_to;
@@ -909,6 +922,12 @@ BEGIN
         -- one still being written on are all open; a class kept for good is never looked into.
         IF p.range_name IS NOT NULL AND outbox.range_open_v1(p.xid_from, p.xid_to) THEN
             EXIT;
+        END IF;
+        -- 0019: when its range was first seen closed (about when the last transaction that wrote to it ended):
+        -- retention counts from then too, since an event's created_at is its transaction's start.
+        IF p.range_name IS NOT NULL AND p.closed_at IS NULL THEN
+            UPDATE outbox.partitions SET closed_at = clock_timestamp() WHERE range_name = p.range_name AND closed_at IS NULL;
+            p.closed_at := clock_timestamp();
         END IF;
         IF p.range_name IS NOT NULL AND (outbox.class_keep_v1(p.class, default_keep)).forever THEN
             CONTINUE;

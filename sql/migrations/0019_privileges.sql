@@ -24,12 +24,22 @@
 --   adds to the global one), and the global form would change the migrating role's functions in every
 --   schema; instead `migrate` revokes PUBLIC's rights in the schema after every run (migrate.CLOSE), and
 --   tests/integration/test_privileges.py fails on any function or table not declared.
+-- - Retention counts a range's keep from when it closed too (outbox.partitions.closed_at), not only from
+--   its newest event's created_at, which is its transaction's start (issue 25, finding 4).
 --
 -- No min-code-version: relays of version 18 keep working (their calls are kept, with these limits).
 
 ALTER TABLE outbox.housekeeping
     ADD COLUMN default_keep interval NOT NULL DEFAULT interval '604800 seconds'
         CONSTRAINT housekeeping_default_keep_valid CHECK (default_keep >= interval '0');
+
+-- Finding 4 of issue 25: an event's created_at is its transaction's start (now()), so the events of a
+-- transaction open for longer than their class's keep went as soon as they were delivered. A range's keep
+-- now also counts from when retention first saw it closed (no transaction that could write to it still
+-- running: about its last writer's commit). Ranges closed before this migration keep the old rule.
+ALTER TABLE outbox.partitions ADD COLUMN closed_at timestamptz;
+UPDATE outbox.partitions SET closed_at = '-infinity'
+WHERE range_name IS NOT NULL AND NOT outbox.range_open_v1(xid_from, xid_to);
 
 -- The default class keeps at least the stored keep (0019); otherwise as in 0015.
 CREATE OR REPLACE FUNCTION outbox.partition_hold_v1(leaf text, default_keep interval) RETURNS text
@@ -66,6 +76,16 @@ BEGIN
     IF newest >= clock_timestamp() - k.keep THEN
         RETURN format('within retention (class %s keeps %s; newest event %s)',
                       coalesce(p.class, '(all classes)'), k.keep, newest);
+    END IF;
+    -- 0019: and from when its range closed (retire_partition_v1 records it): a long transaction's events
+    -- carry its start, so they would otherwise go as soon as they are delivered.
+    IF p.range_name IS NOT NULL AND k.keep > interval '0' THEN
+        IF p.closed_at IS NULL AND outbox.range_open_v1(p.xid_from, p.xid_to) THEN
+            RETURN 'still being written';
+        ELSIF coalesce(p.closed_at, clock_timestamp()) >= clock_timestamp() - k.keep THEN
+            RETURN format('within retention (class %s keeps %s; its range closed %s)', p.class, k.keep,
+                          coalesce(p.closed_at::text, 'just now'));
+        END IF;
     END IF;
     IF p.range_name IS NOT NULL THEN
         lo := p.xid_from;
@@ -135,6 +155,12 @@ BEGIN
         -- one still being written on are all open; a class kept for good is never looked into.
         IF p.range_name IS NOT NULL AND outbox.range_open_v1(p.xid_from, p.xid_to) THEN
             EXIT;
+        END IF;
+        -- 0019: when its range was first seen closed (about when the last transaction that wrote to it ended):
+        -- retention counts from then too, since an event's created_at is its transaction's start.
+        IF p.range_name IS NOT NULL AND p.closed_at IS NULL THEN
+            UPDATE outbox.partitions SET closed_at = clock_timestamp() WHERE range_name = p.range_name AND closed_at IS NULL;
+            p.closed_at := clock_timestamp();
         END IF;
         IF p.range_name IS NOT NULL AND (outbox.class_keep_v1(p.class, default_keep)).forever THEN
             CONTINUE;
