@@ -5,6 +5,7 @@ installation, and relays of schema version 12 running against the new table."""
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -399,3 +400,30 @@ def test_a_long_transactions_events_are_kept_for_their_class_keep_after_it_ended
 
 def publish_in(conn: psycopg.Connection[Any]) -> uuid.UUID:
     return Outbox(default_topic="t").publish(conn, type="t", key="k", payload={}).id
+
+
+def test_a_roll_waiting_for_the_events_table_lets_producers_through(dsn: str) -> None:
+    """`retention roll` behind a long reader: producers queue behind a waiting ACCESS EXCLUSIVE request, so
+    the roll asks for it a short wait at a time (issue 25, finding 4: one wait of 5 s held them all up)."""
+    result: dict[str, Any] = {}
+    with psycopg.connect(dsn) as reader:
+        reader.execute("SELECT count(*) FROM outbox.events")  # holds ACCESS SHARE until it ends
+
+        def rolling() -> None:
+            try:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    result["rolled"] = history.roll(conn, 86400.0, min_width=1000)
+            except psycopg.Error as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=rolling)
+        thread.start()
+        wait_until(lambda: fetch_all(dsn, "SELECT count(*) FROM pg_locks WHERE NOT granted "
+                                          "AND relation = 'outbox.events'::regclass AND mode = 'AccessExclusiveLock'")
+                   == [(1,)], timeout=10, interval=0.005, message="the roll to wait for the lock")
+        with psycopg.connect(dsn) as producer:
+            publish_in(producer)
+            producer.commit()
+        assert thread.is_alive() and not result, "the producer got through only once the roll gave up"
+    thread.join(timeout=30)
+    assert "rolled" in result, result
