@@ -12,6 +12,7 @@ import psycopg
 
 from .dsn import redact
 from .errors import SchemaError
+from .privileges import close_to_public
 from .sqlfiles import sql_dir
 
 log = logging.getLogger("outbox_relay.migrate")
@@ -29,15 +30,6 @@ CREATE TABLE IF NOT EXISTS outbox.schema_migrations (
     name       text        NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
-"""
-# Run after every migrate that applied something: nothing in the schema is open to PUBLIC, so a function a
-# later migration adds starts closed (PostgreSQL grants EXECUTE to PUBLIC, and ALTER DEFAULT PRIVILEGES ...
-# IN SCHEMA can not take that back). The documented roles' grants: outbox_relay/privileges.py.
-CLOSE = """
-REVOKE ALL ON SCHEMA outbox FROM PUBLIC;
-REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
-REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
-REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
 """
 
 
@@ -96,8 +88,8 @@ def apply_migrations(conn: psycopg.Connection[Any]) -> list[Migration]:
                 conn.execute("UPDATE outbox.schema_migrations SET min_code_version = %s WHERE version = %s",
                              (m.min_code_version, m.version))
             applied.append(m)
-        if applied:
-            conn.execute(CLOSE)
+        if applied:  # a function a migration added starts closed
+            conn.execute(close_to_public("outbox"))
     return applied
 
 

@@ -1016,7 +1016,7 @@ $$;
 -- The first range, from now on.
 SELECT outbox.add_partition_v1(1000000, 86400);
 
--- 0019_privileges: nothing in the schema is open to PUBLIC (migrate.CLOSE repeats this after every run); the
+-- 0019_privileges: nothing in the schema is open to PUBLIC (migrate repeats this after every run); the
 -- documented roles' grants are in outbox_relay/privileges.py (docs/operations.md).
 REVOKE ALL ON SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;

@@ -22,8 +22,9 @@
 --   functions. Run the grants of docs/operations.md again afterwards, as after every migration.
 -- - ALTER DEFAULT PRIVILEGES ... IN SCHEMA can not revoke PUBLIC's EXECUTE (a per-schema default only
 --   adds to the global one), and the global form would change the migrating role's functions in every
---   schema; instead `migrate` revokes PUBLIC's rights in the schema after every run (migrate.CLOSE), and
---   tests/integration/test_privileges.py fails on any function or table not declared.
+--   schema; instead `migrate` revokes PUBLIC's rights in the schema after every run
+--   (privileges.close_to_public), and tests/integration/test_privileges.py fails on any function or table
+--   that is not declared.
 -- - Retention counts a range's keep from when it closed too (outbox.partitions.closed_at), not only from
 --   its newest event's created_at, which is its transaction's start (issue 25, finding 4).
 --
@@ -318,7 +319,6 @@ $$;
 
 DROP FUNCTION outbox.claim_idempotency_key_v1(text, text, uuid, bytea, xid8);
 
-
 -- Retire the oldest leaf that may go, by the stored keep and the classes: the relays' call (0019).
 CREATE FUNCTION outbox.retire_partition_v2(OUT leaf text, OUT removed bigint, OUT newest timestamptz)
     RETURNS SETOF record
@@ -328,7 +328,7 @@ BEGIN
 END
 $$;
 
--- Nothing open to PUBLIC (migrate.CLOSE repeats this after every run).
+-- Nothing open to PUBLIC (migrate repeats this after every run: privileges.close_to_public).
 REVOKE ALL ON SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
