@@ -192,6 +192,3 @@ def declared_functions() -> set[str]:
     """Every function of schema outbox this module knows of (granted to a role, or the owner's alone)."""
     return {o for g in GRANTS if g.functions for o in g.objects} | set(OWNER_ONLY_FUNCTIONS)
 
-
-if __name__ == "__main__":  # python -m outbox_relay.privileges: the grants block, from an installed package too
-    print(grants_sql(), end="")
