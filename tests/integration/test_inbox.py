@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox_relay import timelimit
 from outbox_relay.errors import LeaseLost
 from outbox_relay.inbox import InboxMessage, apply_test_message, make_message, migrate_inbox
 from outbox_relay.inbox.admin import drop_dead_letters, list_dead_letters, request_retry, show_dead_letter
@@ -96,7 +97,9 @@ def test_a_handler_past_its_time_limit_fails_its_attempt_and_its_writes_roll_bac
 
 
 def test_handlers_that_never_return_stop_the_consumer_and_free_its_partitions(
-        inbox_dsn: str, kafka_bootstrap: str, kafka_topic: str) -> None:
+        inbox_dsn: str, kafka_bootstrap: str, kafka_topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The process's cap of abandoned threads (timelimit.py, shared with the relay's sinks), 4 more from here.
+    monkeypatch.setattr(timelimit, "MAX_ABANDONED", timelimit.abandoned_threads() + 3)
     produce_events(kafka_bootstrap, kafka_topic, [("k", 0, {"n": 0})])
     release = threading.Event()
 
