@@ -88,7 +88,8 @@ def lane_buckets(lane: int) -> tuple[int, int]:
 
 
 class SliceFailed(Exception):
-    """A slice did not land (rolled back): the relay phase takes over from the last one that did."""
+    """A slice did not land (rolled back): the relay phase takes over from the last one that did. Its
+    message says why as an operator reads it (a handler's error as ``KeyError: 'customer'``)."""
 
 
 class Lost(Exception):
@@ -440,9 +441,11 @@ class BulkPhase:
                 raise
             raise SliceFailed("a statement failed") from None
         except Redo as exc:
-            raise SliceFailed(str(exc.__cause__ or "a handler failed")) from exc
+            # The handler's own error, not the walk's Redo that carries it.
+            pinned = next((f.error for f in exc.failed.values()), "a handler failed")
+            raise SliceFailed(describe_error(exc.__cause__) if exc.__cause__ is not None else pinned) from exc
         except Exception as exc:
-            raise SliceFailed(str(exc)) from exc
+            raise SliceFailed(describe_error(exc)) from exc
         failed = next((f for f in batch.outcomes.values() if f is not None), None)
         if failed is not None:  # an event decided without its handler (not preparable, an unknown type)
             raise SliceFailed(failed.error)
@@ -460,8 +463,7 @@ class BulkPhase:
         goes on from there, with retries, parking and dead letters for what failed. The other lanes go on
         (see the module docstring)."""
         self._handed = True
-        reason = (f"a handler did not return within {exc.seconds:g}s" if isinstance(exc, TimedOut)
-                  else f"{type(exc.__cause__ or exc).__name__}: {exc}")
+        reason = (f"a handler did not return within {exc.seconds:g}s" if isinstance(exc, TimedOut) else str(exc))
         log.info("rebuild %s: a slice of lane %d-%d of the bulk phase failed (%s); the relay phase takes over "
                  "that lane's buckets from its last slice", self.projection.name, lane[0], lane[1] - 1,
                  reason[:300])
