@@ -342,6 +342,11 @@ class SinkRunner:
         self._owed_oldest: float | None = None  # min of ``_written_at`` over ``_owed``; None: to be computed
         self._lapsed: set[int] = set()
         self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
+        # Crash-loop isolation: buckets this process has held (one it takes in its own worker id without having
+        # held it is a restart's: the last process of that id died holding it), and per suspect the deaths
+        # counted before its probe, charged to the first event probed alone (``_probe_alone``).
+        self._held_ever: set[int] = set()
+        self._deaths: dict[int, int] = {}
         # A delivered Kafka batch's checkpoint whose fence check rides on the next read (``_BatchCommit.later``):
         # settled by ``_deliver_new``'s read of its buckets, or by a statement of its own
         # (``_settle_pending``) before anything else writes their cursors. Its cursors are in ``_ahead``.
@@ -617,7 +622,8 @@ class SinkRunner:
             wanted = desired - held.keys()
             if wanted and not self.draining.is_set():
                 acquired = store.acquire_leases(conn, self.sink.name, self.worker, wanted,
-                                                self.settings.lease_seconds)
+                                                self.settings.lease_seconds, restarted=wanted - self._held_ever)
+                self._held_ever |= acquired.keys()
                 if not acquired and not held:
                     # Nothing to hold and nothing to take: normal while buckets change hands, but also what
                     # a dropped sink looks like (its cursors are gone). Never idle silently on one.
@@ -639,6 +645,7 @@ class SinkRunner:
                             self._lapsed.discard(b)
                     suspects = sorted(b for b, a in acquired.items() if a.lapses >= self.settings.max_lapses)
                     self._ramp.update({b: 1 if b in suspects else 0 for b in acquired})
+                    self._deaths.update({b: a.lapses if b in suspects else 0 for b, a in acquired.items()})
                     self._check_parked_at = 0.0  # new buckets may come with parked keys
                     log.info("sink %s: acquired %d buckets", self.sink.name, len(acquired))
                     if suspects:
@@ -837,6 +844,7 @@ class SinkRunner:
         if bucket in ok:
             self._ramp[bucket] = 0 if healthy else size * 2
             if healthy:
+                self._deaths.pop(bucket, None)
                 log.info("sink %s: bucket %d is healthy again", self.sink.name, bucket)
         return len(parked) + len(new)
 
@@ -870,7 +878,12 @@ class SinkRunner:
                     return 0
                 continue
             attempts = e.attempts + 1
-            cp.park.append((e, attempts, self.backoff.delay(attempts), CRASH_ERROR))
+            # The deaths that made the bucket a suspect happened with this event in the batch: charged to it from
+            # the first, so --max-attempts N costs about N deaths, not max_lapses + N. An event charged a crash
+            # already carries its deaths; an innocent one's charge is replaced by its own outcome's count
+            # (``_run_batch`` parks it with ``e.attempts + 1``), so only a death keeps it.
+            deaths = self._deaths.get(bucket, 0) if e.last_error != CRASH_ERROR else 0
+            cp.park.append((e, attempts + deaths, self.backoff.delay(attempts), CRASH_ERROR))
             if not self._write(cp):
                 return 0
             e.parked = True  # it is now; ``attempts`` stays the count before this attempt
@@ -902,6 +915,7 @@ class SinkRunner:
         ok = self._write(Checkpoint(fences={bucket: fence}, advance=advance, resets={bucket}))
         if bucket in ok:
             self._ramp[bucket] = 0
+            self._deaths.pop(bucket, None)
         return 0
 
     def _write(self, cp: Checkpoint) -> set[int]:

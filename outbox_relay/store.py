@@ -463,12 +463,14 @@ class Acquired:
 
 
 def acquire_leases(
-    conn: Conn, sink: str, worker: str, buckets: Iterable[int], lease_seconds: float
+    conn: Conn, sink: str, worker: str, buckets: Iterable[int], lease_seconds: float, restarted: Iterable[int] = ()
 ) -> dict[int, Acquired]:
-    """The buckets this call acquired, with their fence, lapses and cursor."""
+    """The buckets this call acquired, with their fence, lapses and cursor. ``restarted``: buckets this
+    process never held; one still leased in ``worker``'s name is a dead predecessor's (a lapse)."""
     rows = conn.execute(
         query("membership", "acquire_leases"),
-        {"sink": sink, "worker": worker, "buckets": sorted(buckets), "lease_seconds": lease_seconds},
+        {"sink": sink, "worker": worker, "buckets": sorted(buckets), "lease_seconds": lease_seconds,
+         "restarted": sorted(restarted)},
     ).fetchall()
     return {r[0]: Acquired(r[1], r[2], Cursor.from_row(r[3], r[4], r[5], r[6])) for r in rows}
 

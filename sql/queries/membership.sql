@@ -95,13 +95,15 @@ WHERE id = %(worker)s AND (%(instance)s::text IS NULL OR metadata ->> 'instance'
 -- name: acquire_leases
 -- Lease free or expired buckets of one sink, or take up again, under a new fence, one still in
 -- this worker's name (its fence was bumped, or it restarted with the same id). Each acquisition
--- bumps the fence; taking over an expired lease (or another worker's) of a bucket that had work
--- counts a lapse (crash-loop isolation).
+-- bumps the fence; taking over an expired lease (or another worker's, or one of this worker id's that
+-- this process never held: %(restarted)s, a predecessor of the same id that died) of a bucket that had
+-- work counts a lapse (crash-loop isolation).
 UPDATE outbox.cursors c
 SET owner            = %(worker)s,
     fence            = c.fence + 1,
     lapses           = c.lapses + CASE WHEN c.owner IS NOT NULL
-                                        AND (c.owner <> %(worker)s OR c.lease_expires_at < clock_timestamp())
+                                        AND (c.owner <> %(worker)s OR c.lease_expires_at < clock_timestamp()
+                                             OR c.bucket = ANY(%(restarted)s::int[]))
                                         AND outbox.bucket_has_work_v3(c.sink, c.bucket, c.snapshot, c.target,
                                                                       c.after_xid, c.after_seq)
                                        THEN 1 ELSE 0 END,
