@@ -130,11 +130,19 @@ def build_worker(settings: RelaySettings, sinks: Sequence[object] = (), observer
         from .tracing import relay_observer
 
         observers.append(relay_observer())
+    activity = None
+    if settings.activity_log_seconds:
+        from .activity import ActivityLog
+
+        activity = ActivityLog(settings.activity_log_seconds)
+        observers.append(activity)
     if observer is not None:
         observers.append(observer)
     observer = observers[0] if len(observers) == 1 else Observers(*observers) if observers else NULL_OBSERVER
     made = default_sinks(settings, guarded(observer), sinks)  # a hook that raises is logged, not the sink's failure
     worker = Worker(settings, made, observer)
+    if activity is not None:
+        worker.services.append(activity)
     if metrics is not None and settings.metrics_port is not None:
         from .metrics import MetricsServer
 

@@ -475,6 +475,13 @@ def acquire_leases(
     return {r[0]: Acquired(r[1], r[2], Cursor.from_row(r[3], r[4], r[5], r[6])) for r in rows}
 
 
+def why_fenced(conn: Conn, sink: str, worker: str, buckets: Iterable[int]) -> dict[int, str]:
+    """Of ``buckets`` lost by ``worker``: those an operator re-fenced while the lease stayed its own, and the action."""
+    rows = conn.execute(query("membership", "why_fenced"),
+                        {"sink": sink, "worker": worker, "buckets": sorted(buckets)}).fetchall()
+    return {r[0]: r[1] for r in rows}
+
+
 def renew_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int], lease_seconds: float) -> set[int]:
     buckets = sorted(fences)
     rows = conn.execute(
