@@ -1054,8 +1054,8 @@ class SinkRunner:
             self._check_parked_at = 0.0
         dead = [(e, attempts, error) for e, attempts, error in cp.dead if e.bucket in ok]
         for e, attempts, error in dead:
-            log.error("sink %s: event %s (key %r, type %s) dead-lettered after %d attempts: %s",
-                      self.sink.name, e.id, e.key, e.type, attempts, error)
+            log.error("sink %s: event %s (key %r, type %s) dead-lettered after %d attempt%s: %s",
+                      self.sink.name, e.id, e.key, e.type, attempts, "" if attempts == 1 else "s", error)
         delivered = [e for e in cp.delivered if e.bucket in ok]
         # A parked event with an error but no attempt added waits for a condition of the sink (held).
         retried = held = 0

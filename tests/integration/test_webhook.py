@@ -368,3 +368,4 @@ def test_a_receiver_that_echoes_the_target_does_not_show_the_urls_query(
     for text in shown:
         assert token[:20] not in text and "a/b=c" not in text and "a%2Fb" not in text, text
     assert all("HTTP 404" in error and "***" in error for _a, error in letters.values())
+    assert any("dead-lettered after 1 attempt: " in r.getMessage() for r in caplog.records), "not '1 attempts'"
