@@ -40,6 +40,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
+from .activity import RetryLog
 from .backoff import Backoff
 from .dsn import describe_error
 from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck, counted
@@ -342,6 +343,13 @@ class SinkRunner:
         self._owed_oldest: float | None = None  # min of ``_written_at`` over ``_owed``; None: to be computed
         self._lapsed: set[int] = set()
         self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
+        # Crash-loop isolation: buckets this process has held (one it takes in its own worker id without having
+        # held it is a restart's: the last process of that id died holding it), and per suspect the deaths
+        # counted before its probe, charged to the first event probed alone (``_probe_alone``).
+        self._held_ever: set[int] = set()
+        self._deaths: dict[int, int] = {}
+        self._unexplained: set[int] = set()  # buckets ``_lose`` dropped, logged with why by the next cycle
+        self._retry_log = RetryLog(sink.name)  # a WARNING per failed attempt past the first few, rate-limited
         # A delivered Kafka batch's checkpoint whose fence check rides on the next read (``_BatchCommit.later``):
         # settled by ``_deliver_new``'s read of its buckets, or by a statement of its own
         # (``_settle_pending``) before anything else writes their cursors. Its cursors are in ``_ahead``.
@@ -441,6 +449,7 @@ class SinkRunner:
         """One cycle: rebalance leases, probe suspects, retry due parked keys, deliver new events.
 
         Returns the number of events handled."""
+        self._explain_lost()  # before rebalance: taking a bucket up again clears why it was re-fenced
         self.rebalance()
         held = self.leases.snapshot()
         self._forget_lost(held)
@@ -617,7 +626,8 @@ class SinkRunner:
             wanted = desired - held.keys()
             if wanted and not self.draining.is_set():
                 acquired = store.acquire_leases(conn, self.sink.name, self.worker, wanted,
-                                                self.settings.lease_seconds)
+                                                self.settings.lease_seconds, restarted=wanted - self._held_ever)
+                self._held_ever |= acquired.keys()
                 if not acquired and not held:
                     # Nothing to hold and nothing to take: normal while buckets change hands, but also what
                     # a dropped sink looks like (its cursors are gone). Never idle silently on one.
@@ -639,6 +649,7 @@ class SinkRunner:
                             self._lapsed.discard(b)
                     suspects = sorted(b for b, a in acquired.items() if a.lapses >= self.settings.max_lapses)
                     self._ramp.update({b: 1 if b in suspects else 0 for b in acquired})
+                    self._deaths.update({b: a.lapses if b in suspects else 0 for b, a in acquired.items()})
                     self._check_parked_at = 0.0  # new buckets may come with parked keys
                     log.info("sink %s: acquired %d buckets", self.sink.name, len(acquired))
                     if suspects:
@@ -673,7 +684,7 @@ class SinkRunner:
         lost = set(fences) - kept
         if lost:
             self.observer.leases(self.sink.name, lost=len(lost))
-            log.warning("sink %s: lost the lease on %d buckets (fenced out)", self.sink.name, len(lost))
+            self._log_lost(lost, "lost the lease on %d buckets (fenced out)")
             self.leases.drop(lost, fences)
 
     def _release_all(self) -> None:
@@ -837,6 +848,7 @@ class SinkRunner:
         if bucket in ok:
             self._ramp[bucket] = 0 if healthy else size * 2
             if healthy:
+                self._deaths.pop(bucket, None)
                 log.info("sink %s: bucket %d is healthy again", self.sink.name, bucket)
         return len(parked) + len(new)
 
@@ -870,7 +882,12 @@ class SinkRunner:
                     return 0
                 continue
             attempts = e.attempts + 1
-            cp.park.append((e, attempts, self.backoff.delay(attempts), CRASH_ERROR))
+            # The deaths that made the bucket a suspect happened with this event in the batch: charged to it from
+            # the first, so --max-attempts N costs about N deaths, not max_lapses + N. An event charged a crash
+            # already carries its deaths; an innocent one's charge is replaced by its own outcome's count
+            # (``_run_batch`` parks it with ``e.attempts + 1``), so only a death keeps it.
+            deaths = self._deaths.get(bucket, 0) if e.last_error != CRASH_ERROR else 0
+            cp.park.append((e, attempts + deaths, self.backoff.delay(attempts), CRASH_ERROR))
             if not self._write(cp):
                 return 0
             e.parked = True  # it is now; ``attempts`` stays the count before this attempt
@@ -902,6 +919,7 @@ class SinkRunner:
         ok = self._write(Checkpoint(fences={bucket: fence}, advance=advance, resets={bucket}))
         if bucket in ok:
             self._ramp[bucket] = 0
+            self._deaths.pop(bucket, None)
         return 0
 
     def _write(self, cp: Checkpoint) -> set[int]:
@@ -987,9 +1005,33 @@ class SinkRunner:
 
     def _lose(self, lost: set[int], fences: dict[int, int]) -> None:
         self.observer.leases(self.sink.name, lost=len(lost))
-        log.warning("sink %s: fenced out of %d buckets; their batch is discarded and will be redelivered "
-                    "by the new owner", self.sink.name, len(lost))
+        self._unexplained |= lost  # logged by the next cycle, before it takes any of them up again
         self.leases.drop(lost, fences)
+
+    def _explain_lost(self) -> None:
+        lost, self._unexplained = self._unexplained, set()
+        if lost:
+            self._log_lost(lost, "fenced out of %d buckets; their batch is discarded and will be redelivered by "
+                                 "the new owner")
+
+    def _log_lost(self, lost: set[int], takeover: str) -> None:
+        """Say why buckets were lost: an operator's re-fence (the lease stays here, ``fenced_by`` names the
+        action) at INFO, a takeover or a lease that ran out as the WARNING ``takeover`` (a %d for the count)."""
+        try:
+            with self.pool.connection() as conn:
+                why = store.why_fenced(conn, self.sink.name, self.worker, lost)
+        except (psycopg.Error, PoolTimeout) as exc:
+            log.debug("sink %s: could not read why buckets were lost: %s", self.sink.name, exc)
+            why = {}
+        by_action: dict[str, int] = {}
+        for action in why.values():
+            by_action[action] = by_action.get(action, 0) + 1
+        for action, n in sorted(by_action.items()):
+            log.info("sink %s: %s (an operator's action) re-fenced %d buckets this relay holds: what it had in "
+                     "flight there is discarded, and it takes them up again under the new fence",
+                     self.sink.name, action, n)
+        if len(lost) > len(why):
+            log.warning("sink %s: " + takeover, self.sink.name, len(lost) - len(why))
 
     def _landed(self, cp: Checkpoint, ok: set[int]) -> None:
         now = time.monotonic()
@@ -1021,6 +1063,8 @@ class SinkRunner:
             if why is not None and e.bucket in ok:
                 if attempts > e.attempts:
                     retried += 1
+                    if why != CRASH_ERROR:  # a probe's attempt counted before it is made: not a failure yet
+                        self._retry_log.failed(e.id, e.key, attempts, self.settings.max_attempts, why)
                 else:
                     held += 1
         if held:

@@ -253,6 +253,9 @@ class RelaySettings(BaseSettings):
     metrics_host: str = Field("0.0.0.0", min_length=1, description="address the metrics port listens on")
     metrics_refresh_seconds: float = Field(
         15.0, ge=1, le=3600, description="how often the outbox-wide gauges (backlog, lagging keys) are read")
+    activity_log_seconds: float = Field(
+        60.0, ge=0, le=86400, description="log one INFO line this often with what each sink delivered, retried and "
+                                          "dead-lettered (an idle interval logs nothing); 0: off")
     tracing: bool = Field(
         False, description="OpenTelemetry spans per batch and per projection handler call, to the tracer provider "
                            "the OTEL_* variables set up (run under opentelemetry-instrument; needs the otel extra)")

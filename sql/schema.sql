@@ -178,12 +178,18 @@ CREATE TABLE outbox.cursors (
     target           pg_snapshot,
     after_xid        xid8,
     after_seq        bigint,
+    -- 0022: the operator action that last bumped fence while the owner kept its lease (its log says so).
+    fenced_by        text,
     CONSTRAINT cursors_pkey PRIMARY KEY (sink, bucket),
     CONSTRAINT cursors_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
 ) WITH (fillfactor = 50);
 
 -- Retention: the cursors of an event's bucket over all sinks (0004). bucket never changes, so
 -- the cursors' updates stay HOT.
+COMMENT ON COLUMN outbox.cursors.fenced_by IS
+    'the operator action that last bumped fence while the owner kept its lease (keys skip, a rebuild''s '
+    'switch-over); cleared when a relay acquires the lease';
+
 CREATE INDEX cursors_bucket ON outbox.cursors (bucket);
 
 -- Events of keys whose head failed: the head waits for its retry, the events behind
@@ -1043,4 +1049,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (16, 'lapse_check_pruned', NULL),
     (17, 'position_order_index', NULL),
     (18, 'occurred_at_range', NULL),
-    (19, 'privileges', NULL);
+    (19, 'privileges', NULL),
+    (22, 'fenced_by', NULL);

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import logging
 import signal
 import sys
@@ -16,6 +15,7 @@ from typing import Any
 
 from ..dsn import describe, redact
 from ..errors import ConfigurationError, WorkerIdInUse
+from ..loader import import_module
 from ..migrate import migrate
 from ..settings import RelaySettings, env_var, flag
 from ..sink import Aborted
@@ -263,8 +263,8 @@ def _upcasters(ref: str | None) -> Any:
     if not module or not attr:
         raise ConfigurationError(f"--upcasters {ref!r}: expected MODULE:ATTR (e.g. myapp.events:upcasters)")
     try:
-        found = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
+        found = getattr(import_module(module, f"--upcasters {ref}"), attr)
+    except AttributeError as exc:
         raise ConfigurationError(f"--upcasters {ref!r}: {exc}") from None
     if not isinstance(found, Upcasters):
         raise ConfigurationError(f"--upcasters {ref!r} is a {type(found).__name__}, not an "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib
 import json
 import signal
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from ..errors import ConfigurationError
+from ..loader import import_module
 from ..settings import default_text
 from . import admin
 from .consumer import InboxConsumer
@@ -141,10 +141,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def load_handler(spec: str) -> Handler:
     """``MODULE:ATTR`` -> the callable, or ConfigurationError saying what is wrong with it."""
     module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import the handler's module {module_name!r}: {exc}") from None
+    module = import_module(module_name, f"--handler {spec}")
     found = getattr(module, attr, None)
     if found is None:
         raise ConfigurationError(f"module {module_name!r} has no attribute {attr!r} (--handler {spec})")

@@ -95,17 +95,20 @@ WHERE id = %(worker)s AND (%(instance)s::text IS NULL OR metadata ->> 'instance'
 -- name: acquire_leases
 -- Lease free or expired buckets of one sink, or take up again, under a new fence, one still in
 -- this worker's name (its fence was bumped, or it restarted with the same id). Each acquisition
--- bumps the fence; taking over an expired lease (or another worker's) of a bucket that had work
--- counts a lapse (crash-loop isolation).
+-- bumps the fence; taking over an expired lease (or another worker's, or one of this worker id's that
+-- this process never held: %(restarted)s, a predecessor of the same id that died) of a bucket that had
+-- work counts a lapse (crash-loop isolation).
 UPDATE outbox.cursors c
 SET owner            = %(worker)s,
     fence            = c.fence + 1,
     lapses           = c.lapses + CASE WHEN c.owner IS NOT NULL
-                                        AND (c.owner <> %(worker)s OR c.lease_expires_at < clock_timestamp())
+                                        AND (c.owner <> %(worker)s OR c.lease_expires_at < clock_timestamp()
+                                             OR c.bucket = ANY(%(restarted)s::int[]))
                                         AND outbox.bucket_has_work_v3(c.sink, c.bucket, c.snapshot, c.target,
                                                                       c.after_xid, c.after_seq)
                                        THEN 1 ELSE 0 END,
-    lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
+    lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s),
+    fenced_by        = NULL
 WHERE c.sink = %(sink)s
   AND c.bucket = ANY(%(buckets)s::int[])
   AND (c.owner IS NULL OR c.owner = %(worker)s OR c.lease_expires_at < clock_timestamp())
@@ -153,3 +156,12 @@ RETURNING c.bucket;
 -- Tell the relays that want these buckets (their next owners) that they are free now: the same
 -- channel and payload as a commit's notification, so they try at once instead of at their next poll.
 SELECT pg_notify('outbox_events_v2', %(buckets)s);
+
+-- name: why_fenced
+-- Why this worker lost buckets it thought it held: per bucket, the operator action that re-fenced it while
+-- the lease stayed in this worker's name (keys skip, a rebuild's switch-over), else NULL (a takeover, or
+-- the lease ran out).
+SELECT c.bucket, c.fenced_by
+FROM outbox.cursors c
+WHERE c.sink = %(sink)s AND c.bucket = ANY(%(buckets)s::int[])
+  AND c.owner = %(worker)s AND c.lease_expires_at >= clock_timestamp() AND c.fenced_by IS NOT NULL;

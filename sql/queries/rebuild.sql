@@ -226,7 +226,8 @@ FOR UPDATE;
 -- (a store outside the transaction that the rebuild wrote keeps taking live writes).
 UPDATE outbox.cursors l
 SET snapshot = r.snapshot, target = r.target, after_xid = r.after_xid, after_seq = r.after_seq,
-    fence = greatest(l.fence, r.fence) + 1, lapses = 0, advanced_at = clock_timestamp()
+    fence = greatest(l.fence, r.fence) + 1, lapses = 0, advanced_at = clock_timestamp(),
+    fenced_by = 'a rebuild''s switch-over'
 FROM outbox.cursors r
 WHERE l.sink = %(live)s AND r.sink = %(rebuild)s AND r.bucket = l.bucket;
 
