@@ -320,7 +320,7 @@ def test_the_migration_closes_a_database_granted_as_the_old_docs_said(
         with psycopg.connect(roles.dsn_of(privileges.PROJECTOR), autocommit=True) as projector:
             projector.execute("SELECT outbox.roll_partition_v1(1000, 86400)")  # open before 0019
         monkeypatch.undo()
-        assert [m.version for m in migrate(dsn)] == [19]
+        assert [m.version for m in migrate(dsn)] == [m.version for m in shipped if m.version >= 19]
         # Without running the new grants: every function's EXECUTE is what the table declares, per kind.
         execute = [p for p in problems(roles) if " EXECUTE on " in p or "function" in p]
         assert execute == []
