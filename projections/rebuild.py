@@ -99,11 +99,40 @@ class LiveTable:
 
 
 @dataclass(frozen=True)
+class WaitingKey:
+    """A key whose events wait in the projection's park after the switch."""
+
+    key: str
+    head: Any  # the event id at the head of its queue
+    attempts: int
+    last_error: str | None
+    parked: int  # its events in the park, the head included
+    paused: bool  # held by an operator (keys pause), not failing
+
+    def describe(self) -> str:
+        why = "paused" if self.paused else f"retrying after {self.attempts} attempts: {self.last_error or 'queued'}"
+        return f"key {self.key!r}: {self.parked} events wait behind {self.head} ({why})"
+
+
+@dataclass(frozen=True)
 class RebuildResult:
     projection: str
     events: int  # events the rebuild replayed (this run and, when resumed, earlier ones)
     seconds: float  # this run
     resumed: bool
+    # After the switch: keys that still wait (a failing head, or a pause), and what live processing had
+    # decided that the new model could not keep (said before the swap, too, in the log).
+    waiting: tuple[WaitingKey, ...] = ()
+    dropped: tuple[str, ...] = ()
+
+    @property
+    def failing(self) -> tuple[WaitingKey, ...]:
+        return tuple(w for w in self.waiting if not w.paused)
+
+    @property
+    def clean(self) -> bool:
+        """The new model is what live processing reached, with no key of it still failing."""
+        return not self.failing and not self.dropped
 
 
 class Rebuild:
@@ -150,6 +179,9 @@ class Rebuild:
         self._started_at: datetime | None = None
         self._tables: list[LiveTable] = []
         self._copies: list[int | None] = []
+        # What the switch found (set by _switch_once, in its transaction).
+        self._waiting: list[WaitingKey] = []
+        self._dropped: list[str] = []
 
     def stop(self) -> None:
         """Stop replaying (from another thread or a signal handler); ``run`` returns None, resumable."""
@@ -175,14 +207,13 @@ class Rebuild:
             # nothing to do (and a start, a count and a drain cost a second or two): switched over without it.
             bulk = "switched"
         if bulk == "switched":
-            ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
-                f"switched over ({total:,} events replayed)")
-            return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
+            return self._switched(total, time.monotonic() - started, resumed)
         while True:
             sink = ProjectionSink(self.projection, self.dsn, name=self.sink,
                                   lease_seconds=self.settings.lease_seconds, replay=True, shadow_schema=self.shadow,
                                   application_name=application_name(worker_id),
-                                  handler_timeout_seconds=self.settings.handler_timeout_seconds)
+                                  handler_timeout_seconds=self.settings.handler_timeout_seconds,
+                                  follows=self.live_sink)
             worker = Worker(self.settings.model_copy(update={
                 "worker_id": worker_id, "kafka": False, "projection": [], "batch_size": self.batch_size}),
                 sinks=[sink])
@@ -203,9 +234,17 @@ class Rebuild:
         if outcome == "stopped":
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
+        return self._switched(total, time.monotonic() - started, resumed)
+
+    def _switched(self, total: int, seconds: float, resumed: bool) -> RebuildResult:
+        result = RebuildResult(self.projection.name, total, seconds, resumed, tuple(self._waiting),
+                               tuple(self._dropped))
+        failing = result.failing
         ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
-            f"switched over ({total:,} events replayed)")
-        return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
+            f"switched over ({total:,} events replayed)" + (f"; {len(failing)} keys still fail" if failing else ""))
+        for w in failing:
+            log.warning("rebuild %s: switched over, but %s", self.projection.name, w.describe())
+        return result
 
     def cancel(self) -> bool:
         """Abandon a rebuild in progress: drop its shadow tables and its sink. False if none."""
@@ -531,9 +570,13 @@ class Rebuild:
             conn.execute(query("rebuild", "lock_cursors"), names)
             conn.execute(query("rebuild", "adopt_cursors"), names)
             conn.execute(query("rebuild", "adopt_history"), names)
-            conn.execute(query("rebuild", "drop_parked_and_dead"), names)
+            self._dropped = [self._dropped_line(*r) for r in conn.execute(query("rebuild", "keep_live_decisions"),
+                                                                          names)]
+            for line in self._dropped:  # said before the swap commits
+                log.warning("rebuild %s: %s", self.projection.name, line)
             conn.execute(query("rebuild", "adopt_parked"), names)
             conn.execute(query("rebuild", "adopt_dead_letters"), names)
+            self._waiting = [WaitingKey(*r) for r in conn.execute(query("rebuild", "waiting_keys"), names)]
             retired = sql.Identifier(self.retired)
             conn.execute(_template("drop_schema", schema=retired))  # what an earlier --keep-old kept
             conn.execute(_template("create_schema", schema=retired))
@@ -548,6 +591,14 @@ class Rebuild:
             conn.execute(query("rebuild", "drop_sink"), {"sink": self.sink})
         return True
 
+    @staticmethod
+    def _dropped_line(kind: str, event_id: Any, key: str, error: str | None) -> str:
+        if kind == "dead":
+            return (f"event {event_id} of key {key!r} was dead-lettered for the live projection ({error}) after the "
+                    "rebuild had applied it: the new model holds its effect, so its dead letter is dropped")
+        return (f"event {event_id} of key {key!r} was parked for the live projection ({error or 'queued'}) but the "
+                "rebuild applied it: the new model holds its effect, so its live retry is dropped")
+
     def _caught_up_with_live(self, conn: psycopg.Connection[Any], worker: Worker | None) -> bool:
         """Whether the rebuild's cursors pass every event the live projection's do (locked: they stand
         still); with ``worker`` running, waits up to CATCH_UP_SECONDS for them to get there. Each look is a
@@ -557,6 +608,8 @@ class Rebuild:
         while True:
             row = conn.execute(query("rebuild", "behind_live"), params).fetchone()
             behind = int(row[0]) if row else 0
+            if worker is not None:
+                behind += self._follow_live_skips()
             if behind == 0:
                 if worker is None:
                     return True
@@ -573,6 +626,14 @@ class Rebuild:
                          self.projection.name, behind)
                 return False
             time.sleep(CATCH_UP_POLL_SECONDS)
+
+    def _follow_live_skips(self) -> int:
+        """Make due the rebuild's parked events that the live projection dead-lettered since (a skip while
+        the rebuild ran; the relay phase's retry dead-letters them too); how many buckets had one. On a
+        connection of its own: the switch's transaction must not hold these rows."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            return len(conn.execute(query("rebuild", "follow_live_skips"),
+                                    {"live": self.live_sink, "rebuild": self.sink}).fetchall())
 
     def _carry_privileges(self, conn: psycopg.Connection[Any], old: LiveTable) -> None:
         new = sql.Identifier(old.schema, old.name)

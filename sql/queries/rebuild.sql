@@ -230,12 +230,77 @@ SET snapshot = r.snapshot, target = r.target, after_xid = r.after_xid, after_seq
 FROM outbox.cursors r
 WHERE l.sink = %(live)s AND r.sink = %(rebuild)s AND r.bucket = l.bucket;
 
--- name: drop_parked_and_dead
--- Retries and dead letters of the old model are moot once the new one takes over.
-WITH parked AS (
-    DELETE FROM outbox.parked WHERE sink = %(live)s
+-- name: keep_live_decisions
+-- The switch, before the rebuild's park and dead letters take the live name: what live processing decided
+-- stays decided (G12). Returns what it drops, to be reported: ('dead' | 'parked', event, key, error).
+WITH both_dead AS (
+    -- Dead in both (the replay follows live dead letters, decisions.py): the live row stays as it is, with
+    -- its reason, attempts and time, so an operator's skip stays a skip.
+    DELETE FROM outbox.dead_letters r USING outbox.dead_letters l
+    WHERE r.sink = %(rebuild)s AND l.sink = %(live)s AND l.event_id = r.event_id
+),
+skipped_meanwhile AS (
+    -- Parked by the rebuild, dead-lettered live since (a skip while the switch waited): dead stays dead.
+    DELETE FROM outbox.parked r USING outbox.dead_letters l
+    WHERE r.sink = %(rebuild)s AND l.sink = %(live)s AND l.event_id = r.event_id
+),
+carried AS (
+    -- Failing in both: the key's retries go on from the live attempts, not from scratch.
+    UPDATE outbox.parked r
+    SET attempts = greatest(r.attempts, l.attempts), last_error = coalesce(r.last_error, l.last_error)
+    FROM outbox.parked l
+    WHERE r.sink = %(rebuild)s AND l.sink = %(live)s AND (l.bucket, l.xid, l.seq) = (r.bucket, r.xid, r.seq)
+      AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters d WHERE d.sink = %(live)s AND d.event_id = r.event_id)
+),
+moot_dead AS (
+    -- Dead-lettered live after the rebuild had applied the event: the new model holds its effect, so the
+    -- dead letter would be false (reported).
+    DELETE FROM outbox.dead_letters l
+    WHERE l.sink = %(live)s
+      AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters r WHERE r.sink = %(rebuild)s AND r.event_id = l.event_id)
+      AND NOT EXISTS (SELECT 1 FROM outbox.parked r WHERE r.sink = %(rebuild)s AND r.event_id = l.event_id)
+    RETURNING l.event_id, l.partition_key, l.last_error
+),
+live_parked AS (
+    -- The live retries: the rebuild's park replaces them (its cursors passed every event they hold:
+    -- behind_live). Those it applied are reported.
+    DELETE FROM outbox.parked l WHERE l.sink = %(live)s
+    RETURNING l.event_id, l.partition_key, l.last_error
 )
-DELETE FROM outbox.dead_letters WHERE sink = %(live)s;
+SELECT 'dead' AS kind, d.event_id, d.partition_key, d.last_error FROM moot_dead d
+UNION ALL
+SELECT 'parked', p.event_id, p.partition_key, p.last_error FROM live_parked p
+WHERE NOT EXISTS (SELECT 1 FROM outbox.parked r WHERE r.sink = %(rebuild)s AND r.event_id = p.event_id)
+  AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters r WHERE r.sink = %(rebuild)s AND r.event_id = p.event_id)
+ORDER BY 3, 2;
+
+-- name: follow_live_skips
+-- Events the rebuild has parked that the live projection has dead-lettered since (keys skip while the
+-- rebuild ran): due now, so that the replay dead-letters them too (decisions.py) and their keys move on.
+WITH due AS (
+    UPDATE outbox.parked p SET available_at = clock_timestamp()
+    FROM outbox.dead_letters d
+    WHERE p.sink = %(rebuild)s AND d.sink = %(live)s AND d.event_id = p.event_id
+    RETURNING p.bucket
+)
+SELECT b.bucket, pg_notify('outbox_events_v2', 'parked:' || b.bucket)
+FROM (SELECT DISTINCT bucket FROM due) b;
+
+-- name: waiting_keys
+-- After the switch: the keys whose events wait in the projection's park (a head retrying, or held by a
+-- pause), with their head; what a rebuild that can not call itself clean reports.
+SELECT p.partition_key,
+       (array_agg(p.event_id ORDER BY p.place))[1] AS head,
+       (array_agg(p.attempts ORDER BY p.place))[1] AS attempts,
+       (array_agg(p.last_error ORDER BY p.place))[1] AS last_error,
+       count(*) AS parked,
+       bool_or(k.partition_key IS NOT NULL) AS paused
+FROM outbox.parked p
+LEFT JOIN outbox.paused_keys k ON k.sink = p.sink AND k.partition_key = p.partition_key
+WHERE p.sink = %(live)s
+GROUP BY p.partition_key
+ORDER BY p.partition_key
+LIMIT 100;
 
 -- name: adopt_history
 -- The new model's history began where the rebuild's did (a partial rebuild accepted moves it on).
@@ -389,3 +454,20 @@ CROSS JOIN LATERAL (
     LIMIT 1
 ) behind
 WHERE l.sink = %(live)s;
+
+-- name: live_dead_letters
+-- Which events of a rebuild's batch the live projection dead-lettered (skipped by an operator, past their
+-- attempts, not applicable): the replay records them as dead with the same reason, never applying them
+-- (projections/decisions.py). One primary-key probe per event.
+SELECT d.event_id, d.last_error
+FROM outbox.dead_letters d
+WHERE d.sink = %(live)s AND d.event_id = ANY(%(ids)s::uuid[]);
+
+-- name: bulk_dead_letters
+-- A bulk-phase slice's events that the live projection dead-lettered, dead-lettered for the rebuild too (as
+-- the relay's checkpoint records a dead letter), in the slice's transaction.
+INSERT INTO outbox.dead_letters (sink, event_id, bucket, xid, seq, partition_key, attempts, last_error)
+SELECT %(sink)s, d.event_id, d.bucket, d.xid, d.seq, d.partition_key, d.attempts, d.last_error
+FROM outbox.dead_letters d
+WHERE d.sink = %(live)s AND d.event_id = ANY(%(ids)s::uuid[])
+ON CONFLICT (sink, event_id) DO NOTHING;

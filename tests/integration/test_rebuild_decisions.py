@@ -1,0 +1,152 @@
+"""A rebuild keeps what live processing decided (G12): an operator's skip stays a dead letter, its event's
+effect is never replayed, the keys behind it stay applied, and a rebuild whose replayed key still fails
+says so instead of reporting a clean switch. Batched and per-event handlers, real PostgreSQL, the real
+relay loop, bulk phase and relay phase.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_relay.admin import SKIPPED_ERROR, skip_key
+from outbox_relay.relay import SinkRunner
+from projections import ProjectionEvent, projection
+from projections.rebuild import Rebuild
+from tests.integration.order_totals import applied, totals
+from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
+    dead_letters,
+    fetch_all,
+    make_settings,
+    parked_ids,
+    pool_fixture,
+    publish,
+    run_until,
+)
+from tests.integration.test_batched_projections import LOG, UPSERT, _rows, batched, live  # noqa: F401
+
+LIVE = "order_totals"
+
+
+def until(condition: Callable[[], Any], timeout: float = 60.0) -> None:
+    """Poll a condition of the database (nothing else signals it) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        threading.Event().wait(0.05)
+
+
+def per_event(before: Callable[[ProjectionEvent[Any]], None] | None = None) -> Any:
+    @projection(LIVE, events=["OrderPlaced", "OrderPaid"], tables=["order_totals", "applied_log"])
+    def apply(event: ProjectionEvent[Any], tx: Any) -> None:
+        if before is not None:
+            before(event)
+        sums, log = _rows([event])
+        tx.execute(UPSERT, sums)
+        tx.execute(LOG, log)
+
+    return apply
+
+
+def make(kind: str, before: Callable[[ProjectionEvent[Any]], None] | None = None) -> Any:
+    if kind == "per-event":
+        return per_event(before)
+    return batched(None if before is None else lambda events, tx: [before(e) for e in events])
+
+
+def poisoned_key(dsn: str) -> tuple[list[uuid.UUID], uuid.UUID]:
+    """Orders of 5 customers, and a poison head (a negative amount) of cust-0 with 2 events queued behind it."""
+    events = [(f"cust-{c}", "OrderPlaced", {"customer": f"cust-{c}"}) for c in range(5)]
+    events += [("cust-0", "OrderPaid", {"customer": "cust-0", "cents": -5})]
+    events += [("cust-0", "OrderPaid", {"customer": "cust-0", "cents": 7}) for _ in range(2)]
+    ids = publish(dsn, events)
+    return ids, ids[5]
+
+
+def skipped_live(dsn: str, live: Callable[..., SinkRunner], p: Any) -> tuple[list[uuid.UUID], uuid.UUID]:
+    """Live processing parks the poison head (retrying), the operator skips it, the 2 behind it land."""
+    ids, head = poisoned_key(dsn)
+    r = live(p, max_attempts=10)
+    run_until(r, lambda: head in parked_ids(dsn, LIVE) and len(applied(dsn)) == 5)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        skip_key(conn, "cust-0", LIVE)
+    run_until(r, lambda: len(applied(dsn)) == len(ids) - 1)
+    return ids, head
+
+
+@pytest.mark.parametrize("kind", ["batched", "per-event"])
+def test_a_skip_made_before_the_rebuild_stays_a_skip(dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:
+    ids, head = skipped_live(dsn, live, make(kind))
+    live_state, live_dead = totals(dsn), dead_letters(dsn, LIVE)
+    assert set(live_dead) == {head} and live_dead[head][1] == SKIPPED_ERROR
+    seen: list[uuid.UUID] = []
+
+    result = Rebuild(make(kind, lambda e: seen.append(e.id)), make_settings(dsn, "rebuilder", max_attempts=10),
+                     progress=None).run()
+
+    assert result is not None and result.clean, (result.waiting, result.dropped) if result else None
+    assert head not in seen, "the replay applied (or retried) the event the operator skipped"
+    assert dead_letters(dsn, LIVE) == live_dead, "the operator's skip was lost or rewritten by the rebuild"
+    assert parked_ids(dsn, LIVE) == set(), "the skipped key is retrying again after the rebuild"
+    assert totals(dsn) == live_state
+    assert sorted(e for e, _ in applied(dsn)) == sorted(set(ids) - {head})
+
+
+@pytest.mark.parametrize("kind", ["batched", "per-event"])
+def test_a_skip_made_while_the_rebuild_waits_to_switch_is_followed(
+        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:
+    """The rebuild parks the poison head itself (it fails there too); the operator skips it live while the
+    switch waits for the live tables (a reader holds them): the rebuild follows the skip before it swaps."""
+    ids, head = poisoned_key(dsn)
+    r = live(make(kind), max_attempts=10)
+    run_until(r, lambda: head in parked_ids(dsn, LIVE) and len(applied(dsn)) == 5)
+    rebuild = Rebuild(make(kind), make_settings(dsn, "rebuilder", max_attempts=10), progress=None)
+    results: list[Any] = []
+    with psycopg.connect(dsn) as reader:
+        reader.execute("SELECT count(*) FROM order_totals").fetchone()  # holds the table: the switch waits
+        t = threading.Thread(target=lambda: results.append(rebuild.run()))
+        t.start()
+        try:
+            until(lambda: head in parked_ids(dsn, LIVE + ".rebuild") and fetch_all(
+                dsn, "SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+                     "WHERE c.relname = 'order_totals' AND NOT l.granted"))  # the live relay is not running
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                skip_key(conn, "cust-0", LIVE)
+            run_until(r, lambda: len(applied(dsn)) == len(ids) - 1)  # live applies the 2 behind it
+        finally:
+            reader.rollback()
+            t.join(120)
+    result = results[0]
+    assert result is not None and result.clean, (result.waiting, result.dropped)
+    assert set(dead_letters(dsn, LIVE)) == {head}
+    assert dead_letters(dsn, LIVE)[head][1] == SKIPPED_ERROR
+    assert parked_ids(dsn, LIVE) == set()
+    assert sorted(e for e, _ in applied(dsn)) == sorted(set(ids) - {head})
+
+
+@pytest.mark.parametrize("kind", ["batched", "per-event"])
+def test_a_rebuild_whose_replayed_key_still_fails_is_not_clean(
+        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:
+    """Live processing applied every event; the rebuild's handler now fails on one: it switches over but
+    names the key and is not clean (the CLI exits 1), never a plain success."""
+    ids, head = poisoned_key(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:  # live processing had no poison: an older payload
+        conn.execute("UPDATE outbox.events SET payload = '{\"customer\": \"cust-0\", \"cents\": 5}' WHERE id = %s",
+                     (head,))
+    r = live(make(kind), max_attempts=10)
+    run_until(r, lambda: len(applied(dsn)) == len(ids))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.events SET payload = '{\"customer\": \"cust-0\", \"cents\": -5}' WHERE id = %s",
+                     (head,))
+
+    result = Rebuild(make(kind), make_settings(dsn, "rebuilder", max_attempts=10), progress=None).run()
+
+    assert result is not None and not result.clean
+    assert [(w.key, w.head, w.paused) for w in result.failing] == [("cust-0", head, False)]
+    assert "negative amount" in (result.failing[0].last_error or "")
