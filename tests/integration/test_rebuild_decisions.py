@@ -29,7 +29,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     publish,
     run_until,
 )
-from tests.integration.test_batched_projections import LOG, UPSERT, _rows, batched, live  # noqa: F401
+from tests.integration.test_batched_projections import batched, live  # noqa: F401  (the `live` fixture)
 
 LIVE = "order_totals"
 
@@ -43,13 +43,13 @@ def until(condition: Callable[[], Any], timeout: float = 60.0) -> None:
 
 
 def per_event(before: Callable[[ProjectionEvent[Any]], None] | None = None) -> Any:
+    writes = batched().handler  # the batched test projection's writes, one event at a time
+
     @projection(LIVE, events=["OrderPlaced", "OrderPaid"], tables=["order_totals", "applied_log"])
     def apply(event: ProjectionEvent[Any], tx: Any) -> None:
         if before is not None:
             before(event)
-        sums, log = _rows([event])
-        tx.execute(UPSERT, sums)
-        tx.execute(LOG, log)
+        writes([event], tx)
 
     return apply
 
@@ -69,10 +69,10 @@ def poisoned_key(dsn: str) -> tuple[list[uuid.UUID], uuid.UUID]:
     return ids, ids[5]
 
 
-def skipped_live(dsn: str, live: Callable[..., SinkRunner], p: Any) -> tuple[list[uuid.UUID], uuid.UUID]:
+def skipped_live(dsn: str, run: Callable[..., SinkRunner], p: Any) -> tuple[list[uuid.UUID], uuid.UUID]:
     """Live processing parks the poison head (retrying), the operator skips it, the 2 behind it land."""
     ids, head = poisoned_key(dsn)
-    r = live(p, max_attempts=10)
+    r = run(p, max_attempts=10)
     run_until(r, lambda: head in parked_ids(dsn, LIVE) and len(applied(dsn)) == 5)
     with psycopg.connect(dsn, autocommit=True) as conn:
         skip_key(conn, "cust-0", LIVE)
@@ -81,7 +81,8 @@ def skipped_live(dsn: str, live: Callable[..., SinkRunner], p: Any) -> tuple[lis
 
 
 @pytest.mark.parametrize("kind", ["batched", "per-event"])
-def test_a_skip_made_before_the_rebuild_stays_a_skip(dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:
+def test_a_skip_made_before_the_rebuild_stays_a_skip(
+        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:  # noqa: F811
     ids, head = skipped_live(dsn, live, make(kind))
     live_state, live_dead = totals(dsn), dead_letters(dsn, LIVE)
     assert set(live_dead) == {head} and live_dead[head][1] == SKIPPED_ERROR
@@ -100,7 +101,7 @@ def test_a_skip_made_before_the_rebuild_stays_a_skip(dsn: str, live: Callable[..
 
 @pytest.mark.parametrize("kind", ["batched", "per-event"])
 def test_a_skip_made_while_the_rebuild_waits_to_switch_is_followed(
-        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:
+        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:  # noqa: F811
     """The rebuild parks the poison head itself (it fails there too); the operator skips it live while the
     switch waits for the live tables (a reader holds them): the rebuild follows the skip before it swaps."""
     ids, head = poisoned_key(dsn)
@@ -132,7 +133,7 @@ def test_a_skip_made_while_the_rebuild_waits_to_switch_is_followed(
 
 @pytest.mark.parametrize("kind", ["batched", "per-event"])
 def test_a_rebuild_whose_replayed_key_still_fails_is_not_clean(
-        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:
+        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:  # noqa: F811
     """Live processing applied every event; the rebuild's handler now fails on one: it switches over but
     names the key and is not clean (the CLI exits 1), never a plain success."""
     ids, head = poisoned_key(dsn)
