@@ -194,6 +194,8 @@ class Rebuild:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             check_schema(conn)
             tables, resumed = self._start(conn)
+            if not self.accept_partial and (not resumed or self._unchecked(conn)):
+                self._check_retained(conn)
             total = self._total(conn)
         log.info("rebuild %s: %s, %d events to replay into %s", self.projection.name,
                  "resumed" if resumed else "started", total, self.shadow)
@@ -319,9 +321,7 @@ class Rebuild:
         """Refuse a start past stored history before anything is created: from there the rebuild would
         replay nothing, swap in an empty model and park the live projection's cursors there (past every
         transaction id there is, for good if far enough). Refuse a start from history that retention
-        has removed part of, unless a partial model is accepted."""
-        if not self.accept_partial:
-            self._check_history(conn)
+        has removed part of is refused later, once the rebuild holds retention back (``_check_retained``)."""
         if self.from_position is None and self.from_time is None:
             return
         row = conn.execute(query("rebuild", "history_bounds")).fetchone()
@@ -348,6 +348,29 @@ class Rebuild:
                 f"--from-time {self.from_time.isoformat()}: no event was stored at or after it (the newest "
                 f"was stored {newest.isoformat() if newest else 'never'}): a rebuild from there replays nothing "
                 "and swaps in an empty model; nothing was changed")
+
+    def _unchecked(self, conn: psycopg.Connection[Any]) -> bool:
+        """A resumed rebuild that never got past its history check (it counts its events after it)."""
+        row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+        return row is not None and row[5] is None
+
+    def _check_retained(self, conn: psycopg.Connection[Any]) -> None:
+        """Refuse a rebuild whose history retention removed part of, once its own sink holds retention back.
+
+        The check comes after the start committed the rebuild's sink: a removal that looks after that sees
+        its cursors, which hold every leaf it has still to replay (partition_hold_v1), and one that looked
+        before locks its leaf and looks again (0020). The read here waits for a removal that holds a leaf
+        to commit, so the check sees what it removed. Before, the check ran first, in the start's
+        transaction, whose sink nothing saw until it committed (a start waiting on the projection's table
+        widened that window): a leaf dropped in between was replayed without, and status said complete.
+        A refused rebuild is undone: the live model and projection are as they were."""
+        try:
+            with conn.transaction():
+                conn.execute(query("rebuild", "wait_for_retention"))
+                self._check_history(conn)
+        except RebuildError:
+            self.cancel()
+            raise
 
     def _check_history(self, conn: psycopg.Connection[Any]) -> None:
         """A rebuild is never silently partial: refuse when retention removed events its projection

@@ -916,12 +916,13 @@ BEGIN
         IF outbox.partition_hold_v1(p.name, default_keep) IS NOT NULL THEN
             CONTINUE;
         END IF;
-        IF p.range_name IS NULL THEN
-            -- A mixed leaf may still receive events: hold them off, then look again.
-            EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', p.name);
-            IF outbox.partition_hold_v1(p.name, default_keep) IS NOT NULL THEN
-                CONTINUE;
-            END IF;
+        -- Lock the leaf, then look again (0020): a mixed leaf may still receive events, and a sink registered
+        -- since the first look (a rebuild's start) holds any leaf. A rebuild checks what history exists only
+        -- once its registration committed and no removal holds a leaf (Rebuild._check_retained), so a leaf it
+        -- needs either went before that check, which then sees it gone, or stays.
+        EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', p.name);
+        IF outbox.partition_hold_v1(p.name, default_keep) IS NOT NULL THEN
+            CONTINUE;
         END IF;
         -- Apart, so that the bounds are index probes and the count an index-only scan (together: a
         -- sequential scan of the partition).
@@ -1006,4 +1007,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (15, 'history_per_class', NULL),
     (16, 'lapse_check_pruned', NULL),
     (17, 'position_order_index', NULL),
-    (18, 'occurred_at_range', NULL);
+    (18, 'occurred_at_range', NULL),
+    (20, 'retention_recheck', NULL);

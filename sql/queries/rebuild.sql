@@ -69,6 +69,12 @@ SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS next_xid,
        (SELECT max(created_at) FROM outbox.events) AS newest,
        clock_timestamp() AS now;
 
+-- name: wait_for_retention
+-- A rebuild's history check comes after this read of every leaf of outbox.events (ACCESS SHARE, taken as it
+-- is planned): it waits for a removal that holds a leaf (ACCESS EXCLUSIVE, 0020) to commit, so the check
+-- sees what it removed. Reads no row.
+SELECT NULL FROM outbox.events LIMIT 0;
+
 -- name: table_blockers
 -- What a table swap can not carry over: views, incoming foreign keys, triggers, policies.
 SELECT 'view ' || v.oid::regclass::text
