@@ -364,13 +364,20 @@ class Rebuild:
         transaction, whose sink nothing saw until it committed (a start waiting on the projection's table
         widened that window): a leaf dropped in between was replayed without, and status said complete.
         A refused rebuild is undone: the live model and projection are as they were."""
-        try:
-            with conn.transaction():
-                conn.execute(query("rebuild", "wait_for_retention"))
-                self._check_history(conn)
-        except RebuildError:
-            self.cancel()
-            raise
+        for attempt in range(1, SWITCH_TRIES + 1):
+            try:
+                with conn.transaction():
+                    conn.execute(query("rebuild", "wait_for_retention"))
+                    self._check_history(conn)
+                return
+            except psycopg.errors.DeadlockDetected:
+                # A removal of a leaf this rebuild does not hold locks its leaf, then the parent table: the
+                # read here locks them the other way round. The removal goes on; look again after it.
+                if attempt == SWITCH_TRIES:
+                    raise
+            except RebuildError:
+                self.cancel()
+                raise
 
     def _check_history(self, conn: psycopg.Connection[Any]) -> None:
         """A rebuild is never silently partial: refuse when retention removed events its projection

@@ -113,3 +113,59 @@ def test_the_rebuild_holds_retention_once_started(dsn: str, live: Any, pool: Con
     result = Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
     assert result is not None and result.resumed and result.events == len(first)
     assert state(dsn) == live_state
+
+
+def test_a_removal_that_looked_before_the_rebuild_registered_looks_again_before_it_drops(
+        dsn: str, live: Any) -> None:  # noqa: F811
+    """Retention looked at a leaf (nothing held it) before the rebuild's sink committed, and then waited for the
+    leaf (a reader held it). It looks again under the leaf's lock, sees the rebuild's hold and keeps the leaf;
+    the rebuild's check waited for it and replays every event. Without the second look the leaf went, and the
+    rebuild could only refuse."""
+    first = publish(dsn, orders(3, 2))
+    runner = live(totals_projection())
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(first))
+    close_history(dsn)
+    later = publish(dsn, orders(3, 1, start=2))
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(first) + len(later))
+    live_state = state(dsn)
+    [(leaf,)] = fetch_all(dsn, "SELECT tableoid::regclass::text FROM outbox.events WHERE id = %s", (first[0],))
+    pids: list[int] = []
+    removal: list[Any] = []
+    outcome: list[Any] = []
+
+    def remove() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            pids.append(conn.info.backend_pid)
+            removal.extend(conn.execute("SELECT leaf FROM outbox.retire_partition_v1(make_interval(secs => 0))")
+                           .fetchall())
+
+    def rebuild() -> None:
+        try:
+            outcome.append(Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run())
+        except (RebuildError, psycopg.Error) as exc:
+            outcome.append(exc)
+
+    def waiting(others: bool) -> bool:
+        """The removal (or, ``others``, another session than it) waits for a lock."""
+        return bool(fetch_all(dsn, "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+                                   "AND wait_event_type = 'Lock' AND (pid = %s) <> %s", (pids[0], others)))
+
+    with psycopg.connect(dsn) as reader:
+        reader.execute(f"SELECT count(*) FROM {leaf}").fetchone()  # holds the leaf (ACCESS SHARE)
+        remover, rebuilder = threading.Thread(target=remove), threading.Thread(target=rebuild)
+        remover.start()
+        try:
+            until(lambda: bool(pids) and waiting(False))  # the removal looked (no hold) and waits for the leaf
+            rebuilder.start()
+            until(lambda: waiting(True))  # the rebuild's sink committed; its check waits behind the removal
+        finally:
+            reader.rollback()
+            remover.join(60)
+            if rebuilder.ident is not None:
+                rebuilder.join(120)
+
+    assert removal == [], f"retention removed {leaf}, which the rebuild's sink held"
+    [result] = outcome
+    assert not isinstance(result, BaseException), result
+    assert result is not None and result.events == len(first) + len(later)
+    assert state(dsn) == live_state
