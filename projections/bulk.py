@@ -448,8 +448,11 @@ class BulkPhase:
             raise SliceFailed(describe(cause) if cause is not None else "a handler failed") from exc
         except Exception as exc:
             raise SliceFailed(describe(exc)) from exc
-        failed = next((f for i, f in batch.outcomes.items() if f is not None and i not in batch.decided), None)
-        if failed is not None:  # an event decided without its handler (not preparable, an unknown type)
+        # An event decided without its handler (not preparable, an unknown type, held for live processing:
+        # the relay phase parks it) fails the slice; one dead-lettered live is dead here too (below).
+        failed = next((f for i, f in batch.outcomes.items()
+                       if f is not None and (f.retriable or i not in batch.decided)), None)
+        if failed is not None:
             raise SliceFailed(failed.error)
         rows = conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self.shadow}).fetchall()
         if rows:

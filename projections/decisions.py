@@ -20,25 +20,32 @@ from outbox_relay.sink import AsyncConn, Failure
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import Conn
 
+# The parked rows of a rebuild that hold an event because the live projection has it parked; the switch
+# tells them apart by this error (rebuild.sql: follow_live, keep_live_decisions).
+HELD = "held: the live projection has this event parked (a retry, queued behind one, or its key paused)"
+HOLD_SECONDS = 1.0  # how often a hold looks again whether live processing applied the event
+
 
 def _params(live: str, ids: Sequence[uuid.UUID]) -> dict[str, Any]:
     return {"live": live, "ids": list(ids)}
 
 
 def _decided(rows: Sequence[Sequence[Any]]) -> dict[Any, Failure]:
-    return {row[0]: Failure(str(row[1]), retriable=False) for row in rows}
+    """Dead live: dead here, with the live reason. Parked live: held here, no attempt counted."""
+    return {event: Failure(HELD, hold_seconds=HOLD_SECONDS) if held else Failure(str(error), retriable=False)
+            for event, error, held in rows}
 
 
 def live_decisions(conn: Conn, live: str, ids: Sequence[uuid.UUID]) -> dict[Any, Failure]:
-    """The events of ``ids`` that the live projection ``live`` dead-lettered, as the walk's decided failures."""
+    """What the live projection ``live`` decided about the events of ``ids``, as the walk's decided failures."""
     if not ids:
         return {}
-    return _decided(conn.execute(query("rebuild", "live_dead_letters"), _params(live, ids)).fetchall())
+    return _decided(conn.execute(query("rebuild", "live_decisions"), _params(live, ids)).fetchall())
 
 
 async def alive_decisions(conn: AsyncConn, live: str, ids: Sequence[uuid.UUID]) -> dict[Any, Failure]:
     """``live_decisions`` on an async connection."""
     if not ids:
         return {}
-    cur = await conn.execute(query("rebuild", "live_dead_letters"), _params(live, ids))
+    cur = await conn.execute(query("rebuild", "live_decisions"), _params(live, ids))
     return _decided(await cur.fetchall())

@@ -51,6 +51,7 @@ from outbox_relay.store import StoredEvent, event_reader
 from outbox_relay.worker import Worker
 
 from .bulk import LANES, BulkPhase
+from .decisions import HELD
 from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, reserved_schema
 from .sink import ProjectionSink
 from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, adrive, drive, walk
@@ -601,7 +602,7 @@ class Rebuild:
             conn.execute(query("rebuild", "adopt_cursors"), names)
             conn.execute(query("rebuild", "adopt_history"), names)
             self._dropped = [self._dropped_line(*r) for r in conn.execute(query("rebuild", "keep_live_decisions"),
-                                                                          names)]
+                                                                          {**names, "held": HELD})]
             for line in self._dropped:  # said before the swap commits
                 log.warning("rebuild %s: %s", self.projection.name, line)
             conn.execute(query("rebuild", "adopt_parked"), names)
@@ -639,7 +640,7 @@ class Rebuild:
             row = conn.execute(query("rebuild", "behind_live"), params).fetchone()
             behind = int(row[0]) if row else 0
             if worker is not None:
-                behind += self._follow_live_skips()
+                behind += self._follow_live()
             if behind == 0:
                 if worker is None:
                     return True
@@ -657,13 +658,13 @@ class Rebuild:
                 return False
             time.sleep(CATCH_UP_POLL_SECONDS)
 
-    def _follow_live_skips(self) -> int:
-        """Make due the rebuild's parked events that the live projection dead-lettered since (a skip while
-        the rebuild ran; the relay phase's retry dead-letters them too); how many buckets had one. On a
-        connection of its own: the switch's transaction must not hold these rows."""
+    def _follow_live(self) -> int:
+        """Make due the rebuild's parked events whose live decision changed (dead-lettered live since, or
+        held for a live retry that landed; the relay phase's retry follows); how many buckets had one. On
+        a connection of its own: the switch's transaction must not hold these rows."""
         with psycopg.connect(self.dsn, autocommit=True) as conn:
-            return len(conn.execute(query("rebuild", "follow_live_skips"),
-                                    {"live": self.live_sink, "rebuild": self.sink}).fetchall())
+            return len(conn.execute(query("rebuild", "follow_live"),
+                                    {"live": self.live_sink, "rebuild": self.sink, "held": HELD}).fetchall())
 
     def _carry_privileges(self, conn: psycopg.Connection[Any], old: LiveTable) -> None:
         new = sql.Identifier(old.schema, old.name)

@@ -251,9 +251,13 @@ skipped_meanwhile AS (
     WHERE r.sink = %(rebuild)s AND l.sink = %(live)s AND l.event_id = r.event_id
 ),
 carried AS (
-    -- Failing in both: the key's retries go on from the live attempts, not from scratch.
+    -- Parked in both: held by the replay (decisions.HELD), the live row's attempts, error and next retry
+    -- carry on; failing in both, the retries go on from the live attempts, not from scratch. The rebuild's
+    -- rows keep their order (its own park, of its own cursors).
     UPDATE outbox.parked r
-    SET attempts = greatest(r.attempts, l.attempts), last_error = coalesce(r.last_error, l.last_error)
+    SET attempts = greatest(r.attempts, l.attempts),
+        last_error = CASE WHEN r.last_error = %(held)s THEN l.last_error ELSE coalesce(r.last_error, l.last_error) END,
+        available_at = CASE WHEN r.last_error = %(held)s THEN l.available_at ELSE r.available_at END
     FROM outbox.parked l
     WHERE r.sink = %(rebuild)s AND l.sink = %(live)s AND (l.bucket, l.xid, l.seq) = (r.bucket, r.xid, r.seq)
       AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters d WHERE d.sink = %(live)s AND d.event_id = r.event_id)
@@ -280,13 +284,17 @@ WHERE NOT EXISTS (SELECT 1 FROM outbox.parked r WHERE r.sink = %(rebuild)s AND r
   AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters r WHERE r.sink = %(rebuild)s AND r.event_id = p.event_id)
 ORDER BY 3, 2;
 
--- name: follow_live_skips
--- Events the rebuild has parked that the live projection has dead-lettered since (keys skip while the
--- rebuild ran): due now, so that the replay dead-letters them too (decisions.py) and their keys move on.
+-- name: follow_live
+-- The rebuild's parked events whose live decision changed since: dead-lettered live (keys skip while the
+-- rebuild ran), or held for live processing (decisions.HELD) that live no longer has parked (it applied
+-- them). Due now, so that the replay's retry follows (dead-letters or applies them) before the switch.
 WITH due AS (
     UPDATE outbox.parked p SET available_at = clock_timestamp()
-    FROM outbox.dead_letters d
-    WHERE p.sink = %(rebuild)s AND d.sink = %(live)s AND d.event_id = p.event_id
+    WHERE p.sink = %(rebuild)s
+      AND (EXISTS (SELECT 1 FROM outbox.dead_letters d WHERE d.sink = %(live)s AND d.event_id = p.event_id)
+           OR (p.last_error = %(held)s
+               AND NOT EXISTS (SELECT 1 FROM outbox.parked l
+                               WHERE l.sink = %(live)s AND (l.bucket, l.xid, l.seq) = (p.bucket, p.xid, p.seq))))
     RETURNING p.bucket
 )
 SELECT b.bucket, pg_notify('outbox_events_v2', 'parked:' || b.bucket)
@@ -461,13 +469,18 @@ CROSS JOIN LATERAL (
 ) behind
 WHERE l.sink = %(live)s;
 
--- name: live_dead_letters
--- Which events of a rebuild's batch the live projection dead-lettered (skipped by an operator, past their
--- attempts, not applicable): the replay records them as dead with the same reason, never applying them
--- (projections/decisions.py). One primary-key probe per event.
-SELECT d.event_id, d.last_error
+-- name: live_decisions
+-- What the live projection decided about the events of a rebuild's batch (projections/decisions.py): dead
+-- letters (skipped by an operator, past their attempts, not applicable), which the replay records as dead
+-- with the same reason, and parked events (retrying, queued, a paused key's), which it holds. A primary-key
+-- probe per event for the dead letters; the live park is read whole (it is small: what waits now).
+SELECT d.event_id, d.last_error, false AS held
 FROM outbox.dead_letters d
-WHERE d.sink = %(live)s AND d.event_id = ANY(%(ids)s::uuid[]);
+WHERE d.sink = %(live)s AND d.event_id = ANY(%(ids)s::uuid[])
+UNION ALL
+SELECT p.event_id, NULL, true
+FROM outbox.parked p
+WHERE p.sink = %(live)s AND p.event_id = ANY(%(ids)s::uuid[]);
 
 -- name: bulk_dead_letters
 -- A bulk-phase slice's events that the live projection dead-lettered, dead-lettered for the rebuild too (as

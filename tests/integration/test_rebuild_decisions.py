@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_relay.admin import SKIPPED_ERROR, skip_key
+from outbox_relay.admin import SKIPPED_ERROR, key_state, pause_key, resume_key, skip_key
 from outbox_relay.relay import SinkRunner
 from projections import ProjectionEvent, projection
 from projections.rebuild import Rebuild
@@ -25,6 +25,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     fetch_all,
     make_settings,
     parked_ids,
+    parked_rows,
     pool_fixture,
     publish,
     run_until,
@@ -151,3 +152,59 @@ def test_a_rebuild_whose_replayed_key_still_fails_is_not_clean(
     assert result is not None and not result.clean
     assert [(w.key, w.head, w.paused) for w in result.failing] == [("cust-0", head, False)]
     assert "negative amount" in (result.failing[0].last_error or "")
+
+
+@pytest.mark.parametrize("kind", ["batched", "per-event"])
+def test_a_paused_keys_held_events_stay_held_and_the_pause_stays(
+        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:  # noqa: F811
+    """The operator paused cust-0 after its first event: live holds the rest, unapplied. The rebuild holds
+    them too (never applies them), the pause and the live park rows stay, and resuming lets them go once."""
+    first = publish(dsn, [("cust-0", "OrderPlaced", {"customer": "cust-0"})])
+    r = live(make(kind), max_attempts=10)
+    run_until(r, lambda: len(applied(dsn)) == 1)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pause_key(conn, "cust-0", LIVE, reason="checking a refund")
+    held = publish(dsn, [("cust-0", "OrderPaid", {"customer": "cust-0", "cents": 7}) for _ in range(3)])
+    others = publish(dsn, [("cust-1", "OrderPlaced", {"customer": "cust-1"})])
+    run_until(r, lambda: parked_ids(dsn, LIVE) == set(held) and len(applied(dsn)) == 2)
+    live_state, live_park = totals(dsn), parked_rows(dsn, "cust-0", LIVE)
+    seen: list[uuid.UUID] = []
+
+    result = Rebuild(make(kind, lambda e: seen.append(e.id)), make_settings(dsn, "rebuilder", max_attempts=10),
+                     progress=None).run()
+
+    assert result is not None and result.clean, (result.waiting, result.dropped) if result else None
+    assert not set(held) & set(seen), "the replay applied events the live projection holds for the pause"
+    assert totals(dsn) == live_state
+    assert parked_rows(dsn, "cust-0", LIVE) == live_park, "the held events' park rows changed"
+    assert [(w.key, w.paused, w.parked) for w in result.waiting] == [("cust-0", True, 3)]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert key_state(conn, "cust-0", sink=LIVE).sinks[0].state == "paused", "the pause was lost"
+        resume_key(conn, "cust-0", LIVE)
+    run_until(r, lambda: len(applied(dsn)) == len(first) + len(held) + len(others))
+    assert sorted(e for e, _ in applied(dsn)) == sorted(first + held + others), "each held event once"
+
+
+@pytest.mark.parametrize("kind", ["batched", "per-event"])
+def test_a_live_retrying_head_keeps_its_attempts_and_its_queue(
+        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:  # noqa: F811
+    """Live processing retries cust-0's poison head (3 attempts so far), 2 events queued behind it. The
+    rebuild holds the key as live does: the head's attempts go on from 3, not from scratch, nothing behind it
+    is applied, and the rebuild is not clean (the key still fails)."""
+    ids, head = poisoned_key(dsn)
+    r = live(make(kind), max_attempts=10)
+    run_until(r, lambda: any(a >= 3 for e, a, _ in parked_rows(dsn, "cust-0", LIVE) if e == head))
+    # The live relay stops here (run_until drives it), its head parked and retrying.
+    [attempts] = [a for e, a, _ in parked_rows(dsn, "cust-0", LIVE) if e == head]
+    live_state = totals(dsn)
+    seen: list[uuid.UUID] = []
+
+    result = Rebuild(make(kind, lambda e: seen.append(e.id)), make_settings(dsn, "rebuilder", max_attempts=10),
+                     progress=None).run()
+
+    assert result is not None and not result.clean
+    assert head not in seen and not set(ids[6:]) & set(seen), "the replay retried the key from scratch"
+    assert totals(dsn) == live_state
+    [failing] = result.failing
+    assert (failing.key, failing.head, failing.attempts, failing.parked) == ("cust-0", head, attempts, 3)
+    assert "negative amount" in (failing.last_error or "")
