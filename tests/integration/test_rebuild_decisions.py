@@ -208,3 +208,41 @@ def test_a_live_retrying_head_keeps_its_attempts_and_its_queue(
     [failing] = result.failing
     assert (failing.key, failing.head, failing.attempts, failing.parked) == ("cust-0", head, attempts, 3)
     assert "negative amount" in (failing.last_error or "")
+
+
+@pytest.mark.parametrize("kind", ["batched", "per-event"])
+def test_a_resume_made_while_the_rebuild_waits_to_switch_is_followed(
+        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:  # noqa: F811
+    """cust-0 is paused with 2 events held in both; the operator resumes it while the switch waits for the
+    live tables, and live processing applies them. The rebuild applies them too before it swaps: the new
+    model holds them once, nothing is left parked."""
+    publish(dsn, [("cust-0", "OrderPlaced", {"customer": "cust-0"})])
+    r = live(make(kind), max_attempts=10)
+    run_until(r, lambda: len(applied(dsn)) == 1)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pause_key(conn, "cust-0", LIVE)
+    held = publish(dsn, [("cust-0", "OrderPaid", {"customer": "cust-0", "cents": 7}) for _ in range(2)])
+    run_until(r, lambda: parked_ids(dsn, LIVE) == set(held))
+    rebuild = Rebuild(make(kind), make_settings(dsn, "rebuilder", max_attempts=10), progress=None)
+    results: list[Any] = []
+    with psycopg.connect(dsn) as reader:
+        reader.execute("SELECT count(*) FROM order_totals").fetchone()  # holds the table: the switch waits
+        t = threading.Thread(target=lambda: results.append(rebuild.run()))
+        t.start()
+        try:
+            until(lambda: parked_ids(dsn, LIVE + ".rebuild") == set(held) and fetch_all(
+                dsn, "SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+                     "WHERE c.relname = 'order_totals' AND NOT l.granted"))
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                resume_key(conn, "cust-0", LIVE)
+            run_until(r, lambda: len(applied(dsn)) == 3)  # live applies the held events
+            live_state = totals(dsn)
+        finally:
+            reader.rollback()
+            t.join(120)
+    result = results[0]
+    assert result is not None and result.clean, (result.waiting, result.dropped)
+    assert totals(dsn) == live_state
+    assert parked_ids(dsn, LIVE) == set()
+    assert sorted(e for e, _ in applied(dsn)) == sorted(e for e, _ in fetch_all(
+        dsn, "SELECT id, 1 FROM outbox.events"))
