@@ -430,9 +430,8 @@ class BulkPhase:
 
     def _apply(self, conn: psycopg.Connection[Any], w: Walk, events: Sequence[Delivered]) -> None:
         """The slice's walk, fast and pipelined as a relay batch's first run; any failure fails the slice."""
-        ids = [e.id for e in events]
         batch = Batch(self.projection, events, FENCES, replay=True, name=self.sink,
-                      decided=live_decisions(conn, self.live, ids))
+                      decided=live_decisions(conn, self.live, events))
         steps = walk(batch, careful=False, pipelined=True, begin=self._begin)
         try:
             with conn.pipeline():
@@ -462,8 +461,9 @@ class BulkPhase:
             if current is None or current[6] != self.started_at:
                 raise Lost()
             raise outside_writes_error(self.projection, self.shadow, [r[0] for r in rows])
-        if batch.decided:  # dead-lettered live: dead for the rebuild too, never applied (decisions.py)
-            conn.execute(query("rebuild", "bulk_dead_letters"), {"sink": self.sink, "live": self.live, "ids": ids})
+        dead = [i for i, f in batch.decided.items() if not f.retriable]
+        if dead:  # dead-lettered live: dead for the rebuild too, never applied (decisions.py)
+            conn.execute(query("rebuild", "bulk_dead_letters"), {"sink": self.sink, "live": self.live, "ids": dead})
 
     def _hand_over(self, lane: tuple[int, int], cursor: Cursor, exc: BaseException) -> None:
         """End the lane's phase where its last slice left its cursors (bump their fences): the relay phase

@@ -12,13 +12,14 @@ with the live reason without calling the handler, and the key moves on as it did
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from outbox_relay.sink import AsyncConn, Failure
 from outbox_relay.sqlfiles import query
-from outbox_relay.store import Conn
+from outbox_relay.store import Conn, StoredEvent
+
+from .walk import Delivered
 
 # The parked rows of a rebuild that hold an event because the live projection has it parked; the switch
 # tells them apart by this error (rebuild.sql: follow_live, keep_live_decisions).
@@ -26,26 +27,33 @@ HELD = "held: the live projection has this event parked (a retry, queued behind 
 HOLD_SECONDS = 1.0  # how often a hold looks again whether live processing applied the event
 
 
-def _params(live: str, ids: Sequence[uuid.UUID]) -> dict[str, Any]:
-    return {"live": live, "ids": list(ids)}
+def _params(live: str, events: Sequence[Delivered]) -> dict[str, Any]:
+    """The batch's transaction id range: decisions are looked up by position (two index range scans), not per
+    event, so a batch costs the same whatever its size and nothing when live processing decided nothing."""
+    xids = [e.xid if isinstance(e, StoredEvent) else e.position[0] for e in events]
+    return {"live": live, "lo": min(xids), "hi": max(xids)}
 
 
-def _decided(rows: Sequence[Sequence[Any]]) -> dict[Any, Failure]:
-    """Dead live: dead here, with the live reason. Parked live: held here, no attempt counted."""
+def _decided(rows: Sequence[Sequence[Any]], events: Sequence[Delivered]) -> dict[Any, Failure]:
+    """Dead live: dead here, with the live reason. Parked live: held here, no attempt counted. (The range
+    also returns other buckets' events of those transactions: only the batch's are kept.)"""
+    if not rows:
+        return {}
+    ids = {e.id for e in events}
     return {event: Failure(HELD, hold_seconds=HOLD_SECONDS) if held else Failure(str(error), retriable=False)
-            for event, error, held in rows}
+            for event, error, held in rows if event in ids}
 
 
-def live_decisions(conn: Conn, live: str, ids: Sequence[uuid.UUID]) -> dict[Any, Failure]:
-    """What the live projection ``live`` decided about the events of ``ids``, as the walk's decided failures."""
-    if not ids:
+def live_decisions(conn: Conn, live: str, events: Sequence[Delivered]) -> dict[Any, Failure]:
+    """What the live projection ``live`` decided about ``events``, as the walk's decided failures."""
+    if not events:
         return {}
-    return _decided(conn.execute(query("rebuild", "live_decisions"), _params(live, ids)).fetchall())
+    return _decided(conn.execute(query("rebuild", "live_decisions"), _params(live, events)).fetchall(), events)
 
 
-async def alive_decisions(conn: AsyncConn, live: str, ids: Sequence[uuid.UUID]) -> dict[Any, Failure]:
+async def alive_decisions(conn: AsyncConn, live: str, events: Sequence[Delivered]) -> dict[Any, Failure]:
     """``live_decisions`` on an async connection."""
-    if not ids:
+    if not events:
         return {}
-    cur = await conn.execute(query("rebuild", "live_decisions"), _params(live, ids))
-    return _decided(await cur.fetchall())
+    cur = await conn.execute(query("rebuild", "live_decisions"), _params(live, events))
+    return _decided(await cur.fetchall(), events)

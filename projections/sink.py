@@ -199,7 +199,7 @@ class ProjectionSink:
         steps = walk(batch, careful=known is not None, pipelined=known is None, begin=self._begin, abort=abort)
         with conn.transaction():  # BEGIN READ WRITE (the session's default is read-only)
             if self._follows is not None:
-                batch.decided = live_decisions(conn, self._follows, [e.id for e in events])
+                batch.decided = live_decisions(conn, self._follows, events)
             if known is None:
                 try:
                     with conn.pipeline():
@@ -264,7 +264,7 @@ class ProjectionSink:
         steps = walk(batch, careful=known is not None, begin=self._begin, abort=abort)
         async with conn.transaction():
             if self._follows is not None:
-                batch.decided = await alive_decisions(conn, self._follows, [e.id for e in events])
+                batch.decided = await alive_decisions(conn, self._follows, events)
             await adrive(steps, conn, handler, run.calling)
             if self._shadow is not None:
                 cur = await conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self._shadow})

@@ -223,6 +223,8 @@ CREATE TABLE outbox.dead_letters (
 );
 
 CREATE INDEX dead_letters_key ON outbox.dead_letters (sink, partition_key);
+-- 0020: a rebuild's look-up of the live projection's dead letters by a batch's transaction id range.
+CREATE INDEX dead_letters_sink_position ON outbox.dead_letters (sink, xid, seq);
 CREATE INDEX dead_letters_position ON outbox.dead_letters (bucket, xid, seq);
 
 -- 0008_paused_keys: keys an operator holds for one sink (outbox-relay keys pause); the relay parks

@@ -9,6 +9,9 @@
 -- for a removal holding a leaf: a leaf it needs either went before its check (which then refuses) or stays.
 --
 -- The same signature, so relays of every version call it as before; no min-code-version.
+--
+-- Also an index for a rebuild's look-up of the live projection's dead letters by position (G12: a rebuild
+-- keeps them, projections/decisions.py).
 
 CREATE OR REPLACE FUNCTION outbox.retire_partition_v1(default_keep interval,
                                            OUT leaf text, OUT removed bigint, OUT newest timestamptz)
@@ -99,3 +102,7 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- The rebuild's look-up of what the live projection dead-lettered, by a batch's transaction id range
+-- (live_decisions in sql/queries/rebuild.sql): a range scan per batch, not a probe per event.
+CREATE INDEX dead_letters_sink_position ON outbox.dead_letters (sink, xid, seq);

@@ -470,17 +470,18 @@ CROSS JOIN LATERAL (
 WHERE l.sink = %(live)s;
 
 -- name: live_decisions
--- What the live projection decided about the events of a rebuild's batch (projections/decisions.py): dead
--- letters (skipped by an operator, past their attempts, not applicable), which the replay records as dead
--- with the same reason, and parked events (retrying, queued, a paused key's), which it holds. A primary-key
--- probe per event for the dead letters; the live park is read whole (it is small: what waits now).
+-- What the live projection decided about the events of a rebuild's batch, by the batch's transaction id
+-- range (projections/decisions.py): dead letters (skipped by an operator, past their attempts, not
+-- applicable), which the replay records as dead with the same reason, and parked events (retrying, queued,
+-- a paused key's), which it holds. Index range scans (dead_letters_sink_position, 0020; the park by its primary
+-- key's sink prefix: it holds what waits now, a few rows).
 SELECT d.event_id, d.last_error, false AS held
 FROM outbox.dead_letters d
-WHERE d.sink = %(live)s AND d.event_id = ANY(%(ids)s::uuid[])
+WHERE d.sink = %(live)s AND d.xid >= %(lo)s::text::xid8 AND d.xid <= %(hi)s::text::xid8
 UNION ALL
 SELECT p.event_id, NULL, true
 FROM outbox.parked p
-WHERE p.sink = %(live)s AND p.event_id = ANY(%(ids)s::uuid[]);
+WHERE p.sink = %(live)s AND p.xid >= %(lo)s::text::xid8 AND p.xid <= %(hi)s::text::xid8;
 
 -- name: bulk_dead_letters
 -- A bulk-phase slice's events that the live projection dead-lettered, dead-lettered for the rebuild too (as
