@@ -55,9 +55,31 @@ def per_event(before: Callable[[ProjectionEvent[Any]], None] | None = None) -> A
     return apply
 
 
+def async_per_event(before: Callable[[ProjectionEvent[Any]], None] | None = None) -> Any:
+    """The same model from an ``async def`` handler (the relay phase's async driver; no bulk phase)."""
+
+    @projection(LIVE, events=["OrderPlaced", "OrderPaid"], tables=["order_totals", "applied_log"])
+    async def apply(event: ProjectionEvent[Any], tx: Any) -> None:
+        if before is not None:
+            before(event)
+        cents = 0 if event.type == "OrderPlaced" else int(event.payload["cents"])
+        if cents < 0:
+            raise ValueError("negative amount")
+        await tx.execute("INSERT INTO order_totals (customer, orders, paid_cents) VALUES (%s, %s, %s) "
+                         "ON CONFLICT (customer) DO UPDATE SET orders = order_totals.orders + EXCLUDED.orders, "
+                         "paid_cents = order_totals.paid_cents + EXCLUDED.paid_cents",
+                         (event.payload["customer"], int(event.type == "OrderPlaced"), cents))
+        await tx.execute("INSERT INTO applied_log (event_id, key, replay) VALUES (%s, %s, %s)",
+                         (event.id, event.key, event.replay))
+
+    return apply
+
+
 def make(kind: str, before: Callable[[ProjectionEvent[Any]], None] | None = None) -> Any:
     if kind == "per-event":
         return per_event(before)
+    if kind == "async":
+        return async_per_event(before)
     return batched(None if before is None else lambda events, tx: [before(e) for e in events])
 
 
@@ -81,7 +103,7 @@ def skipped_live(dsn: str, run: Callable[..., SinkRunner], p: Any) -> tuple[list
     return ids, head
 
 
-@pytest.mark.parametrize("kind", ["batched", "per-event"])
+@pytest.mark.parametrize("kind", ["batched", "per-event", "async"])
 def test_a_skip_made_before_the_rebuild_stays_a_skip(
         dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:  # noqa: F811
     ids, head = skipped_live(dsn, live, make(kind))
@@ -154,7 +176,7 @@ def test_a_rebuild_whose_replayed_key_still_fails_is_not_clean(
     assert "negative amount" in (result.failing[0].last_error or "")
 
 
-@pytest.mark.parametrize("kind", ["batched", "per-event"])
+@pytest.mark.parametrize("kind", ["batched", "per-event", "async"])
 def test_a_paused_keys_held_events_stay_held_and_the_pause_stays(
         dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:  # noqa: F811
     """The operator paused cust-0 after its first event: live holds the rest, unapplied. The rebuild holds
@@ -246,3 +268,27 @@ def test_a_resume_made_while_the_rebuild_waits_to_switch_is_followed(
     assert parked_ids(dsn, LIVE) == set()
     assert sorted(e for e, _ in applied(dsn)) == sorted(e for e, _ in fetch_all(
         dsn, "SELECT id, 1 FROM outbox.events"))
+
+
+def test_the_command_exits_1_naming_the_key_that_still_fails(
+        dsn: str, live: Callable[..., SinkRunner], capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    """`outbox-relay rebuild` after a switch with a failing key: exit 1 and the key, never "rebuilt" alone."""
+    from outbox_relay import cli
+    from tests.integration import projection_app
+
+    [_, paid] = publish(dsn, [("cust-0", "OrderPlaced", {"customer": "cust-0"}),
+                              ("cust-0", "OrderPaid", {"customer": "cust-0", "cents": 5})])
+    r = live(projection_app.order_totals)
+    run_until(r, lambda: totals(dsn) == [("cust-0", 1, 5)])
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a payload the handler can no longer apply
+        conn.execute("""UPDATE outbox.events SET payload = '{"customer": "cust-0", "cents": "five"}' WHERE id = %s""",
+                     (paid,))
+    capsys.readouterr()
+
+    code = cli.main(["rebuild", "order_totals", "--projections", "tests.integration.projection_app", "--dsn", dsn,
+                     "--max-attempts", "10"])
+
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_FAILED, err
+    assert f"still failing: key 'cust-0': 1 events wait behind {paid}" in err
+    assert "not clean" in err
