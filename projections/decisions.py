@@ -13,6 +13,7 @@ with the live reason without calling the handler, and the key moves on as it did
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from outbox_relay.sink import AsyncConn, Failure
@@ -57,3 +58,50 @@ async def alive_decisions(conn: AsyncConn, live: str, events: Sequence[Delivered
         return {}
     cur = await conn.execute(query("rebuild", "live_decisions"), _params(live, events))
     return _decided(await cur.fetchall(), events)
+
+
+# -- the switch (rebuild.py) -------------------------------------------------------------------------
+
+
+def follow_live(conn: Conn, live: str, rebuild: str) -> int:
+    """Make due the rebuild's parked events whose live decision changed (dead-lettered live since, or held
+    for a live retry that landed: the relay phase's retry follows); how many buckets had one. On a
+    connection of its own, not the switch's: the relay phase must be able to retry them."""
+    return len(conn.execute(query("rebuild", "follow_live"), {"live": live, "rebuild": rebuild, "held": HELD})
+               .fetchall())
+
+
+def keep_live_decisions(conn: Conn, live: str, rebuild: str) -> list[str]:
+    """In the switch's transaction: keep live rows where both sinks decided, drop the live rows of events the
+    rebuild applied (decided live after it had passed them). Returns what it dropped, as sentences."""
+    rows = conn.execute(query("rebuild", "keep_live_decisions"), {"live": live, "rebuild": rebuild, "held": HELD})
+    return [_dropped(*r) for r in rows.fetchall()]
+
+
+def _dropped(kind: str, event_id: Any, key: str, error: str | None) -> str:
+    if kind == "dead":
+        return (f"event {event_id} of key {key!r} was dead-lettered for the live projection ({error}) after the "
+                "rebuild had applied it: the new model holds its effect, so its dead letter is dropped")
+    return (f"event {event_id} of key {key!r} was parked for the live projection ({error or 'queued'}) but the "
+            "rebuild applied it: the new model holds its effect, so its live retry is dropped")
+
+
+@dataclass(frozen=True)
+class WaitingKey:
+    """A key whose events wait in the projection's park after the switch."""
+
+    key: str
+    head: Any  # the event id at the head of its queue
+    attempts: int
+    last_error: str | None
+    parked: int  # its events in the park, the head included
+    paused: bool  # held by an operator (keys pause), not failing
+
+    def describe(self) -> str:
+        why = "paused" if self.paused else f"retrying after {self.attempts} attempts: {self.last_error or 'queued'}"
+        return f"key {self.key!r}: {self.parked} events wait behind {self.head} ({why})"
+
+
+def waiting_keys(conn: Conn, live: str) -> list[WaitingKey]:
+    """After the swap, in its transaction: the keys whose events wait in the projection's park."""
+    return [WaitingKey(*r) for r in conn.execute(query("rebuild", "waiting_keys"), {"live": live})]

@@ -51,7 +51,7 @@ from outbox_relay.store import StoredEvent, event_reader
 from outbox_relay.worker import Worker
 
 from .bulk import LANES, BulkPhase
-from .decisions import HELD
+from .decisions import WaitingKey, follow_live, keep_live_decisions, waiting_keys
 from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, reserved_schema
 from .sink import ProjectionSink
 from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, adrive, drive, walk
@@ -97,22 +97,6 @@ class LiveTable:
     @property
     def qualified(self) -> str:
         return f"{self.schema}.{self.name}"
-
-
-@dataclass(frozen=True)
-class WaitingKey:
-    """A key whose events wait in the projection's park after the switch."""
-
-    key: str
-    head: Any  # the event id at the head of its queue
-    attempts: int
-    last_error: str | None
-    parked: int  # its events in the park, the head included
-    paused: bool  # held by an operator (keys pause), not failing
-
-    def describe(self) -> str:
-        why = "paused" if self.paused else f"retrying after {self.attempts} attempts: {self.last_error or 'queued'}"
-        return f"key {self.key!r}: {self.parked} events wait behind {self.head} ({why})"
 
 
 @dataclass(frozen=True)
@@ -601,13 +585,12 @@ class Rebuild:
             conn.execute(query("rebuild", "lock_cursors"), names)
             conn.execute(query("rebuild", "adopt_cursors"), names)
             conn.execute(query("rebuild", "adopt_history"), names)
-            self._dropped = [self._dropped_line(*r) for r in conn.execute(query("rebuild", "keep_live_decisions"),
-                                                                          {**names, "held": HELD})]
+            self._dropped = keep_live_decisions(conn, self.live_sink, self.sink)
             for line in self._dropped:  # said before the swap commits
                 log.warning("rebuild %s: %s", self.projection.name, line)
             conn.execute(query("rebuild", "adopt_parked"), names)
             conn.execute(query("rebuild", "adopt_dead_letters"), names)
-            self._waiting = [WaitingKey(*r) for r in conn.execute(query("rebuild", "waiting_keys"), names)]
+            self._waiting = waiting_keys(conn, self.live_sink)
             retired = sql.Identifier(self.retired)
             conn.execute(_template("drop_schema", schema=retired))  # what an earlier --keep-old kept
             conn.execute(_template("create_schema", schema=retired))
@@ -622,14 +605,6 @@ class Rebuild:
             conn.execute(query("rebuild", "drop_sink"), {"sink": self.sink})
         return True
 
-    @staticmethod
-    def _dropped_line(kind: str, event_id: Any, key: str, error: str | None) -> str:
-        if kind == "dead":
-            return (f"event {event_id} of key {key!r} was dead-lettered for the live projection ({error}) after the "
-                    "rebuild had applied it: the new model holds its effect, so its dead letter is dropped")
-        return (f"event {event_id} of key {key!r} was parked for the live projection ({error or 'queued'}) but the "
-                "rebuild applied it: the new model holds its effect, so its live retry is dropped")
-
     def _caught_up_with_live(self, conn: psycopg.Connection[Any], worker: Worker | None) -> bool:
         """Whether the rebuild's cursors pass every event the live projection's do (locked: they stand
         still); with ``worker`` running, waits up to CATCH_UP_SECONDS for them to get there. Each look is a
@@ -640,7 +615,8 @@ class Rebuild:
             row = conn.execute(query("rebuild", "behind_live"), params).fetchone()
             behind = int(row[0]) if row else 0
             if worker is not None:
-                behind += self._follow_live()
+                with psycopg.connect(self.dsn, autocommit=True) as other:  # these rows must stay unlocked here
+                    behind += follow_live(other, self.live_sink, self.sink)
             if behind == 0:
                 if worker is None:
                     return True
@@ -657,14 +633,6 @@ class Rebuild:
                          self.projection.name, behind)
                 return False
             time.sleep(CATCH_UP_POLL_SECONDS)
-
-    def _follow_live(self) -> int:
-        """Make due the rebuild's parked events whose live decision changed (dead-lettered live since, or
-        held for a live retry that landed; the relay phase's retry follows); how many buckets had one. On
-        a connection of its own: the switch's transaction must not hold these rows."""
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            return len(conn.execute(query("rebuild", "follow_live"),
-                                    {"live": self.live_sink, "rebuild": self.sink, "held": HELD}).fetchall())
 
     def _carry_privileges(self, conn: psycopg.Connection[Any], old: LiveTable) -> None:
         new = sql.Identifier(old.schema, old.name)
