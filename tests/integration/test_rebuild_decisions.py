@@ -292,3 +292,20 @@ def test_the_command_exits_1_naming_the_key_that_still_fails(
     assert code == cli.EXIT_FAILED, err
     assert f"still failing: key 'cust-0': 1 events wait behind {paid}" in err
     assert "not clean" in err
+
+
+@pytest.mark.parametrize("kind", ["batched", "per-event"])
+def test_the_bulk_phase_hand_over_names_the_handlers_error(
+        dsn: str, live: Callable[..., SinkRunner], kind: str, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """The log line of a failed slice says what the handler raised (``KeyError: 'customer'``), not ``Redo``."""
+    [placed] = publish(dsn, [("cust-0", "OrderPlaced", {"customer": "cust-0"})])
+    r = live(make(kind), max_attempts=10)
+    run_until(r, lambda: len(applied(dsn)) == 1)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("""UPDATE outbox.events SET payload = '{"client": "cust-0"}' WHERE id = %s""", (placed,))
+    caplog.set_level("INFO", logger="outbox_relay.rebuild")
+
+    Rebuild(make(kind), make_settings(dsn, "rebuilder", max_attempts=10), progress=None).run()
+
+    [line] = [r.getMessage() for r in caplog.records if "relay phase takes over" in r.getMessage()]
+    assert "(KeyError: 'customer')" in line and "Redo" not in line, line
