@@ -262,6 +262,14 @@ carried AS (
     WHERE r.sink = %(rebuild)s AND l.sink = %(live)s AND (l.bucket, l.xid, l.seq) = (r.bucket, r.xid, r.seq)
       AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters d WHERE d.sink = %(live)s AND d.event_id = r.event_id)
 ),
+unheld AS (
+    -- Held for a pause that live processing has not read the events of yet: they wait in the park as the
+    -- pause's (queued), under the live name from now on.
+    UPDATE outbox.parked r SET last_error = NULL
+    WHERE r.sink = %(rebuild)s AND r.last_error = %(held)s
+      AND NOT EXISTS (SELECT 1 FROM outbox.parked l
+                      WHERE l.sink = %(live)s AND (l.bucket, l.xid, l.seq) = (r.bucket, r.xid, r.seq))
+),
 moot_dead AS (
     -- Dead-lettered live after the rebuild had applied the event: the new model holds its effect, so the
     -- dead letter would be false (reported).
@@ -286,15 +294,21 @@ ORDER BY 3, 2;
 
 -- name: follow_live
 -- The rebuild's parked events whose live decision changed since: dead-lettered live (keys skip while the
--- rebuild ran), or held for live processing (decisions.HELD) that live no longer has parked (it applied
--- them). Due now, so that the replay's retry follows (dead-letters or applies them) before the switch.
+-- rebuild ran), or held for live processing (decisions.HELD) that live no longer holds (it applied them,
+-- or their key was resumed). Due now, so that the replay's retry follows (dead-letters or applies them) before the switch.
 WITH due AS (
     UPDATE outbox.parked p SET available_at = clock_timestamp()
     WHERE p.sink = %(rebuild)s
       AND (EXISTS (SELECT 1 FROM outbox.dead_letters d WHERE d.sink = %(live)s AND d.event_id = p.event_id)
            OR (p.last_error = %(held)s
                AND NOT EXISTS (SELECT 1 FROM outbox.parked l
-                               WHERE l.sink = %(live)s AND (l.bucket, l.xid, l.seq) = (p.bucket, p.xid, p.seq))))
+                               WHERE l.sink = %(live)s AND (l.bucket, l.xid, l.seq) = (p.bucket, p.xid, p.seq))
+               -- still paused live and not read there yet: live will hold it too
+               AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
+                               JOIN outbox.cursors c ON c.sink = k.sink AND c.bucket = k.bucket
+                               WHERE k.sink = %(live)s AND k.partition_key = p.partition_key
+                                 AND NOT outbox.delivered_v1(p.xid, p.seq, c.snapshot, c.target, c.after_xid,
+                                                             c.after_seq))))
     RETURNING p.bucket
 )
 SELECT b.bucket, pg_notify('outbox_events_v2', 'parked:' || b.bucket)
@@ -473,7 +487,7 @@ WHERE l.sink = %(live)s;
 -- What the live projection decided about the events of a rebuild's batch, by the batch's transaction id
 -- range (projections/decisions.py): dead letters (skipped by an operator, past their attempts, not
 -- applicable), which the replay records as dead with the same reason, and parked events (retrying, queued,
--- a paused key's), which it holds. Index range scans (dead_letters_sink_position, 0020; the park by its primary
+-- a paused key's) and events of a key paused live that live has not read yet, which it holds. Index range scans (dead_letters_sink_position, 0020; the park by its primary
 -- key's sink prefix: it holds what waits now, a few rows).
 SELECT d.event_id, d.last_error, false AS held
 FROM outbox.dead_letters d
@@ -481,7 +495,16 @@ WHERE d.sink = %(live)s AND d.xid >= %(lo)s::text::xid8 AND d.xid <= %(hi)s::tex
 UNION ALL
 SELECT p.event_id, NULL, true
 FROM outbox.parked p
-WHERE p.sink = %(live)s AND p.xid >= %(lo)s::text::xid8 AND p.xid <= %(hi)s::text::xid8;
+WHERE p.sink = %(live)s AND p.xid >= %(lo)s::text::xid8 AND p.xid <= %(hi)s::text::xid8
+UNION ALL
+-- Events of keys paused live that live processing has not read yet: it will hold them when it does.
+SELECT e.id, NULL, true
+FROM outbox.paused_keys k
+JOIN outbox.cursors c ON c.sink = k.sink AND c.bucket = k.bucket
+JOIN outbox.events e ON e.bucket = k.bucket AND e.partition_key = k.partition_key
+                    AND e.xid >= %(lo)s::text::xid8 AND e.xid <= %(hi)s::text::xid8
+WHERE k.sink = %(live)s
+  AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq);
 
 -- name: bulk_dead_letters
 -- A bulk-phase slice's events that the live projection dead-lettered, dead-lettered for the rebuild too (as

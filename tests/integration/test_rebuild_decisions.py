@@ -309,3 +309,31 @@ def test_the_bulk_phase_hand_over_names_the_handlers_error(
 
     [line] = [r.getMessage() for r in caplog.records if "relay phase takes over" in r.getMessage()]
     assert "(KeyError: 'customer')" in line and "Redo" not in line, line
+
+
+@pytest.mark.parametrize("kind", ["batched", "per-event"])
+def test_events_of_a_paused_key_live_has_not_read_yet_are_held_too(
+        dsn: str, live: Callable[..., SinkRunner], kind: str) -> None:  # noqa: F811
+    """cust-0 is paused; its next events were published but no live relay has read them (it is down while the
+    rebuild runs): live processing will hold them, so the rebuild holds them too, and after the switch they
+    wait for the resume like any held event, applied once then."""
+    first = publish(dsn, [("cust-0", "OrderPlaced", {"customer": "cust-0"})])
+    r = live(make(kind), max_attempts=10)
+    run_until(r, lambda: len(applied(dsn)) == 1)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pause_key(conn, "cust-0", LIVE)
+    unread = publish(dsn, [("cust-0", "OrderPaid", {"customer": "cust-0", "cents": 7}) for _ in range(2)])
+    others = publish(dsn, [("cust-1", "OrderPlaced", {"customer": "cust-1"})])
+    seen: list[uuid.UUID] = []
+
+    result = Rebuild(make(kind, lambda e: seen.append(e.id)), make_settings(dsn, "rebuilder", max_attempts=10),
+                     progress=None).run()
+
+    assert result is not None and result.clean, (result.waiting, result.dropped)
+    assert not set(unread) & set(seen), "the replay applied events of a paused key"
+    assert [(w.key, w.paused, w.parked) for w in result.waiting] == [("cust-0", True, 2)]
+    assert sorted(e for e, _ in applied(dsn)) == sorted(first + others)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        resume_key(conn, "cust-0", LIVE)
+    run_until(r, lambda: len(applied(dsn)) == 4)
+    assert sorted(e for e, _ in applied(dsn)) == sorted(first + unread + others), "each once, after the resume"
