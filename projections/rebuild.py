@@ -12,7 +12,8 @@
    rebuild has applied every event the live projection did (the relay phase still runs meanwhile;
    otherwise readers could lose an event they saw), move the live tables out and the
    copies in (grants and owner carried over), give the live projection the rebuild's cursors,
-   parked events and dead letters, bump its fences (relays holding its buckets are fenced out
+   its parked events and dead letters merged with the live ones (decisions.py: what live
+   processing decided stays decided, G12), bump its fences (relays holding its buckets are fenced out
    and their open batches roll back), drop the rebuild's sink. Live processing goes on from
    there; events that arrived during the rebuild are applied once, to the new tables.
 
