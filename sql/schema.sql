@@ -232,6 +232,8 @@ CREATE TABLE outbox.dead_letters (
 );
 
 CREATE INDEX dead_letters_key ON outbox.dead_letters (sink, partition_key);
+-- 0020: a rebuild's look-up of the live projection's dead letters by a batch's transaction id range.
+CREATE INDEX dead_letters_sink_position ON outbox.dead_letters (sink, xid, seq);
 CREATE INDEX dead_letters_position ON outbox.dead_letters (bucket, xid, seq);
 
 -- 0008_paused_keys: keys an operator holds for one sink (outbox-relay keys pause); the relay parks
@@ -941,12 +943,13 @@ BEGIN
         IF outbox.partition_hold_v1(p.name, default_keep) IS NOT NULL THEN
             CONTINUE;
         END IF;
-        IF p.range_name IS NULL THEN
-            -- A mixed leaf may still receive events: hold them off, then look again.
-            EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', p.name);
-            IF outbox.partition_hold_v1(p.name, default_keep) IS NOT NULL THEN
-                CONTINUE;
-            END IF;
+        -- Lock the leaf, then look again (0020): a mixed leaf may still receive events, and a sink registered
+        -- since the first look (a rebuild's start) holds any leaf. A rebuild checks what history exists only
+        -- once its registration committed and no removal holds a leaf (Rebuild._check_retained), so a leaf it
+        -- needs either went before that check, which then sees it gone, or stays.
+        EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', p.name);
+        IF outbox.partition_hold_v1(p.name, default_keep) IS NOT NULL THEN
+            CONTINUE;
         END IF;
         -- Apart, so that the bounds are index probes and the count an index-only scan (together: a
         -- sequential scan of the partition).
@@ -1050,4 +1053,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (17, 'position_order_index', NULL),
     (18, 'occurred_at_range', NULL),
     (19, 'privileges', NULL),
+    (20, 'retention_recheck', NULL),
     (22, 'fenced_by', NULL);

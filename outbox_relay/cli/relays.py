@@ -194,6 +194,14 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     _say(f"rebuilt {projection.name!r}: {result.events} events in {result.seconds:.1f}s"
           + (" (resumed)" if result.resumed else ""))
+    for line in result.dropped:
+        _say(f"not kept: {line}", file=sys.stderr)
+    for w in result.waiting:
+        _say(("waits: " if w.paused else "still failing: ") + w.describe(), file=sys.stderr)
+    if not result.clean:
+        _say(f"rebuild of {projection.name!r} switched over but is not clean: see above (`outbox-relay keys show "
+             "KEY`, `keys skip`, `dead-letters list`)", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
