@@ -254,6 +254,8 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
             conn.execute("CREATE FUNCTION outbox.bucket_has_work_v3(sink text, bucket integer, snapshot pg_snapshot, "
                          "target pg_snapshot, after_xid xid8, after_seq bigint) RETURNS boolean LANGUAGE sql "
                          "RETURN outbox.bucket_has_work_v2(sink, bucket, snapshot, target, after_xid, after_seq)")
+            # ... and the column its lease statements clear (0022: who re-fenced a bucket).
+            conn.execute("ALTER TABLE outbox.cursors ADD COLUMN fenced_by text")
         sink = RecordingSink("w")
         runner = SinkRunner(sink, pool, make_settings(dsn, "w", batch_size=7))  # registered above, as version 12
         runner.desired = set(ALL_BUCKETS)
@@ -262,6 +264,7 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("DROP TABLE outbox.kept_events")
             conn.execute("DROP FUNCTION outbox.bucket_has_work_v3")
+            conn.execute("ALTER TABLE outbox.cursors DROP COLUMN fenced_by")
         assert [m.version for m in migrate(dsn)][-1] == latest_version()
         assert leaves(dsn).get("events_legacy", "missing") is None
         assert set(where(dsn).values()) == {"outbox.events_legacy"}

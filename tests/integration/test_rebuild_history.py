@@ -135,9 +135,9 @@ def test_a_removal_that_looked_before_the_rebuild_registered_looks_again_before_
 
     def remove() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("UPDATE outbox.housekeeping SET default_keep = interval '0'")  # as a pass with a 0 keep
             pids.append(conn.info.backend_pid)
-            removal.extend(conn.execute("SELECT leaf FROM outbox.retire_partition_v1(make_interval(secs => 0))")
-                           .fetchall())
+            removal.extend(conn.execute("SELECT leaf FROM outbox.retire_partition_v2()").fetchall())
 
     def rebuild() -> None:
         try:
