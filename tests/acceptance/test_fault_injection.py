@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults.faults import INJECTORS, NEEDS_RESTARTABLE_DB
+from tests.faults.faults import DEFAULT_KINDS, NEEDS_RESTARTABLE_DB
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_twenty_faults_lose_nothing_and_keep_order(tmp_path: Path) -> None:
                                  timeout=600)
     assert summary, "the suite wrote no summary (it could not run)"
     # Every kind was injected at least twice; only an external database is not restarted.
-    expected = set(INJECTORS) - (NEEDS_RESTARTABLE_DB if summary["database"] == "external" else set())
+    expected = set(DEFAULT_KINDS) - (NEEDS_RESTARTABLE_DB if summary["database"] == "external" else set())
     assert set(summary["kinds_planned"]) == expected, summary["kinds_planned"]
     injected = [f["kind"] for f in summary["faults"]]
     assert len(injected) == 20 and all(injected.count(k) >= 2 for k in expected), injected
