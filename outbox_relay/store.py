@@ -483,6 +483,12 @@ def renew_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int], lea
     return {r[0] for r in rows}
 
 
+def vacuum_horizon(conn: Conn) -> str | None:
+    """The oldest transaction id that holds back vacuum on the server (as text; None: none does)."""
+    row = conn.execute(query("membership", "vacuum_horizon")).fetchone()
+    return None if row is None else str(row[0])
+
+
 def release_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int]) -> set[int]:
     buckets = sorted(fences)
     rows = conn.execute(

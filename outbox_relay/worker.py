@@ -37,6 +37,7 @@ from .assignment import buckets_of, rebalance
 from .backoff import Backoff
 from .dsn import connection_problem, probe_connection, redact
 from .errors import ConfigurationError, OutboxError, WorkerIdInUse
+from .horizon import HorizonWatch
 from .housekeeping import Housekeeping, application_name
 from .migrate import check_schema, latest_version
 from .observer import NULL_OBSERVER, Observer, guarded
@@ -127,6 +128,7 @@ class Worker:
         self.instance = uuid.uuid4().hex
         # Membership thread: since when its heartbeats have reached the database without a failure in between.
         self._reachable_since: float | None = None
+        self.horizon = HorizonWatch()  # membership thread: whether cursor writes are worth deferring now
         self._hard_deadline: float | None = None  # set by the hard stop: the sink threads' last moment
         self._owns_process = False  # run() installed the signal handlers: it may end the process (EXIT_HARD_STOP)
         self._signal_sockets: tuple[socket.socket, socket.socket] | None = None
@@ -164,6 +166,7 @@ class Worker:
         for runner in self.runners:
             runner.listening = lambda: self.listening
             runner.reachable_since = lambda: self._reachable_since
+            runner.defer_writes = self.horizon.held
             runner.observer = observer
         try:
             self._beat()
@@ -520,6 +523,9 @@ class Worker:
                 if desired != runner.desired:
                     runner.desired = desired
                     runner.wake.set()
+            if self.settings.cursor_flush_seconds > 0 and self.horizon.observe(store.vacuum_horizon(conn)):
+                for r in self.runners:  # owed cursor writes go now, or the next batches defer theirs
+                    r.wake.set()
 
     def _lost_id(self, exc: WorkerIdInUse) -> None:
         if self.fatal is None:

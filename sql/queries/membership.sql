@@ -153,3 +153,26 @@ RETURNING c.bucket;
 -- Tell the relays that want these buckets (their next owners) that they are free now: the same
 -- channel and payload as a commit's notification, so they try at once instead of at their next poll.
 SELECT pg_notify('outbox_events_v2', %(buckets)s);
+
+-- name: vacuum_horizon
+-- The oldest transaction id that holds back vacuum on this server, and its age in transactions (NULL:
+-- none): another session's snapshot (backend_xmin) or transaction (backend_xid), a prepared transaction,
+-- or a replication slot. horizon.py compares it between heartbeats: one that did not move is held by a
+-- long transaction, and only then is a cursor write worth deferring (every write is a dead row version
+-- it keeps). backend_xmin and backend_xid are shown to every role (no query text is read).
+WITH holders AS (
+    -- Sessions other than this one (its own statement has a snapshot too).
+    SELECT backend_xmin AS x FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND backend_xmin IS NOT NULL
+    UNION ALL
+    SELECT backend_xid FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND backend_xid IS NOT NULL
+    UNION ALL
+    -- Prepared (two-phase) transactions: no session left, held until COMMIT/ROLLBACK PREPARED.
+    SELECT transaction FROM pg_prepared_xacts
+    UNION ALL
+    -- A slot's xmin (a standby's hot_standby_feedback, a logical slot being created).
+    SELECT xmin FROM pg_replication_slots WHERE xmin IS NOT NULL
+)
+SELECT x::text AS horizon, age(x) AS age
+FROM holders
+ORDER BY age(x) DESC
+LIMIT 1;
