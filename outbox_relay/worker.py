@@ -73,6 +73,11 @@ _ids_lock = threading.Lock()
 _ids_in_process: dict[tuple[str, str], str] = {}
 
 
+# A membership loop that comes round this much later than it should (and later than a renewal is due)
+# says so: the leases it renews may have run out meanwhile, and the takeover that follows is explained.
+PROCESS_STALL_SECONDS = 2.0
+
+
 def _ignore(_signum: int, _frame: FrameType | None) -> None:
     """The Python-level handler of SIGTERM/SIGINT: nothing (``Worker.install_signal_handlers``)."""
 
@@ -465,14 +470,21 @@ class Worker:
         renew_every = s.lease_seconds / 3
         next_renew = time.monotonic() + renew_every
         next_beat = time.monotonic() + s.heartbeat_seconds
+        tick = min(0.5, renew_every, s.heartbeat_seconds)
+        last = time.monotonic()
         while not self.stopped.is_set():
             # An assignment changed by another relay (NOTIFY) brings the next heartbeat forward.
-            if self.membership_changed.wait(min(0.5, renew_every, s.heartbeat_seconds)):
+            if self.membership_changed.wait(tick):
                 self.membership_changed.clear()
                 next_beat = 0.0
             if self.stopped.is_set():
                 break
             now = time.monotonic()
+            if now - last > max(PROCESS_STALL_SECONDS, renew_every):  # not its statements: the process stood still
+                log.warning("membership: this thread ran %.1fs late (the process was stopped or starved of CPU, or "
+                            "its last heartbeat or renewal was that slow); leases may have expired meanwhile",
+                            now - last - tick)
+            last = now
             try:
                 if now >= next_renew:
                     next_renew = now + renew_every

@@ -173,5 +173,5 @@ def test_the_wait_after_a_fault_is_its_slowest_pending_event_and_a_quiet_wait_is
 
 def test_duplicates_percent_counts_the_extra_copies() -> None:
     events = [committed("a", n, float(n)) for n in range(1, 5)]
-    records = in_order(events) + [record(events[3], 4, 5.0)]
+    records = [*in_order(events), record(events[3], 4, 5.0)]
     assert check(events, [], records, []).duplicates_percent == pytest.approx(25.0)
