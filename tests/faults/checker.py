@@ -26,7 +26,8 @@ outbox.events at the end of the run (retention off), ``dead`` its dead letters.
   it owns.
 - **Wait after a fault ends**: of the events committed before fault ``f`` ended and consumed after,
   the longest time from its end until one arrived (the key that waited longest): how long the relays
-  took to catch up once the fault was over. A later fault that starts meanwhile is counted in.
+  took to catch up once the fault was over. A later fault that starts meanwhile is counted in, and
+  the wait is marked overlapped.
 - **Stalls**: an event that waited more than ``stall`` seconds while no fault was active (from the
   later of its commit and the end of the last fault before it arrived), grouped into episodes that
   overlap in time: delivery stopped with nothing injected to explain it.
@@ -80,6 +81,8 @@ class FaultResult:
     duplicates: int = 0
     lost: int = 0
     wait_after_end: float = 0.0  # seconds from the fault's end until the last event pending then arrived
+    # Another fault was active at some point of that wait (so the wait is not this fault's alone).
+    wait_overlapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,9 @@ def _waits_after_end(results: Sequence[FaultResult], events: dict[str, Committed
         k = _last_at_or_before(commits, fr.fault.ended)
         if k is not None:
             fr.wait_after_end = max(0.0, latest[k] - fr.fault.ended)
+        end, until = fr.fault.ended, fr.fault.ended + fr.wait_after_end
+        fr.wait_overlapped = any(o.fault is not fr.fault and o.fault.started <= until and o.fault.ended > end
+                                 for o in results)
 
 
 def _stalls(faults: Sequence[Fault], events: dict[str, Committed], first_seen: dict[str, float], stall: float

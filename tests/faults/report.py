@@ -212,7 +212,8 @@ def render(*, config: Any, kinds: list[str], result: Result, faults: Sequence[Fa
     for fr, waited in zip(result.faults, waits, strict=False):
         f = fr.fault
         rows.append([f.index, _s(f.started - t0), f.kind, f.target, f.detail, _s(f.ended - f.started),
-                     _s(fr.recovery), _s(fr.wait_after_end), fr.late, fr.duplicates, fr.lost,
+                     _s(fr.recovery), _s(fr.wait_after_end) + ("*" if fr.wait_overlapped else ""), fr.late,
+                     fr.duplicates, fr.lost,
                      "-" if waited is None else _s(waited)])
     lines += _table(["#", "at (s)", "fault", "target", "what was done", "lasted (s)", "recovery (s)",
                      "wait after end (s)", "late", "dups", "lost", "health wait (s)"], rows,
@@ -224,7 +225,7 @@ def render(*, config: Any, kinds: list[str], result: Result, faults: Sequence[Fa
         f"{config.threshold:g} s "
         f"('-': they did not within {config.max_wait:g} s, so the fault was injected anyway and overlaps the "
         "previous one). *wait after end*: the longest an event committed before the fault ended waited after "
-        "its end (a later fault that began meanwhile is counted in).")
+        "its end (a later fault that began meanwhile is counted in: marked *).")
     add("")
 
     if result.lost:
@@ -307,14 +308,17 @@ def _goals(result: Result, faults: Sequence[Fault], lease: float, log_dir: Path,
     lines = ["## Duplicates, waits after faults, stalls", ""]
     starved = [fr for fr in result.faults if fr.fault.kind == "relay_starve"]
     limit = 3 * lease
-    worst = max(result.faults, key=lambda fr: fr.wait_after_end, default=None)
+    alone = [fr for fr in result.faults if not fr.wait_overlapped]
+    worst = max(alone, key=lambda fr: fr.wait_after_end, default=None)
     rows: list[list[Any]] = [["duplicates (extra copies / distinct events)", f"{result.duplicates_percent:.1f} %",
                               "at most 5 %", "yes" if result.duplicates_percent <= 5.0 else "NO"]]
     for fr in starved:
-        rows.append([f"longest wait after starvation #{fr.fault.index} ended", f"{_s(fr.wait_after_end)} s",
+        mixed = " (other faults active meanwhile)" if fr.wait_overlapped else ""
+        rows.append([f"longest wait after starvation #{fr.fault.index} ended{mixed}", f"{_s(fr.wait_after_end)} s",
                      f"at most 3 leases ({limit:g} s)", "yes" if fr.wait_after_end <= limit else "NO"])
     if worst is not None:
-        rows.append([f"longest wait after any fault ended (#{worst.fault.index} {worst.fault.kind})",
+        rows.append([f"longest wait after a fault ended, no other fault active meanwhile (#{worst.fault.index} "
+                     f"{worst.fault.kind})",
                      f"{_s(worst.wait_after_end)} s", f"at most 3 leases ({limit:g} s)",
                      "yes" if worst.wait_after_end <= limit else "NO"])
     silent = []
