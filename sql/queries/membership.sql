@@ -155,16 +155,19 @@ RETURNING c.bucket;
 SELECT pg_notify('outbox_events_v2', %(buckets)s);
 
 -- name: vacuum_horizon
--- The oldest transaction id that holds back vacuum on this server, and its age in transactions (NULL:
--- none): another session's snapshot (backend_xmin) or transaction (backend_xid), a prepared transaction,
--- or a replication slot. horizon.py compares it between heartbeats: one that did not move is held by a
--- long transaction, and only then is a cursor write worth deferring (every write is a dead row version
--- it keeps). backend_xmin and backend_xid are shown to every role (no query text is read).
+-- The oldest transaction id that holds back vacuum of this database's tables, and its age in
+-- transactions (no row: none): a session's transaction (backend_xid, any database: it is in every
+-- snapshot taken meanwhile), a snapshot (backend_xmin) of a session of this database or of a standby's
+-- walsender, a prepared transaction, or a replication slot. horizon.py compares it between heartbeats:
+-- one that did not move is held by a long transaction, and only then is a cursor write worth deferring
+-- (every write is a dead row version it keeps). Both columns are shown to every role (no query text).
 WITH holders AS (
     -- Sessions other than this one (its own statement has a snapshot too).
-    SELECT backend_xmin AS x FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND backend_xmin IS NOT NULL
+    SELECT backend_xid AS x FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND backend_xid IS NOT NULL
     UNION ALL
-    SELECT backend_xid FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND backend_xid IS NOT NULL
+    SELECT backend_xmin FROM pg_stat_activity
+    WHERE pid <> pg_backend_pid() AND backend_xmin IS NOT NULL
+      AND (datname = current_database() OR backend_type = 'walsender')
     UNION ALL
     -- Prepared (two-phase) transactions: no session left, held until COMMIT/ROLLBACK PREPARED.
     SELECT transaction FROM pg_prepared_xacts

@@ -339,7 +339,11 @@ CREATE TRIGGER log_cursor_move AFTER UPDATE ON outbox.cursors FOR EACH ROW
 """
 
 
-def test_a_relay_defers_cursor_writes_only_while_a_transaction_holds_vacuum_back(dsn: str) -> None:
+@pytest.mark.parametrize("hold", [
+    pytest.param(["BEGIN", "SELECT pg_current_xact_id()"], id="a writing transaction"),
+    pytest.param(["BEGIN ISOLATION LEVEL REPEATABLE READ", "SELECT count(*) FROM outbox.cursors"], id="a snapshot"),
+])
+def test_a_relay_defers_cursor_writes_only_while_a_transaction_holds_vacuum_back(dsn: str, hold: list[str]) -> None:
     """Issue 25: a deferred cursor write saves a dead row version only while something holds the vacuum
     horizon; otherwise it only makes a next owner (after a crash or a lost lease) resend up to
     cursor_flush_seconds of acknowledged events. The relay writes with every batch while nothing holds
@@ -364,8 +368,8 @@ def test_a_relay_defers_cursor_writes_only_while_a_transaction_holds_vacuum_back
         wait_until(lambda: undelivered(dsn) == 0, 5, 0.02, "the cursor at the last event")
         assert moves() == 5, "nothing holds vacuum back: every batch wrote its cursor"
         with psycopg.connect(dsn, autocommit=True) as holder:
-            holder.execute("BEGIN")
-            holder.execute("SELECT pg_current_xact_id()")  # a writing transaction, left open
+            for statement in hold:  # left open
+                holder.execute(statement)
             wait_until(worker.horizon.held, 15, 0.02, "the relay seeing the held horizon")
             one_by_one(5)
             assert moves() == 5, "while it is open, the batches only checked their fence"
