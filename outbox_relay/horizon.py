@@ -9,8 +9,10 @@ behind until it ends, and writes are worth bounding (``cursor_flush_seconds``) a
 up to that many seconds of acknowledged events after a crash.
 
 The membership thread asks for the server's oldest held transaction id once per heartbeat
-(``vacuum_horizon`` in sql/queries/membership.sql). A horizon that is the same id for
-``HELD_AFTER_SECONDS`` or more is held; one that moves (or is none) is not. Runners only read ``held``.
+(``vacuum_horizon`` in sql/queries/membership.sql). A horizon whose transaction has been open for
+``HELD_AFTER_SECONDS`` (where the relay's role may see when it began), or that is the same id for that
+long between heartbeats (where it may not), is held; one that moves (or is none) is not. Runners only
+read ``held``.
 """
 
 from __future__ import annotations
@@ -41,11 +43,14 @@ class HorizonWatch:
     def held(self) -> bool:
         return self._held
 
-    def observe(self, oldest: str | None) -> bool:
-        """Take one heartbeat's horizon; whether ``held`` changed."""
+    def observe(self, oldest: str | None, open_seconds: float | None = None) -> bool:
+        """Take one heartbeat's horizon (and how long its transaction has been open, if known); whether
+        ``held`` changed."""
         now = self._clock()
         if oldest is None or oldest != self._oldest:
             self._oldest, self._since = oldest, now
+        if open_seconds is not None:  # known: no need to wait for the next heartbeat to see it stay
+            self._since = min(self._since, now - open_seconds)
         held = oldest is not None and now - self._since >= self.held_after
         if held == self._held:
             return False

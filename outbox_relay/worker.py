@@ -535,7 +535,7 @@ class Worker:
                 if desired != runner.desired:
                     runner.desired = desired
                     runner.wake.set()
-            if self.settings.cursor_flush_seconds > 0 and self.horizon.observe(store.vacuum_horizon(conn)):
+            if self.settings.cursor_flush_seconds > 0 and self.horizon.observe(*store.vacuum_horizon(conn)):
                 for r in self.runners:  # owed cursor writes go now, or the next batches defer theirs
                     r.wake.set()
 

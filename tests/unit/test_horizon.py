@@ -29,3 +29,11 @@ def test_a_horizon_that_moves_at_every_heartbeat_is_never_held() -> None:
         now[0] = i * 0.5
         watch.observe(str(1000 + i))
         assert not watch.held()
+
+
+def test_a_transaction_known_to_be_open_for_a_while_is_held_at_once() -> None:
+    now = [10.0]
+    watch = HorizonWatch(held_after=1.0, clock=lambda: now[0])
+    assert not watch.observe("100", open_seconds=0.2), "open for less than held_after"
+    assert watch.observe("100", open_seconds=1.5) and watch.held(), "no second heartbeat needed"
+    assert watch.observe("200", open_seconds=0.0) and not watch.held(), "a new, young oldest"
