@@ -325,6 +325,9 @@ class SinkRunner:
         self.listening: Callable[[], bool] = lambda: False  # whether notifications reach it (set by the worker)
         # Since when the worker's heartbeats have been reaching the database without a failure (set by the worker).
         self.reachable_since: Callable[[], float | None] = time.monotonic
+        # Whether a deferrable cursor write may wait now (``_deferrable``): the worker makes it "while a long
+        # transaction holds vacuum back" (horizon.py); alone, a runner defers whenever cursor_flush_seconds > 0.
+        self.defer_writes: Callable[[], bool] = lambda: True
         self.observer: Observer = NULL_OBSERVER
         self.park_changed = threading.Event()  # set by the listener (PARKED_NOTICE), cleared by the runner
         # Runner thread only:
@@ -538,7 +541,7 @@ class SinkRunner:
     def _deferrable(self, cp: Checkpoint) -> set[int]:
         """The buckets of a sink-less-transaction batch checkpoint whose cursor write can wait."""
         every = self.settings.cursor_flush_seconds
-        if every <= 0 or not cp.moves_only:
+        if every <= 0 or not cp.moves_only or not self.defer_writes():
             return set()
         now = time.monotonic()
         return {b for b in cp.advance
@@ -551,7 +554,8 @@ class SinkRunner:
         """Whether a delivered batch's checkpoint may wait for the runner's next read (``_BatchCommit.later``):
         it only moves cursors, one per bucket it read past, and each of them may be written later (as in
         ``_deferrable``, except that a write that is due waits for ``_flush_owed`` too)."""
-        if self.settings.cursor_flush_seconds <= 0 or not cp.moves_only or cp.advance.keys() != cp.fences.keys():
+        if (self.settings.cursor_flush_seconds <= 0 or not cp.moves_only or cp.advance.keys() != cp.fences.keys()
+                or not self.defer_writes()):
             return False
         return not any(self._ramp.get(b) or (b in cp.resets and b in self._lapsed) for b in cp.fences)
 
@@ -586,6 +590,8 @@ class SinkRunner:
         """Seconds until the oldest deferred cursor write is due (inf: none is owed)."""
         if not self._owed:
             return float("inf")
+        if not self.defer_writes():  # the hold that deferred them is over: due now
+            return float("-inf")
         if self._owed_oldest is None:  # once per write of an owed cursor, not per cycle
             self._owed_oldest = min(self._written_at.get(b, 0.0) for b in self._owed)
         return self._owed_oldest + self.settings.cursor_flush_seconds - time.monotonic()
@@ -598,7 +604,7 @@ class SinkRunner:
         self._settle_pending()
         held = self._still_held(held)
         now = time.monotonic()
-        every = self.settings.cursor_flush_seconds
+        every = self.settings.cursor_flush_seconds if self.defer_writes() else 0.0
         due = {b: self._ahead[b] for b in self._owed
                if b in held and b in self._ahead and now - self._written_at.get(b, 0.0) >= every}
         if due:

@@ -265,10 +265,11 @@ class RelaySettings(BaseSettings):
     lease_seconds: float = Field(30.0, ge=0.1, le=3600, description="bucket lease; renewed every third of it")
     cursor_flush_seconds: float = Field(
         5.0, ge=0, le=600,
-        description="a sink without a transaction of its own (Kafka) writes a bucket's cursor at most this often "
-                    "(every batch still checks its fence, and a released bucket's cursor is written at once): fewer "
-                    "dead row versions in outbox.cursors while a long transaction holds vacuum back, at the cost "
-                    "of up to this much more redelivery after a crash; 0: every batch writes (projections always do)")
+        description="while a long transaction holds vacuum back, a sink without a transaction of its own (Kafka) "
+                    "writes a bucket's cursor at most this often (every batch still checks its fence, and a released "
+                    "bucket's cursor is written at once): fewer dead row versions in outbox.cursors, at the cost of "
+                    "up to this much more redelivery after a crash; otherwise every batch writes it; 0: every batch "
+                    "writes it always (projections always do)")
     heartbeat_seconds: float = Field(2.0, ge=0.01, le=600,
                                      description="registry heartbeat interval; each heartbeat also reads the stored "
                                                  "assignment (and stores a new one when members changed)")

@@ -492,6 +492,13 @@ def renew_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int], lea
     return {r[0] for r in rows}
 
 
+def vacuum_horizon(conn: Conn) -> tuple[str | None, float | None]:
+    """The oldest transaction id that holds back vacuum (as text; None: none does), and for how long its
+    transaction has been open (None: not visible to this role)."""
+    row = conn.execute(query("membership", "vacuum_horizon")).fetchone()
+    return (None, None) if row is None else (str(row[0]), row[1])
+
+
 def release_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int]) -> set[int]:
     buckets = sorted(fences)
     rows = conn.execute(

@@ -165,3 +165,34 @@ SELECT c.bucket, c.fenced_by
 FROM outbox.cursors c
 WHERE c.sink = %(sink)s AND c.bucket = ANY(%(buckets)s::int[])
   AND c.owner = %(worker)s AND c.lease_expires_at >= clock_timestamp() AND c.fenced_by IS NOT NULL;
+
+-- name: vacuum_horizon
+-- The oldest transaction id that holds back vacuum of this database's tables, and for how long its
+-- transaction has been open where this role may see that (NULL otherwise; no row: nothing holds it):
+-- a session's transaction (backend_xid, any database: it is in every snapshot taken meanwhile), a
+-- snapshot (backend_xmin) of a session of this database or of a standby's walsender, a prepared
+-- transaction, or a replication slot. horizon.py counts the horizon as held when that transaction has
+-- been open for a second, or when the same id stayed the oldest between heartbeats: only then is a
+-- cursor write worth deferring (every write is a dead row version it keeps). No query text is read.
+WITH holders AS (
+    -- Sessions other than this one (its own statement has a snapshot too). xact_start is NULL for
+    -- other roles' sessions unless this role has pg_read_all_stats.
+    SELECT backend_xid AS x, xact_start AS since
+    FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND backend_xid IS NOT NULL
+    UNION ALL
+    SELECT backend_xmin, xact_start FROM pg_stat_activity
+    WHERE pid <> pg_backend_pid() AND backend_xmin IS NOT NULL
+      -- (autovacuum's VACUUM holds back no other table's pruning, and a long one is routine)
+      AND backend_type <> 'autovacuum worker'
+      AND (datname = current_database() OR backend_type = 'walsender')
+    UNION ALL
+    -- Prepared (two-phase) transactions: no session left, held until COMMIT/ROLLBACK PREPARED.
+    SELECT transaction, prepared FROM pg_prepared_xacts
+    UNION ALL
+    -- A slot's xmin (a standby's hot_standby_feedback, a logical slot being created).
+    SELECT xmin, NULL FROM pg_replication_slots WHERE xmin IS NOT NULL
+)
+SELECT x::text AS horizon, extract(epoch FROM clock_timestamp() - since)::float8 AS open_seconds
+FROM holders
+ORDER BY age(x) DESC, since
+LIMIT 1;
