@@ -136,3 +136,5 @@ def test_a_consumer_in_the_documented_role_does_its_whole_job_and_nothing_more(
     for statement in refused:
         with psycopg.connect(service, autocommit=True) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute(statement)
+    with psycopg.connect(service, autocommit=True) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        migrate_inbox(conn)  # `inbox migrate` is the migrator's

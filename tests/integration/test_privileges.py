@@ -191,8 +191,13 @@ def test_the_inbox_role_is_walked_too(roles: Roles) -> None:
            "['DELETE', 'INSERT', 'SELECT']" in found
     assert f"{privileges.INBOX_CONSUMER} on schema outbox: USAGE True, CREATE False" in found
     assert f"{privileges.INBOX_CONSUMER} on outbox.events: ['SELECT'], declared []" in found
-    roles.grant()  # the blocks take back what they do not declare (from the role they name)
-    assert problems(roles) == []
+    # The inbox's block gives the DELETE back; the outbox's names only the outbox's roles (a relay's database
+    # has no inbox role), so taking back what was granted to the inbox role there is left to whoever granted it.
+    roles.grant()
+    left = problems(roles)
+    consumer_prefix = f"{privileges.INBOX_CONSUMER} "
+    assert left and all(p.startswith(consumer_prefix) and "outbox_inbox" not in p[len(consumer_prefix):]
+                        for p in left), left
 
 
 def test_the_inbox_block_runs_in_a_database_without_the_outbox(
