@@ -1,6 +1,8 @@
-"""The documented roles' rights in schema ``outbox``, declared once (docs/operations.md, least-privilege roles).
+"""The documented roles' rights in schemas ``outbox`` and ``outbox_inbox``, declared once (docs/operations.md,
+least-privilege roles; docs/inbox.md, roles).
 
-``GRANTS`` is the one table: docs/operations.md's grants block is generated from it
+``GRANTS`` is the one table: the grants blocks of docs/operations.md (schema outbox) and docs/inbox.md (schema
+outbox_inbox, which a consuming service's database holds without outbox) are generated from it
 (``python scripts/grants_sql.py --write``), and tests/integration/test_privileges.py walks ``pg_class``
 and ``pg_proc`` and checks every role's rights against it, so a table or function that is not listed
 here (or is open to PUBLIC) fails that test. Anything not granted here is the owner's (the migrator) alone.
@@ -11,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRODUCER, RELAY, PROJECTOR = "outbox_producer", "outbox_relay", "outbox_projector"
-ROLES = (PRODUCER, RELAY, PROJECTOR)
-SCHEMAS = ("outbox", "outbox_inbox")  # the product's schemas: nothing in them is open to PUBLIC
+INBOX_CONSUMER = "outbox_inbox_consumer"
+ROLES = (PRODUCER, RELAY, PROJECTOR, INBOX_CONSUMER)
+OUTBOX, INBOX = "outbox", "outbox_inbox"
+SCHEMAS = (OUTBOX, INBOX)  # the product's schemas: nothing in them is open to PUBLIC
 TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
 
 
@@ -20,9 +24,10 @@ TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFEREN
 class Grant:
     why: str  # the comment above the statement in the generated SQL
     privileges: tuple[str, ...]  # SELECT, INSERT, ... or EXECUTE (objects are then function signatures)
-    objects: tuple[str, ...]  # names in schema outbox, without it
+    objects: tuple[str, ...]  # names in ``schema``, without it
     roles: tuple[str, ...]
     columns: tuple[str, ...] = ()  # a column grant (one privilege)
+    schema: str = OUTBOX
 
     @property
     def functions(self) -> bool:
@@ -81,6 +86,20 @@ GRANTS: tuple[Grant, ...] = (
     Grant("", ("SELECT", "INSERT", "UPDATE", "DELETE"), _RELAY_TABLES, (PROJECTOR,)),
     Grant("A projection batch's guard (a constraint trigger on the connection's own temporary table) and its end.",
           ("EXECUTE",), ("projection_batch_guard_v1()", "projection_batch_end_v1(text)"), (PROJECTOR,)),
+    # The inbox (sql/queries/inbox.sql): `outbox-relay inbox run`, and the operator commands `inbox status` and
+    # `inbox dead-letters`, which need nothing the consumer does not. No DDL: `inbox migrate` is the owner's.
+    Grant("Inbox consumers: `inbox run` and `inbox status` check the tables' version first.",
+          ("SELECT",), ("schema_migrations",), (INBOX_CONSUMER,), schema=INBOX),
+    Grant("Processes register and heartbeat, leave when they stop, and delete registrations of crashed ones.",
+          ("SELECT", "INSERT", "UPDATE", "DELETE"), ("members",), (INBOX_CONSUMER,), schema=INBOX),
+    Grant("Partitions seen first are added; leases are claimed, renewed and released with a fence, and the position "
+          "moves in each message's transaction. Never deleted: a position lost would apply its partition again.",
+          ("SELECT", "INSERT", "UPDATE"), ("positions",), (INBOX_CONSUMER,), schema=INBOX),
+    Grant("Dedupe records are inserted in the handler's transaction, never changed; retention deletes the expired.",
+          ("SELECT", "INSERT", "DELETE"), ("messages",), (INBOX_CONSUMER,), schema=INBOX),
+    Grant("Dead letters are written by the consumer, taken for a retry and deleted when it applied them; operators "
+          "list them, ask for a retry (UPDATE) and drop them.",
+          ("SELECT", "INSERT", "UPDATE", "DELETE"), ("dead_letters",), (INBOX_CONSUMER,), schema=INBOX),
 )
 
 # Functions no role but the owner may call: triggers (PostgreSQL does not check EXECUTE when a trigger
@@ -124,71 +143,87 @@ def _comment(text: str) -> list[str]:
     return [*lines, line] if text else []
 
 
-def grants_sql() -> str:
-    """The grants block of docs/operations.md: run as the migrator after every migration, in one transaction.
-    It takes everything back from the documented roles first, so that a rerun leaves exactly ``GRANTS``."""
-    roles = ", ".join(ROLES)
+def roles_of(schema: str) -> tuple[str, ...]:
+    """The documented roles granted anything in ``schema`` (a block names only these: a consuming service's
+    database has the inbox's role and none of the relay's)."""
+    return tuple(r for r in ROLES if any(schema == g.schema and r in g.roles for g in GRANTS))
+
+
+def schemas_of(role: str) -> tuple[str, ...]:
+    """The schemas ``role`` has USAGE on."""
+    return tuple(s for s in SCHEMAS if role in roles_of(s))
+
+
+def grants_sql(schema: str = OUTBOX) -> str:
+    """The grants block of ``schema`` (docs/operations.md: outbox, docs/inbox.md: outbox_inbox): run as the
+    migrator after every migration, in one transaction. It takes everything back from PUBLIC and the schema's
+    documented roles first, so that a rerun leaves exactly ``GRANTS``."""
+    assert schema in SCHEMAS
+    roles = ", ".join(roles_of(schema))
     out = [
         "BEGIN;",
         "-- Start from nothing (PUBLIC included), so that a rerun after an upgrade leaves exactly these grants.",
-        f"REVOKE ALL ON SCHEMA outbox FROM PUBLIC, {roles};",
-        f"REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC, {roles};",
-        f"REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC, {roles};",
-        f"REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC, {roles};",
-        f"GRANT USAGE ON SCHEMA outbox TO {roles};",
+        *(f"REVOKE ALL ON {kind} {schema} FROM PUBLIC, {roles};"
+          for kind in ("SCHEMA", "ALL TABLES IN SCHEMA", "ALL SEQUENCES IN SCHEMA", "ALL FUNCTIONS IN SCHEMA")),
+        f"GRANT USAGE ON SCHEMA {schema} TO {roles};",
     ]
     for g in GRANTS:
-        out += ["", *_comment(g.why)] if g.why else []
-        out.append(_statement(g, ", ".join(g.roles)))
-    return "\n".join([*out, "", ROW_SECURITY, "COMMIT;"]) + "\n"
+        if g.schema == schema:
+            out += ["", *_comment(g.why)] if g.why else []
+            out.append(_statement(g, ", ".join(g.roles)))
+    return "\n".join([*out, "", *([ROW_SECURITY] if schema == OUTBOX else []), "COMMIT;"]) + "\n"
 
 
 def grant_statements(role: str, grantee: str) -> list[str]:
     """The GRANTs of ``role`` (one of ROLES) given to ``grantee`` instead (a quoted identifier): for a
     login that should hold exactly one kind's rights without being a member of it (tests)."""
-    return [f"GRANT USAGE ON SCHEMA outbox TO {grantee};",
+    return [*(f"GRANT USAGE ON SCHEMA {s} TO {grantee};" for s in schemas_of(role)),
             *(_statement(g, grantee) for g in GRANTS if role in g.roles)]
 
 
 def _statement(g: Grant, grantees: str) -> str:
     kind = "FUNCTION " if g.functions else ""
-    objects = kind + ", ".join(f"outbox.{o}" for o in g.objects)
+    objects = kind + ", ".join(f"{g.schema}.{o}" for o in g.objects)
     columns = f" ({', '.join(g.columns)})" if g.columns else ""
     privileges = ", ".join(g.privileges)
     line = f"GRANT {privileges}{columns} ON {objects} TO {grantees};"
     if len(line) > 110:  # one object a line
-        objects = kind + f",\n       {' ' * len(kind)}".join(f"outbox.{o}" for o in g.objects)
+        objects = kind + f",\n       {' ' * len(kind)}".join(f"{g.schema}.{o}" for o in g.objects)
         line = f"GRANT {privileges}{columns}\n    ON {objects}\n    TO {grantees};"
     return line
 
 
-def expected_table_rights(role: str) -> dict[str, set[str]]:
-    """Table (name in outbox) -> the table-level privileges ``role`` holds by ``GRANTS``."""
+def _of(role: str, schema: str) -> list[Grant]:
+    return [g for g in GRANTS if role in g.roles and g.schema == schema]
+
+
+def expected_table_rights(role: str, schema: str = OUTBOX) -> dict[str, set[str]]:
+    """Table (name in ``schema``) -> the table-level privileges ``role`` holds by ``GRANTS``."""
     rights: dict[str, set[str]] = {}
-    for g in GRANTS:
-        if role in g.roles and not g.functions and not g.columns:
+    for g in _of(role, schema):
+        if not g.functions and not g.columns:
             for o in g.objects:
                 rights.setdefault(o, set()).update(g.privileges)
     return rights
 
 
-def expected_column_rights(role: str) -> dict[tuple[str, str], set[str]]:
+def expected_column_rights(role: str, schema: str = OUTBOX) -> dict[tuple[str, str], set[str]]:
     """(table, privilege) -> the columns ``role`` holds it on by a column grant."""
     rights: dict[tuple[str, str], set[str]] = {}
-    for g in GRANTS:
-        if role in g.roles and g.columns:
+    for g in _of(role, schema):
+        if g.columns:
             for o in g.objects:
                 for p in g.privileges:
                     rights.setdefault((o, p), set()).update(g.columns)
     return rights
 
 
-def expected_functions(role: str) -> set[str]:
-    """Signatures (``name(types)`` in outbox) that ``role`` may EXECUTE."""
-    return {o for g in GRANTS if g.functions and role in g.roles for o in g.objects}
+def expected_functions(role: str, schema: str = OUTBOX) -> set[str]:
+    """Signatures (``name(types)`` in ``schema``) that ``role`` may EXECUTE."""
+    return {o for g in _of(role, schema) if g.functions for o in g.objects}
 
 
-def declared_functions() -> set[str]:
-    """Every function of schema outbox this module knows of (granted to a role, or the owner's alone)."""
-    return {o for g in GRANTS if g.functions for o in g.objects} | set(OWNER_ONLY_FUNCTIONS)
-
+def declared_functions(schema: str = OUTBOX) -> set[str]:
+    """Every function of ``schema`` this module knows of (granted to a role, or the owner's alone)."""
+    owners = set(OWNER_ONLY_FUNCTIONS) if schema == OUTBOX else set()
+    return {o for g in GRANTS if g.functions and g.schema == schema for o in g.objects} | owners

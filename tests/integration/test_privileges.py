@@ -52,7 +52,8 @@ class Roles:
 
     def grant(self) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as su:
-            su.execute(self.rename(privileges.grants_sql()))
+            for schema in privileges.SCHEMAS:  # two blocks (docs/operations.md, docs/inbox.md)
+                su.execute(self.rename(privileges.grants_sql(schema)))
 
     def drop(self, pg_server: PgServer) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
@@ -93,10 +94,9 @@ def problems(roles: Roles) -> list[str]:
                 usage, create = conn.execute("SELECT has_schema_privilege(%s, %s, 'USAGE'), "
                                              "has_schema_privilege(%s, %s, 'CREATE')",
                                              (name, schema, name, schema)).fetchone() or (None, None)
-                wanted = kind == BARE or (schema == "outbox" and kind in privileges.ROLES)
+                wanted = kind == BARE or schema in privileges.schemas_of(kind)
                 if usage != wanted or create:
                     found.append(f"{kind} on schema {schema}: USAGE {usage}, CREATE {create}")
-        declared = privileges.declared_functions()
         for schema, signature, oid, public in conn.execute(
                 "SELECT n.nspname, "
                 "       replace(regexp_replace(p.oid::regprocedure::text, '^' || n.nspname || '\\.', ''), ',', ', '), "
@@ -106,12 +106,12 @@ def problems(roles: Roles) -> list[str]:
                 "ORDER BY 1, 2", (list(privileges.SCHEMAS),)).fetchall():
             if public:
                 found.append(f"function {schema}.{signature} is open to PUBLIC")
-            if schema != "outbox" or signature not in declared:
+            if signature not in privileges.declared_functions(schema):
                 found.append(f"function {schema}.{signature} is not declared in outbox_relay/privileges.py")
             for kind in who:
                 row = conn.execute("SELECT has_function_privilege(%s, %s::oid, 'EXECUTE')",
                                    (roles.names[who[kind]], oid)).fetchone()
-                wanted = schema == "outbox" and kind != BARE and signature in privileges.expected_functions(kind)
+                wanted = kind != BARE and signature in privileges.expected_functions(kind, schema)
                 if row is None or row[0] != wanted:
                     found.append(f"{kind} EXECUTE on {schema}.{signature}: {row and row[0]}, declared {wanted}")
         for schema, table, oid, relkind, leaf, public in conn.execute(
@@ -125,9 +125,9 @@ def problems(roles: Roles) -> list[str]:
             for kind in who:
                 name = roles.names[kind]
                 # Leaves of outbox.events: reached through the parent only; sequences: identities, no grants.
-                listed = schema == "outbox" and kind != BARE and not leaf and relkind != "S"
-                table_rights = privileges.expected_table_rights(kind).get(table, set()) if listed else set()
-                column_rights = privileges.expected_column_rights(kind) if listed else {}
+                listed = kind != BARE and not leaf and relkind != "S"
+                table_rights = privileges.expected_table_rights(kind, schema).get(table, set()) if listed else set()
+                column_rights = privileges.expected_column_rights(kind, schema) if listed else {}
                 if relkind == "S":
                     have = {p for p in ("USAGE", "SELECT", "UPDATE") if conn.execute(
                         "SELECT has_sequence_privilege(%s, %s::oid, %s)", (name, oid, p)).fetchone() == (True,)}
@@ -174,6 +174,52 @@ def test_an_undeclared_function_or_table_fails_the_walk(roles: Roles) -> None:
     found = problems(roles)
     assert "function outbox.sneaky_v1() is open to PUBLIC" not in found
     assert "outbox_inbox.sneaky is open to PUBLIC" not in found
+
+
+def test_the_inbox_role_is_walked_too(roles: Roles) -> None:
+    """A grant the inbox consumer lacks, or one it has beyond the table (here: on schema outbox), fails the walk."""
+    roles.grant()
+    consumer = roles.names[privileges.INBOX_CONSUMER]
+    assert privileges.expected_table_rights(privileges.INBOX_CONSUMER, "outbox_inbox")["messages"] == {
+        "SELECT", "INSERT", "DELETE"}
+    with psycopg.connect(roles.dsn, autocommit=True) as owner:
+        owner.execute(sql.SQL("REVOKE DELETE ON outbox_inbox.messages FROM {}").format(sql.Identifier(consumer)))
+        owner.execute(sql.SQL("GRANT USAGE ON SCHEMA outbox TO {0}; GRANT SELECT ON outbox.events TO {0}").format(
+            sql.Identifier(consumer)))
+    found = problems(roles)
+    assert f"{privileges.INBOX_CONSUMER} on outbox_inbox.messages: ['INSERT', 'SELECT'], declared " \
+           "['DELETE', 'INSERT', 'SELECT']" in found
+    assert f"{privileges.INBOX_CONSUMER} on schema outbox: USAGE True, CREATE False" in found
+    assert f"{privileges.INBOX_CONSUMER} on outbox.events: ['SELECT'], declared []" in found
+    # The inbox's block gives the DELETE back; the outbox's names only the outbox's roles (a relay's database
+    # has no inbox role), so taking back what was granted to the inbox role there is left to whoever granted it.
+    roles.grant()
+    left = problems(roles)
+    consumer_prefix = f"{privileges.INBOX_CONSUMER} "
+    assert left and all(p.startswith(consumer_prefix) and "outbox_inbox" not in p[len(consumer_prefix):]
+                        for p in left), left
+
+
+def test_the_inbox_block_runs_in_a_database_without_the_outbox(
+        pg_server: PgServer, database_factory: Callable[..., str]) -> None:
+    """A consuming service's database has schema outbox_inbox only, and the inbox's role only."""
+    dsn = database_factory()
+    role = f"{privileges.INBOX_CONSUMER}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as owner:
+        migrate_inbox(owner)
+        owner.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(role)))
+        try:
+            block = re.sub(rf"\b{privileges.INBOX_CONSUMER}\b", role, privileges.grants_sql("outbox_inbox"))
+            assert "outbox." not in block and "outbox_producer" not in block
+            owner.execute(block)
+            owner.execute(block)
+            assert owner.execute("SELECT has_table_privilege(%s, 'outbox_inbox.positions', 'UPDATE'), "
+                                 "has_table_privilege(%s, 'outbox_inbox.positions', 'DELETE')",
+                                 (role, role)).fetchone() == (True, False)
+        finally:
+            owner.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+    with pg_server.admin() as admin:
+        admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
 
 
 def _call(conn: psycopg.Connection[Any], signature: str) -> None:
