@@ -178,7 +178,7 @@ CREATE TABLE outbox.cursors (
     target           pg_snapshot,
     after_xid        xid8,
     after_seq        bigint,
-    -- 0022: the operator action that last bumped fence while the owner kept its lease (its log says so).
+    -- 0021: the operator action that last bumped fence while the owner kept its lease (its log says so).
     fenced_by        text,
     CONSTRAINT cursors_pkey PRIMARY KEY (sink, bucket),
     CONSTRAINT cursors_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
@@ -1054,4 +1054,4 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (18, 'occurred_at_range', NULL),
     (19, 'privileges', NULL),
     (20, 'retention_recheck', NULL),
-    (22, 'fenced_by', NULL);
+    (21, 'fenced_by', NULL);

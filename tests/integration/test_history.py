@@ -254,7 +254,7 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
             conn.execute("CREATE FUNCTION outbox.bucket_has_work_v3(sink text, bucket integer, snapshot pg_snapshot, "
                          "target pg_snapshot, after_xid xid8, after_seq bigint) RETURNS boolean LANGUAGE sql "
                          "RETURN outbox.bucket_has_work_v2(sink, bucket, snapshot, target, after_xid, after_seq)")
-            # ... and the column its lease statements clear (0022: who re-fenced a bucket).
+            # ... and the column its lease statements clear (0021: who re-fenced a bucket).
             conn.execute("ALTER TABLE outbox.cursors ADD COLUMN fenced_by text")
         sink = RecordingSink("w")
         runner = SinkRunner(sink, pool, make_settings(dsn, "w", batch_size=7))  # registered above, as version 12

@@ -1,4 +1,4 @@
--- 0022_fenced_by: a relay tells an operator's re-fence from a takeover.
+-- 0021_fenced_by: a relay tells an operator's re-fence from a takeover.
 --
 -- `keys skip` and a rebuild's switch-over bump a bucket's fence while its owner keeps the lease, so
 -- that an attempt in flight lands nothing. The owner then logged "fenced out ... lost the lease" as a
