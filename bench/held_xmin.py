@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -91,14 +92,17 @@ class HeldXmin(Bench):
         return name, self.dsn
 
     def start_relays(self, n: int, dsn: str, topic: str, tag: str, extra: Sequence[str] = (),
-                     projections: bool = False) -> list[tuple[str, Any]]:
+                     projections: bool = False, acks_to: Sequence[Path] = (), batch_size: int | None = -1,
+                     ) -> list[tuple[str, Any]]:
         if self.variant_src is None:
-            return super().start_relays(n, dsn, topic, tag, [*extra, *self.variant_args], projections)
+            return super().start_relays(n, dsn, topic, tag, [*extra, *self.variant_args], projections,
+                                        acks_to=acks_to, batch_size=batch_size)
         # `python -m` puts the working directory first on sys.path: start them from that tree.
         here = os.getcwd()
         os.chdir(self.variant_src)
         try:
-            return super().start_relays(n, dsn, topic, tag, [*extra, *self.variant_args], projections)
+            return super().start_relays(n, dsn, topic, tag, [*extra, *self.variant_args], projections,
+                                        acks_to=acks_to, batch_size=batch_size)
         finally:
             os.chdir(here)
 

@@ -9,7 +9,7 @@ roll`` between fills), delivered history to the left of every cursor. Then:
 - fetch: the relay's own ``fetch_events`` for 64 leased buckets whose cursors sit 20 events before the
   end of their bucket (limit 16 per bucket), timed per call (median of ``--runs`` x 20 calls), with the
   partitions the plan opened. Flat from 10k to the largest size is the goal.
-- retention: one full partition ("a day") removed by ``outbox.retire_partition_v1`` (a DROP) against
+- retention: one full partition ("a day") removed by ``outbox.retire_partition_v2`` (a DROP) against
   the same number of rows removed by DELETE from a twin partition (the pre-0014 way), side by side in
   the same database, with the dead tuples each leaves.
 
@@ -37,6 +37,7 @@ from servers import Postgres, machine
 from outbox_relay import history, store
 from outbox_relay.migrate import migrate
 from outbox_relay.positions import Cursor
+from outbox_relay.sqlfiles import query
 
 LEASED = list(range(0, 256, 4))  # 64 buckets, as tests/integration/test_relay_plan.py
 LIMIT = 16
@@ -104,7 +105,7 @@ def walk(plan: dict[str, Any]) -> Any:
 
 def retention_case(conn: psycopg.Connection[Any], per_partition: int) -> dict[str, Any]:
     """Two closed partitions of ``per_partition`` events each, all delivered: the older is removed by
-    retire_partition_v1 (DROP), the newer by DELETE (the pre-0014 way), each timed."""
+    retire_partition_v2 (DROP), the newer by DELETE (the pre-0014 way), each timed."""
     conn.execute("SELECT pg_stat_force_next_flush()")
     for _ in range(2):
         conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "
@@ -119,18 +120,20 @@ def retention_case(conn: psycopg.Connection[Any], per_partition: int) -> dict[st
         "ORDER BY p.xid_from")]
     drop_day, delete_day = days[-2], days[-1]
     # Everything older than the first 'day' partition goes first (not timed): the timed call drops one.
+    # Retention goes by the keep housekeeping stored (0019): 0 s, as a relay with --retention-seconds 0 stores.
+    conn.execute(query("history", "store_default_keep"), {"retention": 0.0})
     while True:
         oldest = conn.execute("SELECT name FROM outbox.partitions WHERE range_name IS NOT NULL "
                               "ORDER BY xid_from LIMIT 1").fetchone()
         if oldest is None or oldest[0] == drop_day:
             break
         with conn.transaction():
-            row = conn.execute("SELECT leaf FROM outbox.retire_partition_v1('0')").fetchone()
+            row = conn.execute("SELECT leaf FROM outbox.retire_partition_v2()").fetchone()
         if row is None:
             break
     t0 = time.perf_counter()
     with conn.transaction():
-        row = conn.execute("SELECT leaf, removed FROM outbox.retire_partition_v1('0')").fetchone()
+        row = conn.execute("SELECT leaf, removed FROM outbox.retire_partition_v2()").fetchone()
     drop_s = time.perf_counter() - t0
     assert row is not None and row[0] == drop_day, (row, drop_day)
     t0 = time.perf_counter()

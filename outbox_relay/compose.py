@@ -7,7 +7,6 @@ neither. Dependencies run one way: compose -> sinks (kafka_sink, projections) ->
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +15,7 @@ from .dsn import describe_error
 from .errors import ConfigurationError
 from .housekeeping import application_name
 from .kafka_sink import KafkaSink
+from .loader import import_module
 from .observer import NULL_OBSERVER, Observer, Observers, guarded
 from .settings import RelaySettings
 from .sink import Sink
@@ -94,20 +94,7 @@ def load_sink(spec: str) -> EventSink:
     module_name, _, attr = spec.partition(":")
     if not attr:
         raise ConfigurationError(f"--sink {spec}: expected MODULE:ATTR (e.g. myapp.sinks:audit)")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or ""
-        if missing and (module_name == missing or module_name.startswith(missing + ".")):  # not one it imports
-            raise ConfigurationError(f"--sink {spec}: no module named {missing!r} (is it installed, or on "
-                                     "PYTHONPATH?)") from None
-        raise ConfigurationError(f"--sink {spec}: importing module {module_name!r} failed: {exc}") from None
-    except SystemExit as exc:  # e.g. a module that parses sys.argv when imported: not the relay's exit
-        raise ConfigurationError(f"--sink {spec}: importing module {module_name!r} failed: it called "
-                                 f"sys.exit({exc.code!r})") from None
-    except Exception as exc:  # the module itself raised while it was imported
-        raise ConfigurationError(f"--sink {spec}: importing module {module_name!r} failed: "
-                                 f"{describe_error(exc)}") from None
+    module = import_module(module_name, f"--sink {spec}")
     try:
         found: Any = getattr(module, attr)
     except AttributeError:
@@ -143,11 +130,19 @@ def build_worker(settings: RelaySettings, sinks: Sequence[object] = (), observer
         from .tracing import relay_observer
 
         observers.append(relay_observer())
+    activity = None
+    if settings.activity_log_seconds:
+        from .activity import ActivityLog
+
+        activity = ActivityLog(settings.activity_log_seconds)
+        observers.append(activity)
     if observer is not None:
         observers.append(observer)
     observer = observers[0] if len(observers) == 1 else Observers(*observers) if observers else NULL_OBSERVER
     made = default_sinks(settings, guarded(observer), sinks)  # a hook that raises is logged, not the sink's failure
     worker = Worker(settings, made, observer)
+    if activity is not None:
+        worker.services.append(activity)
     if metrics is not None and settings.metrics_port is not None:
         from .metrics import MetricsServer
 

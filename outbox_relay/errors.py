@@ -8,6 +8,11 @@ from collections.abc import Sequence
 MAX_ERROR_CHARS = 2000  # what a parked event or dead letter keeps of an error message
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 attempt``, ``2 attempts``: a count as an error or log message says it."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 class OutboxError(Exception):
     """Base class of outbox-relay errors."""
 
@@ -102,7 +107,7 @@ class EventDeadLettered(OutboxError):
         self.event_id = event_id
         self.last_error = last_error
         self.attempts = attempts
-        super().__init__(f"event {event_id} was dead-lettered by sink {sink!r} after {attempts} attempt(s): "
+        super().__init__(f"event {event_id} was dead-lettered by sink {sink!r} after {counted(attempts, 'attempt')}: "
                          f"{last_error}")
 
 

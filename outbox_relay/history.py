@@ -28,6 +28,8 @@ MIN_PARTITION_XIDS = 10_000
 # How long a partition change waits for the events table's lock before giving up until the next pass:
 # while it waits, every producer and relay queues behind it.
 LOCK_TIMEOUT_MS = 500
+# How long `retention roll` keeps asking for that lock (a long transaction on the table holds it off).
+ROLL_WAIT_SECONDS = 30.0
 _CLASS = re.compile(r"^[a-z][a-z0-9_]{0,29}\Z")
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}\Z")
 
@@ -58,15 +60,17 @@ def make_ahead(conn: Conn, seconds: float, min_width: int = MIN_PARTITION_XIDS) 
 
 
 def retire(conn: Conn, retention_seconds: float, budget_seconds: float) -> list[Retired]:
-    """Drop partitions that may go, oldest first, each in its own short transaction, within a time budget;
-    then release the copies of parked and dead-lettered events (0015) that nothing names any more."""
+    """Store ``retention_seconds`` as the default class's keep (0019: all that retention goes by), drop
+    partitions that may go, oldest first, each in its own short transaction, within a time budget; then
+    release the copies of parked and dead-lettered events (0015) that nothing names any more."""
+    conn.execute(query("history", "store_default_keep"), {"retention": retention_seconds})
     done: list[Retired] = []
     deadline = time.monotonic() + budget_seconds
     while time.monotonic() < deadline:
         try:
             with conn.transaction():
                 conn.execute(query("history", "lock_timeout"), {"ms": LOCK_TIMEOUT_MS})
-                row = conn.execute(query("history", "retire_partition"), {"retention": retention_seconds}).fetchone()
+                row = conn.execute(query("history", "retire_partition")).fetchone()
         except psycopg.errors.LockNotAvailable:
             log.info("history: the events table was busy; retention goes on at the next pass")
             break
@@ -80,11 +84,26 @@ def retire(conn: Conn, retention_seconds: float, budget_seconds: float) -> list[
     return done
 
 
-def roll(conn: Conn, seconds: float, min_width: int = MIN_PARTITION_XIDS) -> str:
-    """End the partition being written now and start the next one (class changes apply from it)."""
-    with conn.transaction():
-        conn.execute(query("history", "lock_timeout"), {"ms": 10 * LOCK_TIMEOUT_MS})
-        row = conn.execute(query("history", "roll_partition"), {"min_width": min_width, "seconds": seconds}).fetchone()
+def roll(conn: Conn, seconds: float, min_width: int = MIN_PARTITION_XIDS,
+         wait_seconds: float = ROLL_WAIT_SECONDS) -> str:
+    """End the partition being written now and start the next one (class changes apply from it). Waits
+    for the events table's lock LOCK_TIMEOUT_MS at a time, up to ``wait_seconds`` in all: every producer
+    and relay queues behind a lock request while it waits, so they go on between the attempts."""
+    deadline = time.monotonic() + wait_seconds
+    pause = 0.05
+    while True:
+        try:
+            with conn.transaction():
+                conn.execute(query("history", "lock_timeout"), {"ms": LOCK_TIMEOUT_MS})
+                row = conn.execute(query("history", "roll_partition"),
+                                   {"min_width": min_width, "seconds": seconds}).fetchone()
+            break
+        except psycopg.errors.LockNotAvailable:
+            if time.monotonic() + pause >= deadline:
+                raise
+            log.info("history: the events table is busy (a long reader or writer); the roll tries again")
+            time.sleep(pause)  # producers and relays take their turn
+            pause = min(2 * pause, 1.0)
     assert row is not None and row[0] is not None  # roll always makes a range
     return str(row[0])
 

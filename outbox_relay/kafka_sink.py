@@ -58,6 +58,9 @@ log = logging.getLogger("outbox_relay.kafka")
 # them; librdkafka's levels map to Python's (its errors are ERROR). confluent-kafka hands them over in
 # poll(), on the sink's thread.
 LIBRDKAFKA_LOG = logging.getLogger("outbox_relay.librdkafka")
+# A batch that waits this long for its acknowledgements says so (and again after as long each time), so
+# that no wait for the broker is silent (issue 25: a drain stalled 5.5 s with nothing logged).
+ACK_WAIT_WARN_SECONDS = 5.0
 
 PRODUCER_DEFAULTS: dict[str, Any] = {
     "enable.idempotence": True,
@@ -375,6 +378,7 @@ class KafkaSink:
         self._session = _Session()
         self.hold_backoff = HOLD_BACKOFF
         self.partial_seconds = PARTIAL_CHECKPOINT_SECONDS
+        self.ack_warn_seconds = ACK_WAIT_WARN_SECONDS
         # Held topics: written by the thread that calls deliver(), read by problem() and the metrics on
         # others (replaced under the lock, never changed in place).
         self._conditions: dict[str, TopicCondition] = {}
@@ -644,13 +648,23 @@ class KafkaSink:
         """Poll until every report of ``flight`` arrived, checkpointing what is acknowledged every
         ``partial_seconds`` meanwhile (with ``partial``). Returns why the producer has to be replaced
         instead, if it has to."""
-        next_partial = time.monotonic() + self.partial_seconds
+        started = time.monotonic()
+        next_partial = started + self.partial_seconds
+        next_warn = started + self.ack_warn_seconds
         reported = len(flight.outcomes)
         while True:
             self._tell_acknowledged(flight)  # what the last poll served (or _produce's, on a full queue)
             reason = self._wedged(flight)
             if reason is None and flight.pending == 0:
+                if next_warn > started + self.ack_warn_seconds:
+                    log.info("kafka sink %s: the batch was acknowledged after %.1fs", self.name,
+                             time.monotonic() - started)
                 return None
+            if time.monotonic() >= next_warn:
+                next_warn = time.monotonic() + self.ack_warn_seconds
+                log.warning("kafka sink %s: %d messages have waited %.0fs for the broker's acknowledgement "
+                            "(last client error: %s)", self.name, flight.pending, time.monotonic() - started,
+                            self._session.client_error)
             if reason is not None and time.monotonic() >= self._recreate_after:
                 return reason
             if partial is not None and time.monotonic() >= next_partial:

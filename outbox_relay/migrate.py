@@ -12,6 +12,7 @@ import psycopg
 
 from .dsn import redact
 from .errors import SchemaError
+from .privileges import close_to_public
 from .sqlfiles import sql_dir
 
 log = logging.getLogger("outbox_relay.migrate")
@@ -87,6 +88,8 @@ def apply_migrations(conn: psycopg.Connection[Any]) -> list[Migration]:
                 conn.execute("UPDATE outbox.schema_migrations SET min_code_version = %s WHERE version = %s",
                              (m.min_code_version, m.version))
             applied.append(m)
+        if applied:  # a function a migration added starts closed
+            conn.execute(close_to_public("outbox"))
     return applied
 
 

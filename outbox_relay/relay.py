@@ -40,9 +40,10 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import store
+from .activity import RetryLog
 from .backoff import Backoff
 from .dsn import describe_error
-from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck
+from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkStuck, counted
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor, Snapshot
 from .settings import RelaySettings
@@ -324,6 +325,9 @@ class SinkRunner:
         self.listening: Callable[[], bool] = lambda: False  # whether notifications reach it (set by the worker)
         # Since when the worker's heartbeats have been reaching the database without a failure (set by the worker).
         self.reachable_since: Callable[[], float | None] = time.monotonic
+        # Whether a deferrable cursor write may wait now (``_deferrable``): the worker makes it "while a long
+        # transaction holds vacuum back" (horizon.py); alone, a runner defers whenever cursor_flush_seconds > 0.
+        self.defer_writes: Callable[[], bool] = lambda: True
         self.observer: Observer = NULL_OBSERVER
         self.park_changed = threading.Event()  # set by the listener (PARKED_NOTICE), cleared by the runner
         # Runner thread only:
@@ -342,6 +346,13 @@ class SinkRunner:
         self._owed_oldest: float | None = None  # min of ``_written_at`` over ``_owed``; None: to be computed
         self._lapsed: set[int] = set()
         self._ramp: dict[int, int] = {}  # crash-loop suspects: bucket -> events per probe
+        # Crash-loop isolation: buckets this process has held (one it takes in its own worker id without having
+        # held it is a restart's: the last process of that id died holding it), and per suspect the deaths
+        # counted before its probe, charged to the first event probed alone (``_probe_alone``).
+        self._held_ever: set[int] = set()
+        self._deaths: dict[int, int] = {}
+        self._unexplained: set[int] = set()  # buckets ``_lose`` dropped, logged with why by the next cycle
+        self._retry_log = RetryLog(sink.name)  # a WARNING per failed attempt past the first few, rate-limited
         # A delivered Kafka batch's checkpoint whose fence check rides on the next read (``_BatchCommit.later``):
         # settled by ``_deliver_new``'s read of its buckets, or by a statement of its own
         # (``_settle_pending``) before anything else writes their cursors. Its cursors are in ``_ahead``.
@@ -441,6 +452,7 @@ class SinkRunner:
         """One cycle: rebalance leases, probe suspects, retry due parked keys, deliver new events.
 
         Returns the number of events handled."""
+        self._explain_lost()  # before rebalance: taking a bucket up again clears why it was re-fenced
         self.rebalance()
         held = self.leases.snapshot()
         self._forget_lost(held)
@@ -529,7 +541,7 @@ class SinkRunner:
     def _deferrable(self, cp: Checkpoint) -> set[int]:
         """The buckets of a sink-less-transaction batch checkpoint whose cursor write can wait."""
         every = self.settings.cursor_flush_seconds
-        if every <= 0 or not cp.moves_only:
+        if every <= 0 or not cp.moves_only or not self.defer_writes():
             return set()
         now = time.monotonic()
         return {b for b in cp.advance
@@ -542,7 +554,8 @@ class SinkRunner:
         """Whether a delivered batch's checkpoint may wait for the runner's next read (``_BatchCommit.later``):
         it only moves cursors, one per bucket it read past, and each of them may be written later (as in
         ``_deferrable``, except that a write that is due waits for ``_flush_owed`` too)."""
-        if self.settings.cursor_flush_seconds <= 0 or not cp.moves_only or cp.advance.keys() != cp.fences.keys():
+        if (self.settings.cursor_flush_seconds <= 0 or not cp.moves_only or cp.advance.keys() != cp.fences.keys()
+                or not self.defer_writes()):
             return False
         return not any(self._ramp.get(b) or (b in cp.resets and b in self._lapsed) for b in cp.fences)
 
@@ -577,6 +590,8 @@ class SinkRunner:
         """Seconds until the oldest deferred cursor write is due (inf: none is owed)."""
         if not self._owed:
             return float("inf")
+        if not self.defer_writes():  # the hold that deferred them is over: due now
+            return float("-inf")
         if self._owed_oldest is None:  # once per write of an owed cursor, not per cycle
             self._owed_oldest = min(self._written_at.get(b, 0.0) for b in self._owed)
         return self._owed_oldest + self.settings.cursor_flush_seconds - time.monotonic()
@@ -589,7 +604,7 @@ class SinkRunner:
         self._settle_pending()
         held = self._still_held(held)
         now = time.monotonic()
-        every = self.settings.cursor_flush_seconds
+        every = self.settings.cursor_flush_seconds if self.defer_writes() else 0.0
         due = {b: self._ahead[b] for b in self._owed
                if b in held and b in self._ahead and now - self._written_at.get(b, 0.0) >= every}
         if due:
@@ -617,7 +632,8 @@ class SinkRunner:
             wanted = desired - held.keys()
             if wanted and not self.draining.is_set():
                 acquired = store.acquire_leases(conn, self.sink.name, self.worker, wanted,
-                                                self.settings.lease_seconds)
+                                                self.settings.lease_seconds, restarted=wanted - self._held_ever)
+                self._held_ever |= acquired.keys()
                 if not acquired and not held:
                     # Nothing to hold and nothing to take: normal while buckets change hands, but also what
                     # a dropped sink looks like (its cursors are gone). Never idle silently on one.
@@ -639,6 +655,7 @@ class SinkRunner:
                             self._lapsed.discard(b)
                     suspects = sorted(b for b, a in acquired.items() if a.lapses >= self.settings.max_lapses)
                     self._ramp.update({b: 1 if b in suspects else 0 for b in acquired})
+                    self._deaths.update({b: a.lapses if b in suspects else 0 for b, a in acquired.items()})
                     self._check_parked_at = 0.0  # new buckets may come with parked keys
                     log.info("sink %s: acquired %d buckets", self.sink.name, len(acquired))
                     if suspects:
@@ -673,7 +690,7 @@ class SinkRunner:
         lost = set(fences) - kept
         if lost:
             self.observer.leases(self.sink.name, lost=len(lost))
-            log.warning("sink %s: lost the lease on %d buckets (fenced out)", self.sink.name, len(lost))
+            self._log_lost(lost, "lost the lease on %d buckets (fenced out)")
             self.leases.drop(lost, fences)
 
     def _release_all(self) -> None:
@@ -837,6 +854,7 @@ class SinkRunner:
         if bucket in ok:
             self._ramp[bucket] = 0 if healthy else size * 2
             if healthy:
+                self._deaths.pop(bucket, None)
                 log.info("sink %s: bucket %d is healthy again", self.sink.name, bucket)
         return len(parked) + len(new)
 
@@ -870,7 +888,12 @@ class SinkRunner:
                     return 0
                 continue
             attempts = e.attempts + 1
-            cp.park.append((e, attempts, self.backoff.delay(attempts), CRASH_ERROR))
+            # The deaths that made the bucket a suspect happened with this event in the batch: charged to it from
+            # the first, so --max-attempts N costs about N deaths, not max_lapses + N. An event charged a crash
+            # already carries its deaths; an innocent one's charge is replaced by its own outcome's count
+            # (``_run_batch`` parks it with ``e.attempts + 1``), so only a death keeps it.
+            deaths = self._deaths.get(bucket, 0) if e.last_error != CRASH_ERROR else 0
+            cp.park.append((e, attempts + deaths, self.backoff.delay(attempts), CRASH_ERROR))
             if not self._write(cp):
                 return 0
             e.parked = True  # it is now; ``attempts`` stays the count before this attempt
@@ -902,6 +925,7 @@ class SinkRunner:
         ok = self._write(Checkpoint(fences={bucket: fence}, advance=advance, resets={bucket}))
         if bucket in ok:
             self._ramp[bucket] = 0
+            self._deaths.pop(bucket, None)
         return 0
 
     def _write(self, cp: Checkpoint) -> set[int]:
@@ -987,9 +1011,33 @@ class SinkRunner:
 
     def _lose(self, lost: set[int], fences: dict[int, int]) -> None:
         self.observer.leases(self.sink.name, lost=len(lost))
-        log.warning("sink %s: fenced out of %d buckets; their batch is discarded and will be redelivered "
-                    "by the new owner", self.sink.name, len(lost))
+        self._unexplained |= lost  # logged by the next cycle, before it takes any of them up again
         self.leases.drop(lost, fences)
+
+    def _explain_lost(self) -> None:
+        lost, self._unexplained = self._unexplained, set()
+        if lost:
+            self._log_lost(lost, "fenced out of %d buckets; their batch is discarded and will be redelivered by "
+                                 "the new owner")
+
+    def _log_lost(self, lost: set[int], takeover: str) -> None:
+        """Say why buckets were lost: an operator's re-fence (the lease stays here, ``fenced_by`` names the
+        action) at INFO, a takeover or a lease that ran out as the WARNING ``takeover`` (a %d for the count)."""
+        try:
+            with self.pool.connection() as conn:
+                why = store.why_fenced(conn, self.sink.name, self.worker, lost)
+        except (psycopg.Error, PoolTimeout) as exc:
+            log.debug("sink %s: could not read why buckets were lost: %s", self.sink.name, exc)
+            why = {}
+        by_action: dict[str, int] = {}
+        for action in why.values():
+            by_action[action] = by_action.get(action, 0) + 1
+        for action, n in sorted(by_action.items()):
+            log.info("sink %s: %s (an operator's action) re-fenced %d buckets this relay holds: what it had in "
+                     "flight there is discarded, and it takes them up again under the new fence",
+                     self.sink.name, action, n)
+        if len(lost) > len(why):
+            log.warning("sink %s: " + takeover, self.sink.name, len(lost) - len(why))
 
     def _landed(self, cp: Checkpoint, ok: set[int]) -> None:
         now = time.monotonic()
@@ -1012,8 +1060,8 @@ class SinkRunner:
             self._check_parked_at = 0.0
         dead = [(e, attempts, error) for e, attempts, error in cp.dead if e.bucket in ok]
         for e, attempts, error in dead:
-            log.error("sink %s: event %s (key %r, type %s) dead-lettered after %d attempts: %s",
-                      self.sink.name, e.id, e.key, e.type, attempts, error)
+            log.error("sink %s: event %s (key %r, type %s) dead-lettered after %s: %s",
+                      self.sink.name, e.id, e.key, e.type, counted(attempts, "attempt"), error)
         delivered = [e for e in cp.delivered if e.bucket in ok]
         # A parked event with an error but no attempt added waits for a condition of the sink (held).
         retried = held = 0
@@ -1021,6 +1069,8 @@ class SinkRunner:
             if why is not None and e.bucket in ok:
                 if attempts > e.attempts:
                     retried += 1
+                    if why != CRASH_ERROR:  # a probe's attempt counted before it is made: not a failure yet
+                        self._retry_log.failed(e.id, e.key, attempts, self.settings.max_attempts, why)
                 else:
                     held += 1
         if held:

@@ -46,6 +46,29 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+# -- what the inbox's settings (outbox_relay.inbox.settings) share with the relay's: the same checks, and
+# the same variables for the same things (the OUTBOX_DSN and OUTBOX_KAFKA_BOOTSTRAP_SERVERS that
+# `outbox-relay dev` prints serve both).
+
+
+def _dsn_value(value: SecretStr) -> SecretStr:
+    dsn = value.get_secret_value()
+    if not dsn.strip():  # libpq reads "" as every default: the silent guess a required DSN prevents
+        raise ValueError(NO_DSN)
+    remember_dsn(dsn)  # before anything can fail and print it
+    check_dsn(dsn)
+    return value
+
+
+def _kafka_values(value: dict[str, str]) -> dict[str, str]:
+    return {k: _option_value(k, v) for k, v in value.items()}
+
+
+Dsn = Annotated[SecretStr, AfterValidator(_dsn_value)]
+KafkaOptions = Annotated[dict[str, str], AfterValidator(_kafka_values)]
+KAFKA_OPTIONS_HELP = ("a value @PATH is read from that file (secrets stay out of `ps`), @@ stands for a literal @")
+
+
 # -- the webhook sink's settings (outbox_relay.webhook): shared by RelaySettings (``outbox-relay run
 # --webhook-url ...``) and WebhookSettings (``--sink outbox_relay.webhook:from_env``).
 
@@ -172,7 +195,7 @@ class RelaySettings(BaseSettings):
                                       allow_inf_nan=False)
 
     # Required: a default database is a silent guess (it once put the schema into `postgres`).
-    dsn: SecretStr = Field(description="PostgreSQL connection string")
+    dsn: Dsn = Field(description="PostgreSQL connection string")
     worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200,
                            description="unique per process")
 
@@ -184,10 +207,10 @@ class RelaySettings(BaseSettings):
     kafka_bootstrap_servers: str | None = Field(
         None, min_length=1, max_length=4096,
         description="Kafka bootstrap servers, e.g. 127.0.0.1:9092 (required while Kafka is on)")
-    kafka_config: dict[str, str] = Field(
+    kafka_config: KafkaOptions = Field(
         default_factory=dict,
-        description="extra librdkafka settings, e.g. security.protocol, sasl.*, ssl.* (passed through); a value "
-                    "@PATH is read from that file (secrets stay out of `ps`), @@ stands for a literal @",
+        description="extra librdkafka settings, e.g. security.protocol, sasl.*, ssl.* (passed through); "
+                    + KAFKA_OPTIONS_HELP,
     )
     kafka_config_file: Path | None = Field(
         None, description="librdkafka settings from a file of KEY=VALUE lines (# comments); --kafka-option and "
@@ -230,6 +253,9 @@ class RelaySettings(BaseSettings):
     metrics_host: str = Field("0.0.0.0", min_length=1, description="address the metrics port listens on")
     metrics_refresh_seconds: float = Field(
         15.0, ge=1, le=3600, description="how often the outbox-wide gauges (backlog, lagging keys) are read")
+    activity_log_seconds: float = Field(
+        60.0, ge=0, le=86400, description="log one INFO line this often with what each sink delivered, retried and "
+                                          "dead-lettered (an idle interval logs nothing); 0: off")
     tracing: bool = Field(
         False, description="OpenTelemetry spans per batch and per projection handler call, to the tracer provider "
                            "the OTEL_* variables set up (run under opentelemetry-instrument; needs the otel extra)")
@@ -239,10 +265,11 @@ class RelaySettings(BaseSettings):
     lease_seconds: float = Field(30.0, ge=0.1, le=3600, description="bucket lease; renewed every third of it")
     cursor_flush_seconds: float = Field(
         5.0, ge=0, le=600,
-        description="a sink without a transaction of its own (Kafka) writes a bucket's cursor at most this often "
-                    "(every batch still checks its fence, and a released bucket's cursor is written at once): fewer "
-                    "dead row versions in outbox.cursors while a long transaction holds vacuum back, at the cost "
-                    "of up to this much more redelivery after a crash; 0: every batch writes (projections always do)")
+        description="while a long transaction holds vacuum back, a sink without a transaction of its own (Kafka) "
+                    "writes a bucket's cursor at most this often (every batch still checks its fence, and a released "
+                    "bucket's cursor is written at once): fewer dead row versions in outbox.cursors, at the cost of "
+                    "up to this much more redelivery after a crash; otherwise every batch writes it; 0: every batch "
+                    "writes it always (projections always do)")
     heartbeat_seconds: float = Field(2.0, ge=0.01, le=600,
                                      description="registry heartbeat interval; each heartbeat also reads the stored "
                                                  "assignment (and stores a new one when members changed)")
@@ -299,16 +326,6 @@ class RelaySettings(BaseSettings):
         description="about how much time one history partition of outbox.events covers (sized from the "
                     "transaction rate; retention drops whole partitions, so this is its granularity)")
 
-    @field_validator("dsn")
-    @classmethod
-    def _dsn(cls, value: SecretStr) -> SecretStr:
-        dsn = value.get_secret_value()
-        if not dsn.strip():  # libpq reads "" as every default: the silent guess a required DSN prevents
-            raise ValueError(NO_DSN)
-        remember_dsn(dsn)  # before anything can fail and print it
-        check_dsn(dsn)
-        return value
-
     @field_validator("kafka_sink")
     @classmethod
     def _kafka_sink(cls, value: str) -> str:
@@ -363,11 +380,6 @@ class RelaySettings(BaseSettings):
         if len(set(value)) != len(value):
             raise ValueError(f"a sink is named twice: {value}")
         return value
-
-    @field_validator("kafka_config")
-    @classmethod
-    def _kafka_values(cls, value: dict[str, str]) -> dict[str, str]:
-        return {k: _option_value(k, v) for k, v in value.items()}
 
     @model_validator(mode="after")
     def _consistent(self) -> RelaySettings:

@@ -9,11 +9,12 @@ and the next batches are held without calling the sink until the wait is over.
 
 The runner thread (the one the engine calls ``deliver`` on) only waits, looking at the stop flag and
 the clock every ``WAIT_SLICE`` (each look also tells the engine it is alive). A call that has not
-returned within ``handler_timeout_seconds`` is abandoned as projections/guard.py does: Python can not
-kill a thread, so the lane is left to it (whatever it returns is ignored), the event is charged a
-failed attempt, and a new lane takes over the remaining keys. Past ``MAX_ABANDONED`` threads left to
-calls that never returned, the batch is checkpointed and then ``SinkStuck`` stops the relay (exit 4),
-so that a fresh process takes over instead of piling up threads.
+returned within ``handler_timeout_seconds`` is abandoned (timelimit.py): Python can not kill a thread,
+so the lane is left to it (whatever it returns is ignored), the event is charged a failed attempt, and
+a new lane takes over the remaining keys. Past the process's cap of threads left to calls that never
+returned (``timelimit.MAX_ABANDONED``, counted with projections' and the inbox's), the batch is
+checkpointed and then ``SinkStuck`` stops the relay (exit 4), so that a fresh process takes over
+instead of piling up threads.
 
 Once every lane is done with a batch, ``commit`` writes its outcomes, fenced, once (the engine's rules
 for parking, backoff, dead letters and metrics apply). A batch that takes longer than
@@ -30,7 +31,6 @@ import inspect
 import json
 import logging
 import math
-import queue
 import threading
 import time
 from collections import deque
@@ -44,26 +44,14 @@ from .observer import NULL_OBSERVER, Observer
 from .sink import Aborted, Commit, Failure, Outcomes
 from .sinks import MAX_WAIT_SECONDS, Delivered, EventSink, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
 from .store import EventFilter, StoredEvent
+from .timelimit import WAIT_SLICE, HandlerThread, cap_exceeded
 
 log = logging.getLogger("outbox_relay.sinks")
 
-MAX_ABANDONED = 32  # threads left to calls that never returned, per process, before the relay exits
-WAIT_SLICE = 0.2  # how often the runner thread looks at the stop flag and the clock while lanes work
 # While a batch takes longer than this (slow calls), what is delivered of it is checkpointed every this
 # often (``Commit.partial``, as the Kafka sink does), so a relay that dies or loses its buckets meanwhile
 # hands over only the rest.
 PARTIAL_CHECKPOINT_SECONDS = 1.0
-
-_abandoned_lock = threading.Lock()
-_abandoned: list[threading.Thread] = []  # guarded by _abandoned_lock
-
-
-def abandoned_threads() -> int:
-    """Lane threads left to calls that have not returned yet (this process)."""
-    with _abandoned_lock:
-        _abandoned[:] = [t for t in _abandoned if t.is_alive()]
-        return len(_abandoned)
-
 
 _ANSWERS = (Delivered, Retry, GiveUp)
 
@@ -133,7 +121,7 @@ def held(unavailable: SinkUnavailable, wait: float) -> Failure:
                    "counted)", hold_seconds=max(0.0, wait))
 
 
-class _Lane:
+class _Lane(HandlerThread):
     """A thread that calls the user's ``deliver``. Reused from batch to batch until it is abandoned.
     ``event``/``since``/``detached`` are guarded by the condition of the run it works on."""
 
@@ -141,25 +129,15 @@ class _Lane:
         self.adapter = adapter
         self.event: StoredEvent | None = None  # whose call runs now
         self.since = 0.0  # when that call began (monotonic)
-        self.detached = False  # the runner gave up on it (a call past the limit, or a hard stop)
         # An async sink's call in flight on the adapter's event loop (cancelled if the call is abandoned).
         self.future: concurrent.futures.Future[Any] | None = None
-        self._jobs: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=f"sink-{adapter.name}-{number}", daemon=True)
-        self.thread.start()
+        super().__init__(f"sink-{adapter.name}-{number}")
 
-    def submit(self, run: _Run) -> None:
-        self._jobs.put(run)
+    def take(self, run: _Run) -> None:
+        self.submit(lambda: run.context.copy().run(run.work, self))
 
-    def close(self) -> None:
-        self._jobs.put(None)
-
-    def _loop(self) -> None:
-        while (run := self._jobs.get()) is not None:
-            run.context.copy().run(run.work, self)
-            if self.detached:
-                return  # its runner moved on without it
-            self.adapter.returned(self)
+    def idle(self) -> None:
+        self.adapter.returned(self)  # free for the next batch
 
 
 class _Run:
@@ -379,7 +357,7 @@ class EventSinkAdapter:
                 self._lanes_made += 1
                 lane = _Lane(self, self._lanes_made)
         run.active.add(lane)
-        lane.submit(run)
+        lane.take(run)
 
     def returned(self, lane: _Lane) -> None:
         """A lane finished its run (on the lane's thread): free for the next batch."""
@@ -395,8 +373,7 @@ class EventSinkAdapter:
             if abort.is_set():  # each check also tells the engine this thread is alive
                 run.closed = True
                 for lane in run.active:
-                    lane.detached = True  # it ends after its call; nothing of it is recorded
-                    lane.close()
+                    lane.detach()  # it ends after its call; nothing of it is recorded
                 raise Aborted()
             now = time.monotonic()
             for lane in [lane for lane in run.active if lane.event is not None and now - lane.since > self.timeout]:
@@ -415,8 +392,8 @@ class EventSinkAdapter:
     def _abandon(self, run: _Run, lane: _Lane) -> None:
         e = lane.event
         assert e is not None
-        lane.detached = True
-        lane.close()  # if its call ever returns, the thread ends
+        if lane.abandon():  # if its call ever returns, the thread ends
+            self._over_cap = True
         if lane.future is not None:
             lane.future.cancel()  # an async call can be cancelled (if it awaits), which frees its lane too
         run.active.discard(lane)
@@ -424,21 +401,14 @@ class EventSinkAdapter:
                                      "(--handler-timeout-seconds); the call was abandoned")
         log.warning("sink %s: deliver of event %s (key %r) did not return within %gs; abandoned, the attempt counted",
                     self.name, e.id, e.key, self.timeout)
-        with _abandoned_lock:
-            _abandoned.append(lane.thread)
-        if abandoned_threads() > MAX_ABANDONED:
-            self._over_cap = True
         if run.keys and run.unavailable is None:
             self._start_lane(run)  # the other keys go on
 
     def _check_cap(self) -> None:
         """After the batch that charged them landed: too many threads left to calls that never returned."""
-        left = abandoned_threads()
-        if self._over_cap and left > MAX_ABANDONED:
-            raise SinkStuck(f"sink {self.name}: {left} calls of deliver that never returned are left on threads of "
-                            f"this process (more than {MAX_ABANDONED}); the relay stops so that a fresh process takes "
-                            "over (their events' attempts were counted)")
-        self._over_cap = False
+        over, self._over_cap = self._over_cap, False
+        if over and (why := cap_exceeded("calls of deliver")):
+            raise SinkStuck(f"sink {self.name}: {why}")
 
     def problem(self, timeout: float = 2.0) -> str | None:
         """Why the sink can not deliver now (for /readyz): it said it is unavailable, and the wait is not over."""
@@ -480,4 +450,4 @@ class EventSinkAdapter:
                 loop.close()
 
 
-__all__ = ["EventSinkAdapter", "abandoned_threads", "sink_event"]
+__all__ = ["EventSinkAdapter", "sink_event"]

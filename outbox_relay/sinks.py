@@ -44,6 +44,10 @@ from .errors import ConfigurationError
 SINK_KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}\Z")
 # outbox.sinks.name's CHECK constraint.
 SINK_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,62}\Z")
+# Kinds of the product's own sinks: status, rebuild and replay treat a sink by its kind (a "projection"
+# is rebuilt, a "kafka" sink replayed), so a user's sink may not take one.
+RESERVED_KINDS = {"kafka": "the Kafka sink", "projection": "projections", "webhook": "outbox_relay.webhook"}
+_PRODUCT_PACKAGES = ("outbox_relay.", "projections.")
 MAX_CONCURRENCY = 256  # threads per sink: more is a configuration mistake, not a plan
 MAX_WAIT_SECONDS = 86400.0  # longest Retry.after_seconds / SinkUnavailable wait honoured
 
@@ -144,6 +148,9 @@ def check_sink(sink: object, where: str = "") -> EventSink:
                         else f"`kind` must be a str, not {type(kind).__name__}")
     elif not SINK_KIND.match(kind):
         problems.append(f"kind {kind[:40]!r} is not a sink kind (1-32 characters of a-z 0-9 _, starting with a letter)")
+    elif kind in RESERVED_KINDS and not _product_kind(sink):
+        problems.append(f"kind {kind!r} is reserved for {RESERVED_KINDS[kind]} (name your sink's own kind, e.g. "
+                        "'audit')")
     if not callable(getattr(sink, "deliver", None)):
         problems.append("no `deliver(event)` method")
     for attr in ("topics", "types"):
@@ -163,6 +170,17 @@ def check_sink(sink: object, where: str = "") -> EventSink:
     if problems:
         raise ConfigurationError(f"{what} is not a sink: " + "; ".join(problems))
     return sink  # type: ignore[return-value]  # checked attribute by attribute above
+
+
+def _product_kind(sink: object) -> bool:
+    """Whether ``kind`` comes from the product: its own sink or wrapper (the testing kit's), or a class of it
+    (a subclass of WebhookSink keeps "webhook")."""
+    if type(sink).__module__.startswith(_PRODUCT_PACKAGES):
+        return True
+    if "kind" in getattr(sink, "__dict__", {}):
+        return False
+    owner = next((c for c in type(sink).__mro__ if "kind" in vars(c)), None)
+    return owner is not None and owner.__module__.startswith(_PRODUCT_PACKAGES)
 
 
 __all__ = ["Delivered", "EventSink", "GiveUp", "Outcome", "Retry", "SinkEvent", "SinkUnavailable", "check_sink"]

@@ -463,14 +463,23 @@ class Acquired:
 
 
 def acquire_leases(
-    conn: Conn, sink: str, worker: str, buckets: Iterable[int], lease_seconds: float
+    conn: Conn, sink: str, worker: str, buckets: Iterable[int], lease_seconds: float, restarted: Iterable[int] = ()
 ) -> dict[int, Acquired]:
-    """The buckets this call acquired, with their fence, lapses and cursor."""
+    """The buckets this call acquired, with their fence, lapses and cursor. ``restarted``: buckets this
+    process never held; one still leased in ``worker``'s name is a dead predecessor's (a lapse)."""
     rows = conn.execute(
         query("membership", "acquire_leases"),
-        {"sink": sink, "worker": worker, "buckets": sorted(buckets), "lease_seconds": lease_seconds},
+        {"sink": sink, "worker": worker, "buckets": sorted(buckets), "lease_seconds": lease_seconds,
+         "restarted": sorted(restarted)},
     ).fetchall()
     return {r[0]: Acquired(r[1], r[2], Cursor.from_row(r[3], r[4], r[5], r[6])) for r in rows}
+
+
+def why_fenced(conn: Conn, sink: str, worker: str, buckets: Iterable[int]) -> dict[int, str]:
+    """Of ``buckets`` lost by ``worker``: those an operator re-fenced while the lease stayed its own, and the action."""
+    rows = conn.execute(query("membership", "why_fenced"),
+                        {"sink": sink, "worker": worker, "buckets": sorted(buckets)}).fetchall()
+    return {r[0]: r[1] for r in rows}
 
 
 def renew_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int], lease_seconds: float) -> set[int]:
@@ -481,6 +490,13 @@ def renew_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int], lea
          "lease_seconds": lease_seconds},
     ).fetchall()
     return {r[0] for r in rows}
+
+
+def vacuum_horizon(conn: Conn) -> tuple[str | None, float | None]:
+    """The oldest transaction id that holds back vacuum (as text; None: none does), and for how long its
+    transaction has been open (None: not visible to this role)."""
+    row = conn.execute(query("membership", "vacuum_horizon")).fetchone()
+    return (None, None) if row is None else (str(row[0]), row[1])
 
 
 def release_leases(conn: Conn, sink: str, worker: str, fences: dict[int, int]) -> set[int]:

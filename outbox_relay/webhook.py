@@ -19,6 +19,7 @@ import binascii
 import functools
 import hashlib
 import hmac
+import html
 import http.client
 import io
 import json
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .dsn import redact, remember_secret
+from .dsn import MASK, MIN_SECRET_CHARS, redact, remember_secret
 from .errors import ConfigurationError, OutboxError
 from .sinks import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
 
@@ -191,13 +192,30 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
 
 
-def excerpt(body: bytes, limit: int = EXCERPT_CHARS) -> str:
+def excerpt(body: bytes, limit: int = EXCERPT_CHARS, hide: Collection[str] = ()) -> str:
     """The start of a response body, safe for a log line or a dead letter: bounded, control characters
-    and non-ASCII escaped, known secrets masked."""
-    text = body.decode("utf-8", errors="replace")
+    and non-ASCII escaped, known secrets and the texts in ``hide`` masked (before the cut, so that no
+    part of a secret is left at the end)."""
+    text = redact(body.decode("utf-8", errors="replace"))
+    for value in hide:  # longest first (query_secrets): a value inside another is masked with it
+        text = text.replace(value, MASK)
     cut = len(text) > limit
     shown = json.dumps(text[:limit])[1:-1]  # escapes quotes, newlines, control and non-ASCII characters
     return redact(shown) + ("..." if cut else "")
+
+
+def query_secrets(query: str) -> tuple[str, ...]:
+    """What of a URL's query an answer may echo, longest first: the whole query as written, decoded
+    and HTML-escaped (an HTML error page), and each value of MIN_SECRET_CHARS or more, as written and
+    decoded (a shorter value would be masked inside ordinary words)."""
+    if not query:
+        return ()
+    found = {query, urllib.parse.unquote(query), urllib.parse.unquote_plus(query), html.escape(query)}
+    for pair in query.split("&"):
+        value = pair.partition("=")[2]
+        if len(value) >= MIN_SECRET_CHARS:
+            found |= {value, urllib.parse.unquote(value), urllib.parse.unquote_plus(value)}
+    return tuple(sorted((v for v in found if v), key=len, reverse=True))
 
 
 def _ce_value(value: str) -> str:
@@ -325,6 +343,12 @@ class WebhookSink:
         self._target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         # What logs and reasons show: no query string (it may carry a token).
         self.endpoint = f"{parts.scheme}://{parts.netloc}{parts.path or '/'}"
+        # A receiver may echo the request target ("Cannot POST /hook?token=..."): masked in every excerpt
+        # of its answers, and the whole query in every log line (redact).
+        self._hide = query_secrets(parts.query)
+        if parts.query:
+            remember_secret(parts.query)
+            remember_secret(urllib.parse.unquote(parts.query))
         if not 0 < connect_timeout_seconds <= 3600 or not 0 < timeout_seconds <= 3600:
             raise ConfigurationError("webhook timeouts must be more than 0 and at most 3600 seconds")
         self.connect_timeout_seconds = connect_timeout_seconds
@@ -394,7 +418,8 @@ class WebhookSink:
             except (OSError, http.client.HTTPException) as exc:
                 self._drop(conn)
                 # The message may quote what the receiver sent (a garbage status line): escaped, bounded.
-                return Retry(f"POST {self.endpoint}: {type(exc).__name__}: {excerpt(str(exc).encode())}")
+                shown = excerpt(str(exc).encode(), hide=self._hide)
+                return Retry(f"POST {self.endpoint}: {type(exc).__name__}: {shown}")
             except BaseException:
                 self._drop(conn)  # a request cut short leaves the connection half-written: not for the next event
                 raise
@@ -494,15 +519,15 @@ class WebhookSink:
             self._drop(conn)
         if 200 <= status < 300:
             return Delivered()
-        what = f"POST {self.endpoint}: HTTP {status} {excerpt(response.reason.encode(), 100)}"
+        what = f"POST {self.endpoint}: HTTP {status} {excerpt(response.reason.encode(), 100, self._hide)}"
         if data:
-            what += f": {excerpt(data)}"
+            what += f": {excerpt(data, hide=self._hide)}"
         retry_after = parse_retry_after(response.getheader("retry-after"))
         if status in RETRY_STATUSES or 500 <= status < 600:
             return Retry(what, retry_after)
         if 300 <= status < 400:
             location = response.getheader("location")
-            where = f" to {excerpt(location.encode(), 200)}" if location else ""
+            where = f" to {excerpt(location.encode(), 200, self._hide)}" if location else ""
             raise SinkUnavailable(f"{what} (a redirect{where}, not followed: configure the final URL)",
                                   retry_after or 60.0)
         if status in self.hold_statuses:

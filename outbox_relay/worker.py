@@ -37,6 +37,8 @@ from .assignment import buckets_of, rebalance
 from .backoff import Backoff
 from .dsn import connection_problem, probe_connection, redact
 from .errors import ConfigurationError, OutboxError, WorkerIdInUse
+from .horizon import HorizonWatch
+from .hosts import pid_alive
 from .housekeeping import Housekeeping, application_name
 from .migrate import check_schema, latest_version
 from .observer import NULL_OBSERVER, Observer, guarded
@@ -70,6 +72,11 @@ EXIT_HARD_STOP = 5  # `outbox-relay run`'s exit status when it had to leave a bl
 # registration over.
 _ids_lock = threading.Lock()
 _ids_in_process: dict[tuple[str, str], str] = {}
+
+
+# A membership loop that comes round this much later than it should (and later than a renewal is due)
+# says so: the leases it renews may have run out meanwhile, and the takeover that follows is explained.
+PROCESS_STALL_SECONDS = 2.0
 
 
 def _ignore(_signum: int, _frame: FrameType | None) -> None:
@@ -127,6 +134,7 @@ class Worker:
         self.instance = uuid.uuid4().hex
         # Membership thread: since when its heartbeats have reached the database without a failure in between.
         self._reachable_since: float | None = None
+        self.horizon = HorizonWatch()  # membership thread: whether cursor writes are worth deferring now
         self._hard_deadline: float | None = None  # set by the hard stop: the sink threads' last moment
         self._owns_process = False  # run() installed the signal handlers: it may end the process (EXIT_HARD_STOP)
         self._signal_sockets: tuple[socket.socket, socket.socket] | None = None
@@ -164,6 +172,7 @@ class Worker:
         for runner in self.runners:
             runner.listening = lambda: self.listening
             runner.reachable_since = lambda: self._reachable_since
+            runner.defer_writes = self.horizon.held
             runner.observer = observer
         try:
             self._beat()
@@ -221,7 +230,7 @@ class Worker:
             return
         except WorkerIdInUse as exc:
             if exc.host != socket.gethostname() or (exc.pid is not None and exc.pid != os.getpid()
-                                                    and _pid_alive(exc.pid)):
+                                                    and pid_alive(exc.pid)):
                 store.record_clash(conn, self.id, socket.gethostname(), os.getpid())
                 raise
             log.warning("worker id %s: taking over the registration of a previous run on this host (pid %s, "
@@ -462,14 +471,21 @@ class Worker:
         renew_every = s.lease_seconds / 3
         next_renew = time.monotonic() + renew_every
         next_beat = time.monotonic() + s.heartbeat_seconds
+        tick = min(0.5, renew_every, s.heartbeat_seconds)
+        last = time.monotonic()
         while not self.stopped.is_set():
             # An assignment changed by another relay (NOTIFY) brings the next heartbeat forward.
-            if self.membership_changed.wait(min(0.5, renew_every, s.heartbeat_seconds)):
+            if self.membership_changed.wait(tick):
                 self.membership_changed.clear()
                 next_beat = 0.0
             if self.stopped.is_set():
                 break
             now = time.monotonic()
+            if now - last > max(PROCESS_STALL_SECONDS, renew_every):  # not its statements: the process stood still
+                log.warning("membership: this thread ran %.1fs late (the process was stopped or starved of CPU, or "
+                            "its last heartbeat or renewal was that slow); leases may have expired meanwhile",
+                            now - last - tick)
+            last = now
             try:
                 if now >= next_renew:
                     next_renew = now + renew_every
@@ -520,6 +536,9 @@ class Worker:
                 if desired != runner.desired:
                     runner.desired = desired
                     runner.wake.set()
+            if self.settings.cursor_flush_seconds > 0 and self.horizon.observe(*store.vacuum_horizon(conn)):
+                for r in self.runners:  # owed cursor writes go now, or the next batches defer theirs
+                    r.wake.set()
 
     def _lost_id(self, exc: WorkerIdInUse) -> None:
         if self.fatal is None:
@@ -638,14 +657,3 @@ class Worker:
                 log.warning("listener: %s: %s; polling until it reconnects (in %.0fs)", type(exc).__name__,
                             redact(str(exc)), delay)
                 self.stopped.wait(delay)
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True

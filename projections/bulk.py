@@ -54,7 +54,8 @@ from outbox_relay.sink import Aborted
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import event_reader
 
-from .declare import Projection, _headers, decode_json
+from .decisions import live_decisions
+from .declare import Projection, _headers, decode_json, describe
 from .event import ProjectionEvent, make_event, make_token
 from .guard import Abandoned, Guard, TimedOut, Walk
 from .sink import outside_writes_error
@@ -88,7 +89,8 @@ def lane_buckets(lane: int) -> tuple[int, int]:
 
 
 class SliceFailed(Exception):
-    """A slice did not land (rolled back): the relay phase takes over from the last one that did."""
+    """A slice did not land (rolled back): the relay phase takes over from the last one that did. Its
+    message says why as an operator reads it (a handler's error as ``KeyError: 'customer'``)."""
 
 
 class Lost(Exception):
@@ -205,6 +207,7 @@ class BulkPhase:
         self.projection = projection
         self.dsn = dsn
         self.sink = sink
+        self.live = projection.name  # whose dead letters the slices keep (decisions.py)
         self.shadow = shadow
         self.started_at = started_at
         self.slice_size = slice_size
@@ -428,7 +431,8 @@ class BulkPhase:
 
     def _apply(self, conn: psycopg.Connection[Any], w: Walk, events: Sequence[Delivered]) -> None:
         """The slice's walk, fast and pipelined as a relay batch's first run; any failure fails the slice."""
-        batch = Batch(self.projection, events, FENCES, replay=True, name=self.sink)
+        batch = Batch(self.projection, events, FENCES, replay=True, name=self.sink,
+                      decided=live_decisions(conn, self.live, events))
         steps = walk(batch, careful=False, pipelined=True, begin=self._begin)
         try:
             with conn.pipeline():
@@ -440,11 +444,15 @@ class BulkPhase:
                 raise
             raise SliceFailed("a statement failed") from None
         except Redo as exc:
-            raise SliceFailed(str(exc.__cause__ or "a handler failed")) from exc
+            cause = exc.__cause__
+            raise SliceFailed(describe(cause) if cause is not None else "a handler failed") from exc
         except Exception as exc:
-            raise SliceFailed(str(exc)) from exc
-        failed = next((f for f in batch.outcomes.values() if f is not None), None)
-        if failed is not None:  # an event decided without its handler (not preparable, an unknown type)
+            raise SliceFailed(describe(exc)) from exc
+        # An event decided without its handler (not preparable, an unknown type, held for live processing:
+        # the relay phase parks it) fails the slice; one dead-lettered live is dead here too (below).
+        failed = next((f for i, f in batch.outcomes.items()
+                       if f is not None and (f.retriable or i not in batch.decided)), None)
+        if failed is not None:
             raise SliceFailed(failed.error)
         rows = conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self.shadow}).fetchall()
         if rows:
@@ -454,6 +462,9 @@ class BulkPhase:
             if current is None or current[6] != self.started_at:
                 raise Lost()
             raise outside_writes_error(self.projection, self.shadow, [r[0] for r in rows])
+        dead = [i for i, f in batch.decided.items() if not f.retriable]
+        if dead:  # dead-lettered live: dead for the rebuild too, never applied (decisions.py)
+            conn.execute(query("rebuild", "bulk_dead_letters"), {"sink": self.sink, "live": self.live, "ids": dead})
 
     def _hand_over(self, lane: tuple[int, int], cursor: Cursor, exc: BaseException) -> None:
         """End the lane's phase where its last slice left its cursors (bump their fences): the relay phase
@@ -461,7 +472,7 @@ class BulkPhase:
         (see the module docstring)."""
         self._handed = True
         reason = (f"a handler did not return within {exc.seconds:g}s" if isinstance(exc, TimedOut)
-                  else f"{type(exc.__cause__ or exc).__name__}: {exc}")
+                  else str(exc) if isinstance(exc, SliceFailed) else describe(exc))
         log.info("rebuild %s: a slice of lane %d-%d of the bulk phase failed (%s); the relay phase takes over "
                  "that lane's buckets from its last slice", self.projection.name, lane[0], lane[1] - 1,
                  reason[:300])

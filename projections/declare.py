@@ -7,7 +7,6 @@ in one process never collide. A ``Registry`` (explicit, or gathered from a modul
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import json.decoder
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from outbox_relay.dsn import describe_error
 from outbox_relay.errors import ConfigurationError
+from outbox_relay.loader import import_module
 from outbox_relay.sink import Failure
 from outbox_relay.store import EventFilter, StoredEvent
 from outbox_relay.upcast import UpcastError, Upcasters
@@ -262,10 +262,7 @@ def load_registry(spec: str) -> Registry:
     A bare module contributes every Registry and every Projection at its top level.
     """
     module_name, _, attribute = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import projections module {module_name!r}: {exc}") from None
+    module = import_module(module_name, f"--projections {spec}")
     if attribute:
         try:
             target = getattr(module, attribute)

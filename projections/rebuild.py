@@ -12,7 +12,8 @@
    rebuild has applied every event the live projection did (the relay phase still runs meanwhile;
    otherwise readers could lose an event they saw), move the live tables out and the
    copies in (grants and owner carried over), give the live projection the rebuild's cursors,
-   parked events and dead letters, bump its fences (relays holding its buckets are fenced out
+   its parked events and dead letters merged with the live ones (decisions.py: what live
+   processing decided stays decided, G12), bump its fences (relays holding its buckets are fenced out
    and their open batches roll back), drop the rebuild's sink. Live processing goes on from
    there; events that arrived during the rebuild are applied once, to the new tables.
 
@@ -51,6 +52,7 @@ from outbox_relay.store import StoredEvent, event_reader
 from outbox_relay.worker import Worker
 
 from .bulk import LANES, BulkPhase
+from .decisions import WaitingKey, follow_live, keep_live_decisions, waiting_keys
 from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, reserved_schema
 from .sink import ProjectionSink
 from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, adrive, drive, walk
@@ -104,6 +106,19 @@ class RebuildResult:
     events: int  # events the rebuild replayed (this run and, when resumed, earlier ones)
     seconds: float  # this run
     resumed: bool
+    # After the switch: keys that still wait (a failing head, or a pause), and what live processing had
+    # decided that the new model could not keep (said before the swap, too, in the log).
+    waiting: tuple[WaitingKey, ...] = ()
+    dropped: tuple[str, ...] = ()
+
+    @property
+    def failing(self) -> tuple[WaitingKey, ...]:
+        return tuple(w for w in self.waiting if not w.paused)
+
+    @property
+    def clean(self) -> bool:
+        """The new model is what live processing reached, with no key of it still failing."""
+        return not self.failing and not self.dropped
 
 
 class Rebuild:
@@ -150,6 +165,9 @@ class Rebuild:
         self._started_at: datetime | None = None
         self._tables: list[LiveTable] = []
         self._copies: list[int | None] = []
+        # What the switch found (set by _switch_once, in its transaction).
+        self._waiting: list[WaitingKey] = []
+        self._dropped: list[str] = []
 
     def stop(self) -> None:
         """Stop replaying (from another thread or a signal handler); ``run`` returns None, resumable."""
@@ -162,6 +180,8 @@ class Rebuild:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             check_schema(conn)
             tables, resumed = self._start(conn)
+            if not self.accept_partial and (not resumed or self._unchecked(conn)):
+                self._check_retained(conn)
             total = self._total(conn)
         log.info("rebuild %s: %s, %d events to replay into %s", self.projection.name,
                  "resumed" if resumed else "started", total, self.shadow)
@@ -175,14 +195,13 @@ class Rebuild:
             # nothing to do (and a start, a count and a drain cost a second or two): switched over without it.
             bulk = "switched"
         if bulk == "switched":
-            ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
-                f"switched over ({total:,} events replayed)")
-            return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
+            return self._switched(total, time.monotonic() - started, resumed)
         while True:
             sink = ProjectionSink(self.projection, self.dsn, name=self.sink,
                                   lease_seconds=self.settings.lease_seconds, replay=True, shadow_schema=self.shadow,
                                   application_name=application_name(worker_id),
-                                  handler_timeout_seconds=self.settings.handler_timeout_seconds)
+                                  handler_timeout_seconds=self.settings.handler_timeout_seconds,
+                                  follows=self.live_sink)
             worker = Worker(self.settings.model_copy(update={
                 "worker_id": worker_id, "kafka": False, "projection": [], "batch_size": self.batch_size}),
                 sinks=[sink])
@@ -203,9 +222,17 @@ class Rebuild:
         if outcome == "stopped":
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
+        return self._switched(total, time.monotonic() - started, resumed)
+
+    def _switched(self, total: int, seconds: float, resumed: bool) -> RebuildResult:
+        result = RebuildResult(self.projection.name, total, seconds, resumed, tuple(self._waiting),
+                               tuple(self._dropped))
+        failing = result.failing
         ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
-            f"switched over ({total:,} events replayed)")
-        return RebuildResult(self.projection.name, total, time.monotonic() - started, resumed)
+            f"switched over ({total:,} events replayed)" + (f"; {len(failing)} keys still fail" if failing else ""))
+        for w in failing:
+            log.warning("rebuild %s: switched over, but %s", self.projection.name, w.describe())
+        return result
 
     def cancel(self) -> bool:
         """Abandon a rebuild in progress: drop its shadow tables and its sink. False if none."""
@@ -280,9 +307,7 @@ class Rebuild:
         """Refuse a start past stored history before anything is created: from there the rebuild would
         replay nothing, swap in an empty model and park the live projection's cursors there (past every
         transaction id there is, for good if far enough). Refuse a start from history that retention
-        has removed part of, unless a partial model is accepted."""
-        if not self.accept_partial:
-            self._check_history(conn)
+        has removed part of is refused later, once the rebuild holds retention back (``_check_retained``)."""
         if self.from_position is None and self.from_time is None:
             return
         row = conn.execute(query("rebuild", "history_bounds")).fetchone()
@@ -309,6 +334,36 @@ class Rebuild:
                 f"--from-time {self.from_time.isoformat()}: no event was stored at or after it (the newest "
                 f"was stored {newest.isoformat() if newest else 'never'}): a rebuild from there replays nothing "
                 "and swaps in an empty model; nothing was changed")
+
+    def _unchecked(self, conn: psycopg.Connection[Any]) -> bool:
+        """A resumed rebuild that never got past its history check (it counts its events after it)."""
+        row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
+        return row is not None and row[5] is None
+
+    def _check_retained(self, conn: psycopg.Connection[Any]) -> None:
+        """Refuse a rebuild whose history retention removed part of, once its own sink holds retention back.
+
+        The check comes after the start committed the rebuild's sink: a removal that looks after that sees
+        its cursors, which hold every leaf it has still to replay (partition_hold_v1), and one that looked
+        before locks its leaf and looks again (0020). The read here waits for a removal that holds a leaf
+        to commit, so the check sees what it removed. Before, the check ran first, in the start's
+        transaction, whose sink nothing saw until it committed (a start waiting on the projection's table
+        widened that window): a leaf dropped in between was replayed without, and status said complete.
+        A refused rebuild is undone: the live model and projection are as they were."""
+        for attempt in range(1, SWITCH_TRIES + 1):
+            try:
+                with conn.transaction():
+                    conn.execute(query("rebuild", "wait_for_retention"))
+                    self._check_history(conn)
+                return
+            except psycopg.errors.DeadlockDetected:
+                # A removal of a leaf this rebuild does not hold locks its leaf, then the parent table: the
+                # read here locks them the other way round. The removal goes on; look again after it.
+                if attempt == SWITCH_TRIES:
+                    raise
+            except RebuildError:
+                self.cancel()
+                raise
 
     def _check_history(self, conn: psycopg.Connection[Any]) -> None:
         """A rebuild is never silently partial: refuse when retention removed events its projection
@@ -531,9 +586,12 @@ class Rebuild:
             conn.execute(query("rebuild", "lock_cursors"), names)
             conn.execute(query("rebuild", "adopt_cursors"), names)
             conn.execute(query("rebuild", "adopt_history"), names)
-            conn.execute(query("rebuild", "drop_parked_and_dead"), names)
+            self._dropped = keep_live_decisions(conn, self.live_sink, self.sink)
+            for line in self._dropped:  # said before the swap commits
+                log.warning("rebuild %s: %s", self.projection.name, line)
             conn.execute(query("rebuild", "adopt_parked"), names)
             conn.execute(query("rebuild", "adopt_dead_letters"), names)
+            self._waiting = waiting_keys(conn, self.live_sink)
             retired = sql.Identifier(self.retired)
             conn.execute(_template("drop_schema", schema=retired))  # what an earlier --keep-old kept
             conn.execute(_template("create_schema", schema=retired))
@@ -557,6 +615,9 @@ class Rebuild:
         while True:
             row = conn.execute(query("rebuild", "behind_live"), params).fetchone()
             behind = int(row[0]) if row else 0
+            if worker is not None:
+                with psycopg.connect(self.dsn, autocommit=True) as other:  # these rows must stay unlocked here
+                    behind += follow_live(other, self.live_sink, self.sink)
             if behind == 0:
                 if worker is None:
                     return True

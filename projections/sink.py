@@ -41,6 +41,7 @@ from outbox_relay.sink import Aborted, AsyncConn, Commit, Failure
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import Conn, EventFilter, StoredEvent
 
+from .decisions import alive_decisions, live_decisions
 from .declare import Projection
 from .guard import Abandoned, Guard, TimedOut, Walk
 from .walk import Batch, Redo, adrive, drive, max_runs, redo_known, walk
@@ -94,8 +95,9 @@ class ProjectionSink:
     def __init__(self, projection: Projection, dsn: str, *, lease_seconds: float = 30.0, name: str | None = None,
                  replay: bool = False, shadow_schema: str | None = None,
                  application_name: str | None = None, handler_timeout_seconds: float = 30.0,
-                 batch_size: int | None = None) -> None:
+                 batch_size: int | None = None, follows: str | None = None) -> None:
         self.projection = projection
+        self._follows = follows  # a rebuild's: the live projection whose dead letters its replay keeps
         self.batch_size = batch_size  # events per read of this sink (None: the relay's --batch-size)
         self.name = name or projection.name
         self.replay = replay
@@ -196,6 +198,8 @@ class ProjectionSink:
         handler = self.observer.handler(self.name, self.projection.handler)  # tracing hook
         steps = walk(batch, careful=known is not None, pipelined=known is None, begin=self._begin, abort=abort)
         with conn.transaction():  # BEGIN READ WRITE (the session's default is read-only)
+            if self._follows is not None:
+                batch.decided = live_decisions(conn, self._follows, events)
             if known is None:
                 try:
                     with conn.pipeline():
@@ -259,6 +263,8 @@ class ProjectionSink:
         handler = self.observer.handler(self.name, self.projection.handler)  # tracing hook
         steps = walk(batch, careful=known is not None, begin=self._begin, abort=abort)
         async with conn.transaction():
+            if self._follows is not None:
+                batch.decided = await alive_decisions(conn, self._follows, events)
             await adrive(steps, conn, handler, run.calling)
             if self._shadow is not None:
                 cur = await conn.execute(query("projections", "writes_outside_shadow"), {"shadow": self._shadow})

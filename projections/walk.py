@@ -155,6 +155,8 @@ class Batch:
     fences: Mapping[int, int]  # bucket -> fence (the tokens' first part)
     replay: bool = False
     known: Mapping[Any, Failure] = field(default_factory=dict)  # pinned by an earlier run: not called again
+    # Decided before any run, never called: a rebuild follows what live processing decided (decisions.py).
+    decided: Mapping[Any, Failure] = field(default_factory=dict)
     name: str = ""
     outcomes: Outcomes = field(default_factory=dict)
     errors: dict[Any, Exception] = field(default_factory=dict)  # what the handler raised, per event
@@ -166,6 +168,7 @@ class Batch:
     def todo(self, abort: threading.Event) -> Iterator[tuple[Delivered, ProjectionEvent[Any]]]:
         """The events for the handler; the walk records each before asking for the next."""
         known = self.known or None  # most runs pin nothing: no lookup (a uuid's hash) per event
+        decided = self.decided or None
         for i, e in enumerate(self.events):
             if i % ABORT_CHECK_EVERY == 0 and abort.is_set():
                 raise Aborted()
@@ -173,6 +176,8 @@ class Batch:
                 self.waiting += 1
                 continue
             pinned = known.get(e.id) if known is not None else None
+            if pinned is None and decided is not None:
+                pinned = decided.get(e.id)
             prepared = pinned or self._prepare(e)
             if isinstance(prepared, ProjectionEvent):
                 yield e, prepared

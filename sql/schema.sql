@@ -118,7 +118,10 @@ CREATE TABLE outbox.partitions (
     xid_to      xid8,
     created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
     created_xid xid8        NOT NULL DEFAULT pg_current_xact_id(),  -- sizes the next range (xid rate)
-    CONSTRAINT partitions_pkey PRIMARY KEY (name)
+    CONSTRAINT partitions_pkey PRIMARY KEY (name),
+    -- 0019: when retention first saw its range closed (NULL: not yet; '-infinity': closed before 0019).
+    -- Its keep counts from the later of this and its newest event (created_at: the transaction's start).
+    closed_at   timestamptz
 );
 
 CREATE TABLE outbox.events_default PARTITION OF outbox.events DEFAULT;
@@ -175,12 +178,18 @@ CREATE TABLE outbox.cursors (
     target           pg_snapshot,
     after_xid        xid8,
     after_seq        bigint,
+    -- 0021: the operator action that last bumped fence while the owner kept its lease (its log says so).
+    fenced_by        text,
     CONSTRAINT cursors_pkey PRIMARY KEY (sink, bucket),
     CONSTRAINT cursors_sink_fkey FOREIGN KEY (sink) REFERENCES outbox.sinks (name) ON DELETE CASCADE
 ) WITH (fillfactor = 50);
 
 -- Retention: the cursors of an event's bucket over all sinks (0004). bucket never changes, so
 -- the cursors' updates stay HOT.
+COMMENT ON COLUMN outbox.cursors.fenced_by IS
+    'the operator action that last bumped fence while the owner kept its lease (keys skip, a rebuild''s '
+    'switch-over); cleared when a relay acquires the lease';
+
 CREATE INDEX cursors_bucket ON outbox.cursors (bucket);
 
 -- Events of keys whose head failed: the head waits for its retry, the events behind
@@ -223,6 +232,8 @@ CREATE TABLE outbox.dead_letters (
 );
 
 CREATE INDEX dead_letters_key ON outbox.dead_letters (sink, partition_key);
+-- 0020: a rebuild's look-up of the live projection's dead letters by a batch's transaction id range.
+CREATE INDEX dead_letters_sink_position ON outbox.dead_letters (sink, xid, seq);
 CREATE INDEX dead_letters_position ON outbox.dead_letters (bucket, xid, seq);
 
 -- 0008_paused_keys: keys an operator holds for one sink (outbox-relay keys pause); the relay parks
@@ -337,27 +348,12 @@ CREATE FUNCTION outbox.header_name_key_v1(name text) RETURNS text
         '', 'g')), '-', '_');
 
 -- 0014_partitioned_history (see the migration).
--- Record an idempotency key for an event being inserted; false: the key stands for an event already
--- (committed, or earlier in this transaction). As the schema's owner, so that producers need no
--- INSERT on outbox.idempotency_keys (they may read it: publish tells a retry from a reuse).
-CREATE FUNCTION outbox.claim_idempotency_key_v1(scope text, key text, event_id uuid, fingerprint bytea, xid xid8)
-    RETURNS boolean
-    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    INSERT INTO outbox.idempotency_keys AS k (scope, key, event_id, fingerprint, xid)
-    VALUES (claim_idempotency_key_v1.scope, claim_idempotency_key_v1.key, claim_idempotency_key_v1.event_id,
-            claim_idempotency_key_v1.fingerprint, claim_idempotency_key_v1.xid)
-    ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING;
-    RETURN FOUND;
-END
-$$;
-
 -- Refuse an event the relays could not position, keep, or deliver; fingerprint an idempotent event
 -- and record its key, skipping the row (NULL) when the key already stands for an event: the outcome
 -- ON CONFLICT DO NOTHING gave on the unique index that 0014 replaced. 0018 (v4): and an occurred_at
 -- outside 0001-01-02..9999-12-30 UTC. Otherwise check_event_v2.
 CREATE FUNCTION outbox.check_event_v4() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     name  text;
     value jsonb;
@@ -405,9 +401,12 @@ BEGIN
     END IF;
     IF NEW.idempotency_key IS NOT NULL THEN
         NEW.idempotency_fingerprint := outbox.fingerprint_v1(NEW.type, NEW.partition_key, NEW.payload);
-        -- Waits for a concurrent transaction holding the same key; skips the row once it committed.
-        IF NOT outbox.claim_idempotency_key_v1(coalesce(NEW.topic, ''), NEW.idempotency_key, NEW.id,
-                                                NEW.idempotency_fingerprint, NEW.xid) THEN
+        -- Waits for a concurrent transaction holding the same key; skips the row once it committed. 0019:
+        -- here, as the schema's owner, for the row being inserted (no function takes a key from a caller).
+        INSERT INTO outbox.idempotency_keys AS k (scope, key, event_id, fingerprint, xid)
+        VALUES (coalesce(NEW.topic, ''), NEW.idempotency_key, NEW.id, NEW.idempotency_fingerprint, NEW.xid)
+        ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING;
+        IF NOT FOUND THEN
             RETURN NULL;
         END IF;
     ELSE
@@ -454,7 +453,11 @@ CREATE TABLE outbox.housekeeping (
     run_by      text,
     started_at  timestamptz NOT NULL DEFAULT '-infinity',
     finished_at timestamptz NOT NULL DEFAULT '-infinity',
-    CONSTRAINT housekeeping_pkey PRIMARY KEY (singleton)
+    CONSTRAINT housekeeping_pkey PRIMARY KEY (singleton),
+    -- 0019: the default class's keep, stored by every pass from its relay's --retention-seconds: all that
+    -- retention goes by (retire_partition_v1 and partition_hold_v1 keep at least this, whatever they are passed).
+    default_keep interval   NOT NULL DEFAULT interval '604800 seconds'
+                 CONSTRAINT housekeeping_default_keep_valid CHECK (default_keep >= interval '0')
 );
 INSERT INTO outbox.housekeeping DEFAULT VALUES;
 
@@ -524,7 +527,7 @@ BEGIN
         RETURN;
     END IF;
     LOOP
-        -- 0023: while the server's snapshot is the one of the last look, no transaction with an id has
+        -- 0022: while the server's snapshot is the one of the last look, no transaction with an id has
         -- ended since (a commit moves xmax or leaves xip), so nothing can have committed events: the
         -- scans are skipped and an idle look is this comparison alone.
         IF pg_current_snapshot()::text <> since::text THEN
@@ -753,6 +756,10 @@ CREATE FUNCTION outbox.partition_oldest_v1(leaf text) RETURNS timestamptz
 DECLARE
     oldest timestamptz;
 BEGIN
+    -- 0019: a leaf of outbox.events only, not any table the caller names.
+    IF NOT EXISTS (SELECT FROM outbox.partitions p WHERE p.name = leaf) THEN
+        RETURN NULL;
+    END IF;
     EXECUTE format('SELECT min(created_at) FROM outbox.%I', leaf) INTO oldest;
     RETURN oldest;
 END
@@ -836,13 +843,25 @@ BEGIN
         END IF;
         RETURN NULL;
     END IF;
-    k := outbox.class_keep_v1(p.class, default_keep);
+    -- 0019: the default class keeps what housekeeping stored (the relay's --retention-seconds); a caller
+    -- may only ask for longer.
+    k := outbox.class_keep_v1(p.class, greatest(default_keep, (SELECT h.default_keep FROM outbox.housekeeping h)));
     IF k.forever THEN
         RETURN format('retention class %s keeps history for good', coalesce(p.class, '(all classes)'));
     END IF;
     IF newest >= clock_timestamp() - k.keep THEN
         RETURN format('within retention (class %s keeps %s; newest event %s)',
                       coalesce(p.class, '(all classes)'), k.keep, newest);
+    END IF;
+    -- 0019: and from when its range closed (retire_partition_v1 records it): a long transaction's events
+    -- carry its start, so they would otherwise go as soon as they are delivered.
+    IF p.range_name IS NOT NULL AND k.keep > interval '0' THEN
+        IF p.closed_at IS NULL AND outbox.range_open_v1(p.xid_from, p.xid_to) THEN
+            RETURN 'still being written';
+        ELSIF coalesce(p.closed_at, clock_timestamp()) >= clock_timestamp() - k.keep THEN
+            RETURN format('within retention (class %s keeps %s; its range closed %s)', p.class, k.keep,
+                          coalesce(p.closed_at::text, 'just now'));
+        END IF;
     END IF;
     IF p.range_name IS NOT NULL THEN
         lo := p.xid_from;
@@ -910,11 +929,19 @@ DECLARE
     bottom  xid8;
     top     xid8;
 BEGIN
+    -- 0019: never less than what housekeeping stored (a caller may only keep longer).
+    default_keep := greatest(default_keep, (SELECT h.default_keep FROM outbox.housekeeping h));
     FOR p IN SELECT * FROM outbox.partitions ORDER BY xid_from NULLS FIRST, name LOOP
         -- Cheap exits first, so that a pass costs little however long history is: ranges from the first
         -- one still being written on are all open; a class kept for good is never looked into.
         IF p.range_name IS NOT NULL AND outbox.range_open_v1(p.xid_from, p.xid_to) THEN
             EXIT;
+        END IF;
+        -- 0019: when its range was first seen closed (about when the last transaction that wrote to it ended):
+        -- retention counts from then too, since an event's created_at is its transaction's start.
+        IF p.range_name IS NOT NULL AND p.closed_at IS NULL THEN
+            UPDATE outbox.partitions SET closed_at = clock_timestamp() WHERE range_name = p.range_name AND closed_at IS NULL;
+            p.closed_at := clock_timestamp();
         END IF;
         IF p.range_name IS NOT NULL AND (outbox.class_keep_v1(p.class, default_keep)).forever THEN
             CONTINUE;
@@ -922,12 +949,13 @@ BEGIN
         IF outbox.partition_hold_v1(p.name, default_keep) IS NOT NULL THEN
             CONTINUE;
         END IF;
-        IF p.range_name IS NULL THEN
-            -- A mixed leaf may still receive events: hold them off, then look again.
-            EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', p.name);
-            IF outbox.partition_hold_v1(p.name, default_keep) IS NOT NULL THEN
-                CONTINUE;
-            END IF;
+        -- Lock the leaf, then look again (0020): a mixed leaf may still receive events, and a sink registered
+        -- since the first look (a rebuild's start) holds any leaf. A rebuild checks what history exists only
+        -- once its registration committed and no removal holds a leaf (Rebuild._check_retained), so a leaf it
+        -- needs either went before that check, which then sees it gone, or stays.
+        EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', p.name);
+        IF outbox.partition_hold_v1(p.name, default_keep) IS NOT NULL THEN
+            CONTINUE;
         END IF;
         -- Apart, so that the bounds are index probes and the count an index-only scan (together: a
         -- sequential scan of the partition).
@@ -990,8 +1018,25 @@ BEGIN
 END
 $$;
 
+-- 0019: retire the oldest leaf that may go, by the stored keep (outbox.housekeeping.default_keep) and the
+-- classes, with no argument: the relays' call. As the schema's owner; relays only (outbox_relay/privileges.py).
+CREATE FUNCTION outbox.retire_partition_v2(OUT leaf text, OUT removed bigint, OUT newest timestamptz)
+    RETURNS SETOF record
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN QUERY SELECT r.leaf, r.removed, r.newest FROM outbox.retire_partition_v1(NULL) r;
+END
+$$;
+
 -- The first range, from now on.
 SELECT outbox.add_partition_v1(1000000, 86400);
+
+-- 0019_privileges: nothing in the schema is open to PUBLIC (migrate repeats this after every run); the
+-- documented roles' grants are in outbox_relay/privileges.py (docs/operations.md).
+REVOKE ALL ON SCHEMA outbox FROM PUBLIC;
+REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
 
 -- The migrations this snapshot contains.
 INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
@@ -1013,4 +1058,7 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (16, 'lapse_check_pruned', NULL),
     (17, 'position_order_index', NULL),
     (18, 'occurred_at_range', NULL),
-    (23, 'idle_watch', NULL);
+    (19, 'privileges', NULL),
+    (20, 'retention_recheck', NULL),
+    (21, 'fenced_by', NULL),
+    (22, 'idle_watch', NULL);

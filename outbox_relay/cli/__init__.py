@@ -1,10 +1,6 @@
-"""``outbox-relay``: migrate, run, status, lag, dead-letters, retention, keys, sinks, rebuild, replay, dev.
+"""The ``outbox-relay`` command: every command is registered here (see DESCRIPTION for its --help)."""
 
-Every option of ``run`` is a RelaySettings field and can also come from the environment
-variable named in ``--help``.
-"""
-
-# (The docstring above is also the --help description.) Every command is registered here, in
+# Every command is registered here, in
 # build_parser (its arguments) and COMMANDS (what runs it); the commands live in one module per group:
 # operate.py (status, lag, dead-letters, retention, sinks, keys: calls of outbox_relay.admin) and relays.py (run,
 # migrate, dev, rebuild, replay); common.py holds argument types and the database connection, output.py
@@ -97,8 +93,15 @@ def version() -> str:
     return str(__version__)
 
 
+# The top-level --help: plain text (a docstring's ``markup`` showed as is), every command named.
+DESCRIPTION = """outbox-relay: migrate, run, status, lag, dead-letters, retention, keys, sinks, rebuild, replay,
+dev, inbox.
+
+Every option of `run` can also come from the environment variable its --help names (OUTBOX_*)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outbox-relay", description=__doc__, formatter_class=_HelpFormatter)
+    parser = argparse.ArgumentParser(prog="outbox-relay", description=DESCRIPTION, formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     _global_options(parser, lambda value: value)
     # The same options after the command (`outbox-relay status --log-level debug`); SUPPRESS keeps a

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import logging
 import signal
 import sys
@@ -16,6 +15,7 @@ from typing import Any
 
 from ..dsn import describe, redact
 from ..errors import ConfigurationError, WorkerIdInUse
+from ..loader import import_module
 from ..migrate import migrate
 from ..settings import RelaySettings, env_var, flag
 from ..sink import Aborted
@@ -194,6 +194,14 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     _say(f"rebuilt {projection.name!r}: {result.events} events in {result.seconds:.1f}s"
           + (" (resumed)" if result.resumed else ""))
+    for line in result.dropped:
+        _say(f"not kept: {line}", file=sys.stderr)
+    for w in result.waiting:
+        _say(("waits: " if w.paused else "still failing: ") + w.describe(), file=sys.stderr)
+    if not result.clean:
+        _say(f"rebuild of {projection.name!r} switched over but is not clean: see above (`outbox-relay keys show "
+             "KEY`, `keys skip`, `dead-letters list`)", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -263,8 +271,8 @@ def _upcasters(ref: str | None) -> Any:
     if not module or not attr:
         raise ConfigurationError(f"--upcasters {ref!r}: expected MODULE:ATTR (e.g. myapp.events:upcasters)")
     try:
-        found = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
+        found = getattr(import_module(module, f"--upcasters {ref}"), attr)
+    except AttributeError as exc:
         raise ConfigurationError(f"--upcasters {ref!r}: {exc}") from None
     if not isinstance(found, Upcasters):
         raise ConfigurationError(f"--upcasters {ref!r} is a {type(found).__name__}, not an "

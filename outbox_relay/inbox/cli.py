@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib
 import json
 import signal
 import sys
@@ -19,10 +18,12 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from ..errors import ConfigurationError
+from ..loader import import_module
+from ..settings import default_text
 from . import admin
 from .consumer import InboxConsumer
 from .schema import check_inbox_schema, connect, migrate_inbox
-from .settings import ENV_PREFIX, InboxSettings, env_var, load_inbox_settings
+from .settings import ENV_PREFIX, InboxSettings, env_var, env_vars, load_inbox_settings
 from .store import Handler
 
 EXIT_OK = 0
@@ -92,7 +93,7 @@ def _consumer(p: argparse.ArgumentParser) -> None:
 
 
 def _setting(p: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
-    default = "required" if field.is_required() else ("host-pid" if name == "member_id" else field.default)
+    default = "host-pid" if name == "member_id" else default_text(name, field)
     text = f"{field.description} (default: {default}; {env_var(name)})"
     if name == "topics":
         p.add_argument("--topic", dest="topics", action="append", default=None, help=text + "; repeatable")
@@ -114,7 +115,7 @@ def _dsn_of(args: argparse.Namespace) -> str:
 
     from ..dsn import check_dsn, remember_dsn
 
-    dsn = args.dsn or os.environ.get(env_var("dsn"), "")
+    dsn = args.dsn or next((os.environ[v] for v in env_vars("dsn") if os.environ.get(v)), "")
     if not dsn.strip():
         raise ConfigurationError(f"no database given: pass --dsn or set {env_var('dsn')}")
     remember_dsn(dsn)
@@ -140,10 +141,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def load_handler(spec: str) -> Handler:
     """``MODULE:ATTR`` -> the callable, or ConfigurationError saying what is wrong with it."""
     module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import the handler's module {module_name!r}: {exc}") from None
+    module = import_module(module_name, f"--handler {spec}")
     found = getattr(module, attr, None)
     if found is None:
         raise ConfigurationError(f"module {module_name!r} has no attribute {attr!r} (--handler {spec})")

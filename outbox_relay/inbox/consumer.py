@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import threading
 import time
 from contextlib import suppress
@@ -48,8 +46,9 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, 
 
 from ..backoff import Backoff
 from ..dsn import redact
-from ..errors import LeaseLost
+from ..errors import LeaseLost, counted
 from ..sqlfiles import query
+from .incarnation import Run
 from .message import InboxMessage
 from .schema import check_inbox_schema, connect
 from .settings import InboxSettings
@@ -145,6 +144,7 @@ class InboxConsumer:
         # Partitions reassigned while a fetched batch is handled: the rest of the batch's messages of
         # them are from before (the client drops what it holds itself, not what it already returned).
         self._reassigned: set[tuple[str, int]] = set()
+        self.this_run = Run(settings.consumer, settings.member_id, settings.lease_seconds)  # its leases are its own
         # For /healthz, /readyz and the gauges (read by the metrics server's threads): written by this thread.
         self.share = 0  # partitions this process should hold, from the last membership round
         self._membership_ok_at: float | None = None  # monotonic time of the last membership round that went through
@@ -202,7 +202,7 @@ class InboxConsumer:
         self._closing = True
         if self._control is not None and not self._control.closed:
             try:
-                self._control.execute(query("inbox", "leave"), self._member())
+                self._control.execute(query("inbox", "leave"), self.this_run.params())
             except psycopg.Error as exc:
                 log.warning("could not release the leases (they lapse after %gs): %s", self.settings.lease_seconds,
                             redact(str(exc)))
@@ -247,10 +247,6 @@ class InboxConsumer:
         if not self._broker_answered:
             problems.append("the brokers did not answer the last metadata request")
         return problems
-
-    def _member(self) -> dict[str, Any]:
-        return {"consumer": self.settings.consumer, "member": self.settings.member_id,
-                "host": socket.gethostname(), "pid": os.getpid()}
 
     def _on_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError._ALL_BROKERS_DOWN:
@@ -307,11 +303,11 @@ class InboxConsumer:
         assert self._control is not None and self._kafka is not None
         s = self.settings
         try:
-            self._control.execute(query("inbox", "join"), self._member())
+            self.this_run.joined(self._control.execute(query("inbox", "join"), self.this_run.params()).fetchone())
             self._discover()
             topics = list(self.settings.topics)
             held = {(r[0], r[1]): r[2] for r in self._control.execute(query("inbox", "renew"), {
-                "consumer": s.consumer, "member": s.member_id, "topics": topics, "lease": s.lease_seconds})}
+                **self.this_run.params(), "topics": topics, "lease": s.lease_seconds})}
             for key, p in list(self.partitions.items()):
                 if held.get(key) != p.fence:
                     log.warning("lost the lease of %s/%d: another process applies it now", *key)
@@ -325,7 +321,7 @@ class InboxConsumer:
                 self._release(p)
             if len(self.partitions) < share:
                 claimed = self._control.execute(query("inbox", "claim"), {
-                    "consumer": s.consumer, "member": s.member_id, "topics": topics, "lease": s.lease_seconds,
+                    **self.this_run.params(), "topics": topics, "lease": s.lease_seconds,
                     "limit": share - len(self.partitions)}).fetchall()
                 for topic, partition, fence, next_offset, last_id, lapsed, attempt_id, attempts, error in claimed:
                     p = _Partition(topic, partition, fence, next_offset, last_id, attempt_id=attempt_id,
@@ -640,8 +636,8 @@ class InboxConsumer:
             log.warning("database unavailable: %s", redact(str(exc)))
             self._hold_for_database(p, message)  # its next turn finds the attempts spent: dead-letters it
             return
-        log.error("%s/%d@%d (id %s): %d attempts failed: moved to the inbox's dead letters: %s", message.topic,
-                  message.partition, message.offset, message.id, p.attempts, error)
+        log.error("%s/%d@%d (id %s): %s failed: moved to the inbox's dead letters: %s", message.topic,
+                  message.partition, message.offset, message.id, counted(p.attempts, "attempt"), error)
         self.stats.dead += 1
         if p.held is None:
             self._unassign(p)

@@ -15,6 +15,7 @@ import psycopg
 
 from ..dsn import redact
 from ..errors import SchemaError
+from ..privileges import close_to_public
 from ..sqlfiles import sql_dir
 
 log = logging.getLogger("outbox_relay.inbox")
@@ -57,6 +58,8 @@ def migrate_inbox(conn: psycopg.Connection[Any]) -> list[str]:
             conn.execute(text.encode())  # trusted file shipped with the package
             conn.execute("INSERT INTO outbox_inbox.schema_migrations (version, name) VALUES (%s, %s)", (version, name))
             applied.append(f"{version:04d}_{name}")
+        if applied:  # nothing open to PUBLIC, a later migration's function included
+            conn.execute(close_to_public("outbox_inbox"))
     return applied
 
 

@@ -1,27 +1,49 @@
-"""The inbox consumer's settings in one model; every field is also read from ``OUTBOX_INBOX_<FIELD>``."""
+"""The inbox consumer's settings in one model; every field is also read from ``OUTBOX_INBOX_<FIELD>``, and
+the ones the relay has too (the database, the Kafka brokers and options) from the relay's variable as well
+(``OUTBOX_DSN``, ...: the inbox's own wins)."""
 
 from __future__ import annotations
 
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from ..dsn import check_dsn, remember_dsn, remember_kafka_secrets
+from ..dsn import remember_kafka_secrets
 from ..errors import ConfigurationError
-from ..settings import MODULE_SPEC, TOPIC_NAME, default_worker_id
+from ..settings import KAFKA_OPTIONS_HELP, MODULE_SPEC, TOPIC_NAME, Dsn, KafkaOptions, default_worker_id
+from ..settings import env_var as relay_env_var
 
 ENV_PREFIX = "OUTBOX_INBOX_"
 CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}\Z")  # the members table's CHECK
+# Settings the relay has too, by the relay's name: also read from its variable, after the inbox's own.
+SHARED = {"dsn": "dsn", "bootstrap_servers": "kafka_bootstrap_servers", "kafka_config": "kafka_config"}
+
+
+def env_vars(name: str) -> list[str]:
+    """The environment variables a setting is read from, the first one set winning."""
+    own = f"{ENV_PREFIX}{name.upper()}"
+    return [own, relay_env_var(SHARED[name])] if name in SHARED else [own]
+
+
+def env_var(name: str) -> str:
+    """The variables of a setting as ``--help`` and errors name them."""
+    return " or ".join(env_vars(name))
+
+
+def _shared(name: str) -> AliasChoices:
+    return AliasChoices(*env_vars(name))
 
 
 class InboxSettings(BaseSettings):
+    # validate_by_name: InboxSettings(dsn=...) from code and the CLI; the aliases are the variables.
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
-                                      allow_inf_nan=False)
+                                      allow_inf_nan=False, validate_by_name=True, validate_by_alias=True)
 
-    dsn: SecretStr = Field(description="PostgreSQL connection string of the consuming service's database")
-    bootstrap_servers: str = Field(min_length=1, max_length=4096,
+    dsn: Dsn = Field(description="PostgreSQL connection string of the consuming service's database",
+                     validation_alias=_shared("dsn"))
+    bootstrap_servers: str = Field(min_length=1, max_length=4096, validation_alias=_shared("bootstrap_servers"),
                                    description="Kafka bootstrap servers, HOST:PORT[,...]")
     topics: Annotated[list[str], NoDecode] = Field(min_length=1, description="topics to consume (comma-separated)")
     handler: str | None = Field(None, description="the handler, MODULE:ATTR: called as handler(message, connection) "
@@ -30,7 +52,8 @@ class InboxSettings(BaseSettings):
                                                "(like a consumer group id)")
     member_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200,
                            description="unique per process")
-    kafka_config: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings (passed through)")
+    kafka_config: KafkaOptions = Field(default_factory=dict, validation_alias=_shared("kafka_config"),
+                                       description="extra librdkafka settings (passed through); " + KAFKA_OPTIONS_HELP)
     start: Literal["earliest", "latest"] = Field(
         "earliest", description="where a partition nothing was applied from yet starts")
     max_attempts: int = Field(5, ge=1, le=1000, description="handler attempts before a message goes to dead letters")
@@ -60,16 +83,6 @@ class InboxSettings(BaseSettings):
         description="serve /metrics (Prometheus), /healthz and /readyz on this port (off when unset)")
     metrics_host: str = Field("0.0.0.0", min_length=1, max_length=255,
                               description="address the metrics port listens on")
-
-    @field_validator("dsn")
-    @classmethod
-    def _dsn(cls, value: SecretStr) -> SecretStr:
-        dsn = value.get_secret_value()
-        if not dsn.strip():
-            raise ValueError(f"no database given: pass --dsn or set {ENV_PREFIX}DSN")
-        remember_dsn(dsn)
-        check_dsn(dsn)
-        return value
 
     @field_validator("topics", mode="before")
     @classmethod
@@ -131,8 +144,7 @@ def flag(name: str) -> str:
     return {"topics": "--topic", "kafka_config": "--kafka-option"}.get(name, "--" + name.replace("_", "-"))
 
 
-def env_var(name: str) -> str:
-    return f"{ENV_PREFIX}{name.upper()}"
+_ALIASES = {alias: name for name in SHARED for alias in env_vars(name)}  # a missing value's loc is its first
 
 
 def load_inbox_settings(**values: Any) -> InboxSettings:
@@ -145,8 +157,11 @@ def load_inbox_settings(**values: Any) -> InboxSettings:
         for error in exc.errors(include_input=False, include_url=False):
             message = str(error["msg"]).removeprefix("Value error, ")
             loc = [str(p) for p in error["loc"]]
-            if loc and loc[0] in InboxSettings.model_fields:
-                problems.append(f"{loc[0]} ({flag(loc[0])}, {env_var(loc[0])}): {message}")
+            name = _ALIASES.get(loc[0], loc[0]) if loc else ""
+            if name == "dsn" and error["type"] == "missing":
+                problems.append(f"no database given: pass --dsn or set {env_var('dsn')}")
+            elif name in InboxSettings.model_fields:
+                problems.append(f"{name} ({flag(name)}, {env_var(name)}): {message}")
             else:
                 problems.append(message)
         raise ConfigurationError(f"invalid inbox settings: {'; '.join(problems)}") from None

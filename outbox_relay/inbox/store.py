@@ -3,7 +3,6 @@ leases on partitions. No loop here (``consumer.py``), no argv (``cli.py``)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from psycopg.pq import TransactionStatus
 
 from ..errors import MAX_ERROR_CHARS, LeaseLost, OutboxError
 from ..sqlfiles import query
+from ..timelimit import Call, Deadline, cap_exceeded
 from .message import InboxMessage, header_lists
 
 Handler = Callable[[InboxMessage, psycopg.Connection[Any]], object]
@@ -47,79 +47,37 @@ class Lease:
     fence: int
 
 
-class _HandlerThread:
-    """One thread that runs handlers one after the other (a new thread per message cost more than the
-    handler of a single INSERT). Abandoned when a handler overruns: it ends after that handler."""
-
-    def __init__(self) -> None:
-        self._job: tuple[Handler, InboxMessage, psycopg.Connection[Any]] | None = None
-        self._ready = threading.Event()
-        self.done = threading.Event()
-        self.failure: BaseException | None = None
-        self.abandoned = False
-        threading.Thread(target=self._loop, name="inbox-handler", daemon=True).start()
-
-    def submit(self, handler: Handler, message: InboxMessage, conn: psycopg.Connection[Any]) -> None:
-        self.failure = None
-        self.done.clear()
-        self._job = (handler, message, conn)
-        self._ready.set()
-
-    def stop(self) -> None:
-        self.abandoned = True
-        self._ready.set()
-
-    def _loop(self) -> None:
-        while True:
-            self._ready.wait()
-            self._ready.clear()
-            job, self._job = self._job, None
-            if job is None:  # stopped
-                return
-            try:
-                job[0](job[1], job[2])
-            except BaseException as exc:  # handed to the waiting thread
-                self.failure = exc
-            finally:
-                self.done.set()
-            if self.abandoned:
-                return
-
-
 class TimeLimit:
-    """Runs a handler on a thread of its own and gives up waiting after ``seconds``.
+    """Runs a handler on a thread of its own and gives up waiting after ``seconds`` (timelimit.py).
 
     Python can not stop a thread: the caller's connection is closed so nothing the handler does
-    later can commit, and the thread is abandoned. ``max_abandoned`` of them stop the consumer
-    (``InboxStuck``) before threads pile up."""
+    later can commit, and the thread is abandoned. Once the process is over its cap of abandoned
+    threads (``timelimit.MAX_ABANDONED``, counted with the relay's sinks), no handler is started: the
+    consumer stops (``InboxStuck``) before threads pile up."""
 
-    def __init__(self, seconds: float, max_abandoned: int = 4) -> None:
+    def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self.max_abandoned = max_abandoned
-        self.abandoned = 0
-        self._thread: _HandlerThread | None = None
+        # One thread reused for every handler (a new thread per message cost more than the handler of
+        # a single INSERT).
+        self._deadline = Deadline("inbox-handler", seconds)
 
     def call(self, handler: Handler, message: InboxMessage, conn: psycopg.Connection[Any]) -> None:
-        if self.abandoned >= self.max_abandoned:
-            raise InboxStuck(f"{self.abandoned} handlers did not return within {self.seconds:g}s and are abandoned")
-        worker = self._thread = self._thread or _HandlerThread()
-        worker.submit(handler, message, conn)
-        if not worker.done.wait(self.seconds):
-            self.abandoned += 1
-            worker.stop()
-            self._thread = None
+        if why := cap_exceeded("handlers"):
+            raise InboxStuck(why)
+        call = Call(lambda: handler(message, conn))
+        self._deadline.start(call)
+        if self._deadline.wait(call) != "done":
+            call.abandon()  # the inbox commits on the caller's thread: nothing to race with
+            self._deadline.give_up()  # the cap is checked before the next handler starts
             with suppress(Exception):
                 conn.cancel_safe(timeout=1.0)
             conn.close()  # whatever the handler still does on it can not commit
             raise HandlerTimeout(f"the handler did not return within {self.seconds:g}s (handler_timeout_seconds); "
                                  "its transaction was rolled back")
-        if worker.failure is not None:
-            raise worker.failure
+        call.result()
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.stop()
-            self._thread = None
+        self._deadline.close()
 
 
 def _run_handler(handler: Handler, message: InboxMessage, conn: psycopg.Connection[Any],

@@ -351,7 +351,7 @@ RETURNING event_id;
 -- Before keys skip takes a head out of the park: a new fence for the key's bucket, so that an attempt
 -- of the head in flight lands nothing (its checkpoint is fenced out; the owner acquires the bucket
 -- again). The cursor row is locked before the park's rows, in the order the relay's checkpoint takes them.
-UPDATE outbox.cursors SET fence = fence + 1
+UPDATE outbox.cursors SET fence = fence + 1, fenced_by = 'keys skip'
 WHERE sink = %(sink)s AND bucket = outbox.bucket_v1(%(key)s::text)
 RETURNING fence;
 

@@ -10,9 +10,14 @@ SELECT outbox.add_partition_v1(%(min_width)s, %(seconds)s);
 -- End the range being written at the next xid and start a new one (retention classes' current topics apply from it).
 SELECT outbox.roll_partition_v1(%(min_width)s, %(seconds)s);
 
+-- name: store_default_keep
+-- The default class's keep that retention goes by (this relay's --retention-seconds), written only when it changed.
+UPDATE outbox.housekeeping SET default_keep = make_interval(secs => %(retention)s)
+WHERE default_keep IS DISTINCT FROM make_interval(secs => %(retention)s);
+
 -- name: retire_partition
--- Drop the oldest leaf of outbox.events that every sink has passed and whose class's retention has elapsed (no row: none may go).
-SELECT leaf, removed, newest FROM outbox.retire_partition_v1(make_interval(secs => %(retention)s));
+-- Drop the oldest leaf of outbox.events that every sink has passed and whose class's retention (by the stored keep) has elapsed (no row: none may go).
+SELECT leaf, removed, newest FROM outbox.retire_partition_v2();
 
 -- name: release_kept_events
 -- Drop the copies of events (0015) that no parked row or dead letter names any more, with their idempotency keys.

@@ -1,18 +1,32 @@
 -- Queries of the consumer-side inbox (outbox_relay.inbox); tables of sql/inbox/*.sql.
 
 -- name: join
--- Register (or refresh) a consumer process: its heartbeat keeps its share of the partitions.
-INSERT INTO outbox_inbox.members (consumer, member, host, pid)
-VALUES (%(consumer)s, %(member)s, %(host)s, %(pid)s)
-ON CONFLICT (consumer, member) DO UPDATE SET heartbeat_at = clock_timestamp(), host = excluded.host, pid = excluded.pid;
+-- Register (or refresh) a run of a consumer process: its heartbeat keeps its share of the partitions.
+-- Returns the run registered under this member id before when it was another one (a previous run
+-- killed or crashed, or another live process given the same id): incarnation, host, pid, seconds since
+-- it was heard from.
+WITH before AS (
+    SELECT incarnation, host, pid, extract(epoch FROM clock_timestamp() - heartbeat_at)::float8 AS silent
+    FROM outbox_inbox.members
+    WHERE consumer = %(consumer)s AND member = %(member)s
+), joined AS (
+    INSERT INTO outbox_inbox.members (consumer, member, host, pid, incarnation)
+    VALUES (%(consumer)s, %(member)s, %(host)s, %(pid)s, %(incarnation)s)
+    ON CONFLICT (consumer, member) DO UPDATE
+        SET heartbeat_at = clock_timestamp(), host = excluded.host, pid = excluded.pid,
+            incarnation = excluded.incarnation
+)
+SELECT incarnation, host, pid, silent FROM before WHERE incarnation IS DISTINCT FROM %(incarnation)s;
 
 -- name: leave
--- A consumer process that stops: its registration goes, its leases end now (not at their expiry).
+-- A run of a consumer process that stops: its registration goes, the leases it claimed end now (not at
+-- their expiry). Another run's under the same member id are left alone (they lapse: applied carefully).
 WITH gone AS (
-    DELETE FROM outbox_inbox.members WHERE consumer = %(consumer)s AND member = %(member)s
+    DELETE FROM outbox_inbox.members
+    WHERE consumer = %(consumer)s AND member = %(member)s AND incarnation = %(incarnation)s
 )
-UPDATE outbox_inbox.positions SET owner = NULL, lease_until = NULL
-WHERE consumer = %(consumer)s AND owner = %(member)s;
+UPDATE outbox_inbox.positions SET owner = NULL, lease_until = NULL, owner_incarnation = NULL
+WHERE consumer = %(consumer)s AND owner = %(member)s AND owner_incarnation = %(incarnation)s;
 
 -- name: live_members
 -- How many processes of the consumer are alive (heard from within the time to live).
@@ -26,26 +40,31 @@ SELECT %(consumer)s, t, p FROM unnest(%(topics)s::text[], %(partitions)s::int[])
 ON CONFLICT DO NOTHING;
 
 -- name: renew
--- Extend this process's leases; returns the ones it still holds (a missing one was taken over).
+-- Extend the leases this run of the process claimed; returns the ones it still holds (a missing one was
+-- taken over). Not by member id alone: a previous run's under the same id are not this run's to renew.
 UPDATE outbox_inbox.positions
 SET lease_until = clock_timestamp() + make_interval(secs => %(lease)s)
-WHERE consumer = %(consumer)s AND owner = %(member)s AND topic = ANY(%(topics)s)
+WHERE consumer = %(consumer)s AND owner = %(member)s AND owner_incarnation = %(incarnation)s
+  AND topic = ANY(%(topics)s)
 RETURNING topic, partition, fence;
 
 -- name: claim
--- Take up to `limit` partitions nobody holds (or whose lease expired), each with a new fence.
+-- Take up to `limit` partitions nobody holds (or whose lease expired), each with a new fence; and now,
+-- whatever their lease says, those of `gone`: a previous run under this member id known to be dead.
 WITH free AS (
     -- SKIP LOCKED: a row locked by an apply in flight (of a lease that lapsed) is taken next time.
     -- owner: a holder that stopped without releasing the lease (killed, crashed, cut off): lapsed.
     SELECT consumer, topic, partition, owner FROM outbox_inbox.positions
     WHERE consumer = %(consumer)s AND topic = ANY(%(topics)s)
-      AND (owner IS NULL OR lease_until IS NULL OR lease_until < clock_timestamp())
+      AND (owner IS NULL OR lease_until IS NULL OR lease_until < clock_timestamp()
+           OR (owner = %(member)s AND owner_incarnation = %(gone)s))
     ORDER BY topic, partition
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
 UPDATE outbox_inbox.positions p
-SET owner = %(member)s, fence = p.fence + 1, lease_until = clock_timestamp() + make_interval(secs => %(lease)s)
+SET owner = %(member)s, owner_incarnation = %(incarnation)s, fence = p.fence + 1,
+    lease_until = clock_timestamp() + make_interval(secs => %(lease)s)
 FROM free
 WHERE p.consumer = free.consumer AND p.topic = free.topic AND p.partition = free.partition
 RETURNING p.topic, p.partition, p.fence, p.next_offset, p.last_message_id, free.owner IS NOT NULL AS lapsed,
@@ -53,7 +72,7 @@ RETURNING p.topic, p.partition, p.fence, p.next_offset, p.last_message_id, free.
 
 -- name: release
 -- Give one partition up (more than this process's share, or stopping); only while its fence is ours.
-UPDATE outbox_inbox.positions SET owner = NULL, lease_until = NULL
+UPDATE outbox_inbox.positions SET owner = NULL, lease_until = NULL, owner_incarnation = NULL
 WHERE consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s
   AND owner = %(member)s AND fence = %(fence)s;
 
@@ -188,9 +207,36 @@ WHERE consumer = %(consumer)s AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s
 RETURNING id;
 
 -- name: positions
--- Operator: per partition of a consumer, where it stands and who holds it.
-SELECT topic, partition, next_offset, owner, lease_until > clock_timestamp() AS leased, applied, duplicates, dead,
-       updated_at
-FROM outbox_inbox.positions
-WHERE consumer = %(consumer)s
-ORDER BY topic, partition;
+-- Operator: per partition of a consumer, where it stands, who holds it and what happens to it now.
+SELECT p.topic, p.partition, p.next_offset, p.owner, p.lease_until > clock_timestamp() AS leased,
+       -- A live holder renews its lease every third of it, at its heartbeat: lease_until - heartbeat_at is
+       -- about one lease; a holder not heard from for half of it missed a round.
+       CASE WHEN p.owner IS NULL THEN 'free'
+            WHEN p.lease_until IS NULL OR p.lease_until <= clock_timestamp() THEN 'lapsed'
+            WHEN m.incarnation IS DISTINCT FROM p.owner_incarnation AND p.owner_incarnation IS NOT NULL
+                THEN 'waiting for previous run'
+            WHEN m.heartbeat_at IS NULL
+                 OR clock_timestamp() - m.heartbeat_at > (p.lease_until - m.heartbeat_at) / 2 THEN 'silent'
+            WHEN p.attempts > 0 THEN 'retrying'
+            ELSE 'consuming' END AS state,
+       CASE WHEN p.owner IS NULL THEN 'no process holds it; the next claim takes it'
+            WHEN p.lease_until IS NULL OR p.lease_until <= clock_timestamp()
+                THEN format('its holder stopped without releasing it %%ss ago; the next claim takes it and applies '
+                            'its next message alone', round(extract(epoch FROM clock_timestamp() - p.lease_until)))
+            WHEN m.incarnation IS DISTINCT FROM p.owner_incarnation AND p.owner_incarnation IS NOT NULL
+                THEN format('held by a previous run of %%s that did not release it (killed, or still running '
+                            'elsewhere with the same member id); claimable in %%ss',
+                            p.owner, ceil(extract(epoch FROM p.lease_until - clock_timestamp())))
+            WHEN m.heartbeat_at IS NULL
+                 OR clock_timestamp() - m.heartbeat_at > (p.lease_until - m.heartbeat_at) / 2
+                THEN format('its holder was not heard from for %%ss; claimable in %%ss unless it renews',
+                            round(extract(epoch FROM clock_timestamp() - coalesce(m.heartbeat_at, p.updated_at))),
+                            ceil(extract(epoch FROM p.lease_until - clock_timestamp())))
+            WHEN p.attempts > 0 THEN format('its head message is at attempt %%s (last error: %%s)', p.attempts,
+                                            left(p.last_error, 200))
+            ELSE '' END AS detail,
+       p.applied, p.duplicates, p.dead, p.updated_at
+FROM outbox_inbox.positions p
+LEFT JOIN outbox_inbox.members m ON m.consumer = p.consumer AND m.member = p.owner
+WHERE p.consumer = %(consumer)s
+ORDER BY p.topic, p.partition;

@@ -95,17 +95,20 @@ WHERE id = %(worker)s AND (%(instance)s::text IS NULL OR metadata ->> 'instance'
 -- name: acquire_leases
 -- Lease free or expired buckets of one sink, or take up again, under a new fence, one still in
 -- this worker's name (its fence was bumped, or it restarted with the same id). Each acquisition
--- bumps the fence; taking over an expired lease (or another worker's) of a bucket that had work
--- counts a lapse (crash-loop isolation).
+-- bumps the fence; taking over an expired lease (or another worker's, or one of this worker id's that
+-- this process never held: %(restarted)s, a predecessor of the same id that died) of a bucket that had
+-- work counts a lapse (crash-loop isolation).
 UPDATE outbox.cursors c
 SET owner            = %(worker)s,
     fence            = c.fence + 1,
     lapses           = c.lapses + CASE WHEN c.owner IS NOT NULL
-                                        AND (c.owner <> %(worker)s OR c.lease_expires_at < clock_timestamp())
+                                        AND (c.owner <> %(worker)s OR c.lease_expires_at < clock_timestamp()
+                                             OR c.bucket = ANY(%(restarted)s::int[]))
                                         AND outbox.bucket_has_work_v3(c.sink, c.bucket, c.snapshot, c.target,
                                                                       c.after_xid, c.after_seq)
                                        THEN 1 ELSE 0 END,
-    lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
+    lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s),
+    fenced_by        = NULL
 WHERE c.sink = %(sink)s
   AND c.bucket = ANY(%(buckets)s::int[])
   AND (c.owner IS NULL OR c.owner = %(worker)s OR c.lease_expires_at < clock_timestamp())
@@ -153,3 +156,43 @@ RETURNING c.bucket;
 -- Tell the relays that want these buckets (their next owners) that they are free now: the same
 -- channel and payload as a commit's notification, so they try at once instead of at their next poll.
 SELECT pg_notify('outbox_events_v2', %(buckets)s);
+
+-- name: why_fenced
+-- Why this worker lost buckets it thought it held: per bucket, the operator action that re-fenced it while
+-- the lease stayed in this worker's name (keys skip, a rebuild's switch-over), else NULL (a takeover, or
+-- the lease ran out).
+SELECT c.bucket, c.fenced_by
+FROM outbox.cursors c
+WHERE c.sink = %(sink)s AND c.bucket = ANY(%(buckets)s::int[])
+  AND c.owner = %(worker)s AND c.lease_expires_at >= clock_timestamp() AND c.fenced_by IS NOT NULL;
+
+-- name: vacuum_horizon
+-- The oldest transaction id that holds back vacuum of this database's tables, and for how long its
+-- transaction has been open where this role may see that (NULL otherwise; no row: nothing holds it):
+-- a session's transaction (backend_xid, any database: it is in every snapshot taken meanwhile), a
+-- snapshot (backend_xmin) of a session of this database or of a standby's walsender, a prepared
+-- transaction, or a replication slot. horizon.py counts the horizon as held when that transaction has
+-- been open for a second, or when the same id stayed the oldest between heartbeats: only then is a
+-- cursor write worth deferring (every write is a dead row version it keeps). No query text is read.
+WITH holders AS (
+    -- Sessions other than this one (its own statement has a snapshot too). xact_start is NULL for
+    -- other roles' sessions unless this role has pg_read_all_stats.
+    SELECT backend_xid AS x, xact_start AS since
+    FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND backend_xid IS NOT NULL
+    UNION ALL
+    SELECT backend_xmin, xact_start FROM pg_stat_activity
+    WHERE pid <> pg_backend_pid() AND backend_xmin IS NOT NULL
+      -- (autovacuum's VACUUM holds back no other table's pruning, and a long one is routine)
+      AND backend_type <> 'autovacuum worker'
+      AND (datname = current_database() OR backend_type = 'walsender')
+    UNION ALL
+    -- Prepared (two-phase) transactions: no session left, held until COMMIT/ROLLBACK PREPARED.
+    SELECT transaction, prepared FROM pg_prepared_xacts
+    UNION ALL
+    -- A slot's xmin (a standby's hot_standby_feedback, a logical slot being created).
+    SELECT xmin, NULL FROM pg_replication_slots WHERE xmin IS NOT NULL
+)
+SELECT x::text AS horizon, extract(epoch FROM clock_timestamp() - since)::float8 AS open_seconds
+FROM holders
+ORDER BY age(x) DESC, since
+LIMIT 1;

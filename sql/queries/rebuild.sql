@@ -69,6 +69,12 @@ SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS next_xid,
        (SELECT max(created_at) FROM outbox.events) AS newest,
        clock_timestamp() AS now;
 
+-- name: wait_for_retention
+-- A rebuild's history check comes after this read of every leaf of outbox.events (ACCESS SHARE, taken as it
+-- is planned): it waits for a removal that holds a leaf (ACCESS EXCLUSIVE, 0020) to commit, so the check
+-- sees what it removed. Reads no row.
+SELECT NULL FROM outbox.events LIMIT 0;
+
 -- name: table_blockers
 -- What a table swap can not carry over: views, incoming foreign keys, triggers, policies.
 SELECT 'view ' || v.oid::regclass::text
@@ -226,16 +232,104 @@ FOR UPDATE;
 -- (a store outside the transaction that the rebuild wrote keeps taking live writes).
 UPDATE outbox.cursors l
 SET snapshot = r.snapshot, target = r.target, after_xid = r.after_xid, after_seq = r.after_seq,
-    fence = greatest(l.fence, r.fence) + 1, lapses = 0, advanced_at = clock_timestamp()
+    fence = greatest(l.fence, r.fence) + 1, lapses = 0, advanced_at = clock_timestamp(),
+    fenced_by = 'a rebuild''s switch-over'
 FROM outbox.cursors r
 WHERE l.sink = %(live)s AND r.sink = %(rebuild)s AND r.bucket = l.bucket;
 
--- name: drop_parked_and_dead
--- Retries and dead letters of the old model are moot once the new one takes over.
-WITH parked AS (
-    DELETE FROM outbox.parked WHERE sink = %(live)s
+-- name: keep_live_decisions
+-- The switch, before the rebuild's park and dead letters take the live name: what live processing decided
+-- stays decided (G12). Returns what it drops, to be reported: ('dead' | 'parked', event, key, error).
+WITH both_dead AS (
+    -- Dead in both (the replay follows live dead letters, decisions.py): the live row stays as it is, with
+    -- its reason, attempts and time, so an operator's skip stays a skip.
+    DELETE FROM outbox.dead_letters r USING outbox.dead_letters l
+    WHERE r.sink = %(rebuild)s AND l.sink = %(live)s AND l.event_id = r.event_id
+),
+skipped_meanwhile AS (
+    -- Parked by the rebuild, dead-lettered live since (a skip while the switch waited): dead stays dead.
+    DELETE FROM outbox.parked r USING outbox.dead_letters l
+    WHERE r.sink = %(rebuild)s AND l.sink = %(live)s AND l.event_id = r.event_id
+),
+carried AS (
+    -- Parked in both: held by the replay (decisions.HELD), the live row's attempts, error and next retry
+    -- carry on; failing in both, the retries go on from the live attempts, not from scratch. The rebuild's
+    -- rows keep their order (its own park, of its own cursors).
+    UPDATE outbox.parked r
+    SET attempts = greatest(r.attempts, l.attempts),
+        last_error = CASE WHEN r.last_error = %(held)s THEN l.last_error ELSE coalesce(r.last_error, l.last_error) END,
+        available_at = CASE WHEN r.last_error = %(held)s THEN l.available_at ELSE r.available_at END
+    FROM outbox.parked l
+    WHERE r.sink = %(rebuild)s AND l.sink = %(live)s AND (l.bucket, l.xid, l.seq) = (r.bucket, r.xid, r.seq)
+      AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters d WHERE d.sink = %(live)s AND d.event_id = r.event_id)
+),
+unheld AS (
+    -- Held for a pause that live processing has not read the events of yet: they wait in the park as the
+    -- pause's (queued), under the live name from now on.
+    UPDATE outbox.parked r SET last_error = NULL
+    WHERE r.sink = %(rebuild)s AND r.last_error = %(held)s
+      AND NOT EXISTS (SELECT 1 FROM outbox.parked l
+                      WHERE l.sink = %(live)s AND (l.bucket, l.xid, l.seq) = (r.bucket, r.xid, r.seq))
+),
+moot_dead AS (
+    -- Dead-lettered live after the rebuild had applied the event: the new model holds its effect, so the
+    -- dead letter would be false (reported).
+    DELETE FROM outbox.dead_letters l
+    WHERE l.sink = %(live)s
+      AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters r WHERE r.sink = %(rebuild)s AND r.event_id = l.event_id)
+      AND NOT EXISTS (SELECT 1 FROM outbox.parked r WHERE r.sink = %(rebuild)s AND r.event_id = l.event_id)
+    RETURNING l.event_id, l.partition_key, l.last_error
+),
+live_parked AS (
+    -- The live retries: the rebuild's park replaces them (its cursors passed every event they hold:
+    -- behind_live). Those it applied are reported.
+    DELETE FROM outbox.parked l WHERE l.sink = %(live)s
+    RETURNING l.event_id, l.partition_key, l.last_error
 )
-DELETE FROM outbox.dead_letters WHERE sink = %(live)s;
+SELECT 'dead' AS kind, d.event_id, d.partition_key, d.last_error FROM moot_dead d
+UNION ALL
+SELECT 'parked', p.event_id, p.partition_key, p.last_error FROM live_parked p
+WHERE NOT EXISTS (SELECT 1 FROM outbox.parked r WHERE r.sink = %(rebuild)s AND r.event_id = p.event_id)
+  AND NOT EXISTS (SELECT 1 FROM outbox.dead_letters r WHERE r.sink = %(rebuild)s AND r.event_id = p.event_id)
+ORDER BY 3, 2;
+
+-- name: follow_live
+-- The rebuild's parked events whose live decision changed since: dead-lettered live (keys skip while the
+-- rebuild ran), or held for live processing (decisions.HELD) that live no longer holds (it applied them,
+-- or their key was resumed). Due now, so that the replay's retry follows (dead-letters or applies them) before the switch.
+WITH due AS (
+    UPDATE outbox.parked p SET available_at = clock_timestamp()
+    WHERE p.sink = %(rebuild)s
+      AND (EXISTS (SELECT 1 FROM outbox.dead_letters d WHERE d.sink = %(live)s AND d.event_id = p.event_id)
+           OR (p.last_error = %(held)s
+               AND NOT EXISTS (SELECT 1 FROM outbox.parked l
+                               WHERE l.sink = %(live)s AND (l.bucket, l.xid, l.seq) = (p.bucket, p.xid, p.seq))
+               -- still paused live and not read there yet: live will hold it too
+               AND NOT EXISTS (SELECT 1 FROM outbox.paused_keys k
+                               JOIN outbox.cursors c ON c.sink = k.sink AND c.bucket = k.bucket
+                               WHERE k.sink = %(live)s AND k.partition_key = p.partition_key
+                                 AND NOT outbox.delivered_v1(p.xid, p.seq, c.snapshot, c.target, c.after_xid,
+                                                             c.after_seq))))
+    RETURNING p.bucket
+)
+SELECT b.bucket, pg_notify('outbox_events_v2', 'parked:' || b.bucket)
+FROM (SELECT DISTINCT bucket FROM due) b;
+
+-- name: waiting_keys
+-- After the switch: the keys whose events wait in the projection's park (a head retrying, or held by a
+-- pause), with their head; what a rebuild that can not call itself clean reports.
+SELECT p.partition_key,
+       (array_agg(p.event_id ORDER BY p.place))[1] AS head,
+       (array_agg(p.attempts ORDER BY p.place))[1] AS attempts,
+       (array_agg(p.last_error ORDER BY p.place))[1] AS last_error,
+       count(*) AS parked,
+       bool_or(k.partition_key IS NOT NULL) AS paused
+FROM outbox.parked p
+LEFT JOIN outbox.paused_keys k ON k.sink = p.sink AND k.partition_key = p.partition_key
+WHERE p.sink = %(live)s
+GROUP BY p.partition_key
+ORDER BY p.partition_key
+LIMIT 100;
 
 -- name: adopt_history
 -- The new model's history began where the rebuild's did (a partial rebuild accepted moves it on).
@@ -389,3 +483,35 @@ CROSS JOIN LATERAL (
     LIMIT 1
 ) behind
 WHERE l.sink = %(live)s;
+
+-- name: live_decisions
+-- What the live projection decided about the events of a rebuild's batch, by the batch's transaction id
+-- range (projections/decisions.py): dead letters (skipped by an operator, past their attempts, not
+-- applicable), which the replay records as dead with the same reason, and parked events (retrying, queued,
+-- a paused key's) and events of a key paused live that live has not read yet, which it holds. Index range scans (dead_letters_sink_position, 0020; the park by its primary
+-- key's sink prefix: it holds what waits now, a few rows).
+SELECT d.event_id, d.last_error, false AS held
+FROM outbox.dead_letters d
+WHERE d.sink = %(live)s AND d.xid >= %(lo)s::text::xid8 AND d.xid <= %(hi)s::text::xid8
+UNION ALL
+SELECT p.event_id, NULL, true
+FROM outbox.parked p
+WHERE p.sink = %(live)s AND p.xid >= %(lo)s::text::xid8 AND p.xid <= %(hi)s::text::xid8
+UNION ALL
+-- Events of keys paused live that live processing has not read yet: it will hold them when it does.
+SELECT e.id, NULL, true
+FROM outbox.paused_keys k
+JOIN outbox.cursors c ON c.sink = k.sink AND c.bucket = k.bucket
+JOIN outbox.events e ON e.bucket = k.bucket AND e.partition_key = k.partition_key
+                    AND e.xid >= %(lo)s::text::xid8 AND e.xid <= %(hi)s::text::xid8
+WHERE k.sink = %(live)s
+  AND NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, c.after_xid, c.after_seq);
+
+-- name: bulk_dead_letters
+-- A bulk-phase slice's events that the live projection dead-lettered, dead-lettered for the rebuild too (as
+-- the relay's checkpoint records a dead letter), in the slice's transaction.
+INSERT INTO outbox.dead_letters (sink, event_id, bucket, xid, seq, partition_key, attempts, last_error)
+SELECT %(sink)s, d.event_id, d.bucket, d.xid, d.seq, d.partition_key, d.attempts, d.last_error
+FROM outbox.dead_letters d
+WHERE d.sink = %(live)s AND d.event_id = ANY(%(ids)s::uuid[])
+ON CONFLICT (sink, event_id) DO NOTHING;

@@ -180,6 +180,31 @@ def test_dev_with_a_data_dir_keeps_the_database_between_runs(tmp_path: Path, dev
     assert processes_mentioning(str(data_dir)) == []
 
 
+def test_a_second_dev_on_a_data_dir_in_use_refuses_and_leaves_the_first_running(
+        tmp_path: Path, dev_processes: list[Dev]) -> None:
+    data_dir = tmp_path / "pgdata"
+    first = Dev("--data-dir", str(data_dir))
+    dev_processes.append(first)
+    exports = first.ready()
+    second = Dev("--data-dir", str(data_dir))
+    dev_processes.append(second)
+    assert second.proc.wait(60) == 2, "\n".join(second.output)
+    second._reader.join(10)
+    said = "\n".join(second.output)
+    assert f"the data directory {data_dir} is in use by another `outbox-relay dev`" in said, said
+    assert f"pid {first.proc.pid}" in said and f"PostgreSQL: database postgres on socket {data_dir}" in said, said
+    assert exports["OUTBOX_KAFKA_BOOTSTRAP_SERVERS"] in said and "Traceback" not in said, said
+    assert "both servers" not in said, said
+    assert first.proc.poll() is None and first.lines.empty(), "\n".join(first.output)
+    with psycopg.connect(exports["OUTBOX_DSN"]) as conn:  # the first one's server is untouched
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert first.stop(signal.SIGINT, group=True) == 0, "\n".join(first.output)
+    third = Dev("--data-dir", str(data_dir))  # the lock went with the first one
+    dev_processes.append(third)
+    third.ready()
+    assert third.stop(signal.SIGTERM, group=False) == 0, "\n".join(third.output)
+
+
 def test_dev_without_the_embedded_extra_says_what_to_install(tmp_path: Path) -> None:
     # A module that is None in sys.modules can not be imported: the wheel is "missing".
     shadow = tmp_path / "sitecustomize.py"

@@ -28,8 +28,9 @@ MAX_ATTEMPTS = 2
 class Supervisor:
     """Runs one consumer process and starts a new one whenever it dies (counted in ``deaths``)."""
 
-    def __init__(self, tmp: Path, dsn: str, bootstrap: str, topic: str) -> None:
+    def __init__(self, tmp: Path, dsn: str, bootstrap: str, topic: str, member: str | None = None) -> None:
         self.tmp, self.dsn, self.bootstrap, self.topic = tmp, dsn, bootstrap, topic
+        self.member = member  # --member-id of every process (None: the default, host-pid: new each time)
         self.calls = tmp / "exit-calls"  # one line per call of the handler on an {"exit": true} message
         self.deaths = 0
         self.proc = self._start()
@@ -43,7 +44,7 @@ class Supervisor:
                  "--handler", "tests.integration.inbox_app:handle", "--topic", self.topic,
                  "--bootstrap-servers", self.bootstrap, "--lease-seconds", "1", "--verify-seconds", "3",
                  "--max-attempts", str(MAX_ATTEMPTS), "--backoff-base-seconds", "0.05",
-                 "--backoff-max-seconds", "0.1"],
+                 "--backoff-max-seconds", "0.1", *(["--member-id", self.member] if self.member else [])],
                 env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def tend(self) -> None:

@@ -158,7 +158,8 @@ def test_a_sink_that_kills_its_process_on_one_event_gets_it_dead_lettered(dsn: s
             relay.send_signal(signal.SIGTERM)
             relay.wait(30)
     [(attempts, error)] = dead()
-    assert attempts == 2 and "stopped while delivering this event alone" in str(error)
+    # Its attempts count the deaths charged to it from the first (crash-loop isolation), at least max-attempts.
+    assert 2 <= int(str(attempts)) <= restarts and "stopped while delivering this event alone" in str(error)
     got = [json.loads(line)["n"] for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     poison = [n for n in got if n < 100]
     assert list(dict.fromkeys(poison)) == [0, 1, 2, 3, 4, 6, 7, 8, 9] and 100 in got

@@ -15,8 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.faults import faults
 from tests.faults.cluster import set_lease_seconds
-from tests.faults.faults import INJECTORS
+from tests.faults.faults import DEFAULT_KINDS
 from tests.faults.run import Config, run
 
 
@@ -42,8 +43,16 @@ def parse(argv: list[str] | None = None) -> Config:
                         help="an event consumed more than this many seconds after its commit is late (default 1)")
     parser.add_argument("--max-wait", type=float, default=30.0,
                         help="longest wait for delivery to recover before the next fault (default 30)")
-    parser.add_argument("--kinds", default=",".join(INJECTORS),
-                        help=f"comma-separated fault kinds (default all: {','.join(INJECTORS)})")
+    parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
+                        help=f"comma-separated fault kinds (default: {','.join(DEFAULT_KINDS)}; relay_starve "
+                             "only through --starve)")
+    parser.add_argument("--starve", type=int, default=0, metavar="N",
+                        help="add N relay_starve faults, spread evenly: every relay runs --starve-duty of the time "
+                             "for --starve-seconds while the other faults go on (default 0)")
+    parser.add_argument("--starve-seconds", type=float, default=faults.STARVE_SECONDS,
+                        help=f"length of one starvation (default {faults.STARVE_SECONDS:g})")
+    parser.add_argument("--starve-duty", type=float, default=faults.STARVE_DUTY,
+                        help=f"fraction of the time a starved relay runs (default {faults.STARVE_DUTY:g})")
     parser.add_argument("--dsn", default=os.environ.get("OUTBOX_TEST_DSN"),
                         help="use this PostgreSQL (a superuser or CREATEDB role) instead of an embedded one; "
                              "no database restarts then [env OUTBOX_TEST_DSN]")
@@ -59,9 +68,12 @@ def parse(argv: list[str] | None = None) -> Config:
                              "overcommitted host, so relays miss renewals and lose leases (default 0)")
     args = parser.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in INJECTORS]
+    unknown = [k for k in kinds if k not in DEFAULT_KINDS]
     if unknown:
-        parser.error(f"unknown fault kinds {unknown}; known: {', '.join(INJECTORS)}")
+        parser.error(f"unknown fault kinds {unknown}; known: {', '.join(DEFAULT_KINDS)} (relay_starve: --starve)")
+    if args.starve < 0 or args.starve_seconds <= 0 or not 0.0 < args.starve_duty <= 1.0:
+        parser.error("--starve must be >= 0, --starve-seconds positive and --starve-duty in (0, 1]")
+    faults.STARVE_SECONDS, faults.STARVE_DUTY = args.starve_seconds, args.starve_duty
     if args.faults < 1 or args.seconds <= 0 or args.relays < 1 or args.rate <= 0:
         parser.error("--faults, --seconds, --relays and --rate must be positive")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 1_000_000)
@@ -77,7 +89,7 @@ def parse(argv: list[str] | None = None) -> Config:
     return Config(seconds=args.seconds, faults=args.faults, relays=args.relays, seed=seed, report=args.report,
                   json_path=args.json_path, sabotage_lose=args.sabotage_lose,
                   rate=args.rate, keys=args.keys, producers=args.producers, producer_threads=args.producer_threads,
-                  threshold=args.threshold, max_wait=args.max_wait, kinds=kinds, dsn=args.dsn,
+                  threshold=args.threshold, max_wait=args.max_wait, kinds=kinds, starve=args.starve, dsn=args.dsn,
                   workdir=args.workdir, keep=args.keep, relay_options=args.relay_option,
                   command=shlex.join(command))
 

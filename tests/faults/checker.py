@@ -24,6 +24,13 @@ outbox.events at the end of the run (retention off), ``dead`` its dead letters.
   recovery is mixed with the previous one's), and counted as overlapped. Duplicates a fault
   caused are the repeated records consumed in ``[t_f, t_next)``; its lost events are the lost ones
   it owns.
+- **Wait after a fault ends**: of the events committed before fault ``f`` ended and consumed after,
+  the longest time from its end until one arrived (the key that waited longest): how long the relays
+  took to catch up once the fault was over. A later fault that starts meanwhile is counted in, and
+  the wait is marked overlapped.
+- **Stalls**: an event that waited more than ``stall`` seconds while no fault was active (from the
+  later of its commit and the end of the last fault before it arrived), grouped into episodes that
+  overlap in time: delivery stopped with nothing injected to explain it.
 """
 
 from __future__ import annotations
@@ -73,6 +80,17 @@ class FaultResult:
     max_latency: float = 0.0
     duplicates: int = 0
     lost: int = 0
+    wait_after_end: float = 0.0  # seconds from the fault's end until the last event pending then arrived
+    # Another fault was active at some point of that wait (so the wait is not this fault's alone).
+    wait_overlapped: bool = False
+
+
+@dataclass(frozen=True)
+class Stall:
+    started: float  # epoch seconds: the earliest wait of the episode began (a commit, or a fault's end)
+    ended: float  # the last of its events arrived
+    events: int  # events that waited longer than the stall threshold in it
+    longest: float  # seconds
 
 
 @dataclass
@@ -121,10 +139,17 @@ class Result:
     latency_p50: float = 0.0  # of events owned by no fault with late events (healthy delivery)
     latency_p99: float = 0.0
     threshold: float = 1.0
+    stalls: list[Stall] = field(default_factory=list)
+    stall_threshold: float = 5.0
 
     @property
     def duplicate_rate(self) -> float:
         return self.consumed / self.distinct if self.distinct else 0.0
+
+    @property
+    def duplicates_percent(self) -> float:
+        """Extra copies as a share of the distinct events (a rate of 1.05 is 5 %)."""
+        return 100.0 * (self.consumed - self.distinct) / self.distinct if self.distinct else 0.0
 
     @property
     def passed(self) -> bool:
@@ -156,10 +181,10 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def check(committed: Iterable[Committed], dead: Iterable[DeadLetter], records: Sequence[Record],
-          faults: Sequence[Fault], *, threshold: float = 1.0) -> Result:
+          faults: Sequence[Fault], *, threshold: float = 1.0, stall: float = 5.0) -> Result:
     events = {c.event_id: c for c in committed}
     dead_by_id = {d.event_id: d for d in dead}
-    result = Result(committed=len(events), consumed=len(records), threshold=threshold)
+    result = Result(committed=len(events), consumed=len(records), threshold=threshold, stall_threshold=stall)
 
     first_seen: dict[str, float] = {}
     for r in records:
@@ -223,9 +248,57 @@ def check(committed: Iterable[Committed], dead: Iterable[DeadLetter], records: S
     result.latency_p50 = percentile(healthy, 0.50)
     result.latency_p99 = percentile(healthy, 0.99)
     result.baseline = baseline
+    _waits_after_end(results, events, first_seen)
+    result.stalls = _stalls(ordered, events, first_seen, stall)
     result.faults = results
     result.kinds = summarise(results)
     return result
+
+
+def _waits_after_end(results: Sequence[FaultResult], events: dict[str, Committed], first_seen: dict[str, float]
+                     ) -> None:
+    """Each fault's ``wait_after_end``: the latest first arrival among events committed before its end."""
+    arrivals = sorted((events[i].created_at, t) for i, t in first_seen.items() if i in events)
+    commits = [c for c, _ in arrivals]
+    latest: list[float] = []  # latest[k]: the latest arrival among the first k + 1 commits
+    for _, t in arrivals:
+        latest.append(max(t, latest[-1]) if latest else t)
+    for fr in results:
+        k = _last_at_or_before(commits, fr.fault.ended)
+        if k is not None:
+            fr.wait_after_end = max(0.0, latest[k] - fr.fault.ended)
+        end, until = fr.fault.ended, fr.fault.ended + fr.wait_after_end
+        fr.wait_overlapped = any(o.fault is not fr.fault and o.fault.started <= until and o.fault.ended > end
+                                 for o in results)
+
+
+def _stalls(faults: Sequence[Fault], events: dict[str, Committed], first_seen: dict[str, float], stall: float
+            ) -> list[Stall]:
+    """Episodes of events that waited over ``stall`` seconds with no fault active (``faults`` by start)."""
+    starts = [f.started for f in faults]
+    ended_by: list[float] = []  # ended_by[k]: the latest end among the first k + 1 faults
+    for f in faults:
+        ended_by.append(max(f.ended, ended_by[-1]) if ended_by else f.ended)
+    waits: list[tuple[float, float]] = []
+    for event_id, t in first_seen.items():
+        c = events.get(event_id)
+        if c is None:
+            continue
+        k = _last_at_or_before(starts, t)
+        last_end = ended_by[k] if k is not None else float("-inf")
+        if last_end > t:
+            continue  # a fault was active when it arrived
+        since = max(c.created_at, last_end)
+        if t - since > stall:
+            waits.append((since, t))
+    out: list[Stall] = []
+    for since, t in sorted(waits):
+        if out and since <= out[-1].ended:
+            last = out[-1]
+            out[-1] = Stall(last.started, max(last.ended, t), last.events + 1, max(last.longest, t - since))
+        else:
+            out.append(Stall(since, t, 1, t - since))
+    return out
 
 
 def summarise(results: Sequence[FaultResult]) -> list[KindSummary]:

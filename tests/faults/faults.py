@@ -17,6 +17,10 @@ seeded ``random.Random``, so a seed replays the same sequence of faults.
 | kafka_cut | abort every relay connection to the broker at the proxy |
 | kafka_stall | stop forwarding relay <-> broker for 1-5 s |
 | backend_kill | pg_terminate_backend of every relay backend (application_name outbox-relay...) |
+| relay_starve | every relay runs only `STARVE_DUTY` of the time (SIGSTOP/SIGCONT in 100-200 ms periods) for |
+|  | `STARVE_SECONDS`, in the background: the next faults are injected meanwhile (tests/faults/starve.py) |
+
+relay_starve is not among the default kinds (one lasts 30 s; `--starve N` adds N of them to the plan).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,11 +47,15 @@ from tests.faults.cluster import (
 )
 from tests.faults.proxy import Proxy
 from tests.faults.recorder import Recorder
+from tests.faults.starve import Starver
 
 log = logging.getLogger("tests.faults")
 
 # Requests already past the proxy when it stalls reach the broker within this time.
 IN_FLIGHT_SETTLE = 0.3
+# relay_starve: the fraction of the time the relays run, and for how long (``--starve-duty``, ``--starve-seconds``).
+STARVE_DUTY = 0.25
+STARVE_SECONDS = 30.0
 
 
 @dataclass
@@ -63,6 +72,13 @@ class Lab:
     topic: str
     partitions: int
     findings: list[str] = field(default_factory=list)  # misbehaviour seen while injecting (fails the run)
+    # Signals that stop or continue relays are sent under this lock; slots a relay_stop holds stopped are
+    # in ``paused``, which a starvation running meanwhile leaves alone.
+    signals: threading.Lock = field(default_factory=threading.Lock)
+    paused: set[int] = field(default_factory=set)
+    starving: list[Starver] = field(default_factory=list)
+    # Set by an injector whose fault goes on after it returns (relay_starve): when it ends (epoch seconds).
+    ends_at: float | None = None
 
     def pick_slot(self) -> tuple[int, int]:
         """A relay that holds buckets (a fault on an idle relay tests nothing), and how many it holds."""
@@ -92,9 +108,13 @@ def relay_kill(lab: Lab) -> tuple[str, str]:
 def relay_stop(lab: Lab) -> tuple[str, str]:
     slot, held = lab.pick_slot()
     pause = cluster.LEASE_SECONDS + lab.rnd.uniform(1.0, 3.0)
-    relay = lab.fleet.signal(slot, signal.SIGSTOP)
+    with lab.signals:
+        lab.paused.add(slot)
+        relay = lab.fleet.signal(slot, signal.SIGSTOP)
     time.sleep(pause)
-    lab.fleet.signal(slot, signal.SIGCONT)
+    with lab.signals:
+        lab.fleet.signal(slot, signal.SIGCONT)
+        lab.paused.discard(slot)
     return relay.worker_id, (f"SIGSTOP for {pause:.1f}s (lease {cluster.LEASE_SECONDS:g}s; it held {held} buckets), "
                              "SIGCONT")
 
@@ -204,6 +224,16 @@ def backend_kill(lab: Lab) -> tuple[str, str]:
     return "all relays", f"pg_terminate_backend of {len(names)} relay backends"
 
 
+def relay_starve(lab: Lab) -> tuple[str, str]:
+    """Starts the starvation and returns: it goes on in the background until ``lab.ends_at``."""
+    starver = Starver(lab.fleet, random.Random(lab.rnd.random()), lab.signals, lab.paused, STARVE_SECONDS,
+                      STARVE_DUTY).start()
+    lab.starving.append(starver)
+    lab.ends_at = starver.ends_at
+    return "all relays", (f"{STARVE_DUTY:.0%} of the time for {STARVE_SECONDS:g}s (SIGSTOP/SIGCONT every "
+                          "100-200 ms), other faults go on")
+
+
 INJECTORS: dict[str, Injector] = {
     "relay_kill": relay_kill,
     "relay_stop": relay_stop,
@@ -215,12 +245,17 @@ INJECTORS: dict[str, Injector] = {
     "kafka_cut": kafka_cut,
     "kafka_stall": kafka_stall,
     "backend_kill": backend_kill,
+    "relay_starve": relay_starve,
 }
+DEFAULT_KINDS = [k for k in INJECTORS if k != "relay_starve"]
 NEEDS_RESTARTABLE_DB = {"db_restart"}
 
 
-def plan(kinds: list[str], count: int, rnd: random.Random) -> list[str]:
-    """``count`` faults, the kinds as evenly as possible, in a seeded random order."""
+def plan(kinds: list[str], count: int, rnd: random.Random, starve: int = 0) -> list[str]:
+    """``count`` faults, the kinds as evenly as possible, in a seeded random order; with ``starve``, that
+    many relay_starve faults inserted too, spread evenly (the others keep the order the seed gives them)."""
     order = [kinds[i % len(kinds)] for i in range(count)]
     rnd.shuffle(order)
+    for j in reversed(range(starve)):
+        order.insert((2 * j + 1) * count // (2 * starve), "relay_starve")
     return order

@@ -58,6 +58,20 @@ def scan_logs(log_dir: Path) -> LogSummary:
     return LogSummary(lines, dict(levels), counts.most_common(15), tracebacks)
 
 
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) (WARNING|ERROR|CRITICAL) ")
+
+
+def warnings_between(log_dir: Path, start: float, end: float) -> list[str]:
+    """The relays' WARNING and ERROR lines logged in [start, end] (epoch seconds; logs use local time)."""
+    out = []
+    for path in sorted(log_dir.glob("relay-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            m = _STAMP.match(line)
+            if m and start <= time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) + int(m[2]) / 1000 <= end:
+                out.append(line)
+    return out
+
+
 def machine() -> str:
     model = ""
     try:
@@ -102,7 +116,7 @@ def render(*, config: Any, kinds: list[str], result: Result, faults: Sequence[Fa
            drained_after: float | None, lag_json: str,
            relay_exit_codes: dict[str, int | None], unexpected: list[tuple[str, int | None]], t0: float,
            phase_seconds: float, relay_logs: LogSummary, workdir: Path, proxy_stats: dict[str, Any],
-           passed: bool, started_at: float, loadavg: tuple[str, str]) -> str:
+           passed: bool, started_at: float, loadavg: tuple[str, str], lease_seconds: float = 3.0) -> str:
     lines: list[str] = []
     add = lines.append
     add("# Fault injection: outbox-relay under faults")
@@ -175,6 +189,8 @@ def render(*, config: Any, kinds: list[str], result: Result, faults: Sequence[Fa
         add(f"- Committed sequence gaps (the database lost commits): {dict(list(result.sequence_gaps.items())[:5])}")
     add("")
 
+    lines += _goals(result, faults, lease_seconds, workdir / "relays", t0)
+
     add("## Per fault kind")
     add("")
     rows = [[k.kind, k.count, "n/a" if k.recovery_median is None else _s(k.recovery_median),
@@ -196,16 +212,20 @@ def render(*, config: Any, kinds: list[str], result: Result, faults: Sequence[Fa
     for fr, waited in zip(result.faults, waits, strict=False):
         f = fr.fault
         rows.append([f.index, _s(f.started - t0), f.kind, f.target, f.detail, _s(f.ended - f.started),
-                     _s(fr.recovery), fr.late, fr.duplicates, fr.lost, "-" if waited is None else _s(waited)])
-    lines += _table(["#", "at (s)", "fault", "target", "what was done", "lasted (s)", "recovery (s)", "late", "dups",
-                     "lost", "health wait (s)"], rows, right=(0, 1, 5, 6, 7, 8, 9, 10))
+                     _s(fr.recovery), _s(fr.wait_after_end) + ("*" if fr.wait_overlapped else ""), fr.late,
+                     fr.duplicates, fr.lost,
+                     "-" if waited is None else _s(waited)])
+    lines += _table(["#", "at (s)", "fault", "target", "what was done", "lasted (s)", "recovery (s)",
+                     "wait after end (s)", "late", "dups", "lost", "health wait (s)"], rows,
+                    right=(0, 1, 5, 6, 7, 8, 9, 10, 11))
     add("")
     add(f"*at*: seconds since the load started. *lasted*: the injection itself (a SIGSTOP until its SIGCONT, a "
         "restart until the server was back); recovery counts from its start. *health wait*: how long the fault "
         "waited after its planned time until the events committed since the previous fault ended arrived within "
         f"{config.threshold:g} s "
         f"('-': they did not within {config.max_wait:g} s, so the fault was injected anyway and overlaps the "
-        "previous one).")
+        "previous one). *wait after end*: the longest an event committed before the fault ended waited after "
+        "its end (a later fault that began meanwhile is counted in: marked *).")
     add("")
 
     if result.lost:
@@ -281,6 +301,42 @@ def render(*, config: Any, kinds: list[str], result: Result, faults: Sequence[Fa
     add("- Faults: " + ", ".join(f"`{k}`" for k in kinds) + "; tests/faults/faults.py says what each does.")
     add("")
     return "\n".join(lines)
+
+
+def _goals(result: Result, faults: Sequence[Fault], lease: float, log_dir: Path, t0: float) -> list[str]:
+    """Issue 25's goals: duplicates, the wait after each fault ends (starvation first), silent stalls."""
+    lines = ["## Duplicates, waits after faults, stalls", ""]
+    starved = [fr for fr in result.faults if fr.fault.kind == "relay_starve"]
+    limit = 3 * lease
+    alone = [fr for fr in result.faults if not fr.wait_overlapped]
+    worst = max(alone, key=lambda fr: fr.wait_after_end, default=None)
+    rows: list[list[Any]] = [["duplicates (extra copies / distinct events)", f"{result.duplicates_percent:.1f} %",
+                              "at most 5 %", "yes" if result.duplicates_percent <= 5.0 else "NO"]]
+    for fr in starved:
+        mixed = " (other faults active meanwhile)" if fr.wait_overlapped else ""
+        rows.append([f"longest wait after starvation #{fr.fault.index} ended{mixed}", f"{_s(fr.wait_after_end)} s",
+                     f"at most 3 leases ({limit:g} s)", "yes" if fr.wait_after_end <= limit else "NO"])
+    if worst is not None:
+        rows.append([f"longest wait after a fault ended, no other fault active meanwhile (#{worst.fault.index} "
+                     f"{worst.fault.kind})",
+                     f"{_s(worst.wait_after_end)} s", f"at most 3 leases ({limit:g} s)",
+                     "yes" if worst.wait_after_end <= limit else "NO"])
+    silent = []
+    for st in result.stalls:
+        if not warnings_between(log_dir, st.started, st.ended):
+            silent.append(st)
+    rows.append([f"stalls (an event waited over {result.stall_threshold:g} s, no fault active)",
+                 str(len(result.stalls)), "each logged by a relay",
+                 "yes" if not silent else f"NO ({len(silent)} silent)"])
+    lines += _table(["", "this run", "goal", "met"], rows)
+    lines.append("")
+    if result.stalls:
+        rows = [[_s(st.started - t0), _s(st.ended - t0), st.events, _s(st.longest),
+                 len(warnings_between(log_dir, st.started, st.ended))] for st in result.stalls[:20]]
+        lines += _table(["from (s)", "to (s)", "events", "longest (s)", "relay warnings meanwhile"], rows,
+                        right=range(5))
+        lines.append("")
+    return lines
 
 
 def _kind(results: Sequence[FaultResult], index: int | None) -> str:

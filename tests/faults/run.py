@@ -18,9 +18,9 @@ from typing import Any
 
 import psycopg
 
-from tests.faults import checker, report
+from tests.faults import checker, cluster, report
 from tests.faults.cluster import Broker, Database, Fleet, backlog, create_topic, owned_buckets
-from tests.faults.faults import INJECTORS, NEEDS_RESTARTABLE_DB, Lab, plan
+from tests.faults.faults import DEFAULT_KINDS, INJECTORS, NEEDS_RESTARTABLE_DB, Lab, plan
 from tests.faults.proxy import Proxy, exempt_kafka_clients
 from tests.faults.recorder import Recorder
 
@@ -48,7 +48,8 @@ class Config:
     threshold: float = 1.0  # an event consumed later than this after its commit is late
     max_wait: float = 30.0  # longest wait for delivery to recover before the next fault anyway
     drain_timeout: float = 180.0
-    kinds: list[str] = field(default_factory=lambda: list(INJECTORS))
+    kinds: list[str] = field(default_factory=lambda: list(DEFAULT_KINDS))
+    starve: int = 0  # relay_starve faults added to the plan (tests/faults/starve.py)
     dsn: str | None = None  # external PostgreSQL (no database restarts)
     workdir: Path | None = None
     keep: bool = False
@@ -236,7 +237,7 @@ def run(config: Config) -> Outcome:
             relay_exit_codes=exit_codes, unexpected=unexpected, t0=phase_started, phase_seconds=phase_seconds,
             relay_logs=report.scan_logs(workdir / "relays"), workdir=workdir,
             proxy_stats={p.name: vars(p.stats) for p in [kafka_proxy, *db_proxies]}, passed=passed,
-            started_at=started_at, loadavg=(loadavg_start, _loadavg()))
+            started_at=started_at, loadavg=(loadavg_start, _loadavg()), lease_seconds=cluster.LEASE_SECONDS)
         if config.report is not None:
             config.report.write_text(text)
         if config.json_path is not None:
@@ -257,6 +258,11 @@ def summary(result: checker.Result, faults: list[checker.Fault], passed: bool, p
         "lost": len(result.lost), "dead_lettered": len(result.dead_lettered),
         "phantoms": len(result.phantoms) + len(result.mismatched), "reordered_keys": len(result.reordered),
         "duplicate_rate": round(result.duplicate_rate, 4),
+        "duplicates_percent": round(result.duplicates_percent, 2),
+        "wait_after_end_max": round(max((fr.wait_after_end for fr in result.faults), default=0.0), 2),
+        "starve_wait_after_end": [round(fr.wait_after_end, 2) for fr in result.faults
+                                  if fr.fault.kind == "relay_starve"],
+        "stalls": [vars(st) for st in result.stalls],
         "faults": [{"kind": f.kind, "target": f.target, "detail": f.detail} for f in faults],
         "kinds": [vars(k) for k in result.kinds],
         "lost_examples": [vars(x) for x in result.lost[:20]],
@@ -275,22 +281,26 @@ def _inject(config: Config, kinds: list[str], lab: Lab, health: Health, producer
             ) -> tuple[list[checker.Fault], list[float | None], list[tuple[str, int | None]]]:
     """Inject the planned faults, spread over ``config.seconds``; each waits until delivery
     recovered from the previous one (at most ``max_wait``), so it can be attributed."""
-    order = plan(kinds, config.faults, random.Random(config.seed))
-    gap = config.seconds / (config.faults + 1)
-    say(f"load running; {config.faults} faults over {config.seconds:.0f}s (one every {gap:.1f}s at most): "
-        + ", ".join(f"{k} x{order.count(k)}" for k in kinds if order.count(k)))
+    order = plan(kinds, config.faults, random.Random(config.seed), starve=config.starve)
+    gap = config.seconds / (len(order) + 1)
+    say(f"load running; {len(order)} faults over {config.seconds:.0f}s (one every {gap:.1f}s at most): "
+        + ", ".join(f"{k} x{order.count(k)}" for k in INJECTORS if order.count(k)))
     phase_started = time.monotonic()
     faults: list[checker.Fault] = []
     waits: list[float | None] = []  # seconds each fault waited for delivery to recover from the previous
     unexpected: list[tuple[str, int | None]] = []
     since = time.time()
+    regular = 0  # faults other than relay_starve so far: their random streams match a run without starvation
     for i, kind in enumerate(order):
         planned = phase_started + (i + 1) * gap
         time.sleep(max(0.0, planned - time.monotonic()))
-        waited = health.wait(since, config.max_wait)
+        if any(s.running for s in lab.starving):
+            waited = None  # the other faults go on while the relays are starved, on their schedule
+        else:
+            waited = health.wait(since, config.max_wait)
+            if waited is None:
+                say(f"delivery not healthy {config.max_wait:.0f}s after fault {i - 1}: injecting the next one anyway")
         waits.append(waited)
-        if waited is None:
-            say(f"delivery not healthy {config.max_wait:.0f}s after fault {i - 1}: injecting the next one anyway")
         for relay in lab.fleet.unexpected_exits():
             unexpected.append((relay.worker_id, relay.proc.returncode))
             say(f"relay {relay.worker_id} exited on its own with {relay.proc.returncode}; starting a new one")
@@ -298,13 +308,18 @@ def _inject(config: Config, kinds: list[str], lab: Lab, health: Health, producer
         if not producers.alive():
             raise RuntimeError("a producer process died; see producer-*.log in the work directory")
         # One stream per fault: its target and durations do not depend on what earlier faults drew.
-        lab.rnd = random.Random(config.seed * 1000 + i)
+        lab.rnd = random.Random(config.seed * 1000 + (regular if kind != "relay_starve" else 10_000 + i))
+        regular += kind != "relay_starve"
+        lab.ends_at = None
         started = time.time()
         target, detail = INJECTORS[kind](lab)
-        ended = time.time()
+        since = time.time()
+        ended = lab.ends_at or since
         faults.append(checker.Fault(i, kind, target, detail, started, ended, healthy_before=waited is not None))
         say(f"fault {i:2d} at {started - t0:6.1f}s: {kind} {target}: {detail}")
-        since = ended
+    for starver in lab.starving:  # over before the last health check and the drain
+        starver.join()
+        since = max(since, starver.ends_at)
     waited = health.wait(since, config.max_wait)
     waits.append(waited)
     return faults, waits, unexpected

@@ -156,3 +156,22 @@ def test_a_fault_injected_before_recovery_is_left_out_of_the_medians() -> None:
     kinds = {k.kind: k for k in result.kinds}
     assert kinds["kafka_cut"].recovery_median is None and kinds["kafka_cut"].overlapped == 1
     assert result.faults[1].recovery == pytest.approx(20.0)
+
+
+def test_the_wait_after_a_fault_is_its_slowest_pending_event_and_a_quiet_wait_is_a_stall() -> None:
+    # Key a: committed at 1 s, held by a fault 2-10 s, arrives at 14 s (4 s after the end). Key b: nothing
+    # injected, committed at 20 s, arrives at 27 s: a stall of 7 s. Key c: on time.
+    a, b, c = committed("a", 1, 1.0), committed("b", 1, 20.0), committed("c", 1, 3.0)
+    fault = Fault(0, "relay_starve", "all relays", "", T0 + 2.0, T0 + 10.0)
+    records = [record(c, 0, 3.05), record(a, 1, 14.0), record(b, 2, 27.0)]
+    result = check([a, b, c], [], records, [fault], stall=5.0)
+    assert result.faults[0].wait_after_end == pytest.approx(4.0)
+    assert [(s.events, round(s.longest, 1), round(s.started - T0, 1)) for s in result.stalls] == [(1, 7.0, 20.0)]
+    # A wait inside the fault, or shorter than the threshold after it, is no stall.
+    assert check([a, c], [], records[:2], [fault], stall=5.0).stalls == []
+
+
+def test_duplicates_percent_counts_the_extra_copies() -> None:
+    events = [committed("a", n, float(n)) for n in range(1, 5)]
+    records = [*in_order(events), record(events[3], 4, 5.0)]
+    assert check(events, [], records, []).duplicates_percent == pytest.approx(25.0)

@@ -316,7 +316,8 @@ def _set_lapses(dsn: str, bucket: int, lapses: int) -> None:
 
 def test_suspect_bucket_counts_each_attempt_before_making_it_alone(dsn: str, pool: ConnectionPool[Any]) -> None:
     """A bucket that lapsed max_lapses times delivers its head alone, with the attempt already
-    recorded in outbox.parked: if the process dies now, the attempt counts against that event."""
+    recorded in outbox.parked: if the process dies now, the attempt counts against that event, and so do
+    the deaths that made the bucket a suspect (charged from the first)."""
     bucket, max_lapses = 5, 3
     k, other = keys_in_bucket(dsn, bucket, 2)
     head, nxt, third = publish(dsn, [(k, "t", {"n": 1}), (k, "t", {"n": 2}), (other, "t", {"n": 3})])
@@ -333,7 +334,7 @@ def test_suspect_bucket_counts_each_attempt_before_making_it_alone(dsn: str, poo
     runner.run_once()
     assert [a.event_id for a in sink.attempts] == [head], "a suspect bucket's head is delivered alone"
     [(event_id, attempts, error)] = seen_while_delivering
-    assert (event_id, attempts) == (head, 1) and "counted as a failed attempt" in error
+    assert (event_id, attempts) == (head, 1 + max_lapses) and "counted as a failed attempt" in error
     assert parked_ids(dsn) == set(), "the probe succeeded: its event left the park"
     assert cursor_row(dsn, bucket)["lapses"] == max_lapses, "one probe does not end the isolation"
 
@@ -348,13 +349,15 @@ def test_an_event_that_crashed_the_relay_max_attempts_times_is_dead_lettered_wit
     k, other = keys_in_bucket(dsn, bucket, 2)
     poison, behind, fine = publish(dsn, [(k, "t", {}), (k, "t", {}), (other, "t", {})])
     settings = make_settings(dsn, "w", max_lapses=1, max_attempts=max_attempts)
-    for i in range(max_attempts):  # each owner dies while the poison is in flight alone
+    # The lapse is one death (of a batch the poison was in), charged to it with its first alone attempt: the
+    # owners after it die max_attempts - 1 times with the poison in flight alone.
+    for i in range(max_attempts - 1):
         runner = runner_for(RecordingSink(f"w{i}", fail=_crash_on(poison)), pool, settings, {bucket})
         _set_lapses(dsn, bucket, 1)
         with pytest.raises(Crash):
             runner.run_once()
         attempts = fetch_all(dsn, "SELECT attempts FROM outbox.parked WHERE event_id = %s", (poison,))
-        assert attempts == [(i + 1,)]
+        assert attempts == [(i + 2,)]
         _expire_all(dsn)
         with psycopg.connect(dsn, autocommit=True) as conn:  # its retry is due now
             conn.execute("UPDATE outbox.parked SET available_at = clock_timestamp()")

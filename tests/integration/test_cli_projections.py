@@ -33,7 +33,7 @@ def run(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(("args", "message"), [
     (["run", "--no-kafka", "--projection", "order_totals"], "--projection needs --projections"),
     (["run", "--no-kafka", "--projections", "no_such_module", "--projection", "x"],
-     "cannot import projections module 'no_such_module'"),
+     "--projections no_such_module: no module named 'no_such_module'"),
     (["run", "--no-kafka", "--projections", "tests.integration.projection_app", "--projection", "nope"],
      "unknown projection 'nope' (known: customer_orders, order_totals)"),
     (["run", "--no-kafka"], "no sink to run"),

@@ -24,7 +24,7 @@ from psycopg_pool import ConnectionPool
 from outbox_relay import store
 from outbox_relay.observer import Observer
 from outbox_relay.relay import SinkRunner
-from outbox_relay.worker import _configure
+from outbox_relay.worker import Worker, _configure
 from projections import ProjectionEvent, projection
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
@@ -39,9 +39,10 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     publish,
     run_until,
     runner_for,
+    running,
     undelivered,
 )
-from tests.servers import PgServer, require_restartable
+from tests.servers import PgServer, require_restartable, wait_until
 
 BUCKET = 91
 BATCHES = 20
@@ -323,3 +324,56 @@ def test_a_projection_batch_read_before_a_crash_restart_is_not_checkpointed_afte
             assert any("restarted" in f for f in failures), failures
     finally:
         sink.close()
+
+
+MOVE_LOG = """
+CREATE TABLE public.cursor_moves (bucket int, at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE FUNCTION public.log_cursor_move() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO public.cursor_moves (bucket) VALUES (NEW.bucket);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER log_cursor_move AFTER UPDATE ON outbox.cursors FOR EACH ROW
+    WHEN (OLD.snapshot::text IS DISTINCT FROM NEW.snapshot::text OR OLD.after_seq IS DISTINCT FROM NEW.after_seq)
+    EXECUTE FUNCTION public.log_cursor_move();
+"""
+
+
+@pytest.mark.parametrize("hold", [
+    pytest.param(["BEGIN", "SELECT pg_current_xact_id()"], id="a writing transaction"),
+    pytest.param(["BEGIN ISOLATION LEVEL REPEATABLE READ", "SELECT count(*) FROM outbox.cursors"], id="a snapshot"),
+])
+def test_a_relay_defers_cursor_writes_only_while_a_transaction_holds_vacuum_back(dsn: str, hold: list[str]) -> None:
+    """Issue 25: a deferred cursor write saves a dead row version only while something holds the vacuum
+    horizon; otherwise it only makes a next owner (after a crash or a lost lease) resend up to
+    cursor_flush_seconds of acknowledged events. The relay writes with every batch while nothing holds
+    the horizon, defers while a writing transaction stays open, and writes what it owes once it ends."""
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    sink = RecordingSink("relay-h", kind="kafka")
+    worker = Worker(make_settings(dsn, "relay-h", cursor_flush_seconds=60.0), [sink])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(MOVE_LOG)
+
+    def moves() -> int:
+        return int(fetch_all(dsn, "SELECT count(*) FROM public.cursor_moves WHERE bucket = %s", (BUCKET,))[0][0])
+
+    def one_by_one(n: int) -> None:
+        for i in range(n):
+            [wanted] = publish(dsn, [(key, "t", {"n": i})])
+            wait_until(lambda wanted=wanted: wanted in sink.delivered_ids(), 15, 0.01, "delivery")
+
+    with running(worker):
+        wait_until(lambda: worker.runners and BUCKET in worker.runners[0].leases.snapshot(), 15, 0.02, "the lease")
+        one_by_one(5)
+        wait_until(lambda: undelivered(dsn) == 0, 5, 0.02, "the cursor at the last event")
+        assert moves() == 5, "nothing holds vacuum back: every batch wrote its cursor"
+        with psycopg.connect(dsn, autocommit=True) as holder:
+            for statement in hold:  # left open
+                holder.execute(statement)
+            wait_until(worker.horizon.held, 15, 0.02, "the relay seeing the held horizon")
+            one_by_one(5)
+            assert moves() == 5, "while it is open, the batches only checked their fence"
+            assert undelivered(dsn) == 5
+            holder.execute("COMMIT")
+        wait_until(lambda: undelivered(dsn) == 0, 15, 0.02, "the owed cursor write once it ended")
+        assert moves() == 6, "what was owed went in one write"

@@ -5,6 +5,7 @@ installation, and relays of schema version 12 running against the new table."""
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     run_until,
     runner_for,
 )
+from tests.servers import wait_until
 
 
 def leaves(dsn: str) -> dict[str, str | None]:
@@ -252,6 +254,8 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
             conn.execute("CREATE FUNCTION outbox.bucket_has_work_v3(sink text, bucket integer, snapshot pg_snapshot, "
                          "target pg_snapshot, after_xid xid8, after_seq bigint) RETURNS boolean LANGUAGE sql "
                          "RETURN outbox.bucket_has_work_v2(sink, bucket, snapshot, target, after_xid, after_seq)")
+            # ... and the column its lease statements clear (0021: who re-fenced a bucket).
+            conn.execute("ALTER TABLE outbox.cursors ADD COLUMN fenced_by text")
         sink = RecordingSink("w")
         runner = SinkRunner(sink, pool, make_settings(dsn, "w", batch_size=7))  # registered above, as version 12
         runner.desired = set(ALL_BUCKETS)
@@ -260,6 +264,7 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("DROP TABLE outbox.kept_events")
             conn.execute("DROP FUNCTION outbox.bucket_has_work_v3")
+            conn.execute("ALTER TABLE outbox.cursors DROP COLUMN fenced_by")
         assert [m.version for m in migrate(dsn)][-1] == latest_version()
         assert leaves(dsn).get("events_legacy", "missing") is None
         assert set(where(dsn).values()) == {"outbox.events_legacy"}
@@ -362,3 +367,66 @@ def test_a_parked_head_blocks_its_key_across_a_partition_boundary(dsn: str, pool
     run_until(runner, lambda: sink.delivered_ids() == {head, behind})
     assert dedup_per_key(sink.attempts) == {"k": [head, behind]}
     assert [a.event_id for a in sink.attempts] == [head, head, behind], "the second waited for the head's retry"
+
+
+def test_a_long_transactions_events_are_kept_for_their_class_keep_after_it_ended(dsn: str) -> None:
+    """An event's created_at is its transaction's start (issue 25, finding 4): a transaction open for longer
+    than the keep wrote events that looked old at commit, and went as soon as they were delivered. Since
+    0019 a range's keep counts from when retention first saw it closed, too."""
+    keep = 1.0
+    register(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        history.roll(conn, 0.001, min_width=3)  # a range of 3 xids, which the long transaction writes into
+    with psycopg.connect(dsn) as long_tx:
+        event = publish_in(long_tx)
+        started = long_tx.execute("SELECT now()").fetchone()
+        with psycopg.connect(dsn, autocommit=True) as other:
+            for _ in range(5):  # later transactions take ids past the range: only the long one holds it open
+                other.execute("SELECT pg_current_xact_id()")
+            wait_until(lambda: other.execute("SELECT clock_timestamp() - %s > make_interval(secs => %s)",
+                                              (started[0] if started else None, 2 * keep)).fetchone() == (True,),
+                       timeout=30, message="the long transaction to be older than the keep")
+        long_tx.commit()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(DELIVER_ALL_SQL)
+        assert sum(r.events for r in history.retire(conn, keep, 5.0)) == 0, "went at once, on delivery"
+        assert [str(r[0]) for r in conn.execute("SELECT id FROM outbox.events")] == [str(event)]
+        held = conn.execute("SELECT outbox.partition_hold_v1(p.name, make_interval(secs => %s)) "
+                            "FROM outbox.events e "
+                            "JOIN outbox.partitions p ON 'outbox.' || p.name = e.tableoid::regclass::text",
+                            (keep,)).fetchone()
+        assert held is not None and "its range closed" in str(held[0]), held
+        # ... and it goes once the keep has passed since then.
+        wait_until(lambda: sum(r.events for r in history.retire(conn, keep, 5.0)) == 1, timeout=30, interval=0.2,
+                   message="the event to go a keep after its transaction ended")
+
+
+def publish_in(conn: psycopg.Connection[Any]) -> uuid.UUID:
+    return Outbox(default_topic="t").publish(conn, type="t", key="k", payload={}).id
+
+
+def test_a_roll_waiting_for_the_events_table_lets_producers_through(dsn: str) -> None:
+    """`retention roll` behind a long reader: producers queue behind a waiting ACCESS EXCLUSIVE request, so
+    the roll asks for it a short wait at a time (issue 25, finding 4: one wait of 5 s held them all up)."""
+    result: dict[str, Any] = {}
+    with psycopg.connect(dsn) as reader:
+        reader.execute("SELECT count(*) FROM outbox.events")  # holds ACCESS SHARE until it ends
+
+        def rolling() -> None:
+            try:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    result["rolled"] = history.roll(conn, 86400.0, min_width=1000)
+            except psycopg.Error as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=rolling)
+        thread.start()
+        wait_until(lambda: fetch_all(dsn, "SELECT count(*) FROM pg_locks WHERE NOT granted "
+                                          "AND relation = 'outbox.events'::regclass AND mode = 'AccessExclusiveLock'")
+                   == [(1,)], timeout=10, interval=0.005, message="the roll to wait for the lock")
+        with psycopg.connect(dsn) as producer:
+            publish_in(producer)
+            producer.commit()
+        assert thread.is_alive() and not result, "the producer got through only once the roll gave up"
+    thread.join(timeout=30)
+    assert "rolled" in result, result

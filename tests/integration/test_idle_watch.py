@@ -59,7 +59,7 @@ def _index_scans(conn: psycopg.Connection[Any]) -> int:
 
 
 def test_an_idle_look_compares_snapshots_and_scans_nothing(dsn: str) -> None:
-    """While no transaction with an id ends, a look (0023) is a snapshot comparison: fifty looks
+    """While no transaction with an id ends, a look (0022) is a snapshot comparison: fifty looks
     make no index scan; the first commit after them is still found."""
     with psycopg.connect(dsn) as conn, psycopg.connect(dsn) as other:
         other.execute("SELECT pg_current_xact_id()")  # open, with an id: nothing has ended while it stays

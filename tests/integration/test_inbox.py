@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -10,10 +11,12 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox_relay import timelimit
 from outbox_relay.errors import LeaseLost
 from outbox_relay.inbox import InboxMessage, apply_test_message, make_message, migrate_inbox
 from outbox_relay.inbox.admin import drop_dead_letters, list_dead_letters, request_retry, show_dead_letter
 from outbox_relay.inbox.consumer import InboxConsumer
+from outbox_relay.inbox.schema import inbox_migrations
 from outbox_relay.inbox.store import HandlerBrokeTransaction, InboxStuck, Lease, apply_batch, apply_message, dead_letter
 from outbox_relay.inbox.testing import TESTING_MEMBER
 from tests.integration import inbox_app
@@ -94,7 +97,9 @@ def test_a_handler_past_its_time_limit_fails_its_attempt_and_its_writes_roll_bac
 
 
 def test_handlers_that_never_return_stop_the_consumer_and_free_its_partitions(
-        inbox_dsn: str, kafka_bootstrap: str, kafka_topic: str) -> None:
+        inbox_dsn: str, kafka_bootstrap: str, kafka_topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The process's cap of abandoned threads (timelimit.py, shared with the relay's sinks), 4 more from here.
+    monkeypatch.setattr(timelimit, "MAX_ABANDONED", timelimit.abandoned_threads() + 3)
     produce_events(kafka_bootstrap, kafka_topic, [("k", 0, {"n": 0})])
     release = threading.Event()
 
@@ -256,7 +261,9 @@ def test_retention_deletes_old_dedupe_records_in_bounded_batches(inbox_dsn: str,
 def test_migrate_is_idempotent_and_needs_no_outbox_schema(database_factory: Callable[..., str]) -> None:
     dsn = database_factory()
     with psycopg.connect(dsn, autocommit=True) as conn:
-        assert migrate_inbox(conn) == ["0001_initial", "0002_crash_attempts"]
+        applied = migrate_inbox(conn)
+        assert applied == [f"{v:04d}_{name}" for v, name, _ in inbox_migrations()]
+        assert applied[:2] == ["0001_initial", "0002_crash_attempts"] and "0004_incarnations" in applied
         assert migrate_inbox(conn) == []
         assert conn.execute("SELECT to_regnamespace('outbox')").fetchone() == (None,)
 
@@ -272,3 +279,31 @@ def test_dead_letter_operations_refuse_unknown_ids_and_drop(inbox_dsn: str) -> N
         assert len(list_dead_letters(conn, "inbox")) == 2, "nothing of a partly wrong command is done"
         assert drop_dead_letters(conn, "inbox", [ids[0]]) == [ids[0]]
         assert [r["id"] for r in list_dead_letters(conn, "inbox")] == ids[1:]
+
+
+def test_status_says_what_happens_to_each_partition(inbox_dsn: str) -> None:
+    """Each state of ``inbox status`` from the rows a consumer leaves (lease 9 s, renewed every 3 s)."""
+    from outbox_relay.inbox.admin import positions
+
+    with psycopg.connect(inbox_dsn, autocommit=True) as conn:
+        conn.execute("""
+            INSERT INTO outbox_inbox.members (consumer, member, incarnation, heartbeat_at) VALUES
+                ('inbox', 'live', 'r2', clock_timestamp() - interval '1 second'),
+                ('inbox', 'quiet', 'r1', clock_timestamp() - interval '6 seconds');
+            INSERT INTO outbox_inbox.positions (consumer, topic, partition, owner, owner_incarnation, lease_until,
+                                                attempts, last_error) VALUES
+                ('inbox', 't', 0, 'live', 'r2', clock_timestamp() + interval '8 seconds', 0, NULL),
+                ('inbox', 't', 1, 'live', 'r2', clock_timestamp() + interval '8 seconds', 2, 'ValueError: no'),
+                ('inbox', 't', 2, 'live', 'r1', clock_timestamp() + interval '4 seconds', 0, NULL),
+                ('inbox', 't', 3, 'quiet', 'r1', clock_timestamp() + interval '3 seconds', 0, NULL),
+                ('inbox', 't', 4, 'gone', 'r0', clock_timestamp() - interval '5 seconds', 0, NULL),
+                ('inbox', 't', 5, NULL, NULL, NULL, 0, NULL)""")
+        rows = positions(conn, "inbox")
+    assert [r["state"] for r in rows] == ["consuming", "retrying", "waiting for previous run", "silent", "lapsed",
+                                          "free"]
+    detail = [str(r["detail"]) for r in rows]
+    assert detail[0] == "" and "attempt 2 (last error: ValueError: no)" in detail[1]
+    # Seconds as the query saw them (a loaded machine may take a while between the insert and the query).
+    assert "previous run of live" in detail[2] and re.search(r"claimable in [1-4]s", detail[2]), detail[2]
+    assert re.search(r"not heard from for ([6-9]|\d\d)s", detail[3]), detail[3]
+    assert re.search(r"stopped without releasing it ([5-9]|\d\d)s ago", detail[4]), detail[4]

@@ -330,3 +330,27 @@ def test_acknowledged_messages_are_checkpointed_while_others_of_the_batch_are_st
     assert all(e.id not in partials[0] or partials[0][e.id] is not None for e in events[6:])
     assert [final[0][e.id] for e in events[:6]] == [None] * 6
     assert all(final[0][e.id].hold_seconds is not None for e in events[6:])  # type: ignore[union-attr]
+
+
+def test_a_batch_that_waits_for_its_acknowledgements_says_so(
+        kafka_bootstrap: str, kafka_topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 25: no silent wait. A batch whose messages wait for the broker logs a warning with how many
+    wait and for how long, and one line when they were acknowledged. The wait here: a topic that is gone
+    (auto-creation off), written to before, so librdkafka answers only after its metadata propagation time."""
+    from outbox_relay.store import StoredEvent
+
+    gone = f"outbox-test-gone-{uuid.uuid4().hex[:10]}"
+    events = [StoredEvent(bucket=5, xid=1000 + n, seq=n, id=uuid.uuid4(), key=f"k-{n}", topic=gone, type="t",
+                          payload_text="{}", headers_text="{}", time=datetime.now(UTC)) for n in range(3)]
+    sink = KafkaSink(KAFKA, {"bootstrap.servers": kafka_bootstrap, **NO_AUTO_CREATE}, None, "urn:test")
+    sink.ack_warn_seconds = 0.2
+    sink.hold_backoff = FAST_HOLD
+    sink._writable.add(gone)
+    try:
+        with caplog.at_level(logging.INFO, logger="outbox_relay.kafka"):
+            sink.deliver(events, {5: 1}, lambda outcomes, tx: {5}, threading.Event())  # type: ignore[arg-type]
+    finally:
+        sink.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "outbox_relay.kafka"]
+    assert any("3 messages have waited" in m and "for the broker's acknowledgement" in m for m in said), said
+    assert any("acknowledged after" in m for m in said), said

@@ -23,7 +23,7 @@ from outbox_relay.sqlfiles import sql_dir
 # two databases built differently compare equal exactly when their schemas are the same.
 CATALOG: dict[str, str] = {
     "schemas": """
-        SELECT nspname FROM pg_namespace WHERE nspname = 'outbox'
+        SELECT nspname, coalesce(nspacl, '{}')::text FROM pg_namespace WHERE nspname = 'outbox'
     """,
     "relations": """
         SELECT c.relname, c.relkind, c.relpersistence, coalesce(c.reloptions, '{}')::text,
@@ -62,7 +62,8 @@ CATALOG: dict[str, str] = {
     """,
     "functions": """
         SELECT p.oid::regprocedure::text,
-               CASE WHEN p.prokind IN ('f', 'p') THEN pg_get_functiondef(p.oid) ELSE p.prokind::text END
+               CASE WHEN p.prokind IN ('f', 'p') THEN pg_get_functiondef(p.oid) ELSE p.prokind::text END,
+               coalesce(p.proacl, '{}')::text
         FROM pg_proc p
         WHERE p.pronamespace = 'outbox'::regnamespace
         ORDER BY 1

@@ -28,7 +28,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from outbox_relay import IdempotencyConflict, InvalidEvent, Outbox, Published
+from outbox_relay import IdempotencyConflict, InvalidEvent, Outbox, Published, privileges
 from outbox_relay.errors import NoTransaction
 from outbox_relay.event import (
     MAX_HEADERS_BYTES,
@@ -763,19 +763,15 @@ def test_concurrent_producers_with_one_key(dsn: str, outbox: Outbox, pg_server: 
 @pytest.fixture
 def producer_dsn(dsn: str, pg_server: Any) -> Iterator[str]:
     """A login with only the producer's rights of docs/operations.md, "Least-privilege roles"
-    (tests/integration/test_roles.py runs that page as written)."""
+    (outbox_relay/privileges.py; tests/integration/test_roles.py runs that page as written)."""
     name = f"outbox_test_producer_{uuid.uuid4().hex[:8]}"
     role = sql.Identifier(name)
     with pg_server.admin() as admin:
         admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(role))
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            for grant in ("GRANT USAGE ON SCHEMA outbox TO {}",
-                          "GRANT INSERT (id, topic, partition_key, type, payload, headers, idempotency_key, "
-                          "occurred_at, schema_version) ON outbox.events TO {}",
-                          "GRANT SELECT (id, topic, idempotency_key, idempotency_fingerprint) ON outbox.events TO {}",
-                          "GRANT SELECT ON outbox.idempotency_keys TO {}"):
-                conn.execute(sql.SQL(grant).format(role))
+            for grant in privileges.grant_statements(privileges.PRODUCER, role.as_string(conn)):
+                conn.execute(grant)
         yield make_conninfo(dsn, user=name, password=None)
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:

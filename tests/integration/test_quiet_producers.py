@@ -172,7 +172,7 @@ def test_watching_reads_the_index_not_the_table_whatever_its_size(dsn: str) -> N
         other.execute("SELECT pg_current_xact_id()")  # an open transaction: the looks probe its id too
         (since,) = conn.execute("SELECT snapshot::text FROM outbox.watch_commits_v1(NULL, 0, 1)").fetchone()  # type: ignore[misc]
         for _ in range(10):
-            # A transaction with an id ends before each call, so that its first look is a whole one (0023:
+            # A transaction with an id ends before each call, so that its first look is a whole one (0022:
             # while no such transaction ends, a look only compares snapshots).
             ender.execute("SELECT pg_current_xact_id()")
             row = conn.execute("SELECT snapshot::text, buckets FROM outbox.watch_commits_v1(%s::pg_snapshot, 5, 1)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import threading
 import time
 import uuid
@@ -756,3 +757,21 @@ def test_rebuild_key_in_place_while_the_live_relay_applies_that_key(dsn: str, li
                               "coalesce(sum((payload->>'cents')::int), 0) FROM outbox.events "
                               "GROUP BY 1 ORDER BY 1")
     assert state(dsn) == expected
+
+
+def test_a_rebuilds_switch_over_is_logged_by_the_live_relay_as_an_operators_action(
+        dsn: str, live: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The switch-over re-fences every bucket of the live projection while its relay keeps the leases: the
+    relay says so at INFO, naming the action, and logs no "fenced out" WARNING (issue 25, finding 7)."""
+    caplog.set_level(logging.INFO, logger="outbox_relay.relay")
+    ids = publish(dsn, orders(5, 2))
+    runner = live(totals_projection())
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(ids))
+    Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run()
+    more = publish(dsn, orders(5, 1, start=2))
+    run_until(runner, lambda: len(applied_ids(dsn)) == len(ids) + len(more))
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "outbox_relay.relay"]
+    assert not [m for level, m in said
+                if level >= logging.WARNING and ("fenced out" in m or "lost the lease" in m)], said
+    assert any(level == logging.INFO and "a rebuild's switch-over (an operator's action) re-fenced" in m
+               for level, m in said), said

@@ -24,6 +24,7 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from outbox_relay import Outbox, store
+from outbox_relay.admin import discard_dead_letters
 from outbox_relay.relay import SinkRunner
 from projections import ProjectionEvent, Upcasters, projection
 from projections.bulk import LANES, lane_buckets
@@ -237,16 +238,43 @@ def test_a_crash_mid_slice_resumes_at_the_last_slice_with_no_double_effect(dsn: 
     assert sorted(r[0] for r in rows) == sorted(ids) and {r[3] for r in rows} == {0}
 
 
-def test_a_handler_failure_hands_over_to_the_relay_phase(dsn: str, live: Any) -> None:
+def discard_live_dead_letters(dsn: str) -> None:
+    """`dead-letters discard`: the rebuild meets those events as failures of its own, not live decisions."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        discard_dead_letters(conn, "tally", all=True)
+
+
+def test_a_live_dead_letter_is_followed_by_the_bulk_phase_without_a_hand_over(dsn: str, live: Any) -> None:
+    """Events live processing dead-lettered are dead for the replay too (G12): the bulk phase records them
+    as such in its slice, never calls the handler with them, and so has no failure to hand over."""
+    ids = publish(dsn, counted(10, 30))
+    live(tally(fail_i=12), len(ids) - 10)
+    live_model, live_dead = model(dsn), dead_letters(dsn, "tally")
+
+    result = Rebuild(tally(fail_i=12), settings(dsn), progress=None).run()
+
+    assert result is not None and result.clean
+    assert model(dsn) == live_model
+    assert {r[3] for r in log_rows(dsn)} == {0}, "the bulk phase applied everything"
+    assert dead_letters(dsn, "tally") == live_dead, "the live dead letters stay as they were"
+
+
+def test_a_handler_failure_hands_over_to_the_relay_phase(dsn: str, live: Any, caplog: pytest.LogCaptureFixture) -> None:
     """The failing events are retried and dead-lettered by the relay phase exactly as before; in each lane
     everything before the slice of its first failing event was applied by the bulk phase, the rest by the
-    relay phase."""
+    relay phase. The hand-over logs the handler's error as raised (it said "Redo: 'customer'" for a
+    KeyError: the walk's exception that carried it)."""
     ids = publish(dsn, counted(10, 30))
     poison = ids[10 * 12 + 3]  # key k3, i == 12: in the third slice
     live(tally(fail_i=12), len(ids) - 10)
     live_model = model(dsn)
+    caplog.set_level(logging.INFO, logger="outbox_relay.rebuild")
+    discard_live_dead_letters(dsn)  # else the replay follows them without calling the handler (G12)
 
     result = Rebuild(tally(fail_i=12), settings(dsn), progress=None).run()
+
+    handed = [r.getMessage() for r in caplog.records if "relay phase takes over" in r.getMessage()]
+    assert handed and all("(ValueError: event 12 fails)" in m for m in handed), handed
 
     assert result is not None
     assert model(dsn) == live_model
@@ -626,6 +654,7 @@ def test_a_handler_failure_hands_over_only_its_lane(dsn: str, live: Any) -> None
     poison = ids[10 * 12 + 3]  # key k3, i == 12
     live(tally(fail_i=12, fail_key="k3"), len(ids) - 1)
     live_model = model(dsn)
+    discard_live_dead_letters(dsn)
 
     result = Rebuild(tally(fail_i=12, fail_key="k3"), settings(dsn), progress=None).run()
 

@@ -17,14 +17,14 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from outbox_relay import cli, store
+from outbox_relay import cli, store, timelimit
 from outbox_relay.errors import SinkStuck
 from outbox_relay.metrics import OutboxGauges
 from outbox_relay.relay import SinkRunner
 from outbox_relay.sink import Commit
 from outbox_relay.store import StoredEvent
 from outbox_relay.worker import Worker
-from projections import ProjectionEvent, guard, projection
+from projections import ProjectionEvent, projection
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     ALL_BUCKETS,
@@ -239,7 +239,7 @@ def test_a_head_skipped_while_an_attempt_of_it_lands_is_not_applied_twice_after_
 
 def test_past_the_cap_of_abandoned_handlers_the_runner_stops_the_relay(
         dsn: str, pool: ConnectionPool[Any], release: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Threads left to handlers that never return are capped (guard.MAX_ABANDONED per process): past it the
+    """Threads left to handlers that never return are capped (timelimit.MAX_ABANDONED per process): past it the
     runner stops with SinkStuck, which stops the relay (`outbox-relay run` exits 4) and a fresh process
     takes over; the attempts were counted already."""
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -249,7 +249,7 @@ def test_past_the_cap_of_abandoned_handlers_the_runner_stops_the_relay(
     def handler(event: ProjectionEvent[Any], tx: Any) -> None:
         release.wait()
 
-    monkeypatch.setattr(guard, "MAX_ABANDONED", guard.abandoned_threads() + 1)
+    monkeypatch.setattr(timelimit, "MAX_ABANDONED", timelimit.abandoned_threads() + 1)
     sink = ProjectionSink(projection("capped", events=["OrderPlaced"])(handler), dsn, handler_timeout_seconds=0.5)
     r, loop = start(sink, pool, dsn, max_attempts=10, handler_timeout_seconds=0.5)
     try:

@@ -186,3 +186,15 @@ def test_an_empty_dsn_is_no_dsn(capsys: pytest.CaptureFixture[str], monkeypatch:
     monkeypatch.setenv("OUTBOX_DSN", " ")
     code, _, err = run_cli(capsys, *argv)
     assert code == cli.EXIT_ERROR and "no database given" in err, err
+
+
+def test_the_top_level_help_is_plain_text_and_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from outbox_relay import cli
+
+    cli.main(["--help"])
+    out = capsys.readouterr().out
+    description = out.split("positional arguments:")[0]
+    assert "``" not in out, description
+    for command in cli.COMMANDS:
+        assert command.split()[0] in description, (command, description)
+    assert "inbox" in description

@@ -82,7 +82,7 @@ def test_a_projection_module_that_raises_at_import_is_a_configuration_error(
                  ["rebuild", "totals", "--projections", module]):
         code, _, err = run_cli(capsys, *argv)
         assert code == cli.EXIT_ERROR, err
-        assert f"cannot import projections module {module!r}: " in err, err
+        assert f"--projections {module}: importing module {module!r} failed: " in err, err
         assert ("the module is broken" if raised != "SyntaxError" else "SyntaxError") in err, err
         assert "Traceback" not in err
 

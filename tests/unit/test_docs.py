@@ -16,6 +16,13 @@ def test_settings_table_in_the_operations_doc_is_current() -> None:
     assert result.returncode == 0, result.stderr or result.stdout
 
 
+def test_grants_block_in_the_operations_doc_is_current() -> None:
+    """docs/operations.md's grants are outbox_relay/privileges.py's (tests/integration/test_privileges.py)."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "grants_sql.py"), "--check"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr or result.stdout
+
+
 # -- the README and docs a newcomer reads (issue 18 item 2) ------------------------------------------
 
 README_MAX_BYTES = 12 * 1024  # a README that gets a user to a running relay; internals live in docs/

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from outbox_relay import timelimit
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.inbox import HandlerTimeout, InboxMessage, load_inbox_settings, make_message
 from outbox_relay.inbox.store import InboxStuck, TimeLimit
@@ -62,8 +63,11 @@ class _Conn:
         self.closed = True
 
 
-def test_a_handler_past_its_time_limit_is_abandoned_and_too_many_stop_the_consumer() -> None:
-    limit = TimeLimit(0.05, max_abandoned=2)
+def test_a_handler_past_its_time_limit_is_abandoned_and_too_many_stop_the_consumer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The process's cap (shared with the relay's sinks): two more abandoned threads put it over.
+    monkeypatch.setattr(timelimit, "MAX_ABANDONED", timelimit.abandoned_threads() + 1)
+    limit = TimeLimit(0.05)
     release = threading.Event()
     seen: list[int] = []
 
@@ -79,7 +83,7 @@ def test_a_handler_past_its_time_limit_is_abandoned_and_too_many_stop_the_consum
         with pytest.raises(HandlerTimeout):
             limit.call(handler, make_message(offset=offset), conn)  # type: ignore[arg-type]
         assert conn.closed and time.monotonic() - started < 2
-    with pytest.raises(InboxStuck, match="2 handlers did not return"):
+    with pytest.raises(InboxStuck, match="handlers that never returned are left on threads of this process"):
         limit.call(handler, make_message(offset=3), _Conn())  # type: ignore[arg-type]
     release.set()
     assert seen == [5, 0, 1]
@@ -115,3 +119,60 @@ def test_dead_letters_shown_in_a_terminal_escape_what_a_producer_wrote(capsys: p
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\u202e" not in out and "\x07" not in out
     assert "\\x1b]0;pwned\\x07\\u202egnp.exe" in out and "second line" in out.splitlines()[-1]
+
+
+def test_run_help_shows_each_default_and_every_variable_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """It showed ``(default: PydanticUndefined; ...)`` for the settings whose default is made by a factory."""
+    from outbox_relay.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["inbox", "run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Undefined" not in text
+    for expected in ("(default: none; OUTBOX_INBOX_KAFKA_CONFIG or OUTBOX_KAFKA_CONFIG)",
+                     "(default: required; OUTBOX_INBOX_DSN or OUTBOX_DSN)",
+                     "(default: required; OUTBOX_INBOX_BOOTSTRAP_SERVERS or OUTBOX_KAFKA_BOOTSTRAP_SERVERS)",
+                     "(default: host-pid; OUTBOX_INBOX_MEMBER_ID)", "(default: 100; OUTBOX_INBOX_BATCH_SIZE)"):
+        assert expected in text, expected
+
+
+def test_the_inbox_reads_the_relays_variables_for_the_database_and_the_brokers(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Any) -> None:
+    """The OUTBOX_DSN and OUTBOX_KAFKA_BOOTSTRAP_SERVERS that `outbox-relay dev` tells you to export serve
+    the inbox too (it read only OUTBOX_INBOX_*); the inbox's own variable wins where both are set."""
+    for name in ("OUTBOX_INBOX_DSN", "OUTBOX_INBOX_BOOTSTRAP_SERVERS", "OUTBOX_INBOX_KAFKA_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    monkeypatch.setenv("OUTBOX_DSN", "postgresql://u@relay-db/app")
+    monkeypatch.setenv("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "kafka:9092")
+    monkeypatch.setenv("OUTBOX_KAFKA_CONFIG", f'{{"sasl.password": "@{secret}"}}')
+    s = load_inbox_settings(topics="orders")
+    assert (s.dsn.get_secret_value(), s.bootstrap_servers) == ("postgresql://u@relay-db/app", "kafka:9092")
+    assert s.consumer_config()["sasl.password"] == "s3cret", "the relay's @PATH values too"
+    monkeypatch.setenv("OUTBOX_INBOX_DSN", "postgresql://u@inbox-db/app")
+    monkeypatch.setenv("OUTBOX_INBOX_BOOTSTRAP_SERVERS", "other:9092")
+    s = load_inbox_settings(topics="orders")
+    assert (s.dsn.get_secret_value(), s.bootstrap_servers) == ("postgresql://u@inbox-db/app", "other:9092")
+    assert load_inbox_settings(topics="orders", dsn="postgresql://u@flag/app").dsn.get_secret_value() == \
+        "postgresql://u@flag/app", "an option wins over both"
+    monkeypatch.delenv("OUTBOX_INBOX_DSN")
+    monkeypatch.delenv("OUTBOX_DSN")
+    with pytest.raises(ConfigurationError, match="no database given: pass --dsn or set OUTBOX_INBOX_DSN or OUTBOX_DSN"):
+        load_inbox_settings(topics="orders")
+
+
+def test_the_operator_commands_read_the_relays_database_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from outbox_relay.cli import build_parser
+    from outbox_relay.inbox.cli import _dsn_of
+
+    monkeypatch.delenv("OUTBOX_INBOX_DSN", raising=False)
+    monkeypatch.setenv("OUTBOX_DSN", "postgresql://u@relay-db/app")
+    assert _dsn_of(build_parser().parse_args(["inbox", "status"])) == "postgresql://u@relay-db/app"
+
+
+def test_counts_in_messages_agree_with_their_number() -> None:
+    from outbox_relay.errors import counted
+
+    assert (counted(1, "attempt"), counted(0, "attempt"), counted(3, "attempt")) == ("1 attempt", "0 attempts",
+                                                                                    "3 attempts")

@@ -26,7 +26,7 @@ def test_closing_a_server_that_never_started_returns_and_frees_its_port() -> Non
     server's shutdown() would wait forever for a serve_forever() that never ran."""
     port = free_port()
     worker = build_worker(RelaySettings(dsn=NOWHERE, kafka=False, metrics_port=port, metrics_host="127.0.0.1"))
-    [server] = worker.services
+    [server] = [s for s in worker.services if isinstance(s, MetricsServer)]
     closing = threading.Thread(target=server.close, name="close", daemon=True)
     closing.start()
     closing.join(10)
@@ -39,7 +39,7 @@ def _server(port: int) -> MetricsServer:
     """A metrics server of a relay that never starts (no database: /healthz answers 503)."""
     worker = build_worker(RelaySettings(kafka=False, metrics_port=port, metrics_host="127.0.0.1",
                                         dsn="postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"))
-    [server] = worker.services
+    [server] = [s for s in worker.services if isinstance(s, MetricsServer)]
     assert isinstance(server, MetricsServer)
     return server
 

@@ -262,3 +262,31 @@ def test_a_sink_whose_topics_or_types_can_match_nothing_is_refused() -> None:
     sink = Minimal()
     sink.topics = {"orders"}  # type: ignore[attr-defined]
     assert check_sink(sink) is sink
+
+
+@pytest.mark.parametrize("kind", ["kafka", "projection", "webhook"])
+def test_a_user_sink_may_not_take_a_kind_of_the_products_own(kind: str) -> None:
+    class Impostor:
+        name = "mine"
+
+        def deliver(self, event: object) -> None:
+            return None
+
+    Impostor.kind = kind  # type: ignore[attr-defined]
+    with pytest.raises(ConfigurationError, match=f"kind '{kind}' is reserved for .*name your sink's own kind"):
+        check_sink(Impostor(), "--sink app:mine")
+    declared = Impostor()
+    declared.__dict__["kind"] = kind
+    with pytest.raises(ConfigurationError, match="is reserved"):
+        check_sink(declared)
+
+
+def test_the_products_webhook_sink_and_its_subclasses_keep_their_kind() -> None:
+    from outbox_relay.webhook import WebhookSecret, WebhookSink
+
+    class Tenanted(WebhookSink):
+        pass
+
+    for cls in (WebhookSink, Tenanted):
+        sink = cls("http://localhost:9/hook", WebhookSecret.generate())
+        assert check_sink(sink).kind == "webhook"

@@ -1,4 +1,4 @@
--- 0023_idle_watch: an idle commit watcher costs its server a snapshot per look, not two index scans.
+-- 0022_idle_watch: an idle commit watcher costs its server a snapshot per look, not two index scans.
 --
 -- outbox.watch_commits_v1 looks every interval_ms (1 ms while commits come; the relay now doubles the
 -- interval of each call that found nothing, up to --watch-max-interval-ms, outbox_relay/wakeups.py).
@@ -23,7 +23,7 @@ BEGIN
         RETURN;
     END IF;
     LOOP
-        -- 0023: while the server's snapshot is the one of the last look, no transaction with an id has
+        -- 0022: while the server's snapshot is the one of the last look, no transaction with an id has
         -- ended since (a commit moves xmax or leaves xip), so nothing can have committed events: the
         -- scans are skipped and an idle look is this comparison alone.
         IF pg_current_snapshot()::text <> since::text THEN
