@@ -100,7 +100,7 @@ COLUMNS = "topic, partition_key, type, payload"
 INSERT_BARE = f"INSERT INTO bench_bare ({COLUMNS}) VALUES (%s, %s, %s, %s)"
 INSERT_INDEXED = f"INSERT INTO bench_indexed ({COLUMNS}) VALUES (%s, %s, %s, %s)"
 INSERT_EVENTS = f"INSERT INTO outbox.events ({COLUMNS}) VALUES (%s, %s, %s, %s)"
-# The idempotency index of outbox.events (and of its copy): what docs/operations.md tells SQL producers.
+# The idempotency index of outbox.events (and of its copy): what docs/sql-producers.md tells SQL producers.
 ON_KEY = "ON CONFLICT ((coalesce(topic, '')), idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
 INSERT_INDEXED_KEY = f"INSERT INTO bench_indexed ({COLUMNS}, idempotency_key) VALUES (%s, %s, %s, %s, %s) {ON_KEY}"
 # The SQL path with a key since 0014: no ON CONFLICT (the events_check trigger skips a taken key).

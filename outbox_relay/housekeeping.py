@@ -123,7 +123,7 @@ class Housekeeping:
         except psycopg.errors.InsufficientPrivilege:
             self.allowed = False
             log.info("housekeeping: this relay's role may not update outbox.housekeeping, so it leaves "
-                     "housekeeping to relays that may (docs/operations.md, least-privilege roles)")
+                     "housekeeping to relays that may (docs/roles.md)")
             return False
         return row is not None
 

@@ -1,7 +1,7 @@
-"""The documented roles' rights in schemas ``outbox`` and ``outbox_inbox``, declared once (docs/operations.md,
+"""The documented roles' rights in schemas ``outbox`` and ``outbox_inbox``, declared once (docs/roles.md,
 least-privilege roles; docs/inbox.md, roles).
 
-``GRANTS`` is the one table: the grants blocks of docs/operations.md (schema outbox) and docs/inbox.md (schema
+``GRANTS`` is the one table: the grants blocks of docs/roles.md (schema outbox) and docs/inbox.md (schema
 outbox_inbox, which a consuming service's database holds without outbox) are generated from it
 (``python scripts/grants_sql.py --write``), and tests/integration/test_privileges.py walks ``pg_class``
 and ``pg_proc`` and checks every role's rights against it, so a table or function that is not listed
@@ -155,7 +155,7 @@ def schemas_of(role: str) -> tuple[str, ...]:
 
 
 def grants_sql(schema: str = OUTBOX) -> str:
-    """The grants block of ``schema`` (docs/operations.md: outbox, docs/inbox.md: outbox_inbox): run as the
+    """The grants block of ``schema`` (docs/roles.md: outbox, docs/inbox.md: outbox_inbox): run as the
     migrator after every migration, in one transaction. It takes everything back from PUBLIC and the schema's
     documented roles first, so that a rerun leaves exactly ``GRANTS``."""
     assert schema in SCHEMAS

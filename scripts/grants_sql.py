@@ -1,4 +1,4 @@
-"""The grants blocks of docs/operations.md ("Least-privilege roles", schema outbox) and docs/inbox.md ("Roles",
+"""The grants blocks of docs/roles.md (schema outbox) and docs/inbox.md ("Roles",
 schema outbox_inbox), generated from outbox_relay/privileges.py.
 
     python scripts/grants_sql.py            # print the SQL (both blocks)
@@ -15,7 +15,7 @@ from pathlib import Path
 from outbox_relay.privileges import INBOX, OUTBOX, grants_sql
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = {OUTBOX: DOCS / "operations.md", INBOX: DOCS / "inbox.md"}
+PAGES = {OUTBOX: DOCS / "roles.md", INBOX: DOCS / "inbox.md"}
 BEGIN, END = "<!-- grants:begin -->", "<!-- grants:end -->"
 
 

@@ -1,8 +1,8 @@
-"""The configuration reference of docs/operations.md, generated from RelaySettings.
+"""The configuration reference of docs/configuration.md, generated from RelaySettings.
 
     python scripts/settings_table.py            # print the table
-    python scripts/settings_table.py --write    # replace it in docs/operations.md
-    python scripts/settings_table.py --check    # exit 1 if docs/operations.md is stale
+    python scripts/settings_table.py --write    # replace it in docs/configuration.md
+    python scripts/settings_table.py --check    # exit 1 if docs/configuration.md is stale
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pydantic_core import PydanticUndefined
 
 from outbox_relay.settings import ENV_PREFIX, RelaySettings, bounds
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 
 

@@ -28,7 +28,7 @@ from .output import _say
 log = logging.getLogger("outbox_relay.cli")
 
 
-# Exit codes (README / operations.md list them).
+# Exit codes (README / docs/configuration.md list them).
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and some of its work failed (replay: events it could not send)
 EXIT_ERROR = 2  # nothing (more) done: bad arguments or settings, database unreachable or not migrated, refused

@@ -290,7 +290,7 @@ def test_bucket_v1_is_stable_and_in_range(dsn: str) -> None:
 
 def test_producers_granted_columns_can_publish_after_the_upgrade_to_schema_versions(
         database_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A producer role granted INSERT on the event columns of docs/operations.md before migration 0012
+    """A producer role granted INSERT on the event columns of docs/roles.md before migration 0012
     publishes after it too: the migration grants it the new schema_version column (publish names it)."""
     migrate_module = sys.modules["outbox_relay.migrate"]  # the package exports a function of that name
     dsn = database_factory()

@@ -52,7 +52,7 @@ class Roles:
 
     def grant(self) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as su:
-            for schema in privileges.SCHEMAS:  # two blocks (docs/operations.md, docs/inbox.md)
+            for schema in privileges.SCHEMAS:  # two blocks (docs/roles.md, docs/inbox.md)
                 su.execute(self.rename(privileges.grants_sql(schema)))
 
     def drop(self, pg_server: PgServer) -> None:
@@ -335,7 +335,7 @@ def test_partition_oldest_reads_leaves_of_the_events_table_only(roles: Roles) ->
         assert relay.execute("SELECT outbox.partition_oldest_v1('events')").fetchone() == (None,)
 
 
-# The grants docs/operations.md gave before schema version 19 (the part that matters here).
+# The grants the roles page gave before schema version 19 (the part that matters here).
 OLD_GRANTS = """
 GRANT USAGE ON SCHEMA outbox TO outbox_producer, outbox_relay, outbox_projector;
 GRANT INSERT (id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at, schema_version)

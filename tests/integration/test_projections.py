@@ -626,7 +626,7 @@ def done(dsn: str) -> list[uuid.UUID]:
 
 def test_a_skip_while_the_heads_attempt_is_in_flight_wins_and_that_attempt_lands_nothing(
         dsn: str, pool: ConnectionPool[Any]) -> None:
-    """The documented outcome (docs/operations.md, keys skip), made deterministic: the head's retry is
+    """The documented outcome (docs/keys-and-dead-letters.md, keys skip), made deterministic: the head's retry is
     inside its handler when the operator skips it, and then succeeds. The skip's new fence rolls the
     attempt back: the head is dead-lettered and NOT applied, the key's next events are, and
     `dead-letters retry` applies the head once."""

@@ -762,7 +762,7 @@ def test_concurrent_producers_with_one_key(dsn: str, outbox: Outbox, pg_server: 
 
 @pytest.fixture
 def producer_dsn(dsn: str, pg_server: Any) -> Iterator[str]:
-    """A login with only the producer's rights of docs/operations.md, "Least-privilege roles"
+    """A login with only the producer's rights of docs/roles.md
     (outbox_relay/privileges.py; tests/integration/test_roles.py runs that page as written)."""
     name = f"outbox_test_producer_{uuid.uuid4().hex[:8]}"
     role = sql.Identifier(name)
@@ -997,13 +997,12 @@ def test_reserved_header_names_agree_with_the_database(dsn: str) -> None:
 
 
 
-# -- producers in other languages (docs/operations.md, run as written there) -----------------------
+# -- producers in other languages (docs/sql-producers.md, run as written there) -----------------------
 
 
 def test_the_documented_sql_producer(dsn: str, outbox: Outbox) -> None:
-    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
-    section = text[text.index("### Events from other languages"):text.index("## Least-privilege roles")]
-    insert, check = re.findall(r"```sql\n(.*?)```", section, re.S)
+    text = (Path(__file__).resolve().parents[2] / "docs" / "sql-producers.md").read_text()
+    insert, check = re.findall(r"```sql\n(.*?)```", text, re.S)
     with psycopg.connect(dsn) as conn:
         conn.execute(insert)
         conn.execute(insert)  # a retry

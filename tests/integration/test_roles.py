@@ -1,4 +1,4 @@
-"""The least-privilege roles of docs/operations.md, run as written there (the SQL is read from the page).
+"""The least-privilege roles of docs/roles.md, run as written there (the SQL is read from the page).
 
 Roles are server-wide, so each run renames them with a suffix of its own and drops them afterwards.
 Every step runs as the role the page says: migrate as the migrator, publish as a service in
@@ -28,15 +28,13 @@ from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import ALL_BUCKETS, RecordingSink, close_history, make_settings, run_until
 from tests.servers import PgServer, dbname_of
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "roles.md"
 ROLES = ("outbox_migrator", "outbox_relay", "outbox_producer", "outbox_projector", "orders_read_models")
 
 
 def doc_blocks() -> list[str]:
-    """The SQL blocks of the "Least-privilege roles" section, in order."""
-    text = DOC.read_text()
-    section = text[text.index("## Least-privilege roles"):text.index("## Configuration reference")]
-    return re.findall(r"```sql\n(.*?)```", section, re.S)
+    """The SQL blocks of the roles page, in order."""
+    return re.findall(r"```sql\n(.*?)```", DOC.read_text(), re.S)
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@
   the data source variable and queries, every `$variable` defined.
 - The alert file is Prometheus rule YAML: groups of rules with only the fields Prometheus accepts,
   durations it parses, the labels and annotations we promise (severity; summary, description and a
-  runbook_url whose anchor exists in docs/operations.md), and each alert explained in
+  runbook_url naming a section of a page under docs/), and each alert explained in
   docs/observability.md.
 - Every PromQL expression parses: with promql-parser (the Rust port of Prometheus' own parser, which
   also checks function argument types), after the dashboard's Grafana variables are substituted.
@@ -37,7 +37,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "outbox-relay.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
-OPERATIONS = ROOT / "docs" / "operations.md"
 OBSERVABILITY = ROOT / "docs" / "observability.md"
 
 PREFIX = "outbox_relay_"
@@ -413,7 +412,6 @@ def alert_problems(doc: dict[str, Any]) -> list[str]:
     problems = []
     if set(doc) != {"groups"} or not isinstance(doc.get("groups"), list) or not doc["groups"]:
         return [f"the file must hold `groups:` (a non-empty list) and nothing else: {sorted(doc)}"]
-    known_anchors = anchors(OPERATIONS)
     documented = OBSERVABILITY.read_text() if OBSERVABILITY.exists() else ""
     names = [g.get("name") for g in doc["groups"]]
     if len(set(names)) != len(names) or not all(names):
@@ -460,8 +458,10 @@ def alert_problems(doc: dict[str, Any]) -> list[str]:
                 problems.append(f"{where}: no {sorted(missing)} annotation")
             runbook = str(annotations.get("runbook_url", ""))
             page, _, anchor = runbook.partition("#")
-            if runbook and (page != "docs/operations.md" or anchor not in known_anchors):
-                problems.append(f"{where}: runbook_url {runbook} is not a section of docs/operations.md")
+            target = ROOT / page
+            if runbook and (not page.startswith("docs/") or not page.endswith(".md") or not target.is_file()
+                            or anchor not in anchors(target)):
+                problems.append(f"{where}: runbook_url {runbook} is not a section of a page under docs/")
             if f"`{name}`" not in documented:
                 problems.append(f"{where}: not explained in docs/observability.md")
     problems += query_problems(alert_queries(doc))
@@ -501,7 +501,7 @@ BROKEN_ALERTS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("unknown field", _break_rule(5, lambda r: r.update(summary="x")), "unknown fields ['summary']"),
     ("alert and record", _break_rule(5, lambda r: r.update(record="outbox:x")), "exactly one of"),
     ("missing runbook section", _break_rule(6, lambda r: r["annotations"].update(
-        runbook_url="docs/operations.md#no-such-section")), "is not a section"),
+        runbook_url="docs/troubleshooting.md#no-such-section")), "is not a section"),
     ("undocumented alert", _break_rule(7, lambda r: r.update(alert="OutboxSomethingNew")), "not explained"),
     ("label with a non-string value", _break_rule(7, lambda r: r["labels"].update(team=["a"])), "string value"),
 ]

@@ -10,14 +10,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_settings_table_in_the_operations_doc_is_current() -> None:
+def test_settings_table_in_the_configuration_reference_is_current() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "settings_table.py"), "--check"],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr or result.stdout
 
 
-def test_grants_block_in_the_operations_doc_is_current() -> None:
-    """docs/operations.md's grants are outbox_relay/privileges.py's (tests/integration/test_privileges.py)."""
+def test_grants_block_in_the_roles_doc_is_current() -> None:
+    """docs/roles.md's grants are outbox_relay/privileges.py's (tests/integration/test_privileges.py)."""
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "grants_sql.py"), "--check"],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr or result.stdout
