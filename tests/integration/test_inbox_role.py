@@ -11,7 +11,6 @@ and DDL. tests/integration/test_privileges.py checks the grants are exactly thos
 from __future__ import annotations
 
 import re
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,14 +18,14 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
 
 from outbox_relay.inbox import migrate_inbox
 from outbox_relay.inbox.admin import list_dead_letters, positions, request_retry
 from outbox_relay.inbox.schema import check_inbox_schema
 from tests.integration import inbox_app
+from tests.integration.doc_roles import doc_roles
 from tests.integration.inbox_helpers import consumer_thread, effects, produce_events, scalar, settings
-from tests.servers import PgServer, dbname_of, wait_until
+from tests.servers import PgServer, wait_until
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "inbox.md"
 ROLES = ("outbox_inbox_consumer", "orders_migrator", "orders_service")
@@ -43,30 +42,8 @@ def doc_blocks() -> list[str]:
 @pytest.fixture
 def roles(pg_server: PgServer, database_factory: Callable[..., str]) -> Iterator[dict[str, Any]]:
     # The outbox's schema too: the consumer's login must be refused there.
-    dsn = database_factory(migrated=True)
-    suffix = uuid.uuid4().hex[:8]
-    names = {r: f"{r}_{suffix}" for r in ROLES}
-    db = dbname_of(dsn)
-
-    def rename(text: str) -> str:
-        for r in ROLES:
-            text = re.sub(rf"\b{r}\b", names[r], text)
-        return text.replace("DATABASE app", f'DATABASE "{db}"')
-
-    try:
-        yield {"dsn": dsn, "rename": rename,
-               "as": lambda role: make_conninfo(dsn, user=names[role], password=None)}
-    finally:
-        with pg_server.admin() as admin, psycopg.connect(dsn, autocommit=True) as conn:
-            for name in names.values():
-                if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone():
-                    conn.execute(f'REASSIGN OWNED BY "{name}" TO CURRENT_USER')
-                    conn.execute(f'DROP OWNED BY "{name}"')
-            conn.close()
-            for name in names.values():
-                if admin.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone():
-                    admin.execute(f'REVOKE ALL ON DATABASE "{db}" FROM "{name}"')
-                admin.execute(f'DROP ROLE IF EXISTS "{name}"')
+    with doc_roles(pg_server, database_factory(migrated=True), ROLES) as roles:
+        yield roles
 
 
 def test_a_consumer_in_the_documented_role_does_its_whole_job_and_nothing_more(

@@ -9,14 +9,12 @@ its read-model role; the producer is refused what it must not do.
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
 from psycopg_pool import ConnectionPool
 
 from outbox_relay import Outbox, migrate
@@ -25,8 +23,9 @@ from outbox_relay.relay import SinkRunner
 from projections import ProjectionEvent, projection
 from projections.rebuild import Rebuild
 from projections.sink import ProjectionSink
+from tests.integration.doc_roles import doc_roles
 from tests.integration.relay_helpers import ALL_BUCKETS, RecordingSink, close_history, make_settings, run_until
-from tests.servers import PgServer, dbname_of
+from tests.servers import PgServer
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "roles.md"
 ROLES = ("outbox_migrator", "outbox_relay", "outbox_producer", "outbox_projector", "orders_read_models")
@@ -39,32 +38,8 @@ def doc_blocks() -> list[str]:
 
 @pytest.fixture
 def roles(pg_server: PgServer, database_factory: Callable[..., str]) -> Iterator[dict[str, Any]]:
-    dsn = database_factory(migrated=False)
-    suffix = uuid.uuid4().hex[:8]
-    names = {r: f"{r}_{suffix}" for r in (*ROLES, "orders_service", "reader")}
-    db = dbname_of(dsn)
-
-    def rename(sql: str) -> str:
-        for r in sorted(names, key=len, reverse=True):
-            sql = re.sub(rf"\b{r}\b", names[r], sql)
-        return sql.replace("DATABASE app", f'DATABASE "{db}"')
-
-    def as_role(role: str) -> str:
-        return make_conninfo(dsn, user=names[role], password=None)
-
-    try:
-        yield {"dsn": dsn, "names": names, "rename": rename, "as": as_role}
-    finally:
-        with pg_server.admin() as admin, psycopg.connect(dsn, autocommit=True) as conn:
-            for name in names.values():
-                if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone():
-                    conn.execute(f'REASSIGN OWNED BY "{name}" TO CURRENT_USER')
-                    conn.execute(f'DROP OWNED BY "{name}"')
-            conn.close()
-            for name in names.values():
-                admin.execute(f'REVOKE ALL ON DATABASE "{db}" FROM "{name}"') if admin.execute(
-                    "SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone() else None
-                admin.execute(f'DROP ROLE IF EXISTS "{name}"')
+    with doc_roles(pg_server, database_factory(migrated=False), (*ROLES, "orders_service", "reader")) as roles:
+        yield roles
 
 
 def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]) -> None:
