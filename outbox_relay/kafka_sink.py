@@ -49,7 +49,7 @@ from .backoff import Backoff
 from .dsn import describe_error, redact_kafka_config
 from .errors import ConfigurationError
 from .observer import NULL_OBSERVER, Observer
-from .sink import Aborted, Commit, Failure, KeyHold, Outcomes
+from .sink import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, Failure, KeyHold, Outcomes
 from .store import EventFilter, StoredEvent
 
 log = logging.getLogger("outbox_relay.kafka")
@@ -124,11 +124,6 @@ SESSION_ERRORS = {
 }
 
 DEFAULT_STALL_SECONDS = 60.0
-# While a batch waits for acknowledgements longer than this (a slow or absent broker, a large batch),
-# what is acknowledged is checkpointed every this often (``Commit.partial``), so that a relay that loses
-# its buckets meanwhile (a lease lost while the database or the process stalled) hands over only the
-# rest to be sent again. A batch acknowledged sooner costs nothing extra.
-PARTIAL_CHECKPOINT_SECONDS = 1.0
 POLL_SECONDS = 0.05
 FIRST_RECREATE_DELAY = 1.0  # spacing of replacements in a row (doubling up to the stall time)
 SLOW_DESTROY_SECONDS = 5.0  # a replaced producer that takes longer to shut down is logged

@@ -19,6 +19,10 @@ log = logging.getLogger("outbox_relay.sink")
 
 AsyncConn = psycopg.AsyncConnection[Any]
 IDLE_CALL_SECONDS = 1.0  # how often a waiting runner calls its sink's ``idle()``
+# While a batch takes longer than this (a slow or absent broker, slow calls of a user's sink), what is
+# delivered of it is checkpointed every this often (``Commit.partial``), so that a relay that dies or
+# loses its buckets meanwhile hands over only the rest to be sent again. A quicker batch costs nothing.
+PARTIAL_CHECKPOINT_SECONDS = 1.0
 
 
 @dataclass(frozen=True)

@@ -41,17 +41,13 @@ from typing import Any
 from .dsn import describe_error, redact
 from .errors import MAX_ERROR_CHARS, SinkStuck
 from .observer import NULL_OBSERVER, Observer
-from .sink import Aborted, Commit, Failure, Outcomes
+from .sink import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, Failure, Outcomes
 from .sinks import MAX_WAIT_SECONDS, Delivered, EventSink, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
 from .store import EventFilter, StoredEvent
 from .timelimit import WAIT_SLICE, HandlerThread, cap_exceeded
 
 log = logging.getLogger("outbox_relay.sinks")
 
-# While a batch takes longer than this (slow calls), what is delivered of it is checkpointed every this
-# often (``Commit.partial``, as the Kafka sink does), so a relay that dies or loses its buckets meanwhile
-# hands over only the rest.
-PARTIAL_CHECKPOINT_SECONDS = 1.0
 
 _ANSWERS = (Delivered, Retry, GiveUp)
 

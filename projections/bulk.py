@@ -58,7 +58,7 @@ from .decisions import live_decisions
 from .declare import Projection, _headers, decode_json, describe
 from .event import ProjectionEvent, make_event, make_token
 from .guard import Abandoned, Guard, TimedOut, Walk
-from .sink import outside_writes_error
+from .sink import END_WALK_WAIT_MS, outside_writes_error
 from .walk import Batch, Delivered, Redo, drive, walk
 
 log = logging.getLogger("outbox_relay.rebuild")
@@ -70,7 +70,6 @@ FENCES = dict.fromkeys(range(BUCKETS), 0)  # the phase's fence in every bucket: 
 # bench/results/2026-11-26-rebuild-lanes.md).
 LANES = 4
 LOCK_POLL_SECONDS = 0.5
-END_WALK_WAIT_MS = 5000
 # A lost server (a restart, a failover): the phase reconnects after RECONNECT's delays for up to
 # RECONNECT_SECONDS from the first failure with no slice landed since, then leaves the rest of history to
 # the relay phase, which has its own retries and is several times slower.
