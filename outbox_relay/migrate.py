@@ -1,4 +1,5 @@
-"""Apply ``sql/migrations/NNNN_*.sql`` in order, once, safe when many processes run it at once."""
+"""The one migration runner: a schema's ``sql/<folder>/NNNN_*.sql`` in order, once, safe when many processes
+run it at once (the outbox's ``sql/migrations/``, the inbox's ``sql/inbox/``)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, LiteralString
 
 import psycopg
+from psycopg import sql
 
 from .dsn import redact
 from .errors import SchemaError
@@ -17,20 +19,18 @@ from .sqlfiles import sql_dir
 
 log = logging.getLogger("outbox_relay.migrate")
 
-# Serialises concurrent `outbox-relay migrate` runs (transaction-scoped, never leaks).
-MIGRATION_LOCK = 0x6F7574626F78  # "outbox"
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
-# A migration that older code can not run against says so in its header.
-_MIN_CODE = re.compile(r"^-- min-code-version: (\d+)\s*$", re.MULTILINE)
-
-BOOTSTRAP = """
-CREATE SCHEMA IF NOT EXISTS outbox;
-CREATE TABLE IF NOT EXISTS outbox.schema_migrations (
+# Each schema's bookkeeping table, made before its first migration runs.
+BOOTSTRAP: LiteralString = """
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {schema}.schema_migrations (
     version    integer     NOT NULL PRIMARY KEY,
     name       text        NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 """
+# A migration that older code can not run against says so in its header.
+_MIN_CODE = re.compile(r"^-- min-code-version: (\d+)\s*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,34 @@ class Migration:
         return int(m.group(1)) if m else None
 
 
+@dataclass(frozen=True)
+class Schema:
+    """One of the product's schemas with its own numbered migrations: ``outbox`` (``sql/migrations/``) and
+    ``outbox_inbox`` (``sql/inbox/``). The one runner below applies either."""
+
+    name: str  # a fixed name, never input
+    folder: str  # under sql/
+    lock: int  # serialises concurrent runs of this schema's migrations (transaction-scoped, never leaks)
+
+    def migrations(self) -> list[Migration]:
+        found = []
+        for path in sorted((sql_dir() / self.folder).glob("*.sql")):
+            m = _FILE.match(path.name)
+            if m:
+                found.append(Migration(int(m.group(1)), m.group(2), path))
+        return found
+
+    def sql(self, text: LiteralString) -> sql.Composed:
+        """``text`` with ``{schema}`` as this schema's name."""
+        return sql.SQL(text).format(schema=sql.Identifier(self.name))
+
+
+OUTBOX = Schema("outbox", "migrations", 0x6F7574626F78)  # lock: "outbox"
+INBOX = Schema("outbox_inbox", "inbox", 0x696E626F78)  # lock: "inbox" (not the outbox's: two schemas, two runs)
+
+
 def migrations() -> list[Migration]:
-    found = []
-    for path in sorted((sql_dir() / "migrations").glob("*.sql")):
-        m = _FILE.match(path.name)
-        if m:
-            found.append(Migration(int(m.group(1)), m.group(2), path))
-    return found
+    return OUTBOX.migrations()
 
 
 def latest_version() -> int:
@@ -72,39 +93,46 @@ def migrate(conninfo: str) -> list[Migration]:
 def apply_migrations(conn: psycopg.Connection[Any]) -> list[Migration]:
     """``migrate`` on an open connection (Django's, say): one transaction, or a savepoint of the one
     open; returns the migrations this call applied."""
+    return apply(conn, OUTBOX, migrations())
+
+
+def apply(conn: psycopg.Connection[Any], schema: Schema, shipped: list[Migration]) -> list[Migration]:
+    """Apply what of ``shipped`` the database lacks, in order, once, in one transaction; safe when many
+    processes run it at once. Returns the migrations this call applied."""
     applied: list[Migration] = []
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
-        conn.execute(BOOTSTRAP)
-        _check_names(conn)
-        done = {r[0] for r in conn.execute("SELECT version FROM outbox.schema_migrations")}
-        for m in migrations():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (schema.lock,))
+        conn.execute(schema.sql(BOOTSTRAP))
+        check_names(conn, schema, shipped)
+        done = {r[0] for r in conn.execute(schema.sql("SELECT version FROM {schema}.schema_migrations"))}
+        for m in shipped:
             if m.version in done:
                 continue
-            log.info("applying migration %04d_%s", m.version, m.name)
-            conn.execute(m.path.read_text())  # trusted file shipped with the package
-            conn.execute("INSERT INTO outbox.schema_migrations (version, name) VALUES (%s, %s)", (m.version, m.name))
-            if m.min_code_version is not None:  # the column exists from 0005 on, which is the first to set it
-                conn.execute("UPDATE outbox.schema_migrations SET min_code_version = %s WHERE version = %s",
-                             (m.min_code_version, m.version))
+            log.info("applying %s migration %04d_%s", schema.name, m.version, m.name)
+            conn.execute(m.path.read_bytes())  # trusted file shipped with the package
+            conn.execute(schema.sql("INSERT INTO {schema}.schema_migrations (version, name) VALUES (%s, %s)"),
+                         (m.version, m.name))
+            if m.min_code_version is not None:  # outbox: the column exists from 0005 on, the first to set it
+                conn.execute(schema.sql("UPDATE {schema}.schema_migrations SET min_code_version = %s "
+                                        "WHERE version = %s"), (m.min_code_version, m.version))
             applied.append(m)
         if applied:  # a function a migration added starts closed
-            conn.execute(close_to_public("outbox"))
+            conn.execute(close_to_public(schema.name))
     return applied
 
 
-def _check_names(conn: psycopg.Connection[Any]) -> None:
+def check_names(conn: psycopg.Connection[Any], schema: Schema, shipped: list[Migration]) -> None:
     """Refuse a database whose version N was recorded under another name than this code's N (migrated by
     another build, or by a migration later withdrawn and its number reused): migrate would skip this
-    code's N for good and every relay would take the schema for current."""
-    recorded = dict(conn.execute("SELECT version, name FROM outbox.schema_migrations").fetchall())
-    for m in migrations():
+    code's N for good and every process would take the schema for current."""
+    recorded = dict(conn.execute(schema.sql("SELECT version, name FROM {schema}.schema_migrations")).fetchall())
+    for m in shipped:
         name = recorded.get(m.version)
         if name is not None and name != m.name:
             raise SchemaError(
-                f"the outbox schema's version {m.version} is {str(name)!r}, but this code's migration {m.version} is "
-                f"{m.name!r}: the database was migrated by another build of outbox-relay. Migrate it with the build "
-                "that created it, or restore it, before running this one")
+                f"the {schema.name} schema's version {m.version} is {str(name)!r}, but this code's migration "
+                f"{m.version} is {m.name!r}: the database was migrated by another build of outbox-relay. Migrate it "
+                "with the build that created it, or restore it, before running this one")
 
 
 def check_schema(conn: psycopg.Connection[Any]) -> None:
@@ -124,7 +152,7 @@ def check_schema(conn: psycopg.Connection[Any]) -> None:
     if version < ours:
         raise SchemaError(f"the outbox schema is at version {version}, this relay needs {ours}: "
                           "run `outbox-relay migrate`")
-    _check_names(conn)
+    check_names(conn, OUTBOX, migrations())
     # At version 5 or later: the column exists (0005 added it).
     needs = conn.execute("SELECT max(min_code_version) FROM outbox.schema_migrations").fetchone()
     required = needs[0] if needs else None

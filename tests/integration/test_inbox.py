@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from outbox_relay import timelimit
-from outbox_relay.errors import LeaseLost
+from outbox_relay.errors import LeaseLost, SchemaError
 from outbox_relay.inbox import InboxMessage, apply_test_message, make_message, migrate_inbox
 from outbox_relay.inbox.admin import drop_dead_letters, list_dead_letters, request_retry, show_dead_letter
 from outbox_relay.inbox.consumer import InboxConsumer
@@ -266,6 +266,17 @@ def test_migrate_is_idempotent_and_needs_no_outbox_schema(database_factory: Call
         assert applied[:2] == ["0001_initial", "0002_crash_attempts"] and "0004_incarnations" in applied
         assert migrate_inbox(conn) == []
         assert conn.execute("SELECT to_regnamespace('outbox')").fetchone() == (None,)
+
+
+def test_migrate_refuses_inbox_tables_that_another_build_migrated(database_factory: Callable[..., str]) -> None:
+    """The outbox's runner, so the same check: a version recorded under another name is refused by name,
+    not skipped for good."""
+    dsn = database_factory()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate_inbox(conn)
+        conn.execute("UPDATE outbox_inbox.schema_migrations SET name = 'from_a_branch' WHERE version = 2")
+        with pytest.raises(SchemaError, match="outbox_inbox schema's version 2 is 'from_a_branch'"):
+            migrate_inbox(conn)
 
 
 def test_dead_letter_operations_refuse_unknown_ids_and_drop(inbox_dsn: str) -> None:
