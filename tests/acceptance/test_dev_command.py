@@ -107,6 +107,7 @@ def dev_processes() -> Iterator[list[Dev]]:
     finally:
         for dev in started:
             dev.kill()
+            dev.wait(30)
 
 
 def env_of(exports: dict[str, str]) -> dict[str, str]:

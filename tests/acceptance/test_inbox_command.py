@@ -52,6 +52,7 @@ def test_a_consumer_killed_mid_stream_and_restarted_applies_everything_once(
         first.wait(10)
     finally:
         first.kill()
+        first.wait(30)
     assert len(effects(dsn)) < 300
     second = start(tmp_path, "second", dsn, kafka_bootstrap, kafka_topic)
     try:
@@ -79,6 +80,7 @@ def test_a_consumer_killed_mid_stream_and_restarted_applies_everything_once(
         assert second.wait(30) == 0
     finally:
         second.kill()
+        second.wait(30)
     assert Counter(e[0] for e in effects(dsn)) == Counter([*ids, poison]), "each event's effect exactly once"
     assert scalar(dsn, "SELECT count(*) FROM outbox_inbox.positions WHERE owner IS NOT NULL") == 0, "leases released"
 

@@ -67,6 +67,7 @@ def test_a_consumer_killed_mid_stream_resumes_every_partition_within_its_lease(
         first.wait(10)
     finally:
         first.kill()
+        first.wait(30)
     applied = len(effects(dsn))
     assert applied < 120
     member = "pod-0" if second_id == "same" else "pod-1"
@@ -84,6 +85,7 @@ def test_a_consumer_killed_mid_stream_resumes_every_partition_within_its_lease(
         assert second.wait(30) == 0
     finally:
         second.kill()
+        second.wait(30)
         log = (tmp_path / "consumer.log").read_text(errors="replace")
     assert Counter(e[0] for e in effects(dsn)) == Counter(ids), "each exactly once:\n" + log[-3000:]
     print(f"{second_id} id: resumed {resumed:.2f}s after the restart (bound {BOUND:.1f}s)")
@@ -147,13 +149,21 @@ def test_a_paused_holder_with_the_same_member_id_is_waited_out_and_fenced(
         wait_until(lambda: len(effects(dsn)) == 40, 30, 0.1, "applied while both run")
         first.send_signal(signal.SIGTERM)
         assert first.wait(30) == 0
-        assert [p["state"] for p in status(dsn)] == ["consuming"] * 4, "the old run's stop left the new run's leases"
+        # The leases themselves: the old run's stop ended none of the new run's. (Its registration under
+        # the shared id goes with it, so `state` reads the new run's leases as a previous run's until the
+        # new run's next heartbeat, a third of a lease later.)
+        held = status(dsn)
+        assert [(p["owner"], p["leased"]) for p in held] == [("pod-0", True)] * 4, \
+            f"the old run's stop ended the new run's leases: {held}"
+        wait_until(lambda: [p["state"] for p in status(dsn)] == ["consuming"] * 4, lease / 3 + 10, 0.2,
+                   "status: the new run's heartbeat registers it again")
         second.send_signal(signal.SIGTERM)
         assert second.wait(30) == 0
         assert [p["state"] for p in status(dsn)] == ["free"] * 4
     finally:
-        first.kill()
-        if second is not None:
-            second.kill()
+        for process in (first, second):
+            if process is not None:
+                process.kill()
+                process.wait(30)
     assert Counter(e[0] for e in effects(dsn)) == Counter(ids + more), "each exactly once"
     print(f"paused holder: taken over {took:.2f}s after it stopped (lease {lease:g}s)")

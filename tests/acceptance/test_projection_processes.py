@@ -219,6 +219,7 @@ def interrupted_rebuild(dsn: str, marks: Path, sig: signal.Signals, *extra: str)
             out, err = rebuild.communicate(timeout=60)
         finally:
             rebuild.kill()
+            rebuild.wait(30)
     return rebuild.returncode, out, err
 
 
