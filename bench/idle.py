@@ -51,17 +51,18 @@ def _pct(p: float, xs: list[float]) -> float | None:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
-def _migrate_with(code: Path | None, dsn: str) -> None:
+def migrate_with(code: Path | None, dsn: str, sink: str = "kafka") -> None:
     """Migrate and register the sink with the code under test (a baseline's own schema)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     if code is not None:
         env["PYTHONPATH"] = str(code)
     script = ("import sys, psycopg, outbox_relay; from outbox_relay import migrate, store; "
+              "code = sys.argv[3] or None; "
               "assert code is None or outbox_relay.__file__.startswith(code), outbox_relay.__file__; "
               "migrate(sys.argv[1]); c = psycopg.connect(sys.argv[1], autocommit=True); "
-              "store.register_sink(c, 'kafka', 'kafka')").replace("code", repr(str(code)) if code else "None")
+              "store.register_sink(c, sys.argv[2], 'kafka')")
     # In its directory: `python -c` puts the working directory first on sys.path.
-    subprocess.run([sys.executable, "-c", script, dsn], env=env, check=True, cwd=code)
+    subprocess.run([sys.executable, "-c", script, dsn, sink, str(code or "")], env=env, check=True, cwd=code)
 
 
 def _threads(pids: list[int]) -> dict[str, float]:
@@ -85,7 +86,7 @@ def idle_once(bench: Bench, version: str, code: Path | None, relays_n: int,
     tag = f"idle-{''.join(c for c in version if c.isalnum())}-{relays_n}r"
     name = bench.pg.create_database("idle")
     dsn = bench.pg.dsn(name)
-    _migrate_with(code, dsn)
+    migrate_with(code, dsn)
     topic = bench.kafka.create_topic(tag, PARTITIONS)
     acks_paths = [bench.base / f"{tag}-acks-{i}.json" for i in range(relays_n)]
     relays = bench.start_relays(relays_n, dsn, topic, tag, acks_to=acks_paths, batch_size=None, code=code,

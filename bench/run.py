@@ -75,7 +75,7 @@ PARTITIONS = 8
 # the events table gets back a producer-side NOTIFY (the trigger migration 0010 removed), so that the
 # run shows what the commit watcher's wake-up costs against a wake-up sent at the producer's commit.
 # The bench also holds the watcher's lock (WATCH_LOCK), so that no relay watches.
-OURS = ("ours", "notified")
+OURS = ("ours", "notified", "baseline")  # outbox-relay relays ("baseline": the --baseline code's)
 PRODUCER_NOTIFY = """
 CREATE FUNCTION public.bench_notify_events() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -123,13 +123,22 @@ class Bench:
         self.base = servers.base
         self.results: dict[str, Any] = {}
 
-    def fresh_outbox_db(self) -> tuple[str, str]:
+    def fresh_outbox_db(self, code: Path | None = None) -> tuple[str, str]:
+        """``code``: a baseline's directory: its own migrations make the schema."""
         name = self.pg.create_database("outbox")
         dsn = self.pg.dsn(name)
+        if code is not None:
+            idle.migrate_with(code, dsn, SINK)
+            return name, dsn
         migrate(dsn)
         with psycopg.connect(dsn, autocommit=True) as conn:
             relay_store.register_sink(conn, SINK, "kafka")  # what the relay does at start; idempotent
         return name, dsn
+
+    @property
+    def baseline(self) -> Path | None:
+        """--baseline: another version's code, run next to this tree's in the drain and latency cases."""
+        return Path(self.args.baseline).resolve() if self.args.baseline else None
 
     def payload(self, i: int) -> dict[str, Any]:
         return {"order_id": i, "amount_cents": 1000 + i % 9000, "currency": "EUR",
@@ -343,22 +352,25 @@ class Bench:
 
     # -- case 1 + 5: drain and peak RSS -----------------------------------------------------------
 
-    def drain_once(self, relays_n: int, mode: str, verify: bool, run: int) -> dict[str, Any]:
+    def drain_once(self, relays_n: int, mode: str, verify: bool, run: int,
+                   code: Path | None = None) -> dict[str, Any]:
         n = self.args.events
-        name, dsn = self.fresh_outbox_db()
+        name, dsn = self.fresh_outbox_db(code)
         topic = self.kafka.create_topic(f"drain{relays_n}", PARTITIONS)
         relays: list[tuple[str, subprocess.Popen[bytes]]] = []
-        out: dict[str, Any] = {"relays": relays_n, "mode": mode, "run": run}
+        version = "baseline" if code else "this"
+        out: dict[str, Any] = {"relays": relays_n, "mode": mode, "run": run, "version": version}
         warmups = 0
         # The drain ends at the broker's last acknowledgement (bench/ack_relay.py records each one); the
         # cursors only say when it is over: a Kafka relay writes them at most every --cursor-flush-seconds.
-        acks = [self.base / f"drain-acks-{mode}{relays_n}r{run}-{i}.json" for i in range(relays_n)]
+        acks = [self.base / f"drain-acks-{version}-{mode}{relays_n}r{run}-{i}.json" for i in range(relays_n)]
         try:
             with psycopg.connect(dsn, autocommit=True) as poll:
                 if mode == "warm":
                     # Relays up and settled on the stored assignment, producers warmed up; then the backlog is
                     # published while they are stopped, and released by letting them go on.
-                    relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}", acks_to=acks)
+                    relays = self.start_relays(relays_n, dsn, topic, f"{version}-{mode}{relays_n}r{run}",
+                                               acks_to=acks, code=code)
                     out["settle_seconds"] = self.wait_ring(poll, [w for w, _ in relays], relays)
                     warmups = self.warm_up(dsn, topic, relays)
                     targets, t0 = self.release_backlog(dsn, n, topic, relays, out)
@@ -366,7 +378,8 @@ class Bench:
                     out["publish_seconds"] = self.publish_backlog(dsn, n, topic)
                     targets = self.targets(poll)
                     t0 = time.time()
-                    relays = self.start_relays(relays_n, dsn, topic, f"{mode}{relays_n}r{run}", acks_to=acks)
+                    relays = self.start_relays(relays_n, dsn, topic, f"{version}-{mode}{relays_n}r{run}",
+                                               acks_to=acks, code=code)
                 t_end = self.wait_delivered(poll, targets, relays, timeout=self.args.drain_timeout)
                 row = poll.execute("SELECT extract(epoch FROM min(advanced_at))::float8 FROM outbox.cursors "
                                    "WHERE sink = %s AND advanced_at > to_timestamp(%s)", (SINK, t0)).fetchone()
@@ -400,10 +413,12 @@ class Bench:
         for run in range(self.args.runs):
             for n in counts:
                 if "drain" in kinds and n in self.args.relays:
-                    for mode in self.args.drain_modes:
-                        r = self.drain_once(n, mode, run == 0 and mode == "warm", run)
+                    for mode, code in ((m, c) for m in self.args.drain_modes
+                                       for c in ((None, self.baseline) if self.baseline else (None,))):
+                        r = self.drain_once(n, mode, run == 0 and mode == "warm" and code is None, run, code)
                         rss = max(v or 0 for v in r["peak_rss_mb"].values())
-                        log(f"drain {mode} {n} relays run {run + 1}: {r['events_per_s']:,.0f} ev/s "
+                        log(f"drain {mode} {n} relays{' (baseline)' if code else ''} run {run + 1}: "
+                            f"{r['events_per_s']:,.0f} ev/s "
                             f"({r['seconds']:.2f}s, cursor write after {r['first_checkpoint_after_s'] or 0:.2f}s, "
                             f"rss {rss:.0f} MB)"
                             + (f", topic {r['topic']}" if "topic" in r else ""))
@@ -540,8 +555,9 @@ class Bench:
         ``longtx``: a writing transaction in another database of the same server stays open from
         before the first event until the consumer has everything (or gave up waiting)."""
         tag = f"{kind}{int(rate)}x{relays_n}r{run}{'L' if longtx else ''}"
+        code = self.baseline if kind == "baseline" else None
         if kind in OURS:
-            name, dsn = self.fresh_outbox_db()
+            name, dsn = self.fresh_outbox_db(code)
             if kind == "notified":
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     conn.execute(PRODUCER_NOTIFY)
@@ -575,7 +591,7 @@ class Bench:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             warmups = 0
             if kind in OURS:
-                relays = self.start_relays(relays_n, dsn, topic, f"lat-{tag}", acks_to=acks_paths)
+                relays = self.start_relays(relays_n, dsn, topic, f"lat-{tag}", acks_to=acks_paths, code=code)
                 with psycopg.connect(dsn, autocommit=True) as poll:
                     self.wait_ring(poll, [w for w, _ in relays], relays)
                 warmups = self.warm_up(dsn, topic, relays)
@@ -1265,11 +1281,15 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
     if "drain" in results:
         for mode in a["drain_modes"]:
             for r_n in a["relays"]:
-                rs = [r for r in results["drain"] if r["relays"] == r_n and r["mode"] == mode]
                 label = {"warm": "backlog released to running relays", "cold": "from relay process start"}[mode]
-                row(f"drain {a['events']:,}, {r_n} relay{'s' if r_n > 1 else ''} ({label})", "events/s", "ev/s",
-                    [r["events_per_s"] for r in rs])
-                (ours if mode == "warm" else ours_cold)[r_n] = [r["events_per_s"] for r in rs]
+                for version in ("this", "baseline") if a.get("baseline") else ("this",):
+                    rs = [r for r in results["drain"] if r["relays"] == r_n and r["mode"] == mode
+                          and r.get("version", "this") == version]
+                    which = " (baseline)" if version == "baseline" else ""
+                    row(f"drain {a['events']:,}, {r_n} relay{'s' if r_n > 1 else ''}{which} ({label})", "events/s",
+                        "ev/s", [r["events_per_s"] for r in rs])
+                    if version == "this":
+                        (ours if mode == "warm" else ours_cold)[r_n] = [r["events_per_s"] for r in rs]
     if "projection" in results:
         handlers = {"per-event": "one upsert per event", "batched": "batched handler: one upsert per batch"}
         for handler in a.get("projection_handlers", ["per-event"]):
@@ -1339,7 +1359,7 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
             lines.append(f"| {case} | ... of which a second consumer found on the topic | {found} | | | |")
 
     kind_label = {"ours": "outbox-relay", "notified": "outbox-relay + producer NOTIFY (control)",
-                  "tuned": "tuned SQL relay"}
+                  "tuned": "tuned SQL relay", "baseline": "outbox-relay (baseline)"}
     if "latency" in results:
         for rate in a["latency_rates"]:
             for r_n in a["latency_relays"]:
@@ -1545,6 +1565,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle-runs", type=int, default=1)
     p.add_argument("--idle-max-intervals", default="",
                    help="idle case: also run this tree with each of these --watch-max-interval-ms, comma list")
+    p.add_argument("--baseline", default=None,
+                   help="drain and latency cases: also run the outbox_relay package in this directory (git archive "
+                        "REV | tar -x -C DIR), interleaved with this tree's, each on a database its code migrated")
     p.add_argument("--idle-baseline", default=None,
                    help="idle case: also run the outbox_relay package in this directory (git archive main | tar -x)")
     p.add_argument("--fleet-sizes", default="32,64", help="relay processes in the fleet case, comma list")
@@ -1613,6 +1636,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.latency_seconds = args.latency_seconds or (8.0 if quick else 15.0)
     args.latency_relays = [int(x) for x in args.latency_relays.split(",")]
     args.latency_kinds = [x for x in args.latency_kinds.split(",") if x]
+    if args.baseline and "baseline" not in args.latency_kinds:
+        args.latency_kinds.insert(args.latency_kinds.index("ours") + 1 if "ours" in args.latency_kinds else 0,
+                                  "baseline")
     args.longtx_seconds = args.longtx_seconds or (20.0 if quick else 60.0)
     args.longtx_kinds = [x for x in args.longtx_kinds.split(",") if x]
     args.longtx_runs = args.longtx_runs or (1 if quick else args.runs)
