@@ -41,14 +41,16 @@ def _default(name: str, field: Any) -> str:
 
 
 def _flag(name: str, field: Any) -> str:
+    """The option, and its variable where it is not the option's name (``--a-b`` is ``OUTBOX_A_B``)."""
+    env = f"`{ENV_PREFIX}{name.upper()}`"
     if name == "kafka_config":
-        return "`--kafka-option KEY=VALUE` (repeatable; `KEY=@PATH` reads the value from a file)"
+        return f"`--kafka-option KEY=VALUE` (repeatable; `KEY=@PATH` reads the value from a file); {env} (JSON object)"
     if name == "projection":
-        return "`--projection NAME` (repeatable)"
+        return f"`--projection NAME` (repeatable; {env} comma-separated)"
     if name == "sink":
-        return "`--sink MODULE:ATTR` (repeatable)"
+        return f"`--sink MODULE:ATTR` (repeatable; {env} comma- or space-separated)"
     if name == "webhook_secret":
-        return "(environment only)"
+        return f"{env} (environment only)"
     flag = "--" + name.replace("_", "-")
     if field.annotation is bool:
         return f"`{flag}` / `--no-{name.replace('_', '-')}`"
@@ -56,14 +58,10 @@ def _flag(name: str, field: Any) -> str:
 
 
 def table() -> str:
-    lines = ["| option | environment | default | allowed | meaning |", "|---|---|---|---|---|"]
+    lines = ["| option | default | allowed | meaning |", "|---|---|---|---|"]
     for name, field in RelaySettings.model_fields.items():
-        env = f"`{ENV_PREFIX}{name.upper()}`" + {"kafka_config": " (JSON object)",
-                                                 "projection": " (comma-separated)",
-                                                 "sink": " (comma- or space-separated)"}.get(name, "")
         allowed = bounds(field) or ""
-        lines.append(f"| {_flag(name, field)} | {env} | {_default(name, field)} | {allowed} | "
-                     f"{field.description or ''} |")
+        lines.append(f"| {_flag(name, field)} | {_default(name, field)} | {allowed} | {field.description or ''} |")
     return "\n".join(lines)
 
 
