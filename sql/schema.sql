@@ -1032,7 +1032,7 @@ $$;
 SELECT outbox.add_partition_v1(1000000, 86400);
 
 -- 0019_privileges: nothing in the schema is open to PUBLIC (migrate repeats this after every run); the
--- documented roles' grants are in outbox_relay/privileges.py (docs/operations.md).
+-- documented roles' grants are in outbox_relay/privileges.py (docs/roles.md).
 REVOKE ALL ON SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;

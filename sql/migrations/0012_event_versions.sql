@@ -9,7 +9,7 @@
 ALTER TABLE outbox.events ADD COLUMN schema_version integer NOT NULL DEFAULT 1,
     ADD CONSTRAINT events_schema_version_valid CHECK (schema_version BETWEEN 1 AND 32767);
 
--- Producers granted INSERT on a list of columns (docs/operations.md, least-privilege roles) could no
+-- Producers granted INSERT on a list of columns (docs/roles.md) could no
 -- longer publish: publish names the new column. Whoever may insert a payload may insert its version.
 DO $$
 DECLARE

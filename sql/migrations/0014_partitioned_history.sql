@@ -18,7 +18,7 @@
 --   is unique per topic across all of history. Keys move to outbox.idempotency_keys, filled by
 --   events_check: an INSERT whose key already stands for an event is skipped (as ON CONFLICT DO
 --   NOTHING did); the key leaves with its event's partition (G2: for as long as the event is kept).
---   Producers that wrote `ON CONFLICT (...) DO NOTHING` drop that clause (docs/operations.md).
+--   Producers that wrote `ON CONFLICT (...) DO NOTHING` drop that clause (docs/sql-producers.md).
 -- - Event ids are no longer unique by index (the same reason); they are random or time-ordered
 --   UUIDs made by the library or the database, and explicit ids are checked (insert_checked).
 --
@@ -86,7 +86,7 @@ CREATE TABLE outbox.events (
     CONSTRAINT events_schema_version_valid CHECK (schema_version BETWEEN 1 AND 32767)
 ) PARTITION BY RANGE (xid);
 
--- Same privileges as the table it replaces (least-privilege roles, docs/operations.md).
+-- Same privileges as the table it replaces (docs/roles.md).
 DO $$
 DECLARE
     columns text;

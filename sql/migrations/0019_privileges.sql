@@ -4,7 +4,7 @@
 -- on schema outbox could call the SECURITY DEFINER functions that roll, add and retire partitions, and
 -- retire_partition_v1 took the default class's keep from its caller, so `roll_partition_v1(...)` then
 -- `retire_partition_v1('0 seconds')` dropped every delivered partition (and freed its idempotency keys)
--- whatever --retention-seconds said. Now (docs/operations.md, least-privilege roles):
+-- whatever --retention-seconds said. Now (docs/roles.md):
 --
 -- - outbox.housekeeping.default_keep holds the default class's keep: each housekeeping pass stores its
 --   relay's --retention-seconds there (only relays may update that row). retire_partition_v2() takes no
@@ -19,7 +19,7 @@
 --   granted UPDATE on outbox.housekeeping, projectors those granted INSERT on outbox.cursors otherwise,
 --   producers those granted INSERT on outbox.events (or its idempotency_key column). So running relays
 --   keep what they call, and projectors (docs granted them EXECUTE ON ALL FUNCTIONS) lose the partition
---   functions. Run the grants of docs/operations.md again afterwards, as after every migration.
+--   functions. Run the grants of docs/roles.md again afterwards, as after every migration.
 -- - ALTER DEFAULT PRIVILEGES ... IN SCHEMA can not revoke PUBLIC's EXECUTE (a per-schema default only
 --   adds to the global one), and the global form would change the migrating role's functions in every
 --   schema; instead `migrate` revokes PUBLIC's rights in the schema after every run
