@@ -13,6 +13,7 @@ import psycopg
 
 from ..crashloop import FIRST_PROBE
 from ..dsn import redact
+from ..renewal import renew_interval
 from ..sqlfiles import query
 from .incarnation import Run
 from .partitions import Partition, PartitionBook, Stats
@@ -42,8 +43,8 @@ class Membership:
 
     @property
     def renew_seconds(self) -> float:
-        """Between rounds: a third of the lease, as the relay renews its buckets' leases."""
-        return self.settings.lease_seconds / 3
+        """Between rounds: the relay's cadence for its buckets' leases (outbox_relay.renewal)."""
+        return renew_interval(self.settings.lease_seconds)
 
     def connect(self) -> None:
         self.control = connect(self.dsn, autocommit=True)
