@@ -43,7 +43,7 @@ from .errors import ConfigurationError, OutboxError
 from .sinks import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
 
 if TYPE_CHECKING:
-    from .settings import RelaySettings, WebhookSettings
+    from .webhook_settings import WebhookFields
 
 log = logging.getLogger("outbox_relay.webhook")
 
@@ -568,7 +568,7 @@ def check_url(url: str) -> urllib.parse.SplitResult:
 # -- configuration --------------------------------------------------------------------------------
 
 
-def from_settings(settings: RelaySettings | WebhookSettings) -> WebhookSink:
+def from_settings(settings: WebhookFields) -> WebhookSink:
     """The webhook sink that ``settings`` (``webhook_*``) describe; ConfigurationError without a URL."""
     s = settings
     if not s.webhook_url:
@@ -593,7 +593,8 @@ def from_env() -> WebhookSink:
     """The webhook sink the ``OUTBOX_WEBHOOK_*`` variables describe: ``--sink outbox_relay.webhook:from_env``."""
     from pydantic import ValidationError
 
-    from .settings import WebhookSettings, describe_validation_error
+    from .settings import describe_validation_error
+    from .webhook_settings import WebhookSettings
 
     try:
         settings = WebhookSettings()

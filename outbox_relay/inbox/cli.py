@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 
 from ..errors import ConfigurationError
 from ..loader import import_module
-from ..settings import default_text
+from ..settings_base import default_text
 from . import admin
 from .consumer import InboxConsumer
 from .schema import check_inbox_schema, connect, migrate_inbox

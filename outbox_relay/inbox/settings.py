@@ -8,12 +8,26 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from ..dsn import remember_kafka_secrets
 from ..errors import ConfigurationError
-from ..settings import KAFKA_OPTIONS_HELP, MODULE_SPEC, TOPIC_NAME, Dsn, KafkaOptions, default_worker_id
 from ..settings import env_var as relay_env_var
+from ..settings_base import (
+    KAFKA_OPTIONS_HELP,
+    MODULE_SPEC,
+    TOPIC_NAME,
+    AttemptSettings,
+    BackoffBase,
+    BackoffMax,
+    BatchSize,
+    Dsn,
+    HandlerTimeout,
+    KafkaOptions,
+    LeaseSeconds,
+    MaxAttempts,
+    default_worker_id,
+)
 
 ENV_PREFIX = "OUTBOX_INBOX_"
 CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}\Z")  # the members table's CHECK
@@ -36,10 +50,18 @@ def _shared(name: str) -> AliasChoices:
     return AliasChoices(*env_vars(name))
 
 
-class InboxSettings(BaseSettings):
+class InboxSettings(AttemptSettings):
     # validate_by_name: InboxSettings(dsn=...) from code and the CLI; the aliases are the variables.
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
-                                      allow_inf_nan=False, validate_by_name=True, validate_by_alias=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_by_name=True,
+                                      validate_by_alias=True)
+
+    # AttemptSettings with the inbox's defaults (a handler's message is one small transaction)
+    max_attempts: MaxAttempts = 5
+    backoff_base_seconds: BackoffBase = 0.5
+    backoff_max_seconds: BackoffMax = 30.0
+    handler_timeout_seconds: HandlerTimeout = 60.0
+    batch_size: BatchSize = 100
+    lease_seconds: LeaseSeconds = 10.0
 
     dsn: Dsn = Field(description="PostgreSQL connection string of the consuming service's database",
                      validation_alias=_shared("dsn"))
@@ -56,19 +78,6 @@ class InboxSettings(BaseSettings):
                                        description="extra librdkafka settings (passed through); " + KAFKA_OPTIONS_HELP)
     start: Literal["earliest", "latest"] = Field(
         "earliest", description="where a partition nothing was applied from yet starts")
-    max_attempts: int = Field(5, ge=1, le=1000, description="handler attempts before a message goes to dead letters")
-    backoff_base_seconds: float = Field(0.5, gt=0, le=3600, description="first retry delay (doubling, with jitter)")
-    backoff_max_seconds: float = Field(30.0, gt=0, le=3600, description="longest retry delay")
-    handler_timeout_seconds: float = Field(
-        60.0, gt=0, le=86400,
-        description="a handler that has not returned after this long fails its attempt (its transaction is "
-                    "rolled back by closing its connection)")
-    batch_size: int = Field(
-        100, ge=1, le=10_000,
-        description="consecutive messages of a partition applied in one transaction (one commit), each in a "
-                    "savepoint of its own")
-    lease_seconds: float = Field(10.0, ge=1, le=3600,
-                                 description="a partition's lease; a crashed process's partitions move after this")
     verify_seconds: float = Field(
         10.0, gt=0, le=3600,
         description="how long a claimed partition waits for its last applied message to be fetched again before it "
@@ -119,8 +128,6 @@ class InboxSettings(BaseSettings):
     @model_validator(mode="after")
     def _consistent(self) -> InboxSettings:
         remember_kafka_secrets(self.kafka_config)
-        if self.backoff_base_seconds > self.backoff_max_seconds:
-            raise ValueError("backoff_base_seconds must not exceed backoff_max_seconds")
         return self
 
     def consumer_config(self) -> dict[str, Any]:
