@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from .dsn import remember_kafka_secrets
@@ -263,6 +264,22 @@ def describe_validation_error(exc: ValidationError) -> str:
     return "; ".join(problems)
 
 
+def listed_fields() -> dict[str, FieldInfo]:
+    """``RelaySettings``' fields in the order ``run --help`` and docs/configuration.md list them: the relay's
+    own as declared, each base's group after the option it belongs with (pydantic puts base fields first)."""
+    fields = RelaySettings.model_fields
+    groups = {"sink": WebhookFields.model_fields, "housekeeping_seconds": AttemptSettings.model_fields}
+    inherited = {name for group in groups.values() for name in group}
+    listed: dict[str, FieldInfo] = {}
+    for name, field in fields.items():
+        if name in inherited:
+            continue
+        listed[name] = field
+        for base_name in groups.get(name, ()):
+            listed[base_name] = fields[base_name]
+    return listed
+
+
 def load_settings(**overrides: Any) -> RelaySettings:
     try:
         return RelaySettings(**{k: v for k, v in overrides.items() if v is not None})
@@ -274,4 +291,4 @@ def load_settings(**overrides: Any) -> RelaySettings:
 
 __all__ = ["DAY", "ENV_PREFIX", "KAFKA_OPTIONS_HELP", "MODULE_SPEC", "NO_DSN", "SINK_NAME", "TOPIC_NAME", "Dsn",
            "KafkaOptions", "RelaySettings", "WebhookSettings", "bounds", "default_text", "default_worker_id",
-           "describe_validation_error", "env_var", "flag", "load_settings", "read_kafka_config_file"]
+           "describe_validation_error", "env_var", "flag", "listed_fields", "load_settings", "read_kafka_config_file"]

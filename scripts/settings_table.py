@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic_core import PydanticUndefined
 
-from outbox_relay.settings import ENV_PREFIX, RelaySettings, bounds
+from outbox_relay.settings import ENV_PREFIX, bounds, listed_fields
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
@@ -59,7 +59,7 @@ def _flag(name: str, field: Any) -> str:
 
 def table() -> str:
     lines = ["| option | default | allowed | meaning |", "|---|---|---|---|"]
-    for name, field in RelaySettings.model_fields.items():
+    for name, field in listed_fields().items():
         allowed = bounds(field) or ""
         lines.append(f"| {_flag(name, field)} | {_default(name, field)} | {allowed} | {field.description or ''} |")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from ..admin import DEAD_LETTERS_LIMIT, SKIPPED_ERROR
 from ..dsn import connection_problem, redact
 from ..errors import OutboxError
 from ..inbox import cli as inbox_cli
-from ..settings import RelaySettings, env_var
+from ..settings import RelaySettings, env_var, listed_fields
 from .common import (
     EXIT_ERROR,
     EXIT_FAILED,
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     _dsn_arg(p)
 
     p = sub.add_parser("run", help="run a relay worker until SIGTERM (drain) or a second signal (hard stop)")
-    for name, field in RelaySettings.model_fields.items():
+    for name, field in listed_fields().items():
         _add_setting(p, name, field)
 
     p = sub.add_parser("status", help="workers, their buckets, backlog per sink, dead letters by key")
