@@ -80,7 +80,7 @@ class Counting(psycopg.Connection):  # type: ignore[type-arg]
 
 
 def _configure(conn: psycopg.Connection[Any]) -> None:
-    conn.execute("SET plan_cache_mode = auto")  # as the relay's own pool does (worker._configure)
+    conn.execute("SET plan_cache_mode = auto")  # as the relay's own pool does (services/pool.py configure_connection)
 
 
 def backends(admin: str, database: str) -> list[int]:

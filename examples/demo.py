@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # order_service, next 
 import demo_projection
 from order_service import create_schema, pay_order, place_order
 
-from outbox_relay.embedded import EmbeddedKafka, EmbeddedPostgres
+from outbox_relay.private_servers import EmbeddedKafka, EmbeddedPostgres
 
 TOPIC = "orders"
 PARTITIONS = 3

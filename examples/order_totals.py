@@ -36,7 +36,7 @@ from order_service import create_schema, pay_order, place_order
 from read_models import SCHEMA
 
 from outbox_relay import migrate, wait_for
-from outbox_relay.embedded import EmbeddedPostgres
+from outbox_relay.private_servers import EmbeddedPostgres
 
 HERE = Path(__file__).resolve().parent
 PROJECTION = ["--projections", "read_models"]

@@ -100,7 +100,7 @@ def database() -> Iterator[str]:
     if dsn:
         yield dsn
         return
-    from outbox_relay.embedded import EmbeddedPostgres
+    from outbox_relay.private_servers import EmbeddedPostgres
 
     with EmbeddedPostgres() as pg:
         yield pg.dsn

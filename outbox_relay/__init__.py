@@ -15,7 +15,7 @@ from .publish import Outbox, Published
 from .settings import RelaySettings
 
 if TYPE_CHECKING:
-    from .embedding import Relay
+    from .in_process import Relay
     from .worker import Worker
 
 
@@ -28,7 +28,7 @@ def __getattr__(name: str) -> Any:
     if name == "__version__":
         return _version()
     if name == "Relay":
-        from .embedding import Relay
+        from .in_process import Relay
 
         return Relay
     raise AttributeError(f"module 'outbox_relay' has no attribute {name!r}")

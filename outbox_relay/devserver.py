@@ -1,6 +1,6 @@
 """``outbox-relay dev``: a database and a broker to try the relay by hand, on this machine.
 
-Starts the embedded PostgreSQL 18 and Tansu broker (outbox_relay/embedded.py, the ``embedded``
+Starts the embedded PostgreSQL 18 and Tansu broker (outbox_relay/private_servers.py, the ``embedded``
 extra), migrates the outbox schema and creates a topic. ``DevEnvironment`` holds what another shell
 needs: the environment variables ``outbox-relay run`` and ``status`` read, and a few commands to
 try. Neither server is meant for production (Tansu keeps messages in memory only).
@@ -20,9 +20,9 @@ from pathlib import Path
 from types import TracebackType
 
 from .dsn import describe
-from .embedded import EmbeddedKafka, EmbeddedPostgres
 from .errors import ConfigurationError
 from .migrate import migrate
+from .private_servers import EmbeddedKafka, EmbeddedPostgres
 from .settings import env_var
 
 log = logging.getLogger("outbox_relay.devserver")

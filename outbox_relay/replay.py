@@ -27,7 +27,7 @@ import psycopg
 from .assignment import BUCKETS
 from .kafka_sink import KafkaSink
 from .migrate import check_schema
-from .progressline import ProgressLine
+from .progress_line import ProgressLine
 from .settings import RelaySettings
 from .sink import AsyncConn, Outcomes
 from .sqlfiles import query

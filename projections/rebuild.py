@@ -45,7 +45,7 @@ from outbox_relay.errors import ConfigurationError, OutboxError
 from outbox_relay.housekeeping import application_name
 from outbox_relay.migrate import check_schema
 from outbox_relay.positions import Cursor
-from outbox_relay.progressline import ProgressLine
+from outbox_relay.progress_line import ProgressLine
 from outbox_relay.settings import RelaySettings
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import StoredEvent, event_reader

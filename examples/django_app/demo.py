@@ -26,7 +26,7 @@ def database() -> Iterator[str]:
     if os.environ.get("OUTBOX_DSN"):
         yield os.environ["OUTBOX_DSN"]
         return
-    from outbox_relay.embedded import EmbeddedPostgres
+    from outbox_relay.private_servers import EmbeddedPostgres
 
     with EmbeddedPostgres() as pg:
         yield pg.dsn

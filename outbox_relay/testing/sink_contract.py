@@ -232,7 +232,7 @@ def _server_dsn() -> str:
         return given
     global _server
     if _server is None:
-        from ..embedded import EmbeddedPostgres
+        from ..private_servers import EmbeddedPostgres
 
         _server = EmbeddedPostgres().start()
         atexit.register(_server.stop)

@@ -24,7 +24,8 @@ from psycopg_pool import ConnectionPool
 from outbox_relay import store
 from outbox_relay.observer import Observer
 from outbox_relay.relay import SinkRunner
-from outbox_relay.worker import Worker, _configure
+from outbox_relay.services.pool import configure_connection as configure
+from outbox_relay.worker import Worker
 from projections import ProjectionEvent, projection
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
@@ -241,7 +242,7 @@ def test_read_cursors_held_in_memory_are_dropped_when_the_database_server_restar
     order when the bucket's next owner sent the skipped event late). The runner reads again from the
     written cursor instead: duplicates, never a gap."""
     [key] = keys_in_bucket(dsn, BUCKET, 1)
-    with ConnectionPool(dsn, min_size=1, max_size=4, configure=_configure, kwargs={"autocommit": True}) as pool:
+    with ConnectionPool(dsn, min_size=1, max_size=4, configure=configure, kwargs={"autocommit": True}) as pool:
         sink = RecordingSink("worker-a", kind="kafka")
         runner = runner_for(sink, pool, make_settings(dsn, "worker-a", cursor_flush_seconds=60.0), {BUCKET})
         runner.run_once()
@@ -297,7 +298,7 @@ def test_a_projection_batch_read_before_a_crash_restart_is_not_checkpointed_afte
 
     sink = ProjectionSink(apply, dsn, lease_seconds=30.0)
     try:
-        with ConnectionPool(dsn, min_size=1, max_size=4, configure=_configure, kwargs={"autocommit": True}) as pool:
+        with ConnectionPool(dsn, min_size=1, max_size=4, configure=configure, kwargs={"autocommit": True}) as pool:
             runner = runner_for(sink, pool, make_settings(dsn, "worker-a"), {BUCKET})
             runner.run_once()  # the lease, and the server's start time as the runner knows it
             first = publish(dsn, [(key, "OrderPlaced", {"customer": key})])

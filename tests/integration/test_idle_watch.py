@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from outbox_relay import wakeups
-from outbox_relay import worker as worker_module
+from outbox_relay.services import listener as listener_module
 from outbox_relay.wakeups import CommitWatcher
 from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import RecordingSink, make_settings, publish, running, settled
@@ -30,7 +30,7 @@ def test_a_quiet_watcher_backs_off_and_the_first_commit_brings_it_back(
             calls.append((interval, buckets is not None))
             return buckets
 
-    monkeypatch.setattr(worker_module, "CommitWatcher", Recording)
+    monkeypatch.setattr(listener_module, "CommitWatcher", Recording)
     sink = RecordingSink("relay-a")
     # Polling every 30 s: within this test only the watcher's notification wakes the runner.
     worker = Worker(make_settings(dsn, "relay-a", listen=True, poll_seconds=30.0, listen_poll_seconds=30.0,

@@ -20,7 +20,7 @@ from outbox_relay import store
 from outbox_relay.kafka_sink import KafkaSink
 from outbox_relay.observer import Observer
 from outbox_relay.relay import SinkRunner
-from outbox_relay.worker import _configure
+from outbox_relay.services.pool import configure_connection as configure
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,
     keys_in_bucket,
@@ -202,7 +202,7 @@ def test_a_batch_waiting_for_its_check_is_read_again_after_a_database_crash_rest
     new server: that batch does not land, and its bucket is read again from the written cursor (its
     events sent again, in order: duplicates, never a gap)."""
     [key] = keys_in_bucket(dsn, BUCKET, 1)
-    with ConnectionPool(dsn, min_size=1, max_size=4, configure=_configure, kwargs={"autocommit": True}) as pool:
+    with ConnectionPool(dsn, min_size=1, max_size=4, configure=configure, kwargs={"autocommit": True}) as pool:
         runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET})
         first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
         assert runner.run_once() == 1

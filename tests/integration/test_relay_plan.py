@@ -4,7 +4,7 @@ With a couple of hundred thousand stored events, most of them delivered history 
 cursors, the read must walk ``events_position`` from each cursor (no sequential scan, no sort, no
 bitmap scan of the whole bucket), with the custom plan of its first executions and with the generic
 plan Postgres may switch to once psycopg has prepared it (the relay's connections leave
-``plan_cache_mode`` at ``auto``, worker._configure): GUIDE section 4's trap is a generic plan many
+``plan_cache_mode`` at ``auto``, services/pool.py configure_connection): GUIDE section 4's trap is a generic plan many
 times slower than the custom one.
 """
 

@@ -43,11 +43,12 @@ def test_one_version_string() -> None:
     from importlib.metadata import version
 
     import outbox_relay
-    from outbox_relay import cli, worker
+    from outbox_relay import cli
+    from outbox_relay.services import registration
 
     assert outbox_relay.__version__ == version("outbox-relay") == cli.version()
-    assert worker.__version__ == outbox_relay.__version__  # the name the heartbeat metadata uses
-    assert not hasattr(worker, "VERSION")
+    assert registration.__version__ == outbox_relay.__version__  # the name the heartbeat metadata uses
+    assert not hasattr(registration, "VERSION")
 
 
 def test_the_cli_runs_no_sql_of_its_own() -> None:

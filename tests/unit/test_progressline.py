@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from outbox_relay.progressline import PLAIN_SECONDS, TTY_SECONDS, ProgressLine
+from outbox_relay.progress_line import PLAIN_SECONDS, TTY_SECONDS, ProgressLine
 
 
 class Terminal(io.StringIO):
