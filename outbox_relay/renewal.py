@@ -1,4 +1,4 @@
-"""How often a lease holder renews: the relay's buckets (worker.py) and the inbox's partitions share it."""
+"""How often a lease holder renews: the relay's buckets (services/membership.py) and the inbox's partitions share it."""
 
 from __future__ import annotations
 

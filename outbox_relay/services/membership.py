@@ -17,6 +17,7 @@ from ..dsn import connection_problem, redact
 from ..errors import WorkerIdInUse
 from ..horizon import HorizonWatch
 from ..relay import SinkRunner
+from ..renewal import renew_interval
 from ..settings import RelaySettings
 from ..store import Conn
 from .thread import ServiceThread
@@ -67,7 +68,7 @@ class Membership(ServiceThread):
 
     def run(self) -> None:
         s = self.settings
-        renew_every = s.lease_seconds / 3
+        renew_every = renew_interval(s.lease_seconds)
         next_renew = time.monotonic() + renew_every
         next_beat = time.monotonic() + s.heartbeat_seconds
         tick = min(0.5, renew_every, s.heartbeat_seconds)
