@@ -58,7 +58,6 @@ class SinkRunner:
         self.worker = worker = settings.worker_id
         self.wake = threading.Event()  # set by the listener, assignment changes and stop requests
         self.backoff = backoff = backoff or Backoff(settings.backoff_base_seconds, settings.backoff_max_seconds)
-        self.gate = gate or DeliveryGate()
         self.leases = Leases()
         self.hints = Hints()  # buckets notifications said were written (the worker's listener adds)
         self.desired: set[int] | None = None  # None until the first assignment is known
@@ -82,8 +81,9 @@ class SinkRunner:
         self.writer = CheckpointWriter(sink.name, worker, pool, settings, book=self.book, leases=self.leases,
                                        losses=losses, tally=Tally(sink.name, settings.max_attempts, hooks),
                                        park=self.park, hooks=hooks, abort=self.abort, stopping=self._stopping)
-        batches = Batches(sink, self.gate, self.abort, hooks, writer=self.writer, book=self.book, ramp=self.ramp,
-                          max_attempts=settings.max_attempts, backoff=backoff)
+        self.batches = batches = Batches(sink, gate or DeliveryGate(), self.abort, hooks, writer=self.writer,
+                                         book=self.book, ramp=self.ramp, max_attempts=settings.max_attempts,
+                                         backoff=backoff)
         self.keeper = LeaseKeeper(sink.name, worker, pool, settings, leases=self.leases, losses=losses,
                                   writer=self.writer, book=self.book, ramp=self.ramp, hints=self.hints,
                                   park=self.park, progress=self.progress, hooks=hooks, draining=self.draining)
@@ -93,6 +93,15 @@ class SinkRunner:
                                       writer=self.writer, batches=batches, losses=losses, backoff=backoff)
 
     # -- what the worker sets --------------------------------------------------------------
+
+    @property
+    def gate(self) -> DeliveryGate:
+        """Admission to delivery, shared by every runner of the process (``Batches`` holds it)."""
+        return self.batches.gate
+
+    @gate.setter
+    def gate(self, value: DeliveryGate) -> None:
+        self.batches.gate = value
 
     @property
     def listening(self) -> Callable[[], bool]:
