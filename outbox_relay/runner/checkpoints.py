@@ -4,8 +4,8 @@ the delivered batch whose fence check waits for the next read (runner thread onl
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable
 from datetime import datetime
 
 import psycopg
@@ -34,7 +34,7 @@ CHECKPOINT_RETRY = Backoff(0.05, 1.0)
 class CheckpointWriter:
     def __init__(self, sink_name: str, worker: str, pool: ConnectionPool[Conn], settings: RelaySettings, *,
                  book: CursorBook, leases: Leases, losses: Losses, tally: Tally, park: ParkSchedule, hooks: Hooks,
-                 abort: Pulse, stopping: Callable[[], bool]) -> None:
+                 abort: Pulse, draining: threading.Event) -> None:
         self.sink_name = sink_name
         self.worker = worker
         self.pool = pool
@@ -46,7 +46,7 @@ class CheckpointWriter:
         self.park = park
         self.hooks = hooks
         self.abort = abort
-        self.stopping = stopping
+        self.draining = draining
         self.server_started: datetime | None = None  # the server start the read cursors come from
         # A delivered Kafka batch's checkpoint whose fence check rides on the next read (``BatchCommit.later``):
         # settled by ``Delivery.deliver_new``'s read of its buckets, or by a statement of its own
@@ -98,7 +98,8 @@ class CheckpointWriter:
             except psycopg.OperationalError as exc:
                 attempt += 1
                 delay = CHECKPOINT_RETRY.delay(attempt)
-                if not cp.moves_only or self.stopping() or time.monotonic() + delay >= deadline:
+                stopping = self.draining.is_set() or self.abort.is_set()
+                if not cp.moves_only or stopping or time.monotonic() + delay >= deadline:
                     raise
                 log.info("sink %s: checkpoint failed (%s); writing it again in %.2fs", self.sink_name,
                          describe_error(exc), delay)

@@ -67,7 +67,9 @@ class SinkRunner:
         self.park_changed = threading.Event()  # set by the listener (PARKED_NOTICE), cleared by the runner
         self.hooks = hooks = Hooks(settings)
         self.progress = Progress(self.abort, hooks, settings.handler_timeout_seconds)
-        # The parts, each owning its state (runner thread only unless it says otherwise).
+        # The parts, each owning its state (runner thread only unless it says otherwise). None holds the runner
+        # (the writer gets its stop flags, not a method of it): a dropped runner is freed at once, not by a
+        # later garbage collection that would also close what its sink left open in some other test's time.
         # Events per read: the sink's own if it has one (a batched projection's, projections/sink.py), else
         # --batch-size.
         self.reads = ReadPlan(getattr(sink, "batch_size", None) or settings.batch_size)
@@ -80,7 +82,7 @@ class SinkRunner:
         self.losses = losses
         self.writer = CheckpointWriter(sink.name, worker, pool, settings, book=self.book, leases=self.leases,
                                        losses=losses, tally=Tally(sink.name, settings.max_attempts, hooks),
-                                       park=self.park, hooks=hooks, abort=self.abort, stopping=self._stopping)
+                                       park=self.park, hooks=hooks, abort=self.abort, draining=self.draining)
         self.batches = batches = Batches(sink, gate or DeliveryGate(), self.abort, hooks, writer=self.writer,
                                          book=self.book, ramp=self.ramp, max_attempts=settings.max_attempts,
                                          backoff=backoff)
