@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         for _ in range(args.warmup):
             runner.hints.add(commit())
-            runner._full_read_at = time.monotonic() + 3600  # only the buckets named (no safety-net read)
+            runner.reads.full_read_at = time.monotonic() + 3600  # only the buckets named (no safety-net read)
             runner.run_once()
         pids = backends(pg.admin_dsn, database)
         COUNTS.clear()
@@ -135,14 +135,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         wall = time.monotonic()
         for _ in range(args.cycles):
             runner.hints.add(commit())
-            runner._full_read_at = time.monotonic() + 3600
+            runner.reads.full_read_at = time.monotonic() + 3600
             t = time.thread_time()
             handled += runner.run_once()
             thread_cpu += time.thread_time() - t
         wall = time.monotonic() - wall
         db_cpu = sum(cpu.cpu_seconds(p) for p in backends(pg.admin_dsn, database)) - db_cpu
         counts = dict(COUNTS)  # not the release below
-        runner._release_all()
+        runner.release_all()
         sink.close()
         pool.close()
         producer.close()

@@ -448,8 +448,8 @@ class KafkaSink:
             self._check_producer(abort)
             messages = self._hold_back(messages, outcomes)
         batch = _Batch()
-        # The runner's commit can checkpoint the acknowledged part of a batch early; another may not.
-        partial: Callable[[Outcomes], set[int]] | None = getattr(commit, "partial", None)
+        # The runner's commit checkpoints the acknowledged part of a long batch early; another may write nothing.
+        partial: Callable[[Outcomes], set[int]] | None = commit.partial
         todo = messages
         while todo:
             flight = _Flight(outcomes, self._session, batch)
@@ -467,9 +467,8 @@ class KafkaSink:
             todo = self._resend(messages, flight, reason)
         self._settle(batch, outcomes)
         # Delivered: nothing here acts on whether the fence held, so the runner's commit may check it with
-        # its next read rather than a statement of its own (``later``); any other commit is called as usual.
-        later: Callable[[Outcomes], set[int]] | None = getattr(commit, "later", None)
-        return later(outcomes) if later is not None else commit(outcomes, None)
+        # its next read rather than a statement of its own (``later``; another commit writes at once).
+        return commit.later(outcomes)
 
     # -- topic conditions --------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from .kafka_sink import KafkaSink
 from .migrate import check_schema
 from .progress_line import ProgressLine
 from .settings import RelaySettings
-from .sink import AsyncConn, Outcomes
+from .sink import CommitAtEnd, Outcomes
 from .sqlfiles import query
 from .store import Conn, StoredEvent, event_reader
 from .upcast import UpcastError, Upcasters
@@ -43,7 +43,7 @@ class ReplayResult:
     failed: list[tuple[uuid.UUID, str]] = field(default_factory=list)  # event id, why
 
 
-class _Collect:
+class _Collect(CommitAtEnd):
     """The ``sink.Commit`` of a replay: nothing to checkpoint, only outcomes to count."""
 
     def __init__(self) -> None:
@@ -52,9 +52,6 @@ class _Collect:
     def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]:
         self.outcomes = outcomes
         return set()
-
-    async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]:
-        raise NotImplementedError("a replay has no transaction")
 
 
 def replay(settings: RelaySettings, topic: str, *, from_time: datetime | None = None,

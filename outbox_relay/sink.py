@@ -70,22 +70,66 @@ class KeyHold:
 
 
 class Commit(Protocol):
-    """Writes a batch's checkpoint and returns the buckets whose fence held.
+    """How a sink hands a batch's outcomes back: writes the batch's checkpoint and returns the buckets
+    whose fence held. A sink calls exactly one of ``__call__``, ``in_async`` and ``later``, once, and
+    ``partial`` any number of times before it.
 
     A sink with its own transaction (a projection) passes it, so that its writes and the
     checkpoint commit together; if a bucket's fence did not hold, ``LeaseLost`` is raised
     inside that transaction so that it rolls back. Others pass None: they have delivered already, so
     the fence is checked now and the cursor row may be written later (``cursor_flush_seconds``).
-
-    The runner's commit also has ``partial(outcomes)`` (checkpoint what is settled of a long batch) and
-    ``later(outcomes)``: ``commit(outcomes, None)`` for a sink that acts on nothing the answer says (the
-    Kafka sink), whose fence check may then ride on the runner's next read; it returns the buckets the
-    batch was read under. Both are optional: look them up with ``getattr``.
+    A commit that can do no more than that (a replay's, a test's) is a ``CommitAtEnd``.
     """
 
-    def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]: ...
+    def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]:
+        """Checkpoint the batch, in the sink's transaction ``tx`` or (None) on its own."""
+        ...
 
-    async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]: ...
+    async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]:
+        """``__call__`` in a sink's async transaction."""
+        ...
+
+    def partial(self, outcomes: Outcomes) -> set[int]:
+        """Checkpoint what of a long batch is settled while the rest is in flight (a sink without a
+        transaction of its own, every ``PARTIAL_CHECKPOINT_SECONDS``): the delivered run of each bucket's
+        events from its start. Returns the buckets written; none if this commit writes nothing early."""
+        ...
+
+    def later(self, outcomes: Outcomes) -> set[int]:
+        """``self(outcomes, None)`` for a sink that acts on nothing the answer says (the Kafka sink): the
+        fence check may then ride on the runner's next read. Returns the buckets the batch was read under
+        (which of them held is known only after that read)."""
+        ...
+
+
+class CommitAtEnd:
+    """A ``Commit`` that writes only a batch's final checkpoint, on no transaction of a sink's own:
+    ``partial`` writes nothing, ``later`` is ``self(outcomes, None)``. Subclasses define ``__call__``;
+    ``CommitAtEnd.of`` makes one of a function."""
+
+    def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]:
+        raise NotImplementedError
+
+    async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]:
+        raise NotImplementedError(f"{type(self).__name__} takes no transaction of a sink's own")
+
+    def partial(self, outcomes: Outcomes) -> set[int]:
+        return set()
+
+    def later(self, outcomes: Outcomes) -> set[int]:
+        return self(outcomes, None)
+
+    @staticmethod
+    def of(write: Callable[[Outcomes, Conn | None], set[int]]) -> CommitAtEnd:
+        return _CommitFunction(write)
+
+
+class _CommitFunction(CommitAtEnd):
+    def __init__(self, write: Callable[[Outcomes, Conn | None], set[int]]) -> None:
+        self.write = write
+
+    def __call__(self, outcomes: Outcomes, tx: Conn | None) -> set[int]:
+        return self.write(outcomes, tx)
 
 
 class Aborted(Exception):
@@ -138,4 +182,5 @@ def wait_idle(sink: Sink, wake: threading.Event, seconds: float) -> bool:
             return True
 
 
-__all__ = ["Aborted", "AsyncConn", "Checkpoint", "Commit", "Failure", "KeyHold", "Outcomes", "Sink", "wait_idle"]
+__all__ = ["Aborted", "AsyncConn", "Checkpoint", "Commit", "CommitAtEnd", "Failure", "KeyHold", "Outcomes", "Sink",
+           "wait_idle"]

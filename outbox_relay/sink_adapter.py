@@ -324,12 +324,11 @@ class EventSinkAdapter:
             failure = held(self._unavailable, self._unavailable_until - now)
             return commit({e.id: failure for e in events}, None)
         run = _Run(self, events)
-        # The runner's commit can checkpoint the delivered part of a long batch early; another may not.
-        partial: Callable[[Outcomes], set[int]] | None = getattr(commit, "partial", None)
         with run.cond:
             for _ in range(min(self.concurrency, len(run.keys))):
                 self._start_lane(run)
-            self._wait(run, abort, partial)
+            # The runner's commit checkpoints the delivered part of a long batch early; another may write nothing.
+            self._wait(run, abort, commit.partial)
         outcomes = run.outcomes
         if run.unavailable is not None:
             wait = unavailable_wait(run.unavailable)

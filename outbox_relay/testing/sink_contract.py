@@ -158,9 +158,12 @@ class _FaultyCommit:
     def __init__(self, commit: Commit, planned: Outcomes, recorder: _Recorder, events: Sequence[StoredEvent]) -> None:
         self.commit, self.planned, self.recorder = commit, planned, recorder
         self.bucket = {e.id: e.bucket for e in events}
-        partial = getattr(commit, "partial", None)
-        if partial is not None:
-            self.partial = lambda outcomes: partial({**outcomes, **self.planned})
+
+    def partial(self, outcomes: Outcomes) -> set[int]:
+        return self.commit.partial({**outcomes, **self.planned})
+
+    def later(self, outcomes: Outcomes) -> set[int]:
+        return self(outcomes, None)  # at once: what landed is recorded
 
     def __call__(self, outcomes: Outcomes, tx: Any) -> set[int]:
         landed = self.commit({**outcomes, **self.planned}, tx)

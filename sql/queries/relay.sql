@@ -210,7 +210,8 @@ SELECT min(xid)::text FROM outbox.parked WHERE sink = %(sink)s AND bucket = ANY(
 -- name: server_started
 -- When the server of this connection started. After a crash restart PostgreSQL hands out again the
 -- transaction ids whose WAL had not reached disk, so a snapshot taken before it may count new
--- transactions as seen: read cursors held only in memory are dropped (relay.py ``_same_server``).
+-- transactions as seen: read cursors held only in memory are dropped (runner/checkpoints.py,
+-- ``CheckpointWriter.same_server``).
 SELECT pg_postmaster_start_time();
 
 -- name: next_parked_retry

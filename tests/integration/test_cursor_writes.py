@@ -94,7 +94,7 @@ def test_many_batches_of_one_bucket_write_its_cursor_once_per_flush_interval(
     assert writes(dsn) == 0, "every batch checked its fence without writing the cursor row"
     assert all(b.committed == {BUCKET} for b in sink.batches), "and learned that its fence held"
     assert undelivered(dsn) == BATCHES, "the stored cursor is where the lease began"
-    runner._release_all()  # a graceful stop (drain) or a hand-over: the cursor is written before the release
+    runner.release_all()  # a graceful stop (drain) or a hand-over: the cursor is written before the release
     assert writes(dsn) == 2, "one cursor write, then the release"
     assert undelivered(dsn) == 0
     assert [a.event_id for a in sink.delivered()] == ids
@@ -121,7 +121,7 @@ def test_a_deferred_cursor_is_written_once_the_interval_passed_without_more_batc
     deliver_one_by_one(dsn, runner, sink, key, 3)
     run_until(runner, lambda: undelivered(dsn) == 0, timeout=5.0, interval=0.05)
     assert 1 <= writes(dsn) <= 2, "the batches' cursor moves coalesced"
-    assert runner._owed == set()
+    assert runner.book.owed == set()
 
 
 def test_a_crash_before_the_write_redelivers_the_rest_in_order_and_loses_nothing(
@@ -160,7 +160,7 @@ def test_a_relay_fenced_out_while_its_cursor_write_waits_writes_nothing(dsn: str
     assert runner.run_once() == 0, "the read is fenced too: it returns nothing of the bucket"
     assert len(sink.batches) == 2, "nothing more of the bucket was delivered"
     assert BUCKET not in runner.leases.snapshot(), "the relay let the bucket go"
-    runner._release_all()  # a stop: nothing of the lost bucket is flushed
+    runner.release_all()  # a stop: nothing of the lost bucket is flushed
     assert writes(dsn) == 0
     after = cursor_row(dsn, BUCKET)
     assert after["cursor"] == before["cursor"] and after["fence"] == before["fence"] + 1

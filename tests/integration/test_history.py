@@ -260,7 +260,7 @@ def test_migration_converts_an_installation_and_old_relays_keep_reading(
         runner = SinkRunner(sink, pool, make_settings(dsn, "w", batch_size=7))  # registered above, as version 12
         runner.desired = set(ALL_BUCKETS)
         run_until(runner, lambda: len(sink.delivered_ids()) >= 10)  # part-way, at version 12
-        runner._release_all()
+        runner.release_all()
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("DROP TABLE outbox.kept_events")
             conn.execute("DROP FUNCTION outbox.bucket_has_work_v3")

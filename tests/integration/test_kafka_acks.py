@@ -13,7 +13,7 @@ from typing import Any
 
 from outbox_relay.kafka_sink import KafkaSink
 from outbox_relay.observer import Observer, Observers
-from outbox_relay.sink import Outcomes
+from outbox_relay.sink import CommitAtEnd, Outcomes
 from outbox_relay.store import StoredEvent
 
 
@@ -46,7 +46,7 @@ def test_the_observer_hears_each_acknowledged_event_once_before_the_checkpoint(
     sink = KafkaSink("kafka", {"bootstrap.servers": kafka_bootstrap}, kafka_topic, "urn:test")
     sink.observer = Observers(Observer(), log)  # as `outbox-relay run` composes it
     try:
-        sink.deliver([*events, too_big], {5: 1}, commit, threading.Event())
+        sink.deliver([*events, too_big], {5: 1}, CommitAtEnd.of(commit), threading.Event())
     finally:
         sink.close()
     (at, outcomes), = committed

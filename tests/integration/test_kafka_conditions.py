@@ -36,6 +36,7 @@ from outbox_relay.backoff import Backoff
 from outbox_relay.kafka_sink import KafkaSink
 from outbox_relay.metrics import OutboxGauges, PrometheusObserver
 from outbox_relay.publish import Outbox
+from outbox_relay.sink import CommitAtEnd
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     dead_letters,
     fetch_all,
@@ -308,7 +309,7 @@ def test_acknowledged_messages_are_checkpointed_while_others_of_the_batch_are_st
     partials: list[Outcomes] = []
     final: list[Outcomes] = []
 
-    class Recording:
+    class Recording(CommitAtEnd):
         def __call__(self, outcomes: Outcomes, tx: Any) -> set[int]:
             final.append(dict(outcomes))
             return {5}
@@ -348,7 +349,7 @@ def test_a_batch_that_waits_for_its_acknowledgements_says_so(
     sink._writable.add(gone)
     try:
         with caplog.at_level(logging.INFO, logger="outbox_relay.kafka"):
-            sink.deliver(events, {5: 1}, lambda outcomes, tx: {5}, threading.Event())  # type: ignore[arg-type]
+            sink.deliver(events, {5: 1}, CommitAtEnd.of(lambda outcomes, tx: {5}), threading.Event())
     finally:
         sink.close()
     said = [r.getMessage() for r in caplog.records if r.name == "outbox_relay.kafka"]

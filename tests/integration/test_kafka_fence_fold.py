@@ -100,7 +100,7 @@ def test_a_batch_lands_with_the_next_read_without_a_statement_of_its_own(
 
     monkeypatch.setattr(store, "fetch_events", fetch)
     runner.listening = lambda: True  # notifications reach it: it reads the buckets they name ...
-    runner._full_read_at = time.monotonic() + 600  # ... and no full read comes in this test
+    runner.reads.full_read_at = time.monotonic() + 600  # ... and no full read comes in this test
     [key] = keys_in_bucket(dsn, BUCKET, 1)
     [other_key] = keys_in_bucket(dsn, OTHER, 1)
 
@@ -155,7 +155,7 @@ def test_a_relay_that_lost_a_bucket_after_a_batch_produces_nothing_more_of_it(
     assert runner.run_once() == 0, "the read returned nothing of the lost bucket"
     assert BUCKET not in runner.leases.snapshot(), "the relay let the bucket go"
     assert seen.delivered == [], "the batch whose check failed did not land"
-    assert runner._pending is None and BUCKET not in runner._owed
+    assert runner.writer.pending is None and BUCKET not in runner.book.owed
     messages = consume_all(kafka_bootstrap, kafka_topic, 1, timeout=20, settle=1.0)
     assert [m.headers["ce_id"] for m in messages] == [str(first[0])], "nothing of the bucket after the loss"
     assert messages[0].headers["outbox_fence"] == str(fence)
@@ -177,7 +177,7 @@ def test_a_bucket_only_checked_keeps_its_cursor_for_the_read_that_finds_its_even
     delivered by the next full read, after the events before it."""
     runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET, OTHER})
     runner.listening = lambda: True
-    runner._full_read_at = time.monotonic() + 600
+    runner.reads.full_read_at = time.monotonic() + 600
     [key] = keys_in_bucket(dsn, BUCKET, 1)
     [other_key] = keys_in_bucket(dsn, OTHER, 1)
     first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
@@ -188,7 +188,7 @@ def test_a_bucket_only_checked_keeps_its_cursor_for_the_read_that_finds_its_even
     runner.hints.add({OTHER})
     assert runner.run_once() == 1, "OTHER's event; BUCKET only checked"
     assert seen.delivered == first
-    runner._full_read_at = 0.0  # the safety net: every held bucket is read
+    runner.reads.full_read_at = 0.0  # the safety net: every held bucket is read
     run_until(runner, lambda: set(seen.delivered) == {*first, *other, *unnamed})
     messages = consume_all(kafka_bootstrap, kafka_topic, 3, timeout=20, settle=0.3)
     assert [m.headers["ce_id"] for m in messages if m.key == key] == [str(first[0]), str(unnamed[0])]
@@ -206,7 +206,7 @@ def test_a_batch_waiting_for_its_check_is_read_again_after_a_database_crash_rest
         runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET})
         first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
         assert runner.run_once() == 1
-        assert runner._pending is not None, "its fence check waits for the next read"
+        assert runner.writer.pending is not None, "its fence check waits for the next read"
         durable_crashes.stop("immediate")  # type: ignore[call-arg]  (EmbeddedPg: a crash)
         durable_crashes.start()
         pool.check()  # the pool drops the connections the restart closed
@@ -236,9 +236,9 @@ def test_a_relay_that_lost_a_bucket_after_a_batch_retries_no_parked_event_of_it(
     key, other = keys_in_bucket(dsn, BUCKET, 2)
     first = publish(dsn, [(key, "t", {"n": 1}), (other, "t", {"n": 2})], topic=kafka_topic)
     assert runner.run_once() == 2  # produced and acknowledged; its fence check waits
-    assert runner._pending is not None
+    assert runner.writer.pending is not None
     _park_again(dsn, first[1])  # a retry of ``other``'s event is due
-    runner._check_parked_at = 0.0
+    runner.park.now()
     _lose(dsn, "taken over")
     runner.run_once()
     assert BUCKET not in runner.leases.snapshot(), "the relay let the bucket go"
@@ -259,7 +259,7 @@ def test_a_probe_of_a_lost_bucket_produces_no_parked_event_of_it(
     first = publish(dsn, [(key, "t", {"n": 1}), (other, "t", {"n": 2})], topic=kafka_topic)
     assert runner.run_once() == 2
     _park_again(dsn, first[1])
-    runner._ramp[BUCKET] = 2  # a crash-loop suspect, probed two events at a time
+    runner.ramp.grow(BUCKET, 2)  # a crash-loop suspect, probed two events at a time
     _lose(dsn, "taken over")
     runner.run_once()
     assert BUCKET not in runner.leases.snapshot(), "the relay let the bucket go"
@@ -279,10 +279,10 @@ def test_a_waiting_batch_lands_and_its_cursor_is_written_when_its_bucket_is_let_
     [key] = keys_in_bucket(dsn, BUCKET, 1)
     first = publish(dsn, [(key, "t", {"n": 1})], topic=kafka_topic)
     assert runner.run_once() == 1
-    assert runner._pending is not None and seen.delivered == []
+    assert runner.writer.pending is not None and seen.delivered == []
     if how == "drain":
         runner.draining.set()
-        runner._release_all()
+        runner.release_all()
     else:
         runner.desired = {OTHER}
         runner.run_once()
@@ -317,7 +317,7 @@ def test_a_read_that_fails_after_taking_the_waiting_batch_puts_it_back(
     monkeypatch.setattr(store, "fetch_events", fetch)
     with pytest.raises(psycopg.OperationalError):
         runner.run_once()
-    assert runner._pending is not None, "put back"
+    assert runner.writer.pending is not None, "put back"
     run_until(runner, lambda: seen.delivered == [*first, *later])
     runner.run_once()
     assert seen.delivered == [*first, *later], "each told once"
@@ -333,9 +333,9 @@ def test_a_relay_that_lost_a_bucket_with_no_batch_waiting_retries_no_parked_even
     first = publish(dsn, [(key, "t", {"n": 1}), (other, "t", {"n": 2})], topic=kafka_topic)
     assert runner.run_once() == 2
     assert runner.run_once() == 0  # the read that lands it: nothing waits now
-    assert runner._pending is None and seen.delivered == first
+    assert runner.writer.pending is None and seen.delivered == first
     _park_again(dsn, first[1])
-    runner._check_parked_at = 0.0
+    runner.park.now()
     _lose(dsn, "taken over")
     runner.run_once()
     assert BUCKET not in runner.leases.snapshot()

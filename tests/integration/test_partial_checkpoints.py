@@ -53,7 +53,7 @@ class StallingSink:
     def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
                 abort: threading.Event) -> set[int]:
         outcomes: Outcomes = {e.id: None for e in events[:self.settle]}
-        self.partial_result = commit.partial(outcomes)  # type: ignore[attr-defined]
+        self.partial_result = commit.partial(outcomes)
         self.halfway.set()
         assert self.go.wait(20)
         outcomes.update({e.id: None for e in events[self.settle:]})
@@ -105,7 +105,7 @@ def test_the_prefix_stops_at_the_first_unsettled_event_of_each_bucket(dsn: str, 
                     abort: threading.Event) -> set[int]:
             outcomes: Outcomes = {e.id: None for e in events}
             del outcomes[events[2].id]  # still in flight
-            self.partial_result = commit.partial(outcomes)  # type: ignore[attr-defined]
+            self.partial_result = commit.partial(outcomes)
             self.halfway.set()
             assert self.go.wait(20)
             return set()  # the relay dies before its checkpoint

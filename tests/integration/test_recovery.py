@@ -578,7 +578,7 @@ def crash_cycles(dsn: str, pool: ConnectionPool[Any], buckets: set[int], crashes
             continue
         else:
             with contextlib.suppress(Exception):
-                runner._release_all()
+                runner.release_all()
         if done():
             break
     return sinks
@@ -621,7 +621,7 @@ def test_a_parked_event_that_crashes_the_worker_is_eventually_isolated(dsn: str,
     sink = RecordingSink("w", fail=lambda e, n: Failure("timeout"))
     runner = runner_for(sink, pool, make_settings(dsn, "w"), {bucket})
     runner.run_once()
-    runner._release_all()
+    runner.release_all()
     assert parked_ids(dsn) == {poison}
     (later,) = publish(dsn, [(other, "t", {})])
     time.sleep(0.1)  # the retry is due

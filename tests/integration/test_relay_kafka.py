@@ -21,7 +21,7 @@ from psycopg_pool import ConnectionPool
 
 from outbox_relay.kafka_sink import KafkaSink, sequence
 from outbox_relay.publish import Outbox
-from outbox_relay.sink import Aborted, Outcomes
+from outbox_relay.sink import Aborted, CommitAtEnd, Outcomes
 from outbox_relay.store import StoredEvent
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,
@@ -168,7 +168,7 @@ def deliver_once(sink: KafkaSink, events: Sequence[StoredEvent], timeout: float 
     timer = threading.Timer(timeout, abort.set)  # a wedged producer would wait forever
     timer.start()
     try:
-        sink.deliver(events, {e.bucket: 1 for e in events}, commit, abort)
+        sink.deliver(events, {e.bucket: 1 for e in events}, CommitAtEnd.of(commit), abort)
     except Aborted:
         pytest.fail(f"the batch was not delivered within {timeout:.0f}s")
     finally:

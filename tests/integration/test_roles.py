@@ -94,7 +94,7 @@ def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]
                 holder = relay.execute(query("admin", "horizon_holder"), {"all_databases": False}).fetchone()
             assert holder is not None and holder[0] == open_tx.info.backend_pid and holder[4] is not None
             open_tx.rollback()
-        runner._release_all()
+        runner.release_all()
         close_history(dsn)
         with psycopg.connect(relay_dsn, autocommit=True) as relay:  # status and the metrics, as the relays' role
             from outbox_relay import history
@@ -130,7 +130,7 @@ def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]
             runner = SinkRunner(psink, pool, make_settings(rm_dsn, "p"))
             runner.desired = set(ALL_BUCKETS)
             run_until(runner, lambda: bool(_rows(rm_dsn, "SELECT paid FROM order_totals")))
-            runner._release_all()
+            runner.release_all()
         finally:
             psink.close()
     assert _rows(rm_dsn, "SELECT paid FROM order_totals") == [(1,)]

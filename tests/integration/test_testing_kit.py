@@ -358,7 +358,7 @@ def test_apply_projection_hands_over_what_the_relay_hands_over(shop: str, pool: 
         runner = SinkRunner(sink, pool, make_settings(shop, "w"))
         runner.desired = set(ALL_BUCKETS)
         run_until(runner, lambda: undelivered(shop, "recorder") == 0)
-        runner._release_all()
+        runner.release_all()
     finally:
         sink.close()
     relay_dead = dead_letters(shop, "recorder")

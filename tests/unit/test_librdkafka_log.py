@@ -19,7 +19,7 @@ import pytest
 from outbox_relay.cli.logs import _JsonFormatter
 from outbox_relay.dsn import remember_kafka_secrets
 from outbox_relay.kafka_sink import KafkaSink
-from outbox_relay.sink import Aborted, Outcomes
+from outbox_relay.sink import Aborted, CommitAtEnd, Outcomes
 from outbox_relay.store import StoredEvent
 
 
@@ -64,7 +64,7 @@ def test_a_connection_failure_is_logged_through_the_relays_logger() -> None:
     stop.start()
     try:
         with pytest.raises(Aborted):
-            sink.deliver([event], {1: 1}, commit, abort)  # type: ignore[arg-type]
+            sink.deliver([event], {1: 1}, CommitAtEnd.of(commit), abort)  # type: ignore[arg-type]
     finally:
         abort.set()
         sink.close()

@@ -35,7 +35,7 @@ def sinks(**values: Any) -> dict[str, ProjectionSink]:
 
 def runner_batch(sink: ProjectionSink, **values: Any) -> int:
     settings = RelaySettings(dsn="postgresql://u@localhost/none", kafka=False, **values)
-    return SinkRunner(sink, None, settings)._batch_size  # type: ignore[arg-type]
+    return SinkRunner(sink, None, settings).reads.batch_size  # type: ignore[arg-type]
 
 
 def test_a_batched_projection_reads_more_per_batch_unless_a_batch_size_is_given() -> None:
@@ -52,6 +52,6 @@ def test_a_batched_projection_reads_more_per_batch_unless_a_batch_size_is_given(
 def test_the_relay_spreads_a_sink_read_size_over_its_buckets() -> None:
     runner = SinkRunner(sinks()["read_size_batched"], None, RelaySettings(  # type: ignore[arg-type]
         dsn="postgresql://u@localhost/none", kafka=False))
-    limits = runner._limits({b: 1 for b in range(64)})
+    limits = runner.reads.limits({b: 1 for b in range(64)})
     assert set(limits.values()) == {BATCHED_READ_SIZE // 64}
-    assert runner._bucket_limit(256) == BATCHED_READ_SIZE // 256
+    assert runner.reads.bucket_limit(256) == BATCHED_READ_SIZE // 256

@@ -14,6 +14,7 @@ import pytest
 from outbox_relay.compose import default_sinks, load_sink
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.settings import load_settings
+from outbox_relay.sink import CommitAtEnd
 from outbox_relay.sink_adapter import EventSinkAdapter, outcome_of, sink_event
 from outbox_relay.sinks import Delivered, GiveUp, Retry, SinkUnavailable, check_sink
 from outbox_relay.store import EventFilter, StoredEvent
@@ -178,7 +179,7 @@ def test_a_sink_that_raises_system_exit_is_charged_like_any_error() -> None:
         return {1}
 
     try:
-        assert adapter.deliver([e], {1: 1}, commit, threading.Event()) == {1}  # type: ignore[arg-type]
+        assert adapter.deliver([e], {1: 1}, CommitAtEnd.of(commit), threading.Event()) == {1}  # type: ignore[arg-type]
     finally:
         adapter.close()
     outcome = got["outcomes"][e.id]  # type: ignore[index]
