@@ -47,7 +47,7 @@ from .errors import CheckpointFailed, LeaseLost, OutboxError, SinkDropped, SinkS
 from .observer import NULL_OBSERVER, Observer
 from .positions import Cursor, Snapshot
 from .settings import RelaySettings
-from .sink import Aborted, AsyncConn, Failure, KeyHold, Outcomes, Sink, wait_idle
+from .sinks.engine import Aborted, AsyncConn, Failure, KeyHold, Outcomes, Sink, wait_idle
 from .store import Checkpoint, Conn, StoredEvent
 
 log = logging.getLogger("outbox_relay.relay")

@@ -44,7 +44,7 @@ from .migrate import check_schema, latest_version
 from .observer import NULL_OBSERVER, Observer, guarded
 from .relay import PARKED_NOTICE, DeliveryGate, SinkRunner
 from .settings import RelaySettings
-from .sink import Sink
+from .sinks.engine import Sink
 from .store import Conn
 from .wakeups import MEMBERSHIP_CHANNEL, NOTIFY_CHANNEL, CommitWatcher
 
