@@ -137,7 +137,7 @@ def overhead(pg: Postgres, args: argparse.Namespace) -> None:
 
     from outbox_relay import store
     from outbox_relay.relay import SinkRunner
-    from outbox_relay.sink_adapter import EventSinkAdapter
+    from outbox_relay.sinks.adapter import EventSinkAdapter
 
     dsn = pg.dsn(pg.create_database())
     migrate(dsn)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from outbox_relay.webhook import _TimedResponse
+from outbox_relay.sinks.webhook.sink import _TimedResponse
 
 RESPONSE = b"HTTP/1.1 204 No Content\r\nServer: x\r\nDate: Thu, 26 Nov 2026 08:00:00 GMT\r\ncontent-length: 0\r\n\r\n"
 

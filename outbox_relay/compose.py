@@ -14,13 +14,13 @@ from typing import Any
 from .dsn import describe_error
 from .errors import ConfigurationError
 from .housekeeping import application_name
-from .kafka_sink import KafkaSink
 from .loader import import_module
 from .observer import NULL_OBSERVER, Observer, Observers, guarded
 from .settings import RelaySettings
-from .sink import Sink
-from .sink_adapter import EventSinkAdapter
 from .sinks import EventSink, check_sink
+from .sinks.adapter import EventSinkAdapter
+from .sinks.engine import Sink
+from .sinks.kafka.sink import KafkaSink
 from .worker import Worker
 
 
@@ -58,7 +58,7 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
         adapter.observer = observer
         sinks.append(adapter)
     if s.webhook_url:
-        from .webhook import from_settings as webhook_from_settings
+        from .sinks.webhook.sink import from_settings as webhook_from_settings
 
         webhook = EventSinkAdapter(webhook_from_settings(s), handler_timeout_seconds=s.handler_timeout_seconds,
                                    where="--webhook-url")

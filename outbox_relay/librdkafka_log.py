@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .observer import Delivery, Observer
 
 if TYPE_CHECKING:
-    from .sink import Sink
+    from .sinks.engine import Sink
     from .store import StoredEvent
 
 SUMMARY_SECONDS = 30.0  # one summary line per broker per this long

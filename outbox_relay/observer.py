@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from .sink import Sink
+    from .sinks.engine import Sink
     from .store import Checkpoint, StoredEvent
 
 HandlerT = TypeVar("HandlerT", bound=Callable[..., Any])

@@ -25,11 +25,11 @@ from typing import Any, TextIO
 import psycopg
 
 from .assignment import BUCKETS
-from .kafka_sink import KafkaSink
 from .migrate import check_schema
 from .progress_line import ProgressLine
 from .settings import RelaySettings
-from .sink import CommitAtEnd, Outcomes
+from .sinks.engine import CommitAtEnd, Outcomes
+from .sinks.kafka.sink import KafkaSink
 from .sqlfiles import query
 from .store import Conn, StoredEvent, event_reader
 from .upcast import UpcastError, Upcasters

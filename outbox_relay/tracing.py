@@ -41,7 +41,7 @@ from .observer import NULL_DELIVERY, Delivery, HandlerT, Observer
 if TYPE_CHECKING:
     from opentelemetry.trace import Link, Span, TracerProvider
 
-    from .sink import Sink
+    from .sinks.engine import Sink
     from .store import Checkpoint, StoredEvent
 
 log = logging.getLogger("outbox_relay.tracing")

@@ -62,7 +62,7 @@ class WebhookFields(SettingsBase):
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         if value is not None:
-            from .webhook import check_url  # the sink's own check (webhook.py imports this module)
+            from .sinks.webhook import check_url  # the sink's own check (it imports this module)
 
             try:
                 check_url(value)
@@ -74,7 +74,7 @@ class WebhookFields(SettingsBase):
     @classmethod
     def _secret(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
-            from .webhook import WebhookSecret
+            from .sinks.webhook import WebhookSecret
 
             try:
                 WebhookSecret(value.get_secret_value())  # remembers it for redaction first
@@ -104,7 +104,7 @@ class WebhookFields(SettingsBase):
                              "OUTBOX_WEBHOOK_SECRET (whsec_<base64>; make one with `python -m outbox_relay.webhook "
                              "secret`)")
         if self.webhook_secret_file is not None:
-            from .webhook import WebhookSecret
+            from .sinks.webhook import WebhookSecret
 
             try:
                 WebhookSecret.from_file(self.webhook_secret_file)  # at start-up, and remembered for redaction

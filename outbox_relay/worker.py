@@ -45,7 +45,7 @@ from .services.signals import SignalWatch
 from .services.thread import ServiceThread
 from .services.wake import wake_all
 from .settings import RelaySettings
-from .sink import Sink
+from .sinks.engine import Sink
 from .store import Conn
 
 log = logging.getLogger("outbox_relay.worker")

@@ -50,7 +50,7 @@ import psycopg
 from outbox_relay.backoff import Backoff
 from outbox_relay.dsn import describe_error
 from outbox_relay.positions import Cursor, Snapshot
-from outbox_relay.sink import Aborted
+from outbox_relay.sinks.engine import Aborted
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import event_reader
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from outbox_relay.sink import AsyncConn, Failure
+from outbox_relay.sinks.engine import AsyncConn, Failure
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import Conn, StoredEvent
 

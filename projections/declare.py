@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from outbox_relay.dsn import describe_error
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.loader import import_module
-from outbox_relay.sink import Failure
+from outbox_relay.sinks.engine import Failure
 from outbox_relay.store import EventFilter, StoredEvent
 from outbox_relay.upcast import UpcastError, Upcasters
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox_relay.errors import SinkStuck
-from outbox_relay.sink import Aborted
+from outbox_relay.sinks.engine import Aborted
 from outbox_relay.timelimit import Call, Deadline, cap_exceeded
 
 log = logging.getLogger("outbox_relay.projections")

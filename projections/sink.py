@@ -37,7 +37,7 @@ import psycopg
 
 from outbox_relay.errors import OutboxError
 from outbox_relay.observer import NULL_OBSERVER, Observer
-from outbox_relay.sink import Aborted, AsyncConn, Commit, Failure
+from outbox_relay.sinks.engine import Aborted, AsyncConn, Commit, Failure
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import Conn, EventFilter, StoredEvent
 

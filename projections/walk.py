@@ -35,7 +35,7 @@ import psycopg
 from psycopg import pq
 
 from outbox_relay.errors import NonRetriableDelivery
-from outbox_relay.sink import Aborted, AsyncConn, Failure, KeyHold, Outcomes
+from outbox_relay.sinks.engine import Aborted, AsyncConn, Failure, KeyHold, Outcomes
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import Conn, StoredEvent
 

@@ -18,7 +18,7 @@ from ..errors import ConfigurationError, WorkerIdInUse
 from ..loader import import_module
 from ..migrate import migrate
 from ..settings import RelaySettings, env_var, flag
-from ..sink import Aborted
+from ..sinks.engine import Aborted
 from .common import (
     EXIT_ERROR,
     EXIT_FAILED,

@@ -11,7 +11,7 @@ from ..backoff import Backoff
 from ..dsn import describe_error
 from ..errors import LeaseLost
 from ..positions import Cursor
-from ..sink import AsyncConn, Outcomes, Sink
+from ..sinks.engine import AsyncConn, Outcomes, Sink
 from ..store import Checkpoint, Conn, StoredEvent
 from .checkpoints import CheckpointWriter
 from .cursors import CursorBook

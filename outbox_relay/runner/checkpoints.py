@@ -16,7 +16,7 @@ from ..backoff import Backoff
 from ..dsn import describe_error
 from ..errors import CheckpointFailed, LeaseLost
 from ..settings import RelaySettings
-from ..sink import AsyncConn
+from ..sinks.engine import AsyncConn
 from ..store import Checkpoint, Conn
 from .cursors import CursorBook
 from .gate import Pulse

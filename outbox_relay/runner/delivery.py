@@ -8,7 +8,7 @@ import time
 from psycopg_pool import ConnectionPool
 
 from .. import store
-from ..sink import Sink
+from ..sinks.engine import Sink
 from ..store import Conn
 from .batch import Batches
 from .checkpoints import CheckpointWriter

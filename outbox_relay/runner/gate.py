@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ..sink import Aborted
+from ..sinks.engine import Aborted
 
 
 class DeliveryGate:

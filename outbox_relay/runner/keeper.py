@@ -67,7 +67,7 @@ class LeaseKeeper:
                 if not acquired and not held:
                     # Nothing to hold and nothing to take: normal while buckets change hands, but also what
                     # a dropped sink looks like (its cursors are gone). Never idle silently on one.
-                    store.check_sink(self.sink_name, store.sink_state(conn, self.sink_name))
+                    store.require_live_sink(self.sink_name, store.sink_state(conn, self.sink_name))
                 suspects = self.ramp.acquired(acquired, self.settings.max_lapses)
                 if acquired:
                     self.hints.add(acquired)  # they may come with a backlog

@@ -20,7 +20,7 @@ from ..dsn import describe_error
 from ..errors import OutboxError, SinkDropped, SinkStuck
 from ..observer import Observer
 from ..settings import RelaySettings
-from ..sink import Aborted, Sink, wait_idle
+from ..sinks.engine import Aborted, Sink, wait_idle
 from ..store import Conn
 from .batch import Batches
 from .checkpoints import CheckpointWriter

@@ -10,7 +10,7 @@ from psycopg_pool import PoolTimeout
 
 from ..backoff import Backoff
 from ..errors import CheckpointFailed, LeaseLost, SinkDropped, SinkStuck
-from ..sink import Failure, KeyHold, Outcomes
+from ..sinks.engine import Failure, KeyHold, Outcomes
 from ..store import Checkpoint, StoredEvent
 
 CRASH_ERROR = ("the relay stopped while delivering this event alone (process crash, kill, or stall past the "

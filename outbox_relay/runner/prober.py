@@ -13,7 +13,7 @@ from ..backoff import Backoff
 from ..dsn import describe_error
 from ..positions import Cursor
 from ..settings import RelaySettings
-from ..sink import Sink
+from ..sinks.engine import Sink
 from ..store import Checkpoint, Conn
 from .batch import Batches
 from .checkpoints import CheckpointWriter

@@ -13,7 +13,7 @@ from psycopg import pq
 
 from outbox_relay.errors import EventDeadLettered, OutboxError, UnknownEvent
 from outbox_relay.publish import Published
-from outbox_relay.sink import Failure
+from outbox_relay.sinks.engine import Failure
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import StoredEvent, stored_event
 from projections import Projection, ProjectionEvent

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from outbox_relay.sink import Commit, Failure, KeyHold, Outcomes
+from outbox_relay.sinks.engine import Commit, Failure, KeyHold, Outcomes
 from outbox_relay.store import EventFilter, StoredEvent
 
 from .published import _SHOWN, PublishedEvent, _published_event

@@ -28,7 +28,7 @@ from outbox_relay.positions import Cursor
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import SinkRunner
 from outbox_relay.settings import RelaySettings
-from outbox_relay.sink import Aborted, Commit, Failure, Outcomes
+from outbox_relay.sinks.engine import Aborted, Commit, Failure, Outcomes
 from outbox_relay.store import StoredEvent
 from outbox_relay.worker import Worker
 

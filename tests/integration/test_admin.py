@@ -21,7 +21,7 @@ from psycopg_pool import ConnectionPool
 from outbox_relay import admin, store
 from outbox_relay.errors import ConfigurationError, OutboxError
 from outbox_relay.housekeeping import Housekeeping
-from outbox_relay.sink import Failure
+from outbox_relay.sinks.engine import Failure
 from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     SINK,

@@ -20,7 +20,7 @@ from outbox_relay.housekeeping import Housekeeping
 from outbox_relay.positions import ORIGIN, Cursor
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import DeliveryGate
-from outbox_relay.sink import Failure
+from outbox_relay.sinks.engine import Failure
 from outbox_relay.store import Checkpoint, StoredEvent
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     ALL_BUCKETS,

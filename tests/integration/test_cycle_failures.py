@@ -16,7 +16,7 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from outbox_relay.relay import points_at_events
-from outbox_relay.sink import Commit
+from outbox_relay.sinks.engine import Commit
 from outbox_relay.store import StoredEvent
 from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)

@@ -21,7 +21,7 @@ from psycopg_pool import ConnectionPool
 
 from outbox_relay.event import EARLIEST_TIME, LATEST_TIME
 from outbox_relay.publish import Outbox
-from outbox_relay.sink import Failure
+from outbox_relay.sinks.engine import Failure
 from outbox_relay.store import StoredEvent
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     TOPIC,

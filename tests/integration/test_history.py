@@ -356,7 +356,7 @@ def test_a_read_of_the_relay_finds_events_of_every_partition(dsn: str) -> None:
 def test_a_parked_head_blocks_its_key_across_a_partition_boundary(dsn: str, pool: ConnectionPool[Any]) -> None:
     """G6/G9 across partitions: a key's head fails and is parked in one partition; its next event, in the
     next partition, waits behind it; after the retry both arrive in publish order."""
-    from outbox_relay.sink import Failure
+    from outbox_relay.sinks.engine import Failure
 
     (head,) = publish(dsn, [("k", "t", {"n": 1})])
     close_history(dsn)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from psycopg_pool import ConnectionPool
 
-from outbox_relay.sink_adapter import EventSinkAdapter
 from outbox_relay.sinks import GiveUp, Outcome, Retry, SinkEvent
+from outbox_relay.sinks.adapter import EventSinkAdapter
 from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     dead_letters,

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from outbox_relay.kafka_sink import KafkaSink
 from outbox_relay.observer import Observer, Observers
-from outbox_relay.sink import CommitAtEnd, Outcomes
+from outbox_relay.sinks.engine import CommitAtEnd, Outcomes
+from outbox_relay.sinks.kafka.sink import KafkaSink
 from outbox_relay.store import StoredEvent
 
 

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import pytest
 from confluent_kafka import Producer
 
-from outbox_relay.kafka_sink import LIBRDKAFKA_LOG, KafkaSink, _Flight, _Session
-from outbox_relay.sink import Outcomes
+from outbox_relay.sinks.engine import Outcomes
+from outbox_relay.sinks.kafka.sink import LIBRDKAFKA_LOG, KafkaSink, _Flight, _Session
 from tests.integration.test_relay_kafka import deliver_once, stored_events
 from tests.servers import KafkaServer, consume_all, create_topic, require_restartable, wait_until
 

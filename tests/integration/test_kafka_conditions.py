@@ -33,10 +33,10 @@ from prometheus_client import CollectorRegistry
 from psycopg_pool import ConnectionPool
 
 from outbox_relay.backoff import Backoff
-from outbox_relay.kafka_sink import KafkaSink
 from outbox_relay.metrics import OutboxGauges, PrometheusObserver
 from outbox_relay.publish import Outbox
-from outbox_relay.sink import CommitAtEnd
+from outbox_relay.sinks.engine import CommitAtEnd
+from outbox_relay.sinks.kafka.sink import KafkaSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     dead_letters,
     fetch_all,
@@ -296,7 +296,7 @@ def test_acknowledged_messages_are_checkpointed_while_others_of_the_batch_are_st
     """The sink hands the runner's ``Commit.partial`` what the broker acknowledged while it still waits for
     the rest of the batch. Here the rest waits on a topic that is gone (auto-creation off: librdkafka
     answers after ``topic.metadata.propagation.max.ms``, 1 s), written to before, so not looked up again."""
-    from outbox_relay.sink import Outcomes
+    from outbox_relay.sinks.engine import Outcomes
     from outbox_relay.store import StoredEvent
 
     gone = f"outbox-test-gone-{uuid.uuid4().hex[:10]}"

@@ -17,10 +17,10 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from outbox_relay import store
-from outbox_relay.kafka_sink import KafkaSink
 from outbox_relay.observer import Observer
 from outbox_relay.relay import SinkRunner
 from outbox_relay.services.pool import configure_connection as configure
+from outbox_relay.sinks.kafka.sink import KafkaSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,
     keys_in_bucket,

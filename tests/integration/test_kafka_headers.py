@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from outbox_relay.kafka_sink import RESERVED_HEADERS, RESERVED_PREFIX, KafkaSink, is_reserved_header
+from outbox_relay.sinks.kafka.sink import RESERVED_HEADERS, RESERVED_PREFIX, KafkaSink, is_reserved_header
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,
     dead_letters,

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from outbox_relay.sink import Commit, Outcomes
+from outbox_relay.sinks.engine import Commit, Outcomes
 from outbox_relay.store import StoredEvent
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     SINK,

@@ -18,7 +18,7 @@ from psycopg_pool import ConnectionPool
 
 from outbox_relay import cli, wait_for
 from outbox_relay.errors import WaitTimeout
-from outbox_relay.sink import Failure
+from outbox_relay.sinks.engine import Failure
 from outbox_relay.store import StoredEvent
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     SINK,

@@ -22,7 +22,7 @@ from psycopg_pool import ConnectionPool
 from outbox_relay import store
 from outbox_relay.housekeeping import Housekeeping, application_name
 from outbox_relay.publish import Outbox
-from outbox_relay.sink import Failure
+from outbox_relay.sinks.engine import Failure
 from outbox_relay.store import StoredEvent
 from outbox_relay.wakeups import WATCH_LOCK
 from outbox_relay.worker import Worker

@@ -21,7 +21,7 @@ from outbox_relay import cli, store, timelimit
 from outbox_relay.errors import SinkStuck
 from outbox_relay.metrics import OutboxGauges
 from outbox_relay.relay import SinkRunner
-from outbox_relay.sink import Commit
+from outbox_relay.sinks.engine import Commit
 from outbox_relay.store import StoredEvent
 from outbox_relay.worker import Worker
 from projections import ProjectionEvent, projection

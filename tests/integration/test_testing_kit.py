@@ -512,7 +512,7 @@ def test_the_example_test_of_the_order_service_passes(dsn: str) -> None:
 def test_a_recording_sink_gets_what_a_real_relay_delivers_in_order_with_retries_and_dead_letters(dsn: str) -> None:
     """A Worker delivers to a RecordingSink as to Kafka: per key in order, a failed attempt retried (the
     key waits behind it), a non-retriable one dead-lettered, each attempt counted as the relay counts it."""
-    from outbox_relay.sink import Failure as SinkFailure
+    from outbox_relay.sinks.engine import Failure as SinkFailure
     from outbox_relay.testing import RecordingSink
     from outbox_relay.worker import Worker
 

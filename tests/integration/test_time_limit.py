@@ -14,8 +14,8 @@ from psycopg_pool import ConnectionPool
 from outbox_relay import store, timelimit
 from outbox_relay.errors import SinkStuck
 from outbox_relay.relay import SinkRunner
-from outbox_relay.sink_adapter import EventSinkAdapter
 from outbox_relay.sinks import SinkEvent
+from outbox_relay.sinks.adapter import EventSinkAdapter
 from projections import ProjectionEvent, projection
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)

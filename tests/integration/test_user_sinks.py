@@ -23,8 +23,8 @@ from psycopg_pool import ConnectionPool
 from outbox_relay import Relay
 from outbox_relay.errors import OutboxError
 from outbox_relay.observer import Observer
-from outbox_relay.sink_adapter import EventSinkAdapter
 from outbox_relay.sinks import Delivered, GiveUp, Outcome, Retry, SinkEvent, SinkUnavailable
+from outbox_relay.sinks.adapter import EventSinkAdapter
 from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     dead_letters,

@@ -25,7 +25,7 @@ from outbox_relay import ConfigurationError, Outbox, wait_for, wait_for_async
 from outbox_relay.errors import EventDeadLettered, OpenTransaction, OutboxError, UnknownEvent, WaitTimeout
 from outbox_relay.progress import Poll
 from outbox_relay.relay import SinkRunner
-from outbox_relay.sink import Aborted, Failure
+from outbox_relay.sinks.engine import Aborted, Failure
 from outbox_relay.store import StoredEvent
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     SINK,

@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from outbox_relay.relay import SinkRunner
-from outbox_relay.sink import Failure
+from outbox_relay.sinks.engine import Failure
 from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import (
     RecordingSink,

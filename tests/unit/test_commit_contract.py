@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from outbox_relay.sink import CommitAtEnd, Outcomes
+from outbox_relay.sinks.engine import CommitAtEnd, Outcomes
 
 
 def test_a_commit_that_writes_only_at_the_end_writes_nothing_early_and_later_at_once() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from outbox_relay.backoff import Backoff
 from outbox_relay.relay import MIN_BUCKET_LIMIT, DeliveryGate, Hints, classify, read_limits
-from outbox_relay.sink import Aborted, Failure, KeyHold
+from outbox_relay.sinks.engine import Aborted, Failure, KeyHold
 from outbox_relay.store import StoredEvent
 
 NOW = datetime(2026, 11, 23, tzinfo=UTC)

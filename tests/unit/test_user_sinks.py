@@ -14,9 +14,9 @@ import pytest
 from outbox_relay.compose import default_sinks, load_sink
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.settings import load_settings
-from outbox_relay.sink import CommitAtEnd
-from outbox_relay.sink_adapter import EventSinkAdapter, outcome_of, sink_event
 from outbox_relay.sinks import Delivered, GiveUp, Retry, SinkUnavailable, check_sink
+from outbox_relay.sinks.adapter import EventSinkAdapter, outcome_of, sink_event
+from outbox_relay.sinks.engine import CommitAtEnd
 from outbox_relay.store import EventFilter, StoredEvent
 
 DSN = "postgresql://relay@db.invalid/app"
@@ -162,7 +162,7 @@ def test_the_event_as_a_sink_gets_it() -> None:
 def test_a_sink_that_raises_system_exit_is_charged_like_any_error() -> None:
     import threading
 
-    from outbox_relay.sink import Failure
+    from outbox_relay.sinks.engine import Failure
 
     class Exits:
         name, kind = "exits", "mine"
@@ -187,7 +187,7 @@ def test_a_sink_that_raises_system_exit_is_charged_like_any_error() -> None:
 
 
 def test_answers_that_skipped_their_checks_are_a_bug_of_the_sink_never_a_crash() -> None:
-    from outbox_relay.sink_adapter import unavailable_wait
+    from outbox_relay.sinks.adapter import unavailable_wait
 
     class LaxRetry(Retry):
         def __post_init__(self) -> None:  # skips the check of after_seconds
@@ -283,7 +283,7 @@ def test_a_user_sink_may_not_take_a_kind_of_the_products_own(kind: str) -> None:
 
 
 def test_the_products_webhook_sink_and_its_subclasses_keep_their_kind() -> None:
-    from outbox_relay.webhook import WebhookSecret, WebhookSink
+    from outbox_relay.sinks.webhook.sink import WebhookSecret, WebhookSink
 
     class Tenanted(WebhookSink):
         pass

@@ -37,13 +37,13 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
-from .dsn import MASK, MIN_SECRET_CHARS, redact, remember_secret
-from .errors import ConfigurationError, OutboxError
-from .sinks import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
+from ... import __version__
+from ...dsn import MASK, MIN_SECRET_CHARS, redact, remember_secret
+from ...errors import ConfigurationError, OutboxError
+from ..user import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
 
 if TYPE_CHECKING:
-    from .webhook_settings import WebhookFields
+    from ...webhook_settings import WebhookFields
 
 log = logging.getLogger("outbox_relay.webhook")
 
@@ -593,8 +593,8 @@ def from_env() -> WebhookSink:
     """The webhook sink the ``OUTBOX_WEBHOOK_*`` variables describe: ``--sink outbox_relay.webhook:from_env``."""
     from pydantic import ValidationError
 
-    from .settings import describe_validation_error
-    from .webhook_settings import WebhookSettings
+    from ...settings import describe_validation_error
+    from ...webhook_settings import WebhookSettings
 
     try:
         settings = WebhookSettings()

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 # outbox.sinks.kind's CHECK constraint (migration 0013).
 SINK_KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}\Z")

@@ -57,9 +57,9 @@ from ..migrate import migrate
 from ..publish import Outbox
 from ..relay import SinkRunner
 from ..settings import load_settings
-from ..sink import Commit, Failure, KeyHold, Outcomes
-from ..sink_adapter import EventSinkAdapter
 from ..sinks import Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
+from ..sinks.adapter import EventSinkAdapter
+from ..sinks.engine import Commit, Failure, KeyHold, Outcomes
 from ..store import StoredEvent
 
 __all__ = ["SinkContract"]

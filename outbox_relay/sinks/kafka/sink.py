@@ -45,12 +45,12 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from .backoff import Backoff
-from .dsn import describe_error, redact_kafka_config
-from .errors import ConfigurationError
-from .observer import NULL_OBSERVER, Observer
-from .sink import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, Failure, KeyHold, Outcomes
-from .store import EventFilter, StoredEvent
+from ...backoff import Backoff
+from ...dsn import describe_error, redact_kafka_config
+from ...errors import ConfigurationError
+from ...observer import NULL_OBSERVER, Observer
+from ...store import EventFilter, StoredEvent
+from ..engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, Failure, KeyHold, Outcomes
 
 log = logging.getLogger("outbox_relay.kafka")
 # librdkafka's own lines (a broker that refuses connections, TLS and SASL errors, its debug contexts

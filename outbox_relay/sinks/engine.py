@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import psycopg
 
-from .dsn import describe_error
-from .store import Checkpoint, Conn, EventFilter, StoredEvent
+from ..dsn import describe_error
+from ..store import Checkpoint, Conn, EventFilter, StoredEvent
 
 log = logging.getLogger("outbox_relay.sink")
 

@@ -38,13 +38,13 @@ from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from .dsn import describe_error, redact
-from .errors import MAX_ERROR_CHARS, SinkStuck
-from .observer import NULL_OBSERVER, Observer
-from .sink import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, Failure, Outcomes
-from .sinks import MAX_WAIT_SECONDS, Delivered, EventSink, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
-from .store import EventFilter, StoredEvent
-from .timelimit import WAIT_SLICE, HandlerThread, cap_exceeded
+from ..dsn import describe_error, redact
+from ..errors import MAX_ERROR_CHARS, SinkStuck
+from ..observer import NULL_OBSERVER, Observer
+from ..store import EventFilter, StoredEvent
+from ..timelimit import WAIT_SLICE, HandlerThread, cap_exceeded
+from .engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, Failure, Outcomes
+from .user import MAX_WAIT_SECONDS, Delivered, EventSink, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
 
 log = logging.getLogger("outbox_relay.sinks")
 
