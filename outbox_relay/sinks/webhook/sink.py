@@ -602,18 +602,4 @@ def from_env() -> WebhookSink:
     return from_settings(settings)
 
 
-def _main(argv: list[str]) -> int:
-    if argv == ["secret"]:
-        print(WebhookSecret.generate())
-        return 0
-    print("usage: python -m outbox_relay.webhook secret   (prints a new signing secret)")
-    return 2
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(_main(sys.argv[1:]))
-
-
 __all__ = ["InvalidSignature", "WebhookSecret", "WebhookSink", "from_env", "from_settings", "verify"]
