@@ -20,7 +20,7 @@ from .settings import RelaySettings
 from .sinks import EventSink, check_sink
 from .sinks.adapter import EventSinkAdapter
 from .sinks.engine import Sink
-from .sinks.kafka.sink import KafkaSink
+from .sinks.kafka import KafkaSink
 from .worker import Worker
 
 

@@ -19,7 +19,7 @@ from psycopg_pool import ConnectionPool
 from outbox_relay import store
 from outbox_relay.observer import Observer
 from outbox_relay.relay import SinkRunner
-from outbox_relay.sinks.kafka.sink import KafkaSink
+from outbox_relay.sinks.kafka import KafkaSink
 from outbox_relay.worker import _configure
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from outbox_relay.sinks.kafka.sink import RESERVED_HEADERS, RESERVED_PREFIX, KafkaSink, is_reserved_header
+from outbox_relay.sinks.kafka import RESERVED_HEADERS, RESERVED_PREFIX, KafkaSink, is_reserved_header
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,
     dead_letters,
@@ -102,7 +102,7 @@ def test_the_reserved_names_are_the_ones_the_trigger_refuses_and_the_relay_sets(
                      extra_headers=[("outbox_replay", b"1")])
     try:
         (event,) = stored_events(["k"], 1, first_seq=1)
-        headers = sink._headers(event, 1)
+        headers = sink.headers.of(event, 1)
     finally:
         sink.close()
     assert isinstance(headers, list)
@@ -119,7 +119,7 @@ def test_headers_are_checked_without_raising(headers: str, problem: str) -> None
     sink = KafkaSink(KAFKA, {"bootstrap.servers": "127.0.0.1:1"}, "t", "urn:test")
     try:
         (event,) = stored_events(["k"], 1, first_seq=1)
-        outcome = sink._headers(dataclasses.replace(event, headers_text=headers), 1)
+        outcome = sink.headers.of(dataclasses.replace(event, headers_text=headers), 1)
     finally:
         sink.close()
     assert not isinstance(outcome, list), f"{json.loads(headers)!r} was accepted"
