@@ -58,7 +58,7 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
         adapter.observer = observer
         sinks.append(adapter)
     if s.webhook_url:
-        from .sinks.webhook.sink import from_settings as webhook_from_settings
+        from .sinks.webhook import from_settings as webhook_from_settings
 
         webhook = EventSinkAdapter(webhook_from_settings(s), handler_timeout_seconds=s.handler_timeout_seconds,
                                    where="--webhook-url")

@@ -75,7 +75,7 @@ KAFKA_OPTIONS_HELP = ("a value @PATH is read from that file (secrets stay out of
 
 def _webhook_url(value: str | None) -> str | None:
     if value is not None:
-        from .sinks.webhook.sink import check_url
+        from .sinks.webhook import check_url
 
         try:
             check_url(value)
@@ -86,7 +86,7 @@ def _webhook_url(value: str | None) -> str | None:
 
 def _webhook_secret(value: SecretStr | None) -> SecretStr | None:
     if value is not None:
-        from .sinks.webhook.sink import WebhookSecret
+        from .sinks.webhook import WebhookSecret
 
         try:
             WebhookSecret(value.get_secret_value())  # remembers it for redaction first
@@ -150,7 +150,7 @@ def _check_webhook(s: RelaySettings | WebhookSettings) -> None:
                          "OUTBOX_WEBHOOK_SECRET (whsec_<base64>; make one with `python -m outbox_relay.webhook "
                          "secret`)")
     if s.webhook_secret_file is not None:
-        from .sinks.webhook.sink import WebhookSecret
+        from .sinks.webhook import WebhookSecret
 
         try:
             WebhookSecret.from_file(s.webhook_secret_file)  # at start-up, and remembered for redaction

@@ -23,7 +23,7 @@ from outbox_relay.dsn import describe_error
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.settings import RelaySettings, WebhookSettings, load_settings
 from outbox_relay.sinks import Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
-from outbox_relay.sinks.webhook.sink import (
+from outbox_relay.sinks.webhook import (
     InvalidSignature,
     WebhookSecret,
     WebhookSink,
