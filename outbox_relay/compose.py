@@ -7,7 +7,6 @@ neither. Dependencies run one way: compose -> sinks (kafka_sink, projections) ->
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +18,7 @@ from .observer import NULL_OBSERVER, Observer, Observers, guarded
 from .settings import RelaySettings
 from .sinks import EventSink, check_sink
 from .sinks.adapter import EventSinkAdapter
-from .sinks.engine import Sink
+from .sinks.engine import Sink, is_engine_sink
 from .sinks.kafka import KafkaSink
 from .worker import Worker
 
@@ -80,8 +79,7 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
 def as_engine_sink(sink: object, handler_timeout_seconds: float, observer: Observer = NULL_OBSERVER) -> Sink:
     """``sink`` as the engine runs it: an ``EventSink`` in its adapter; an engine ``Sink`` (a
     ``deliver(events, fences, commit, abort)``, e.g. ``RecordingSink``) as it is."""
-    deliver = getattr(sink, "deliver", None)
-    if callable(deliver) and len(inspect.signature(deliver).parameters) == 4 and hasattr(sink, "event_filter"):
+    if is_engine_sink(sink):
         return sink  # type: ignore[return-value]  # the engine's own protocol
     adapter = EventSinkAdapter(check_sink(sink), handler_timeout_seconds=handler_timeout_seconds)
     adapter.observer = observer

@@ -637,7 +637,7 @@ class SinkRunner:
                 if not acquired and not held:
                     # Nothing to hold and nothing to take: normal while buckets change hands, but also what
                     # a dropped sink looks like (its cursors are gone). Never idle silently on one.
-                    store.check_sink(self.sink.name, store.sink_state(conn, self.sink.name))
+                    store.require_live_sink(self.sink.name, store.sink_state(conn, self.sink.name))
                 if acquired:
                     self.hints.add(acquired)  # they may come with a backlog
                     self.observer.leases(self.sink.name, acquired=len(acquired))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -117,6 +118,14 @@ class Sink(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def is_engine_sink(sink: object) -> bool:
+    """Whether ``sink`` keeps the engine's protocol (``deliver(events, fences, commit, abort)`` and an
+    ``event_filter``) rather than a user's ``EventSink`` (``deliver(event)``)."""
+    deliver = getattr(sink, "deliver", None)
+    return (callable(deliver) and len(inspect.signature(deliver).parameters) == 4
+            and hasattr(sink, "event_filter"))
 
 
 def wait_idle(sink: Sink, wake: threading.Event, seconds: float) -> bool:

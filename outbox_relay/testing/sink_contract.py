@@ -46,7 +46,8 @@ import pytest
 
 from ..migrate import migrate
 from ..sinks import check_sink
-from .sink_faults import GIVE_UP, HANG, RAISE, RETRY, UNAVAILABLE, is_engine_sink
+from ..sinks.engine import is_engine_sink
+from .sink_faults import GIVE_UP, HANG, RAISE, RETRY, UNAVAILABLE
 from .sink_harness import Harness, fresh_database, server_dsn
 
 __all__ = ["SinkContract"]

@@ -164,8 +164,3 @@ class FaultyEngineSink:
     def close(self) -> None:
         self.inner.close()
 
-
-def is_engine_sink(sink: Any) -> bool:
-    deliver = getattr(sink, "deliver", None)
-    return deliver is not None and len(inspect.signature(deliver).parameters) == 4
-

@@ -21,7 +21,8 @@ from ..publish import Outbox
 from ..relay import SinkRunner
 from ..settings import load_settings
 from ..sinks.adapter import EventSinkAdapter
-from .sink_faults import FaultyEngineSink, FaultyEventSink, Plan, Recorder, is_engine_sink
+from ..sinks.engine import is_engine_sink
+from .sink_faults import FaultyEngineSink, FaultyEventSink, Plan, Recorder
 
 if TYPE_CHECKING:
     from .sink_contract import SinkContract
