@@ -2,7 +2,7 @@
 
 The only module that knows every kind of sink. The engine (worker.py, relay.py) takes sinks and
 imports neither Kafka nor projections, and ``import outbox_relay`` (what a producer needs) loads
-neither. Dependencies run one way: compose -> sinks (kafka_sink, projections) -> engine.
+neither. Dependencies run one way: compose -> sinks (sinks/kafka, sinks/webhook, projections) -> engine.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A user's ``EventSink`` (sinks.py) as the engine's ``Sink`` (sink.py): every guarantee is kept here.
+"""A user's ``EventSink`` (user.py) as the engine's ``Sink`` (engine.py): every guarantee is kept here.
 
 Per batch, the events are grouped by key (in batch order, which is publish order per key) and the
 keys are handed to ``concurrency`` lanes, threads that call the user's ``deliver`` one event at a time

@@ -6,9 +6,9 @@ producer instance was told), ``topics.py`` (held topics), ``message.py`` (an eve
 """
 
 from .config import PRODUCER_DEFAULTS, check_config
-from .message import RESERVED_HEADERS, RESERVED_PREFIX, is_reserved_header, sequence
+from .message import is_reserved_header, sequence
 from .sink import LIBRDKAFKA_LOG, KafkaSink
 from .topics import TopicCondition
 
-__all__ = ["LIBRDKAFKA_LOG", "PRODUCER_DEFAULTS", "RESERVED_HEADERS", "RESERVED_PREFIX", "KafkaSink", "TopicCondition",
-           "check_config", "is_reserved_header", "sequence"]
+__all__ = ["LIBRDKAFKA_LOG", "PRODUCER_DEFAULTS", "KafkaSink", "TopicCondition", "check_config", "is_reserved_header",
+           "sequence"]

@@ -8,19 +8,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...event import RESERVED_HEADER_PREFIX, RESERVED_HEADERS
 from ...store import StoredEvent
 from ..engine import Failure
 
 log = logging.getLogger("outbox_relay.kafka")
 
-# Header names the relay sets on every message, compared lower-case, plus every name starting with
-# RESERVED_PREFIX (outbox_fence, outbox_replay, ...). An event's own header of such a name would reach
-# consumers next to the relay's value; migration 0005's trigger (outbox.check_event_v1) refuses them
-# at insert, and the sink drops them from older rows.
-RESERVED_HEADERS = frozenset({
-    "ce_specversion", "ce_id", "ce_source", "ce_type", "ce_time", "ce_sequence", "ce_partitionkey", "content-type",
-})
-RESERVED_PREFIX = "outbox_"
+# The header names the relay sets on every message (event.RESERVED_HEADERS) and every name starting with
+# event.RESERVED_HEADER_PREFIX (outbox_fence, outbox_replay, ...): an event's own header of such a name would
+# reach consumers next to the relay's value; the events table's trigger refuses them at insert, and the
+# sink drops them from older rows.
 
 
 def sequence(xid: int, seq: int) -> str:
@@ -35,7 +32,7 @@ def sequence(xid: int, seq: int) -> str:
 def is_reserved_header(name: str) -> bool:
     """A header name only the relay sets (as the trigger of migration 0005 compares: lower-case)."""
     lowered = name.lower()
-    return lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_PREFIX)
+    return lowered in RESERVED_HEADERS or lowered.startswith(RESERVED_HEADER_PREFIX)
 
 
 def json_type(value: Any) -> str:
