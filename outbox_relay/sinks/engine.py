@@ -89,6 +89,35 @@ class Commit(Protocol):
     async def in_async(self, outcomes: Outcomes, tx: AsyncConn) -> set[int]: ...
 
 
+class EarlyCheckpoints:
+    """The early checkpoints of one long batch (``Commit.partial``): due every ``seconds``, each of what is
+    settled by then if more is than at the last one. One that fails (the database may be away) ends them
+    for the batch: they only save redelivery, the batch's own checkpoint at its end decides."""
+
+    def __init__(self, sink: str, partial: Callable[[Outcomes], set[int]] | None, seconds: float) -> None:
+        self.sink = sink  # for the log line
+        self.partial = partial  # None: this commit writes nothing early
+        self.seconds = seconds
+        self.next_at = time.monotonic() + seconds
+        self.written = 0  # how many outcomes the last early checkpoint held
+
+    def due(self) -> bool:
+        return self.partial is not None and time.monotonic() >= self.next_at
+
+    def write(self, settled: Outcomes) -> None:
+        """Checkpoint ``settled`` (the caller's copy; the batch goes on meanwhile) if it holds more than the last."""
+        self.next_at = time.monotonic() + self.seconds
+        if self.partial is None or len(settled) <= self.written:
+            return
+        self.written = len(settled)
+        try:
+            self.partial(settled)
+        except Exception as exc:
+            log.warning("sink %s: could not checkpoint the settled part of a batch in flight (%s); it is checkpointed "
+                        "with the rest", self.sink, describe_error(exc))
+            self.partial = None
+
+
 class Aborted(Exception):
     """Hard stop while a batch was in flight: nothing is checkpointed, the next owner redelivers."""
 

@@ -39,11 +39,11 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from ...dsn import describe_error, redact_kafka_config
+from ...dsn import redact_kafka_config
 from ...errors import ConfigurationError
 from ...observer import NULL_OBSERVER, Observer
 from ...store import EventFilter, StoredEvent
-from ..engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, Failure, KeyHold, Outcomes
+from ..engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, EarlyCheckpoints, Failure, KeyHold, Outcomes
 from .broker_errors import TOPIC_CONDITIONS, describe, failure_of
 from .config import PRODUCER_DEFAULTS, check_config
 from .flight import Batch, Flight, Session
@@ -257,9 +257,8 @@ class KafkaSink:
         ``partial_seconds`` meanwhile (with ``partial``). Returns why the producer has to be replaced
         instead, if it has to."""
         started = time.monotonic()
-        next_partial = started + self.partial_seconds
+        early = EarlyCheckpoints(self.name, partial, self.partial_seconds)
         next_warn = started + self.ack_warn_seconds
-        reported = len(flight.outcomes)
         while True:
             self._tell_acknowledged(flight)  # what the last poll served (or _produce's, on a full queue)
             reason = self._wedged(flight)
@@ -275,27 +274,14 @@ class KafkaSink:
                             self._session.client_error)
             if reason is not None and time.monotonic() >= self._recreate_after:
                 return reason
-            if partial is not None and time.monotonic() >= next_partial:
-                next_partial = time.monotonic() + self.partial_seconds
-                if len(flight.outcomes) > reported:
-                    reported = len(flight.outcomes)
-                    if not self._checkpoint_acknowledged(partial, flight.outcomes):
-                        partial = None  # the database is away: not again in this batch
+            if early.due():
+                early.write(dict(flight.outcomes))
             self._poll(abort)
 
     def _tell_acknowledged(self, flight: Flight) -> None:
         if flight.acked:
             self.observer.acknowledged(self.name, flight.acked)
             flight.acked = []
-
-    def _checkpoint_acknowledged(self, partial: Callable[[Outcomes], set[int]], outcomes: Outcomes) -> bool:
-        try:
-            partial(dict(outcomes))
-        except Exception as exc:  # the database may be away: the batch's own checkpoint comes at its end
-            log.warning("kafka sink %s: could not checkpoint the acknowledged part of a batch in flight (%s); "
-                        "it is checkpointed with the rest", self.name, describe_error(exc))
-            return False
-        return True
 
     def _wedged(self, flight: Flight) -> str | None:
         session = self._session
