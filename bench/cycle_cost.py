@@ -40,7 +40,7 @@ from outbox_relay.migrate import migrate  # noqa: E402
 from outbox_relay.publish import Outbox  # noqa: E402
 from outbox_relay.relay import SinkRunner  # noqa: E402
 from outbox_relay.settings import RelaySettings  # noqa: E402
-from outbox_relay.sinks.kafka.sink import KafkaSink  # noqa: E402
+from outbox_relay.sinks.kafka import KafkaSink  # noqa: E402
 from outbox_relay.sqlfiles import sql_dir  # noqa: E402
 
 APP = "cycle-cost-relay"

@@ -94,7 +94,7 @@ def _ready_then_wait() -> None:
 def ref_worker(args: argparse.Namespace) -> None:
     from confluent_kafka import Producer
 
-    from outbox_relay.sinks.kafka.sink import PRODUCER_DEFAULTS
+    from outbox_relay.sinks.kafka import PRODUCER_DEFAULTS
 
     producer = Producer({**PRODUCER_DEFAULTS, "bootstrap.servers": args.bootstrap})
     producer.list_topics(args.topic, timeout=10)  # metadata fetched before the clock starts
@@ -191,7 +191,7 @@ def tuned_worker(args: argparse.Namespace) -> None:
     delivery report, served by ``flush()``; the claim that marked it delivered commits after) to --out."""
     from confluent_kafka import Producer
 
-    from outbox_relay.sinks.kafka.sink import PRODUCER_DEFAULTS
+    from outbox_relay.sinks.kafka import PRODUCER_DEFAULTS
 
     producer = Producer({**PRODUCER_DEFAULTS, "bootstrap.servers": args.bootstrap})
     producer.list_topics(args.topic, timeout=10)  # metadata fetched before the clock starts

@@ -1209,7 +1209,7 @@ def profile_summary(raw: Path, top: int = 30) -> dict[str, Any]:
         count = int(count_s)
         frames = [_frame_key(f) for f in stack.split(";")]
         idle = frames[-3:-1] == ["SinkRunner.run (relay.py)", "Event.wait (threading.py)"]
-        if idle or "wait_idle (sink.py)" in frames:  # a sink with idle(): a projection
+        if idle or "wait_idle (engine.py)" in frames:  # a sink with idle(): a projection
             continue  # idle: waiting for work (before the backlog is released, after it is done)
         total += count
         for key in set(frames):

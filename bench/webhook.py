@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from outbox_relay.sinks import SinkEvent
-from outbox_relay.sinks.webhook.sink import WebhookSecret, WebhookSink
+from outbox_relay.sinks.webhook import WebhookSecret, WebhookSink
 
 PAYLOAD = '{"order": 12345, "amount": "19.90", "currency": "EUR", "items": [1, 2, 3]}'
 

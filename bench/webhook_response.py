@@ -1,5 +1,5 @@
 """Client CPU of reading one small webhook response: http.client's stock ``HTTPResponse`` next to the
-webhook sink's ``_TimedResponse`` (every read bounded by the response's deadline), in one run.
+webhook sink's ``TimedResponse`` (every read bounded by the response's deadline), in one run.
 
     python bench/webhook_response.py [--responses 5000] [--runs 7]
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from outbox_relay.sinks.webhook.sink import _TimedResponse
+from outbox_relay.sinks.webhook.connection import TimedResponse
 
 RESPONSE = b"HTTP/1.1 204 No Content\r\nServer: x\r\nDate: Thu, 26 Nov 2026 08:00:00 GMT\r\ncontent-length: 0\r\n\r\n"
 
@@ -31,7 +31,7 @@ def per_response(timed: bool, n: int) -> float:
     start = time.process_time()
     for _ in range(n):
         b.sendall(RESPONSE)
-        r = (_TimedResponse(a, method="POST", deadline=time.monotonic() + 30) if timed
+        r = (TimedResponse(a, method="POST", deadline=time.monotonic() + 30) if timed
              else http.client.HTTPResponse(a, method="POST"))
         r.begin()
         r.read(65537)
@@ -46,9 +46,9 @@ def main() -> int:
     parser.add_argument("--responses", type=int, default=5000)
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
-    results: dict[str, list[float]] = {"stock HTTPResponse": [], "_TimedResponse (deadline)": []}
+    results: dict[str, list[float]] = {"stock HTTPResponse": [], "TimedResponse (deadline)": []}
     for _ in range(args.runs):
-        for name, timed in (("stock HTTPResponse", False), ("_TimedResponse (deadline)", True)):
+        for name, timed in (("stock HTTPResponse", False), ("TimedResponse (deadline)", True)):
             results[name].append(per_response(timed, args.responses))
     print(f"response parse, {args.responses} x {args.runs} runs; {platform.machine()}, {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")

@@ -2,12 +2,11 @@
 
 The only module that knows every kind of sink. The engine (worker.py, relay.py) takes sinks and
 imports neither Kafka nor projections, and ``import outbox_relay`` (what a producer needs) loads
-neither. Dependencies run one way: compose -> sinks (kafka_sink, projections) -> engine.
+neither. Dependencies run one way: compose -> sinks (sinks/kafka, sinks/webhook, projections) -> engine.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,8 +18,8 @@ from .observer import NULL_OBSERVER, Observer, Observers, guarded
 from .settings import RelaySettings
 from .sinks import EventSink, check_sink
 from .sinks.adapter import EventSinkAdapter
-from .sinks.engine import Sink
-from .sinks.kafka.sink import KafkaSink
+from .sinks.engine import Sink, is_engine_sink
+from .sinks.kafka import KafkaSink
 from .worker import Worker
 
 
@@ -58,7 +57,7 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
         adapter.observer = observer
         sinks.append(adapter)
     if s.webhook_url:
-        from .sinks.webhook.sink import from_settings as webhook_from_settings
+        from .sinks.webhook import from_settings as webhook_from_settings
 
         webhook = EventSinkAdapter(webhook_from_settings(s), handler_timeout_seconds=s.handler_timeout_seconds,
                                    where="--webhook-url")
@@ -80,8 +79,7 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
 def as_engine_sink(sink: object, handler_timeout_seconds: float, observer: Observer = NULL_OBSERVER) -> Sink:
     """``sink`` as the engine runs it: an ``EventSink`` in its adapter; an engine ``Sink`` (a
     ``deliver(events, fences, commit, abort)``, e.g. ``RecordingSink``) as it is."""
-    deliver = getattr(sink, "deliver", None)
-    if callable(deliver) and len(inspect.signature(deliver).parameters) == 4 and hasattr(sink, "event_filter"):
+    if is_engine_sink(sink):
         return sink  # type: ignore[return-value]  # the engine's own protocol
     adapter = EventSinkAdapter(check_sink(sink), handler_timeout_seconds=handler_timeout_seconds)
     adapter.observer = observer

@@ -41,7 +41,7 @@ EARLIEST_TIME = datetime(1, 1, 2, tzinfo=UTC)
 LATEST_TIME = datetime(9999, 12, 30, 23, 59, 59, 999999, tzinfo=UTC)
 # Kafka's own rule for topic names; fullmatch, since "$" would also match before a trailing newline.
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
-# Headers the relay sets on every Kafka message (kafka_sink); the trigger outbox.check_event_v4
+# Headers the relay sets on every Kafka message (sinks/kafka/message.py); the trigger outbox.check_event_v4
 # refuses the same names, so that consumers never see two values for one of them.
 RESERVED_HEADERS = frozenset({
     "ce_specversion", "ce_id", "ce_source", "ce_type", "ce_time", "ce_sequence", "ce_partitionkey",

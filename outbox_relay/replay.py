@@ -29,7 +29,7 @@ from .migrate import check_schema
 from .progress_line import ProgressLine
 from .settings import RelaySettings
 from .sinks.engine import CommitAtEnd, Outcomes
-from .sinks.kafka.sink import KafkaSink
+from .sinks.kafka import KafkaSink
 from .sqlfiles import query
 from .store import Conn, StoredEvent, event_reader
 from .upcast import UpcastError, Upcasters

@@ -151,7 +151,7 @@ def register_sink(conn: Conn, sink: str, kind: str, topics: Sequence[str] | None
         row = conn.execute(query("relay", "lock_sink_state"), {"sink": sink}).fetchone()
         if row and row[0] != kind:
             raise ConfigurationError(f"sink {sink!r} is registered as {row[0]!r}, not {kind!r}: pick another name")
-        check_sink(sink, row)
+        require_live_sink(sink, row)
         conn.execute(query("relay", "set_sink_topics"),
                      {"sink": sink, "kind": kind, "topics": sorted(set(topics)) if topics is not None else None})
         conn.execute(query("relay", "register_cursors"), {"sink": sink, "kind": kind})
@@ -163,7 +163,7 @@ def sink_state(conn: Conn, sink: str) -> tuple[str, datetime | None] | None:
     return (row[0], row[1]) if row else None
 
 
-def check_sink(sink: str, state: Sequence[Any] | None) -> None:
+def require_live_sink(sink: str, state: Sequence[Any] | None) -> None:
     """Raise SinkDropped unless ``state`` (a sink_kind row) is a live sink."""
     if state is None:
         raise SinkDropped(f"sink {sink!r} no longer exists (dropped, or a rebuild's sink that was cancelled or "

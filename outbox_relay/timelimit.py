@@ -1,5 +1,5 @@
 """One time limit for the user's code the engine calls: a projection batch's walk (projections/guard.py), a
-user sink's ``deliver`` (sink_adapter.py) and an inbox handler (inbox/store.py).
+user sink's ``deliver`` (sinks/adapter.py) and an inbox handler (inbox/store.py).
 
 Python can not kill a thread, and a handler that never returns (a socket without a timeout, a deadlock
 in a library) would otherwise hold the thread that called it, with its transaction, locks and the

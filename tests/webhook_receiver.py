@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from outbox_relay.sinks.webhook.sink import InvalidSignature, WebhookSecret, verify
+from outbox_relay.webhook import InvalidSignature, WebhookSecret, verify
 
 SECRET = WebhookSecret.generate()
 

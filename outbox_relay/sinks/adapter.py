@@ -1,4 +1,4 @@
-"""A user's ``EventSink`` (sinks.py) as the engine's ``Sink`` (sink.py): every guarantee is kept here.
+"""A user's ``EventSink`` (user.py) as the engine's ``Sink`` (engine.py): every guarantee is kept here.
 
 Per batch, the events are grouped by key (in batch order, which is publish order per key) and the
 keys are handed to ``concurrency`` lanes, threads that call the user's ``deliver`` one event at a time
@@ -43,7 +43,7 @@ from ..errors import MAX_ERROR_CHARS, SinkStuck
 from ..observer import NULL_OBSERVER, Observer
 from ..store import EventFilter, StoredEvent
 from ..timelimit import WAIT_SLICE, HandlerThread, cap_exceeded
-from .engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, Failure, Outcomes
+from .engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, EarlyCheckpoints, Failure, Outcomes
 from .user import MAX_WAIT_SECONDS, Delivered, EventSink, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
 
 log = logging.getLogger("outbox_relay.sinks")
@@ -362,7 +362,7 @@ class EventSinkAdapter:
     def _wait(self, run: _Run, abort: threading.Event, partial: Callable[[Outcomes], set[int]] | None) -> None:
         """Until the lanes are done with ``run`` (the caller holds ``run.cond``): abandon calls past the
         limit, checkpoint what is delivered every ``partial_seconds``, raise Aborted on a hard stop."""
-        next_partial = time.monotonic() + self.partial_seconds
+        early = EarlyCheckpoints(self.name, partial, self.partial_seconds)
         while run.active:
             run.cond.wait(WAIT_SLICE)
             if abort.is_set():  # each check also tells the engine this thread is alive
@@ -373,16 +373,13 @@ class EventSinkAdapter:
             now = time.monotonic()
             for lane in [lane for lane in run.active if lane.event is not None and now - lane.since > self.timeout]:
                 self._abandon(run, lane)
-            if partial is not None and now >= next_partial and run.active:
+            if early.due() and run.active:
                 settled = dict(run.outcomes)
                 run.cond.release()  # the lanes go on recording while the checkpoint is written
                 try:
-                    partial(settled)
-                except Exception as exc:  # an early checkpoint only saves redelivery: the final one decides
-                    log.warning("sink %s: early checkpoint of a long batch failed: %s", self.name, describe_error(exc))
+                    early.write(settled)
                 finally:
                     run.cond.acquire()
-                next_partial = time.monotonic() + self.partial_seconds
 
     def _abandon(self, run: _Run, lane: _Lane) -> None:
         e = lane.event

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -132,6 +133,35 @@ class _CommitFunction(CommitAtEnd):
         return self.write(outcomes, tx)
 
 
+class EarlyCheckpoints:
+    """The early checkpoints of one long batch (``Commit.partial``): due every ``seconds``, each of what is
+    settled by then if more is than at the last one. One that fails (the database may be away) ends them
+    for the batch: they only save redelivery, the batch's own checkpoint at its end decides."""
+
+    def __init__(self, sink: str, partial: Callable[[Outcomes], set[int]] | None, seconds: float) -> None:
+        self.sink = sink  # for the log line
+        self.partial = partial  # None: this commit writes nothing early
+        self.seconds = seconds
+        self.next_at = time.monotonic() + seconds
+        self.written = 0  # how many outcomes the last early checkpoint held
+
+    def due(self) -> bool:
+        return self.partial is not None and time.monotonic() >= self.next_at
+
+    def write(self, settled: Outcomes) -> None:
+        """Checkpoint ``settled`` (the caller's copy; the batch goes on meanwhile) if it holds more than the last."""
+        self.next_at = time.monotonic() + self.seconds
+        if self.partial is None or len(settled) <= self.written:
+            return
+        self.written = len(settled)
+        try:
+            self.partial(settled)
+        except Exception as exc:
+            log.warning("sink %s: could not checkpoint the settled part of a batch in flight (%s); it is checkpointed "
+                        "with the rest", self.sink, describe_error(exc))
+            self.partial = None
+
+
 class Aborted(Exception):
     """Hard stop while a batch was in flight: nothing is checkpointed, the next owner redelivers."""
 
@@ -161,6 +191,14 @@ class Sink(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def is_engine_sink(sink: object) -> bool:
+    """Whether ``sink`` keeps the engine's protocol (``deliver(events, fences, commit, abort)`` and an
+    ``event_filter``) rather than a user's ``EventSink`` (``deliver(event)``)."""
+    deliver = getattr(sink, "deliver", None)
+    return (callable(deliver) and len(inspect.signature(deliver).parameters) == 4
+            and hasattr(sink, "event_filter"))
 
 
 def wait_idle(sink: Sink, wake: threading.Event, seconds: float) -> bool:

@@ -22,7 +22,7 @@ key's next event only once the previous one was delivered or given up. Answers:
 - raise anything else: ``Retry`` with the exception as the reason.
 
 Everything else (order, parking and backoff, dead letters, fencing, crash isolation, metrics,
-tracing, the time limit ``--handler-timeout-seconds``) is the relay's job (``sink_adapter.py``).
+tracing, the time limit ``--handler-timeout-seconds``) is the relay's job (``adapter.py``).
 Optional attributes, read with ``getattr``: ``topics`` and ``types`` (only these events; None: all),
 ``concurrency`` (keys delivered at once, default 1), ``close()`` and ``idle()``.
 """

@@ -34,12 +34,12 @@ from .published import PublishedEvent, apublished, assert_not_published, assert_
 from .recording import Delivery, RecordingSink
 
 if TYPE_CHECKING:
-    from .sink_faults import SinkContract
+    from .sink_contract import SinkContract
 
 
 def __getattr__(name: str) -> Any:
     if name == "SinkContract":
-        from .sink_faults import SinkContract
+        from .sink_contract import SinkContract
 
         return SinkContract
     raise AttributeError(f"module 'outbox_relay.testing' has no attribute {name!r}")

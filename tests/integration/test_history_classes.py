@@ -332,7 +332,7 @@ def test_a_kafka_dead_letter_whose_partition_went_reaches_the_topic_once_in_key_
     default topic configured); its partition goes; the relay is fixed (a default topic) and the dead
     letter retried: it reaches the topic once, after the key's event that passed it and before the one
     published after the retry."""
-    from outbox_relay.sinks.kafka.sink import KafkaSink
+    from outbox_relay.sinks.kafka import KafkaSink
     from tests.servers import consume_all
 
     with psycopg.connect(dsn, autocommit=True) as conn:  # a producer in another language left out the topic

@@ -13,7 +13,7 @@ from typing import Any
 
 from outbox_relay.observer import Observer, Observers
 from outbox_relay.sinks.engine import CommitAtEnd, Outcomes
-from outbox_relay.sinks.kafka.sink import KafkaSink
+from outbox_relay.sinks.kafka import KafkaSink
 from outbox_relay.store import StoredEvent
 
 

@@ -19,7 +19,8 @@ import pytest
 from confluent_kafka import Producer
 
 from outbox_relay.sinks.engine import Outcomes
-from outbox_relay.sinks.kafka.sink import LIBRDKAFKA_LOG, KafkaSink, _Flight, _Session
+from outbox_relay.sinks.kafka import LIBRDKAFKA_LOG, KafkaSink
+from outbox_relay.sinks.kafka.flight import Flight, Session
 from tests.integration.test_relay_kafka import deliver_once, stored_events
 from tests.servers import KafkaServer, consume_all, create_topic, require_restartable, wait_until
 
@@ -105,7 +106,7 @@ def test_an_acknowledgement_without_an_offset_does_not_count(fresh_broker: Kafka
     take_producer_ids(fresh_broker.bootstrap, topic, count=1, per_partition=20, partitions=1)  # id 1, seq 0-19
 
     outcomes: Outcomes = {}
-    flight = _Flight(outcomes, _Session())
+    flight = Flight(outcomes, Session())
     ids = [uuid.uuid4() for _ in range(10)]
     for event_id in ids:  # sequence numbers 5-14: "duplicates" of the thief's
         survivor.produce(topic, b"after", b"k", partition=0, on_delivery=flight.report(event_id))
@@ -132,7 +133,7 @@ class SlowToShutDown(Producer):
 
 
 class SlowProducersSink(KafkaSink):
-    def _new_producer(self, session: _Session) -> Producer:
+    def _new_producer(self, session: Session) -> Producer:
         config: dict[str, Any] = {**self._config, "error_cb": session.on_error, "logger": LIBRDKAFKA_LOG}
         return SlowToShutDown(config)
 

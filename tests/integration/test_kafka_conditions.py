@@ -36,7 +36,7 @@ from outbox_relay.backoff import Backoff
 from outbox_relay.metrics import OutboxGauges, PrometheusObserver
 from outbox_relay.publish import Outbox
 from outbox_relay.sinks.engine import CommitAtEnd
-from outbox_relay.sinks.kafka.sink import KafkaSink
+from outbox_relay.sinks.kafka import KafkaSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     dead_letters,
     fetch_all,
@@ -84,7 +84,7 @@ def test_a_missing_topic_holds_its_events_until_it_is_created(
         caplog: pytest.LogCaptureFixture) -> None:
     missing = f"outbox-test-late-{uuid.uuid4().hex[:10]}"
     sink = KafkaSink(KAFKA, {"bootstrap.servers": kafka_bootstrap, **NO_AUTO_CREATE}, None, "urn:test")
-    sink.hold_backoff = FAST_HOLD
+    sink.holds.backoff = FAST_HOLD
     try:
         late = publish_to(dsn, missing, [f"late-{i}" for i in range(6)], 3)
         fine = publish_to(dsn, kafka_topic, [f"fine-{i}" for i in range(6)], 3)
@@ -247,7 +247,7 @@ def test_a_topic_an_acl_denies_holds_its_events_until_the_acl_allows_it(
     create_topic(bootstrap, allowed, partitions=4)
     proxy.denied.add(denied)
     sink = KafkaSink(KAFKA, {"bootstrap.servers": bootstrap}, None, "urn:test")
-    sink.hold_backoff = FAST_HOLD
+    sink.holds.backoff = FAST_HOLD
     try:
         late = publish_to(dsn, denied, [f"d-{i}" for i in range(5)], 2)
         fine = publish_to(dsn, allowed, [f"a-{i}" for i in range(5)], 2)
@@ -320,8 +320,8 @@ def test_acknowledged_messages_are_checkpointed_while_others_of_the_batch_are_st
 
     sink = KafkaSink(KAFKA, {"bootstrap.servers": kafka_bootstrap, **NO_AUTO_CREATE}, None, "urn:test")
     sink.partial_seconds = 0.05
-    sink.hold_backoff = FAST_HOLD
-    sink._writable.add(gone)  # as if it had been written to before it was deleted
+    sink.holds.backoff = FAST_HOLD
+    sink.holds.writable.add(gone)  # as if it had been written to before it was deleted
     try:
         sink.deliver(events, {5: 1}, Recording(), threading.Event())  # type: ignore[arg-type]
     finally:
@@ -345,8 +345,8 @@ def test_a_batch_that_waits_for_its_acknowledgements_says_so(
                           payload_text="{}", headers_text="{}", time=datetime.now(UTC)) for n in range(3)]
     sink = KafkaSink(KAFKA, {"bootstrap.servers": kafka_bootstrap, **NO_AUTO_CREATE}, None, "urn:test")
     sink.ack_warn_seconds = 0.2
-    sink.hold_backoff = FAST_HOLD
-    sink._writable.add(gone)
+    sink.holds.backoff = FAST_HOLD
+    sink.holds.writable.add(gone)
     try:
         with caplog.at_level(logging.INFO, logger="outbox_relay.kafka"):
             sink.deliver(events, {5: 1}, CommitAtEnd.of(lambda outcomes, tx: {5}), threading.Event())

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from outbox_relay.errors import ConfigurationError
-from outbox_relay.sinks.kafka.sink import KafkaSink
+from outbox_relay.sinks.kafka import KafkaSink
 
 NOWHERE = "127.0.0.1:1"  # no broker is needed: the check comes first
 

@@ -20,7 +20,7 @@ from outbox_relay import store
 from outbox_relay.observer import Observer
 from outbox_relay.relay import SinkRunner
 from outbox_relay.services.pool import configure_connection as configure
-from outbox_relay.sinks.kafka.sink import KafkaSink
+from outbox_relay.sinks.kafka import KafkaSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,
     keys_in_bucket,

@@ -20,7 +20,8 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from outbox_relay.sinks.kafka.sink import RESERVED_HEADERS, RESERVED_PREFIX, KafkaSink, is_reserved_header
+from outbox_relay.event import RESERVED_HEADER_PREFIX, RESERVED_HEADERS
+from outbox_relay.sinks.kafka import KafkaSink, is_reserved_header
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,
     dead_letters,
@@ -89,20 +90,20 @@ def test_headers_that_can_not_be_sent_are_charged_to_their_event_alone(
 
 
 def test_the_reserved_names_are_the_ones_the_trigger_refuses_and_the_relay_sets() -> None:
-    """kafka_sink.RESERVED_HEADERS, as migration 0005's trigger comment says: the same names, and
+    """event.RESERVED_HEADERS (what the Kafka sink sets), as migration 0005's trigger comment says: the same names, and
     every header the relay sets itself is among them."""
     trigger = MIGRATION.read_text()
     listed = re.search(r"lower\(name\) IN \(([^)]*)\)", trigger)
     prefix = re.search(r"lower\(name\) LIKE '([^']*)'", trigger)
     assert listed is not None and prefix is not None, "the trigger's reserved-name check moved"
     assert set(re.findall(r"'([^']*)'", listed.group(1))) == RESERVED_HEADERS
-    assert prefix.group(1).replace("\\_", "_").rstrip("%") == RESERVED_PREFIX
+    assert prefix.group(1).replace("\\_", "_").rstrip("%") == RESERVED_HEADER_PREFIX
 
     sink = KafkaSink(KAFKA, {"bootstrap.servers": "127.0.0.1:1"}, "t", "urn:test",
                      extra_headers=[("outbox_replay", b"1")])
     try:
         (event,) = stored_events(["k"], 1, first_seq=1)
-        headers = sink._headers(event, 1)
+        headers = sink.headers.of(event, 1)
     finally:
         sink.close()
     assert isinstance(headers, list)
@@ -119,7 +120,7 @@ def test_headers_are_checked_without_raising(headers: str, problem: str) -> None
     sink = KafkaSink(KAFKA, {"bootstrap.servers": "127.0.0.1:1"}, "t", "urn:test")
     try:
         (event,) = stored_events(["k"], 1, first_seq=1)
-        outcome = sink._headers(dataclasses.replace(event, headers_text=headers), 1)
+        outcome = sink.headers.of(dataclasses.replace(event, headers_text=headers), 1)
     finally:
         sink.close()
     assert not isinstance(outcome, list), f"{json.loads(headers)!r} was accepted"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from outbox_relay.sinks.kafka.sink import KafkaSink
+from outbox_relay.sinks.kafka import KafkaSink
 from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import fetch_all, make_settings
 from tests.servers import free_port, wait_until

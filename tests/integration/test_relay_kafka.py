@@ -21,7 +21,7 @@ from psycopg_pool import ConnectionPool
 
 from outbox_relay.publish import Outbox
 from outbox_relay.sinks.engine import Aborted, CommitAtEnd, Outcomes
-from outbox_relay.sinks.kafka.sink import KafkaSink, sequence
+from outbox_relay.sinks.kafka import KafkaSink, sequence
 from outbox_relay.store import StoredEvent
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     cursor_row,

@@ -25,7 +25,7 @@ import psycopg
 import pytest
 
 from outbox_relay.sinks import SinkEvent
-from outbox_relay.sinks.kafka.sink import KafkaSink
+from outbox_relay.sinks.kafka import KafkaSink
 from outbox_relay.testing import RecordingSink, SinkContract
 from projections import ProjectionEvent, projection
 from projections.sink import ProjectionSink

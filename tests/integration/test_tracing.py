@@ -23,7 +23,7 @@ from outbox_relay import store
 from outbox_relay.errors import NonRetriableDelivery
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import SinkRunner
-from outbox_relay.sinks.kafka.sink import KafkaSink
+from outbox_relay.sinks.kafka import KafkaSink
 from outbox_relay.tracing import TracingObserver
 from projections import ProjectionEvent, projection
 from projections.sink import ProjectionSink

@@ -1,6 +1,6 @@
 """Issue 17 item 1: a user's own sink (outbox_relay.sinks) under the real engine, against real PostgreSQL.
 
-The adapter (outbox_relay/sink_adapter.py) keeps every guarantee for it: per-key order (also with
+The adapter (outbox_relay/sinks/adapter.py) keeps every guarantee for it: per-key order (also with
 ``concurrency`` > 1), Retry parks the key (at least ``after_seconds``), GiveUp dead-letters at once,
 SinkUnavailable holds without counting attempts, an exception is a retry, a call that never returns
 is abandoned after the time limit while other keys go on.

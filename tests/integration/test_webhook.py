@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from outbox_relay.compose import build_worker
-from outbox_relay.sinks.webhook.sink import WebhookSink
+from outbox_relay.sinks.webhook import WebhookSink
 from outbox_relay.testing import SinkContract
 from tests.integration.relay_helpers import dead_letters, make_settings, parked_ids, publish, running
 from tests.webhook_receiver import SECRET, Received, Receiver, Reply, receiving, self_signed

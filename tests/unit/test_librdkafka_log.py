@@ -19,7 +19,7 @@ import pytest
 from outbox_relay.cli.logs import _JsonFormatter
 from outbox_relay.dsn import remember_kafka_secrets
 from outbox_relay.sinks.engine import Aborted, CommitAtEnd, Outcomes
-from outbox_relay.sinks.kafka.sink import KafkaSink
+from outbox_relay.sinks.kafka import KafkaSink
 from outbox_relay.store import StoredEvent
 
 

@@ -283,7 +283,7 @@ def test_a_user_sink_may_not_take_a_kind_of_the_products_own(kind: str) -> None:
 
 
 def test_the_products_webhook_sink_and_its_subclasses_keep_their_kind() -> None:
-    from outbox_relay.sinks.webhook.sink import WebhookSecret, WebhookSink
+    from outbox_relay.sinks.webhook import WebhookSecret, WebhookSink
 
     class Tenanted(WebhookSink):
         pass

@@ -23,7 +23,7 @@ from outbox_relay.dsn import describe_error
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.settings import RelaySettings, WebhookSettings, load_settings
 from outbox_relay.sinks import Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
-from outbox_relay.sinks.webhook.sink import (
+from outbox_relay.sinks.webhook import (
     InvalidSignature,
     WebhookSecret,
     WebhookSink,
@@ -441,9 +441,9 @@ def test_the_sink_option_loads_from_env(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_generating_a_secret(capsys: pytest.CaptureFixture[str]) -> None:
-    from outbox_relay.sinks.webhook.sink import _main
+    from outbox_relay.webhook import main
 
-    assert _main(["secret"]) == 0
+    assert main(["secret"]) == 0
     text = capsys.readouterr().out.strip()
     assert text.startswith("whsec_") and WebhookSecret(text).signature("a", 1, b"") != WebhookSecret(
         WebhookSecret.generate()).signature("a", 1, b"")

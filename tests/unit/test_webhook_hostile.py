@@ -15,7 +15,7 @@ import pytest
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.settings import load_settings
 from outbox_relay.sinks import Delivered, GiveUp, Retry
-from outbox_relay.sinks.webhook.sink import WebhookSink, parse_retry_after
+from outbox_relay.sinks.webhook import WebhookSink, parse_retry_after
 from tests.unit.test_webhook import event
 from tests.webhook_receiver import SECRET
 

@@ -1,16 +1,14 @@
-"""The Kafka sink (confluent-kafka): an event counts as delivered once the broker acknowledged it."""
+"""The Kafka sink (confluent-kafka): an event counts as delivered once the broker acknowledged it.
 
-from .sink import (
-           LIBRDKAFKA_LOG,
-           PRODUCER_DEFAULTS,
-           RESERVED_HEADERS,
-           RESERVED_PREFIX,
-           KafkaSink,
-           TopicCondition,
-           check_config,
-           is_reserved_header,
-           sequence,
-)
+``sink.py`` (``KafkaSink``: the producer, its replacements, the batch's wait), ``flight.py`` (what one
+producer instance was told), ``topics.py`` (held topics), ``message.py`` (an event as a message),
+``config.py`` (producer settings and their checks), ``broker_errors.py`` (what an error means).
+"""
 
-__all__ = ["LIBRDKAFKA_LOG", "PRODUCER_DEFAULTS", "RESERVED_HEADERS", "RESERVED_PREFIX", "KafkaSink", "TopicCondition",
-           "check_config", "is_reserved_header", "sequence"]
+from .config import PRODUCER_DEFAULTS, check_config
+from .message import is_reserved_header, sequence
+from .sink import LIBRDKAFKA_LOG, KafkaSink
+from .topics import TopicCondition
+
+__all__ = ["LIBRDKAFKA_LOG", "PRODUCER_DEFAULTS", "KafkaSink", "TopicCondition", "check_config", "is_reserved_header",
+           "sequence"]

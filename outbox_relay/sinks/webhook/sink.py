@@ -8,58 +8,45 @@ Ordering per key, concurrency across keys, retries, dead letters and fencing are
 sink contract's adapter); this module only speaks HTTP. Standard library only (http.client + ssl):
 one keep-alive connection per delivering thread is all a webhook needs.
 
-Receivers verify with ``verify(secret, headers, body)`` and dedupe by ``webhook-id`` (the event
-id: the same on every attempt and redelivery).
+Receivers verify with ``verify(secret, headers, body)`` (``signing.py``) and dedupe by ``webhook-id``
+(the event id: the same on every attempt and redelivery).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
-import hashlib
-import hmac
-import html
 import http.client
-import io
-import json
 import logging
 import os
 import re
-import socket
 import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ... import __version__
-from ...dsn import MASK, MIN_SECRET_CHARS, redact, remember_secret
-from ...errors import ConfigurationError, OutboxError
+from ...dsn import remember_secret
+from ...errors import ConfigurationError
 from ..user import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
+from .connection import OneWriteConnection, OneWriteTLSConnection, TimedResponse, check_url, ssl_context
+from .responses import excerpt, parse_retry_after, query_secrets
+from .signing import WebhookSecret, as_secret
 
 if TYPE_CHECKING:
     from ...webhook_settings import WebhookFields
 
 log = logging.getLogger("outbox_relay.webhook")
 
-SECRET_PREFIX = "whsec_"
-MIN_SECRET_BYTES = 24  # Standard Webhooks: 24 to 64 random bytes
-MAX_SECRET_BYTES = 64
-TOLERANCE_SECONDS = 300  # how far a receiver accepts webhook-timestamp from its clock (replay window)
 RETRY_STATUSES = frozenset({408, 429})  # plus every 5xx
 HOLD_STATUSES = frozenset({401, 403})  # the receiver refuses us, not the event: see WebhookSink
-MAX_RETRY_AFTER_SECONDS = 3600.0  # a longer Retry-After is cut to this (one key would wait for a day)
 UNAVAILABLE_SECONDS = 5.0  # wait after a connection failure when the server said nothing
 MAX_RESPONSE_BYTES = 64 * 1024  # read of a response body; a longer one closes the connection
-EXCERPT_CHARS = 300  # of a refusing response's body, in the dead letter's reason
 USER_AGENT = f"outbox-relay/{__version__}"
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # HTTP token (RFC 9110 5.6.2): what a header name may be.
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 # Header names the sink sets (lower-case), plus every ce-* and webhook-* name: an event's own header
@@ -72,152 +59,6 @@ _RESERVED_PREFIXES = ("ce-", "webhook-")
 _CE_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
 
 
-class InvalidSignature(OutboxError):
-    """A webhook's signature did not verify (missing header, stale timestamp, no matching signature)."""
-
-
-# -- signing --------------------------------------------------------------------------------------
-
-
-class WebhookSecret:
-    """A Standard Webhooks signing secret, ``whsec_`` + base64 of 24-64 random bytes.
-
-    Never shown: ``repr`` and ``str`` say only that it is a secret, errors never quote it, and the
-    text is added to the values ``describe_error`` / log redaction masks.
-    """
-
-    __slots__ = ("_key",)
-
-    def __init__(self, text: str) -> None:
-        text = text.strip()
-        if text:
-            remember_secret(text)
-        if not text.startswith(SECRET_PREFIX):
-            raise ConfigurationError(f"the webhook secret must start with {SECRET_PREFIX!r} (Standard Webhooks: "
-                                     f"{SECRET_PREFIX}<base64 of {MIN_SECRET_BYTES}-{MAX_SECRET_BYTES} random bytes>; "
-                                     "make one with `python -m outbox_relay.webhook secret`)")
-        encoded = text[len(SECRET_PREFIX):]
-        remember_secret(encoded)
-        try:
-            key = base64.b64decode(encoded, validate=True)
-        except (binascii.Error, ValueError):
-            raise ConfigurationError(f"the webhook secret is not {SECRET_PREFIX}<base64>: the part after "
-                                     f"{SECRET_PREFIX!r} is not valid base64") from None
-        if not MIN_SECRET_BYTES <= len(key) <= MAX_SECRET_BYTES:
-            raise ConfigurationError(f"the webhook secret holds {len(key)} bytes; Standard Webhooks asks for "
-                                     f"{MIN_SECRET_BYTES}-{MAX_SECRET_BYTES}")
-        self._key = key
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> WebhookSecret:
-        try:
-            text = Path(path).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigurationError(f"cannot read the webhook secret file {str(path)!r}: "
-                                     f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
-        return cls(text)
-
-    @classmethod
-    def generate(cls) -> str:
-        """A new secret's text (32 random bytes)."""
-        return SECRET_PREFIX + base64.b64encode(os.urandom(32)).decode()
-
-    def signature(self, msg_id: str, timestamp: int, body: bytes) -> str:
-        """The ``v1,<base64>`` signature of one message."""
-        signed = f"{msg_id}.{timestamp}.".encode() + body
-        return "v1," + base64.b64encode(hmac.new(self._key, signed, hashlib.sha256).digest()).decode()
-
-    def __repr__(self) -> str:
-        return "WebhookSecret('***')"
-
-    __str__ = __repr__
-
-    def __reduce__(self) -> str | tuple[object, ...]:  # no pickling a secret into a traceback or a queue by accident
-        raise TypeError("a WebhookSecret can not be pickled")
-
-
-def _secret(secret: WebhookSecret | str) -> WebhookSecret:
-    return secret if isinstance(secret, WebhookSecret) else WebhookSecret(secret)
-
-
-def verify(secret: WebhookSecret | str, headers: Mapping[str, str], body: bytes, *,
-           tolerance_seconds: float = TOLERANCE_SECONDS, now: float | None = None) -> str:
-    """Check a received webhook; returns its ``webhook-id`` (dedupe by it), or raises InvalidSignature.
-
-    ``headers`` is looked up without regard to case (a dict, ``http.client.HTTPMessage``, a framework's
-    headers); ``body`` is the raw request body, before any JSON parsing. A timestamp further than
-    ``tolerance_seconds`` from ``now`` is refused (replays of captured requests).
-    """
-    key = _secret(secret)
-    lowered = {k.lower(): v for k, v in headers.items()}
-    msg_id = lowered.get("webhook-id")
-    stamp = lowered.get("webhook-timestamp")
-    signatures = lowered.get("webhook-signature")
-    if not msg_id or not stamp or not signatures:
-        raise InvalidSignature("missing webhook-id, webhook-timestamp or webhook-signature header")
-    try:
-        timestamp = int(stamp)
-    except ValueError:
-        raise InvalidSignature("webhook-timestamp is not an integer") from None
-    current = time.time() if now is None else now
-    if abs(current - timestamp) > tolerance_seconds:
-        raise InvalidSignature(f"webhook-timestamp is {current - timestamp:+.0f}s from now (tolerance "
-                               f"{tolerance_seconds:g}s)")
-    expected = key.signature(msg_id, timestamp, body).encode()
-    # Several space-separated signatures may come (a secret being rotated): one match is enough.
-    if any(hmac.compare_digest(expected, s.encode()) for s in signatures.split() if s.startswith("v1,")):
-        return msg_id
-    raise InvalidSignature("no webhook-signature matches the body")
-
-
-# -- responses ------------------------------------------------------------------------------------
-
-
-def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """``Retry-After`` as seconds from now (delay-seconds or an HTTP date), at most
-    MAX_RETRY_AFTER_SECONDS; None when absent or unreadable."""
-    if value is None:
-        return None
-    value = value.strip()
-    if value.isascii() and value.isdigit():  # str.isdigit() also takes '²' and other scripts' digits
-        seconds = float(value)
-    else:
-        try:
-            when = parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:  # an HTTP date is GMT
-            when = when.replace(tzinfo=UTC)
-        seconds = when.timestamp() - (time.time() if now is None else now)
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
-
-
-def excerpt(body: bytes, limit: int = EXCERPT_CHARS, hide: Collection[str] = ()) -> str:
-    """The start of a response body, safe for a log line or a dead letter: bounded, control characters
-    and non-ASCII escaped, known secrets and the texts in ``hide`` masked (before the cut, so that no
-    part of a secret is left at the end)."""
-    text = redact(body.decode("utf-8", errors="replace"))
-    for value in hide:  # longest first (query_secrets): a value inside another is masked with it
-        text = text.replace(value, MASK)
-    cut = len(text) > limit
-    shown = json.dumps(text[:limit])[1:-1]  # escapes quotes, newlines, control and non-ASCII characters
-    return redact(shown) + ("..." if cut else "")
-
-
-def query_secrets(query: str) -> tuple[str, ...]:
-    """What of a URL's query an answer may echo, longest first: the whole query as written, decoded
-    and HTML-escaped (an HTML error page), and each value of MIN_SECRET_CHARS or more, as written and
-    decoded (a shorter value would be masked inside ordinary words)."""
-    if not query:
-        return ()
-    found = {query, urllib.parse.unquote(query), urllib.parse.unquote_plus(query), html.escape(query)}
-    for pair in query.split("&"):
-        value = pair.partition("=")[2]
-        if len(value) >= MIN_SECRET_CHARS:
-            found |= {value, urllib.parse.unquote(value), urllib.parse.unquote_plus(value)}
-    return tuple(sorted((v for v in found if v), key=len, reverse=True))
-
-
 def _ce_value(value: str) -> str:
     return urllib.parse.quote(value, safe=_CE_SAFE)
 
@@ -228,77 +69,6 @@ def _rfc3339(when: datetime) -> str:
     return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _ssl_context(ca_file: Path | None, client_cert: Path | None, client_key: Path | None,
-                 verify_tls: bool) -> ssl.SSLContext:
-    try:
-        context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
-        if client_cert is not None:
-            context.load_cert_chain(str(client_cert), str(client_key) if client_key else None)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigurationError(f"webhook TLS files are not usable: {type(exc).__name__}: "
-                                 f"{getattr(exc, 'strerror', None) or exc}") from None
-    if not verify_tls:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A response's bytes from ``sock``, every read bounded by what is left until ``deadline``: a socket
-    timeout alone bounds each read, and a receiver that sends a byte now and then (headers that never
-    end, endless ``100 Continue``, a trickled body) would hold the call forever."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        super().__init__()
-        self._sock = sock
-        self._deadline = deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the response did not end within the timeout")
-        self._sock.settimeout(left)
-        return self._sock.recv_into(buffer)
-
-
-class _OneWrite(http.client.HTTPConnection):
-    """An ``HTTPConnection`` that writes a request's headers and body in one ``sendall``: http.client writes
-    them apart, and behind Nagle's algorithm and the receiver's delayed ACK the body's write can wait up to
-    about 40 ms on some stacks (a second small write waits for the ACK of the first)."""
-
-    _body: bytes | None = None  # the body ``post`` is sending, written with the headers
-
-    def post(self, target: str, body: bytes, headers: dict[str, str | bytes]) -> None:
-        """``request("POST", ...)`` with the body sent with the headers (its Content-Length set here)."""
-        self._body = body
-        try:
-            self.request("POST", target, None, {**headers, "content-length": str(len(body))})
-        finally:
-            self._body = None
-
-    def send(self, data: Any) -> None:
-        # http.client's one write of the headers (endheaders without a body): the body goes with it.
-        body, self._body = self._body, None
-        super().send(data + body if body else data)
-
-
-class _OneWriteTLS(_OneWrite, http.client.HTTPSConnection):
-    """``_OneWrite`` over TLS."""
-
-
-class _TimedResponse(http.client.HTTPResponse):
-    """An ``HTTPResponse`` read through a ``_DeadlineReader`` (status, headers and body alike)."""
-
-    def __init__(self, sock: socket.socket, *args: Any, deadline: float, **kwargs: Any) -> None:
-        super().__init__(sock, *args, **kwargs)
-        self.fp.close()  # the plain reader http.client made; the socket stays open
-        self.fp = io.BufferedReader(_DeadlineReader(sock, deadline))
-
-
-# -- the sink -------------------------------------------------------------------------------------
 
 
 class WebhookSink:
@@ -335,7 +105,7 @@ class WebhookSink:
                  unavailable_seconds: float = UNAVAILABLE_SECONDS) -> None:
         self.name = name
         self.source = source
-        self._secret = _secret(secret)
+        self._secret = as_secret(secret)
         parts = check_url(url)
         self._https = parts.scheme == "https"
         self._host = parts.hostname or ""
@@ -367,7 +137,7 @@ class WebhookSink:
                                      "https:// URL")
         if client_key and not client_cert:
             raise ConfigurationError("a webhook client key needs its client certificate")
-        self._context = (_ssl_context(Path(ca_file) if ca_file else None, Path(client_cert) if client_cert else None,
+        self._context = (ssl_context(Path(ca_file) if ca_file else None, Path(client_cert) if client_cert else None,
                                       Path(client_key) if client_key else None, verify_tls)
                          if self._https else None)
         if not verify_tls:
@@ -393,7 +163,7 @@ class WebhookSink:
                 conn.sock.settimeout(self.timeout_seconds)  # sending; the last response's read may have shrunk it
                 # The whole response (status, headers, body) within timeout_seconds of sending the request.
                 conn.response_class = functools.partial(  # type: ignore[assignment]
-                    _TimedResponse, deadline=time.monotonic() + self.timeout_seconds)
+                    TimedResponse, deadline=time.monotonic() + self.timeout_seconds)
                 conn.post(self._target, body, headers)  # one write: headers and body together
                 response = conn.getresponse()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
@@ -469,17 +239,18 @@ class WebhookSink:
             headers["ce-topic"] = _ce_value(event.topic)
         return headers, body
 
-    def _connection(self, fresh: bool) -> tuple[_OneWrite, bool]:
+    def _connection(self, fresh: bool) -> tuple[OneWriteConnection, bool]:
         """This thread's connection (a new one if ``fresh`` or none is open) and whether it was used before."""
-        conn: _OneWrite | None = getattr(self._local, "conn", None)
+        conn: OneWriteConnection | None = getattr(self._local, "conn", None)
         if conn is not None and conn.sock is not None and not fresh:
             return conn, True
         if conn is not None:
             self._drop(conn)
         if self._context is not None:
-            conn = _OneWriteTLS(self._host, self._port, timeout=self.connect_timeout_seconds, context=self._context)
+            conn = OneWriteTLSConnection(self._host, self._port, timeout=self.connect_timeout_seconds,
+                                         context=self._context)
         else:
-            conn = _OneWrite(self._host, self._port, timeout=self.connect_timeout_seconds)
+            conn = OneWriteConnection(self._host, self._port, timeout=self.connect_timeout_seconds)
         try:
             conn.connect()
         except ssl.SSLCertVerificationError as exc:
@@ -536,35 +307,6 @@ class WebhookSink:
         return GiveUp(what)
 
 
-def check_url(url: str) -> urllib.parse.SplitResult:
-    """The parts of a webhook URL, or ConfigurationError saying what is wrong (never quoting it whole:
-    its query may hold a token)."""
-    try:
-        parts = urllib.parse.urlsplit(url.strip())
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError as exc:
-        raise ConfigurationError(f"the webhook URL is not a URL: {exc}") from None
-    if parts.scheme not in ("http", "https"):
-        raise ConfigurationError("the webhook URL must start with http:// or https://")
-    if not parts.hostname:
-        raise ConfigurationError("the webhook URL has no host")
-    if parts.username is not None or parts.password is not None:
-        raise ConfigurationError("the webhook URL must not hold user:password@ (it would end up in logs); the "
-                                 "signature authenticates the relay")
-    if parts.fragment:
-        raise ConfigurationError("the webhook URL must not have a #fragment")
-    if any(c in url.strip() for c in " \r\n\t"):
-        raise ConfigurationError("the webhook URL holds whitespace")
-    # http.client refuses these in the request line or Host header on every request, which would turn a
-    # configuration mistake into a retry, then a dead letter, of every event.
-    if _CONTROL.search(url):
-        raise ConfigurationError("the webhook URL holds a control character")
-    if not (parts.path + parts.query).isascii():
-        raise ConfigurationError("the webhook URL's path or query holds characters that are not ASCII: "
-                                 "percent-encode them (e.g. caf%C3%A9)")
-    return parts
-
-
 # -- configuration --------------------------------------------------------------------------------
 
 
@@ -603,18 +345,4 @@ def from_env() -> WebhookSink:
     return from_settings(settings)
 
 
-def _main(argv: list[str]) -> int:
-    if argv == ["secret"]:
-        print(WebhookSecret.generate())
-        return 0
-    print("usage: python -m outbox_relay.webhook secret   (prints a new signing secret)")
-    return 2
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(_main(sys.argv[1:]))
-
-
-__all__ = ["InvalidSignature", "WebhookSecret", "WebhookSink", "from_env", "from_settings", "verify"]
+__all__ = ["WebhookSink", "from_env", "from_settings"]
