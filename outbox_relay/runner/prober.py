@@ -10,6 +10,7 @@ from psycopg_pool import ConnectionPool
 
 from .. import store
 from ..backoff import Backoff
+from ..crashloop import FIRST_PROBE, HEALTHY, next_probe_size
 from ..dsn import describe_error
 from ..positions import Cursor
 from ..settings import RelaySettings
@@ -49,7 +50,7 @@ class CrashLoopProber:
 
     def probe(self, bucket: int, fence: int, held: int) -> int:
         size = self.ramp.size(bucket)
-        if size == 1:
+        if size == FIRST_PROBE:
             return self._probe_alone(bucket, fence)
         cursor = self.book.read_cursor(bucket)
         with self.pool.connection() as conn:
@@ -66,14 +67,15 @@ class CrashLoopProber:
         advance = {bucket: cursor.after_read(read.now, new[-1].position, full=len(new) >= size)} if new else {}
         self.book.number_read(parked, {bucket: fence})  # delivered first: the earlier read
         self.book.number_read(new, {bucket: fence})
-        healthy = size * 2 > self.reads.bucket_limit(held)
+        grown = next_probe_size(size, self.reads.bucket_limit(held))
+        healthy = grown == HEALTHY
         ok = self.batches.run([*parked, *new], {bucket: fence}, advance, resets={bucket} if healthy else set())
         if bucket in ok:
             if healthy:
                 self.ramp.healthy(bucket)
                 log.info("sink %s: bucket %d is healthy again", self.sink.name, bucket)
             else:
-                self.ramp.grow(bucket, size * 2)
+                self.ramp.grow(bucket, grown)
         return len(parked) + len(new)
 
     def _probe_alone(self, bucket: int, fence: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..crashloop import FIRST_PROBE, HEALTHY
 from ..store import Acquired
 
 
@@ -34,17 +35,17 @@ class Ramp:
         """Take up newly acquired buckets; returns the suspects among them (lapsed ``max_lapses``+ times)."""
         self._held_ever |= acquired.keys()
         suspects = sorted(b for b, a in acquired.items() if a.lapses >= max_lapses)
-        self._sizes.update({b: 1 if b in suspects else 0 for b in acquired})
+        self._sizes.update({b: FIRST_PROBE if b in suspects else HEALTHY for b in acquired})
         self._deaths.update({b: a.lapses if b in suspects else 0 for b, a in acquired.items()})
         return suspects
 
     def isolate(self, buckets: Iterable[int]) -> None:
         """A batch of these buckets failed as a whole: deliver them one event at a time."""
-        self._sizes.update({b: 1 for b in buckets})
+        self._sizes.update({b: FIRST_PROBE for b in buckets})
 
     def grow(self, bucket: int, size: int) -> None:
         self._sizes[bucket] = size
 
     def healthy(self, bucket: int) -> None:
-        self._sizes[bucket] = 0
+        self._sizes[bucket] = HEALTHY
         self._deaths.pop(bucket, None)
