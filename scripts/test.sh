@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Install outbox-relay with its test tools and run every check: the one command for a fresh machine.
 #
-#   scripts/test.sh              ruff, mypy (strict), the whole pytest suite (unit and integration in
-#                                2 processes, then the acceptance tests in 2 processes); beside them, the
-#                                integration tests of the SQL again against PostgreSQL 15 at 127.0.0.1:5432
-#                                if it answers (its output is printed at the end)
-#   scripts/test.sh -k publish   extra arguments: one pytest run with them instead of the first two
+#   scripts/test.sh              ruff, mypy (strict), the whole pytest suite in 2 processes; beside them,
+#                                the integration tests of the SQL again against PostgreSQL 15 at
+#                                127.0.0.1:5432 if it answers (its output is printed at the end)
+#   scripts/test.sh -k publish   extra arguments: one pytest run with them instead (no PostgreSQL 15 step)
 #
 # Needs only python3 (3.11+) and PyPI: the tests start PostgreSQL 18 and a Kafka-protocol broker
 # (Tansu) from wheels, or use Docker when an engine answers. Environment:
@@ -45,7 +44,7 @@ step() {
 # the integration tests whose SQL can behave differently there, chosen by what they run (a test of
 # the engine's Python over the same SQL stays in the PostgreSQL 18 step only). One process (roles are
 # server-wide, and vacuum_horizon reads every session of the server), started first and run beside
-# the two steps below: it uses only that server and a broker of its own, and it mostly waits.
+# the steps below: it uses only that server and a broker of its own, and it mostly waits.
 PG15_TESTS=(
     # the schema: migrations, the partitioned history and its retention classes, retention's input
     test_migrations.py test_history.py test_history_classes.py test_retention_input.py
@@ -101,14 +100,15 @@ fi
 
 step ruff "$VENV/bin/ruff" check .
 step mypy "$VENV/bin/mypy"
-# Unit and integration tests in 2 processes (each starts its own PostgreSQL and broker; most of the
-# time is spent waiting on relays, not on the CPU), then the acceptance tests, also in 2 processes
-# (they mostly wait on real relay processes: 9 minutes in one, 4.5 in two on 2 cores).
+# The PostgreSQL 18 step: every test (unit, integration, acceptance, faults) in one run of 2 processes,
+# each with its own PostgreSQL and broker (most of the time is spent waiting on relays, not on the CPU).
+# The acceptance tests come first: the longest tests start early and the short ones fill the end, so
+# neither process idles through a long last test (two runs had a tail each).
 if [ $# -gt 0 ]; then
     step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 "$@"
 else
-    step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=10 -n 2 tests/unit tests/integration
-    step pytest-acceptance "$VENV/bin/pytest" -p no:cacheprovider -q --durations=10 -n 2 tests/acceptance tests/faults
+    step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 -n 2 \
+        tests/acceptance tests/faults tests/unit tests/integration
 fi
 
 if [ -n "$pg15_pid" ]; then
