@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Install outbox-relay with its test tools and run every check: the one command for a fresh machine.
 #
-#   scripts/test.sh              ruff, mypy (strict), the whole pytest suite (unit and integration in
-#                                2 processes, then the acceptance tests in 2 processes); then the integration
-#                                tests of the SQL again against PostgreSQL 15 at 127.0.0.1:5432 if it answers
-#   scripts/test.sh -k publish   extra arguments: one pytest run with them instead of the first two
+#   scripts/test.sh              ruff, mypy (strict), the whole pytest suite in 2 processes; beside them,
+#                                the integration tests of the SQL again against PostgreSQL 15 at
+#                                127.0.0.1:5432 if it answers (its output is printed at the end)
+#   scripts/test.sh -k publish   extra arguments: one pytest run with them instead (no PostgreSQL 15 step)
 #
 # Needs only python3 (3.11+) and PyPI: the tests start PostgreSQL 18 and a Kafka-protocol broker
 # (Tansu) from wheels, or use Docker when an engine answers. Environment:
@@ -40,27 +40,44 @@ step() {
     fi
 }
 
-step ruff "$VENV/bin/ruff" check .
-step mypy "$VENV/bin/mypy"
-# Unit and integration tests in 2 processes (each starts its own PostgreSQL and broker; most of the
-# time is spent waiting on relays, not on the CPU), then the acceptance tests, also in 2 processes
-# (they mostly wait on real relay processes: 9 minutes in one, 4.5 in two on 2 cores).
-if [ $# -gt 0 ]; then
-    step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 "$@"
-else
-    step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=10 -n 2 tests/unit tests/integration
-    step pytest-acceptance "$VENV/bin/pytest" -p no:cacheprovider -q --durations=10 -n 2 tests/acceptance tests/faults
-fi
-
-# The machines' own PostgreSQL 15 (no uuidv7(), other planner defaults): the integration tests that
-# run the relay's and the producers' SQL once more against it, in one process (they share that server:
-# roles are server-wide). Left out: tests of Kafka, metrics, tracing, the CLI's connection handling and
-# the ORM/testing-kit layers above publish, whose SQL the tests kept here already run, and the inbox's main
-# tests (a Kafka consumer whose connection-cut test times its cut against the embedded server) and metrics;
-# its attempts' SQL (test_inbox_attempts.py) runs here. The sink contract suite (every sink class, the
-# webhook's too) and the stuck-handler tests exercise the sinks' Python over the relay's SQL, which the
-# relay's own tests run here; they run in the first step only (this step is serial: the suite's longest).
-if [ -z "${OUTBOX_TEST_DSN:-}" ]; then
+# The machines' own PostgreSQL 15 (no uuidv7(), other planner defaults, another pg_stat_activity):
+# the integration tests whose SQL can behave differently there, chosen by what they run (a test of
+# the engine's Python over the same SQL stays in the PostgreSQL 18 step only). One process (roles are
+# server-wide, and vacuum_horizon reads every session of the server), started first and run beside
+# the steps below: it uses only that server and a broker of its own, and it mostly waits.
+PG15_TESTS=(
+    # the schema: migrations, the partitioned history and its retention classes, retention's input
+    test_migrations.py test_history.py test_history_classes.py test_retention_input.py
+    # grants: every role's rights, the documented roles' SQL as written in the docs
+    test_privileges.py test_roles.py test_inbox_role.py
+    # the producers' SQL: publish (every driver), FakeOutbox against Outbox
+    test_publish.py test_outbox_contract.py
+    # the relay's SQL: claims, leases and fences, snapshot reads, order, cursor writes and the vacuum
+    # horizon, parked retries, membership, housekeeping and recovery, commit watching and wake-ups
+    test_claims.py test_fence_tokens.py test_kafka_fence_fold.py test_snapshot_reads.py test_delivery.py
+    test_cursor_writes.py test_partial_checkpoints.py test_parked_floor.py test_worker_registry.py
+    test_recovery.py test_quiet_producers.py test_wakeups.py test_idle_watch.py
+    # plans: the plan-regression tests (another planner)
+    test_relay_plan.py test_rebuild_plan.py
+    # the projections' and rebuilds' SQL: exactly-once writes, bulk slices over xid partitions, the
+    # counts, retention against a rebuild, operator decisions, the switch-over's DDL and locks
+    test_projections.py test_batched_projections.py test_rebuild.py test_rebuild_bulk.py
+    test_rebuild_counts.py test_rebuild_history.py test_rebuild_decisions.py
+    # the operators' SQL: admin actions, keys, sinks, status of databases in every state,
+    # read-your-writes progress, replay's history reads
+    test_admin.py test_cli_keys.py test_cli_sinks.py test_sinks.py test_cli_database.py
+    test_paused_progress.py test_wait_for.py test_replay.py
+    # the inbox's SQL: its attempts and dead letters, its operator reads
+    test_inbox_attempts.py test_inbox_probe.py
+)
+# Left out (PostgreSQL 18 step only): the Kafka, webhook and user sinks and the sink contract suite,
+# metrics, tracing, logs and stall reports, the time limit and stuck handlers, cycle back-off, the
+# CLI's connection handling and output, the ORM layers and the testing kit over publish, the inbox's
+# broker-side tests, and the rebuild's lanes and switch-over under hostile review: the engine's Python
+# over the SQL that the files above run.
+pg15_pid=
+pg15_log=
+if [ $# -eq 0 ] && [ -z "${OUTBOX_TEST_DSN:-}" ]; then
     if "$VENV/bin/python" - "$LOCAL_PG_DSN" <<'PY' 2>/dev/null
 import sys
 
@@ -69,21 +86,40 @@ import psycopg
 psycopg.connect(sys.argv[1], connect_timeout=3).close()
 PY
     then
-        step pytest-local-pg env OUTBOX_TEST_DSN="$LOCAL_PG_DSN" \
-            "$VENV/bin/pytest" -p no:cacheprovider -q --durations=10 -m "not slow" tests/integration \
-            --ignore=tests/integration/test_cli_connection.py --ignore=tests/integration/test_dashboards.py \
-            --ignore=tests/integration/test_kafka_broker_amnesia.py --ignore=tests/integration/test_kafka_config.py \
-            --ignore=tests/integration/test_kafka_headers.py --ignore=tests/integration/test_kafka_idle.py \
-            --ignore=tests/integration/test_metrics.py --ignore=tests/integration/test_relay_kafka.py \
-            --ignore=tests/integration/test_tracing.py --ignore=tests/integration/test_testing_kit.py \
-            --ignore=tests/integration/test_contrib_sqlalchemy.py --ignore=tests/integration/test_cli_projections.py \
-            --ignore=tests/integration/test_inbox.py --ignore=tests/integration/test_inbox_metrics.py \
-            --ignore=tests/integration/test_sink_contract.py --ignore=tests/integration/test_webhook.py \
-            --ignore=tests/integration/test_stuck_sinks.py
+        pg15_log=$(mktemp "${TMPDIR:-/tmp}/outbox-test-pg15.XXXXXX")
+        echo "+ PostgreSQL 15 step started beside the others (its output follows them): $pg15_log"
+        OUTBOX_TEST_DSN="$LOCAL_PG_DSN" "$VENV/bin/pytest" -p no:cacheprovider -q --durations=10 -m "not slow" \
+            "${PG15_TESTS[@]/#/tests/integration/}" >"$pg15_log" 2>&1 &
+        pg15_pid=$!
+        trap '[ -z "$pg15_pid" ] || kill "$pg15_pid" 2>/dev/null || true' EXIT
     else
         echo
-        echo "=== no PostgreSQL answers at $LOCAL_PG_DSN: skipping the second integration run"
+        echo "=== no PostgreSQL answers at $LOCAL_PG_DSN: skipping the PostgreSQL 15 step"
     fi
+fi
+
+step ruff "$VENV/bin/ruff" check .
+step mypy "$VENV/bin/mypy"
+# The PostgreSQL 18 step: every test (unit, integration, acceptance, faults) in one run of 2 processes,
+# each with its own PostgreSQL and broker (most of the time is spent waiting on relays, not on the CPU).
+# The acceptance tests come first: the longest tests start early and the short ones fill the end, so
+# neither process idles through a long last test (two runs had a tail each).
+if [ $# -gt 0 ]; then
+    step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 "$@"
+else
+    step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 -n 2 \
+        tests/acceptance tests/faults tests/unit tests/integration
+fi
+
+if [ -n "$pg15_pid" ]; then
+    echo
+    echo "=== pytest-local-pg (PostgreSQL 15 at $LOCAL_PG_DSN): ${#PG15_TESTS[@]} files of tests/integration"
+    if ! wait "$pg15_pid"; then
+        failed+=(pytest-local-pg)
+    fi
+    pg15_pid=
+    cat "$pg15_log"
+    rm -f "$pg15_log"
 fi
 
 echo

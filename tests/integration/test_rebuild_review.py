@@ -296,11 +296,17 @@ def test_a_switch_over_under_live_traffic_of_a_handler_that_reads_before_it_writ
     published: list[Any] = []
 
     def produce() -> None:
-        n = 100
+        n, pause, started = 100, 0.005, time.monotonic()
         while not stop.is_set():
             published.extend(publish(dsn, [(f"k{n % 8}", "Counted", {"i": n})]))
             n += 1
-            time.sleep(0.005)
+            # An event every 5 ms for the first second (a switch-over on an idle machine comes within
+            # it), then ever fewer (at most one per 0.1 s): still live traffic through the switch, and a
+            # rebuild that replays slower than the events come still catches up (it timed out at 300 s
+            # on a busy machine's PostgreSQL 15 chasing 200 events/s).
+            stop.wait(pause)
+            if time.monotonic() - started > 1.0:
+                pause = min(0.1, pause * 1.1)
 
     def live_loop() -> None:
         while not stop.is_set():
