@@ -61,5 +61,5 @@ def executor(conn: Any) -> Callable[[str, dict[str, Any]], list[Any]]:
             return list(conn.fetchall()) if conn.description is not None else [()] * max(conn.rowcount, 0)
 
         return on_cursor
-    raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg Connection or cursor, "
+    raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg connection or cursor, "
                     "or a SQLAlchemy Connection or Session")

@@ -62,5 +62,9 @@ async def executor_async(conn: Any) -> Callable[[str, dict[str, Any]], Awaitable
             return list(await conn.fetchall()) if conn.description is not None else [()] * max(conn.rowcount, 0)
 
         return on_cursor
-    raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg AsyncConnection or cursor, "
-                    "or a SQLAlchemy AsyncConnection or AsyncSession")
+    if True:  # ASYNC
+        raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg AsyncConnection or cursor, "
+                        "or a SQLAlchemy AsyncConnection or AsyncSession")
+    else:
+        raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg connection or cursor, "
+                        "or a SQLAlchemy Connection or Session")

@@ -7,10 +7,11 @@ test_async_to_sync.py) fails when a generated file differs from what its source 
 ``--write`` rewrites them.
 
 The rewrite works on tokens, so comments and layout survive (``ast.unparse`` would drop comments):
-``async``/``await`` go, names in ``RENAMES`` are replaced (in strings too, as whole words, so
-docstrings and messages name the sync API), ``Awaitable[T]`` becomes ``T``, and a block opened by
-``if True:  # ASYNC`` is replaced by its ``else:`` block (for the rare line that differs in more than
-``await``). The result is then parsed with ``ast``: any async construct or ``Async*`` name left fails.
+``async``/``await`` go, names in ``RENAMES`` are replaced and ``x_async`` becomes ``x`` (in
+docstrings too, as whole words, so they name the sync API), ``Awaitable[T]`` becomes ``T``, and a
+block opened by ``if True:  # ASYNC`` is replaced by its ``else:`` block, if any (for the few lines
+that differ in more than ``await``: checks, messages). The result is then parsed with ``ast``: any
+async construct, ``Async*`` or ``*_async`` name left fails.
 """
 
 from __future__ import annotations
@@ -35,19 +36,14 @@ RENAMES = {
     "AsyncGenerator": "Generator",
     "asyncio": "time",  # asyncio is only imported for asyncio.sleep in the async sources
     "aconn": "conn",
-    # the project's own async names (module-level functions and their public twins)
-    "run_async": "run",
-    "executor_async": "executor",
-    "server_started_async": "server_started",
-    "checkpoint_async": "checkpoint",
+    # the project's own async names; any other name ending in _async loses the suffix (modules too)
     "acheckpoint": "checkpoint",
     "aserver_started": "server_started",
-    "fenced_upsert_async": "fenced_upsert",
-    "wait_for_async": "wait_for",
-    "read_async": "read",
     "apublished": "published",
     "apublish": "publish",
-    "reader_async": "reader",
+    "aapply_projection": "apply_projection",
+    "apsycopg_connection": "psycopg_connection",
+    "adrive": "drive",
 }
 
 HEADER = "# WARNING: generated from {source} by scripts/async_to_sync.py: edit the source, then run\n" \
@@ -72,7 +68,7 @@ def _without_async_blocks(text: str) -> str:
         while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > len(indent)):
             i += 1
         if i >= len(lines) or lines[i].strip() != "else:" or _indent(lines[i]) != len(indent):
-            raise SyntaxError("`if True:  # ASYNC` needs an `else:` block with the sync code")
+            continue  # no else: nothing of it in the sync module
         i += 1
         body: list[str] = []
         while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > len(indent)):
@@ -88,6 +84,7 @@ def _indent(line: str) -> int:
 
 
 def _rename_words(text: str) -> str:
+    text = re.sub(r"\b(\w+)_async\b(?!\.py)", r"\1", text)  # a file name stays: "x_async.py" is the source
     return re.sub(r"\b(" + "|".join(map(re.escape, RENAMES)) + r")\b", lambda m: RENAMES[m.group(1)], text)
 
 
@@ -120,7 +117,9 @@ def transform(text: str) -> str:
                 edits.append((row, tokens[n - 1].start[1], end_col, ""))
         elif tok.type == tokenize.NAME and tok.string in RENAMES:
             edits.append((row, col, end_col, RENAMES[tok.string]))
-        elif tok.type == tokenize.STRING:
+        elif tok.type == tokenize.NAME and tok.string.endswith("_async"):  # x_async -> x (modules too)
+            edits.append((row, col, end_col, tok.string.removesuffix("_async")))
+        elif tok.type == tokenize.STRING and _is_docstring(tokens, n):
             renamed = _rename_words(tok.string)
             if renamed != tok.string:
                 if row != end_row:  # a multi-line string: rename its lines in place
@@ -143,6 +142,14 @@ def transform(text: str) -> str:
     result = "".join(lines)
     _check(result)
     return result
+
+
+def _is_docstring(tokens: list[tokenize.TokenInfo], n: int) -> bool:
+    """A string that is a statement of its own (a docstring): messages in code are left as they are."""
+    before = tokens[n - 1].type if n else tokenize.NEWLINE
+    after = tokens[n + 1].type if n + 1 < len(tokens) else tokenize.NEWLINE
+    return before in (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING) \
+        and after in (tokenize.NEWLINE, tokenize.ENDMARKER)
 
 
 def _realign(tokens: list[tokenize.TokenInfo], n: int,
