@@ -54,8 +54,10 @@ from outbox_relay.worker import Worker
 from .bulk import LANES, BulkPhase
 from .decisions import WaitingKey, follow_live, keep_live_decisions, waiting_keys
 from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, reserved_schema
+from .drive import drive
+from .drive_async import adrive
 from .sink import ProjectionSink
-from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, adrive, drive, walk
+from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, walk
 
 log = logging.getLogger("outbox_relay.rebuild")
 

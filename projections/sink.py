@@ -43,8 +43,10 @@ from outbox_relay.store import Conn, EventFilter, StoredEvent
 
 from .decisions import alive_decisions, live_decisions
 from .declare import Projection
+from .drive import drive
+from .drive_async import adrive
 from .guard import Abandoned, Guard, TimedOut, Walk
-from .walk import Batch, Redo, adrive, drive, max_runs, redo_known, walk
+from .walk import Batch, Redo, max_runs, redo_known, walk
 
 log = logging.getLogger("outbox_relay.projections")
 

@@ -22,6 +22,7 @@ from outbox_relay.testing.published_event import refuse_other_flavour
 from outbox_relay.testing.reading import reader
 
 from .declare import Projection
+from .drive import drive
 from .event import ProjectionEvent
 from .testing_parts import (
     RELEASE,
@@ -37,7 +38,7 @@ from .testing_parts import (
     selection,
     undo,
 )
-from .walk import Redo, drive, max_runs, walk
+from .walk import Redo, max_runs, walk
 
 
 def apply_projection(conn: Any, projection: Projection, events: EventRef | Iterable[EventRef] | None = None,

@@ -20,6 +20,7 @@ from outbox_relay.testing.published_event import refuse_other_flavour
 from outbox_relay.testing.reading_async import reader_async
 
 from .declare import Projection
+from .drive_async import adrive
 from .event import ProjectionEvent
 from .testing_parts import (
     RELEASE,
@@ -35,7 +36,7 @@ from .testing_parts import (
     selection,
     undo,
 )
-from .walk import Redo, adrive, max_runs, walk
+from .walk import Redo, max_runs, walk
 
 
 async def aapply_projection(conn: Any, projection: Projection, events: EventRef | Iterable[EventRef] | None = None,
