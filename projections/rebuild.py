@@ -24,15 +24,12 @@ key's events that live processing applied.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-import secrets
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TextIO
@@ -48,16 +45,16 @@ from outbox_relay.positions import Cursor
 from outbox_relay.progressline import ProgressLine
 from outbox_relay.settings import RelaySettings
 from outbox_relay.sqlfiles import query
-from outbox_relay.store import StoredEvent, event_reader
 from outbox_relay.worker import Worker
 
 from .bulk import LANES, BulkPhase
 from .decisions import WaitingKey, follow_live, keep_live_decisions, waiting_keys
 from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, reserved_schema
-from .drive import drive
-from .drive_async import adrive
+from .history_gap import HistoryGap as HistoryGap
+from .history_gap import history_gap as history_gap
+from .key_rebuild import rebuild_key as rebuild_key
+from .rebuild_error import RebuildError as RebuildError
 from .sink import ProjectionSink
-from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, walk
 
 log = logging.getLogger("outbox_relay.rebuild")
 
@@ -65,7 +62,6 @@ SINK_SUFFIX = ".rebuild"
 PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "MAINTAIN"}
 MAX_POSITION = 2**63 - 1  # positions are read as bigint (ce_sequence prints them the same way)
 SWITCH_LOCK_TIMEOUT = "5s"
-KEY_REBUILD_IDLE_MS = "30000"
 SWITCH_TRIES = 12
 # How long the switch-over holds the live tables (writers and readers wait) for the relay phase to apply what
 # the live projection applied since the rebuild last caught up, and how often it looks meanwhile.
@@ -79,10 +75,6 @@ PROGRESS_SECONDS = 2.0
 # batch transaction of 8k events stays well inside the lease. Per-event handlers keep the relay's
 # size: one statement per event, the larger batch measured no faster for them.
 REBUILD_BATCH_SIZE = 8192
-
-
-class RebuildError(OutboxError):
-    """A rebuild can not start, resume or switch over; the message says why and what to do."""
 
 
 def _template(query_name: str, **identifiers: sql.Composable) -> sql.Composed:
@@ -647,162 +639,3 @@ class Rebuild:
         current = conn.execute("SELECT current_user").fetchone()
         if current is not None and current[0] != old.owner:
             conn.execute(_template("set_owner", table=new, owner=sql.Identifier(old.owner)))
-
-
-@dataclass(frozen=True)
-class HistoryGap:
-    """What retention removed, after a projection's history began, of partitions that held its topics."""
-
-    through: datetime  # the newest removed event (created_at)
-    removed_xid: int  # the largest removed transaction id
-    removed: int  # events removed from those partitions in all (of the topics it reads, or others they held)
-    parts: tuple[str, ...]  # per retention class: which topics, how many, up to when
-    oldest: datetime | None  # the oldest event of its topics still stored
-    topics: tuple[str, ...] | None
-
-    def describe(self) -> str:
-        which = "its topics " + ", ".join(self.topics) if self.topics is not None else "every topic"
-        return (f"retention has removed {self.removed:,} events stored up to {self.through.isoformat()} from "
-                f"partitions that held events of {which} ({'; '.join(self.parts)}), after the projection had applied "
-                f"them; history now exists from {self.oldest.isoformat() if self.oldest else 'no event at all'} on")
-
-
-def history_gap(conn: psycopg.Connection[Any], sink: str, topics: Sequence[str] | None = None) -> HistoryGap | None:
-    """What retention removed since ``sink``'s history began from partitions that held events of
-    ``topics`` (None: every topic), per retention class; None if nothing is missing."""
-    reads = sorted(set(topics)) if topics is not None else None
-    rows = conn.execute(query("rebuild", "history_gap"), {"sink": sink, "topics": reads}).fetchall()
-    if not rows:
-        return None
-    parts = []
-    for cls, held, but, through, _, removed in rows:
-        what = ("every topic" if cls == "(all)" else f"topics {', '.join(held)}" if held is not None
-                else "every topic" + (f" but {', '.join(but)}" if but else ""))
-        where = "events_legacy or events_default" if cls == "(all)" else f"class {cls}"
-        parts.append(f"{where} ({what}): {removed:,} events up to {through.isoformat()}")
-    oldest = conn.execute(query("rebuild", "stored_from"), {"topics": reads}).fetchone()
-    return HistoryGap(through=max(r[3] for r in rows), removed_xid=max(int(r[4]) for r in rows),
-                      removed=sum(int(r[5]) for r in rows), parts=tuple(parts), oldest=oldest[0] if oldest else None,
-                      topics=tuple(reads) if reads is not None else None)
-
-
-def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3, *, accept_partial: bool = False) -> int:
-    """Rebuild one partition key's state in place, atomically; returns the events replayed.
-
-    Under the same commit guard as a projection batch (see sink.py): a handler (or key_reset) that
-    ends the transaction makes the whole key rebuild fail, never half of it commit. Refuses when
-    retention removed events the projection applied, unless ``accept_partial``."""
-    if projection.clear_key is None:
-        raise ConfigurationError(f"projection {projection.name!r} has no key_reset: declare one with "
-                                 f"@{projection.handler.__name__}.key_reset to rebuild a single key")
-    if not accept_partial:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            gap = history_gap(conn, projection.name, projection.topics)
-        if gap is not None:
-            raise RebuildError(
-                f"rebuilding key {key!r} of {projection.name!r} would be partial: {gap.describe()}. Nothing was "
-                "changed; pass --accept-partial to rebuild the key from the events still stored")
-    for attempt in range(1, tries + 1):
-        try:
-            if projection.is_async:
-                return asyncio.run(_arebuild_key(projection, dsn, key))
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute(query("projections", "prepare_session"))
-                conn.read_only = False  # conn.transaction() begins READ WRITE
-                with conn.transaction():
-                    token = secrets.token_hex(8)
-                    conn.execute(query("projections", "begin_batch"), _key_begin(token))
-                    cursor, events = _key_history(conn, projection, key)
-                    projection.clear_key(key, conn)
-                    batch = _key_batch(projection, key, cursor, events, token)
-                    with _key_failures(projection, key):
-                        drive(walk(batch, careful=False), conn, projection.handler)
-                    return _replayed(projection, key, batch)
-        except psycopg.errors.DeadlockDetected:  # a live batch of the same bucket: it retries, so do we
-            if attempt == tries:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _key_begin(token: str) -> dict[str, Any]:
-    # A stalled key rebuild must not hold its bucket's cursor (the live relay's checkpoint) for long.
-    return {"token": token, "idle_ms": KEY_REBUILD_IDLE_MS, "shadow": None}
-
-
-async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
-    assert projection.clear_key is not None
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await conn.execute(query("projections", "prepare_session"))
-        await conn.set_read_only(False)
-        async with conn.transaction():
-            token = secrets.token_hex(8)
-            await conn.execute(query("projections", "begin_batch"), _key_begin(token))
-            cur = await conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key})
-            cursor = await cur.fetchone()
-            if cursor is None:
-                raise RebuildError(f"projection {projection.name!r} has never run against this database")
-            cur = await conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
-            read, _ = event_reader(cur)
-            events = [read(r) for r in await cur.fetchall()]
-            await projection.clear_key(key, conn)
-            batch = _key_batch(projection, key, cursor, events, token)
-            with _key_failures(projection, key):
-                await adrive(walk(batch, careful=False), conn, projection.handler)
-            return _replayed(projection, key, batch)
-
-
-def _key_batch(projection: Projection, key: str, cursor: Sequence[Any], events: Sequence[StoredEvent],
-               token: str) -> Batch:
-    """The key's history as one batch of the shared walk (walk.py), begun by the caller.
-
-    Its tokens are (live fence, 0, xid, seq): increasing in the (xid, seq) order they are applied
-    in, and below every token the live owner of that fence gave (its reads are numbered from 1), so
-    a store outside the transaction (``fenced_upsert``) keeps what live processing wrote there."""
-    fence = int(cursor[2])
-    return Batch(projection, events, {e.bucket: fence for e in events}, replay=True, name=projection.name,
-                 token=token)
-
-
-@contextlib.contextmanager
-def _key_failures(projection: Projection, key: str) -> Iterator[None]:
-    """A key rebuild is all or nothing: what would make the walk redo a batch fails it instead."""
-    try:
-        yield
-    except Redo as redo:
-        if redo.ended is not None or any(f is ENDED_TRANSACTION for f in redo.failed.values()):
-            raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
-                               "transaction (COMMIT, END or ROLLBACK); nothing was changed") from redo
-        if isinstance(redo.__cause__, Exception):
-            raise redo.__cause__ from None  # the handler's own error, as it raised it
-        raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: a statement of its handler failed "
-                           "(or the handler ended the transaction); nothing was changed") from redo
-    except psycopg.Error as exc:
-        if exc.sqlstate in ENDED_STATES:
-            raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
-                               "transaction (COMMIT, END or ROLLBACK); nothing was changed") from exc
-        raise
-
-
-def _key_params(projection: Projection, key: str, cursor: Sequence[Any]) -> dict[str, Any]:
-    return {"sink": projection.name, "key": key, "seen": cursor[0], "target": cursor[1], "after_xid": cursor[3],
-            "after_seq": cursor[4],
-            **projection.event_filter.params()}
-
-
-def _key_history(conn: psycopg.Connection[Any], projection: Projection,
-                 key: str) -> tuple[Sequence[Any], list[StoredEvent]]:
-    cursor = conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key}).fetchone()
-    if cursor is None:
-        raise RebuildError(f"projection {projection.name!r} has never run against this database")
-    cur = conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
-    event, _ = event_reader(cur)
-    return cursor, [event(r) for r in cur.fetchall()]
-
-
-def _replayed(projection: Projection, key: str, batch: Batch) -> int:
-    """The events the key rebuild replayed; an event that no longer applies fails it (rolled back)."""
-    for e in batch.events:
-        outcome = batch.outcomes.get(e.id)
-        if outcome is not None:
-            raise RebuildError(f"event {e.id} of key {e.key!r} no longer applies: {outcome.error}")
-    return len(batch.events)

@@ -44,6 +44,7 @@ RENAMES = {
     "aapply_projection": "apply_projection",
     "apsycopg_connection": "psycopg_connection",
     "adrive": "drive",
+    "areplay_key": "replay_key",
 }
 
 HEADER = "# WARNING: generated from {source} by scripts/async_to_sync.py: edit the source, then run\n" \
