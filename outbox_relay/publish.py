@@ -279,6 +279,8 @@ class Outbox:
         return run(plan, step, executor(conn))
 
     # -- async ----------------------------------------------------------------------------
+    # Thin drivers, like publish/publish_many: the plan (no I/O) is shared, and the statements run
+    # by publish_drivers_async.py (publish_drivers.py is generated from it).
 
     async def apublish(
         self, conn: Any, *, type: str, key: str, payload: Any, topic: str | None = None,

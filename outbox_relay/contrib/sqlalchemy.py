@@ -151,6 +151,8 @@ def record(
     return recorded
 
 
+# ``record`` and ``arecord`` are small drivers over the shared steps (_outbox_for, _build, _add, _write):
+# they differ in where they may wait (an AsyncSession's connection, run_sync), nothing else.
 async def arecord(
     session: AsyncSession, *, type: str, key: str, payload: Any, topic: str | None = None,
     headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
