@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConfigurationError, IdempotencyConflict, InvalidEvent, OutboxError, SchemaError
 from .event import Event
 from .migrate import migrate
-from .progress import wait_for, wait_for_async
+from .progress import wait_for
+from .progress_async import wait_for_async
 from .publish import Outbox, Published
 from .settings import RelaySettings
 

@@ -12,18 +12,17 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from .errors import IdempotencyConflict, InvalidEvent, NoTransaction, OutboxError
+from .errors import IdempotencyConflict, InvalidEvent, OutboxError
 from .event import MAX_HEADERS_BYTES, MAX_PAYLOAD_BYTES, Event, dump_payload, make_event, plain_fields_valid, uuid7
+from .publish_drivers import executor, run
+from .publish_drivers_async import executor_async, run_async
 from .sqlfiles import query
 from .tracing import with_trace
-
-# libpq's PQTransactionStatus (psycopg 3 and psycopg2 both report it): no transaction open.
-_IDLE = 0
 
 # json.dumps of a str, without its Python layers (the C encoder when there is one).
 _quote: Callable[[str], str] = json.encoder.encode_basestring_ascii
@@ -117,7 +116,7 @@ class Outbox:
         rows = []
         for e in events:
             payload = e.payload_json()
-            _check_storable(e, payload)
+            check_storable(e, payload)
             rows.append({"id": str(e.id), "topic": e.topic, "key": e.key, "type": e.type, "payload": payload,
                          "headers": json.dumps(e.headers) if e.headers else "{}",
                          "idempotency_key": e.idempotency_key, "time": _utc_text(e.time),
@@ -155,7 +154,7 @@ class Outbox:
         return rows, ids
 
     def _plan(self, events: Iterable[Event | dict[str, Any]]) -> _Plan:
-        """The statements of one publish call, for either driver loop (``_run`` / ``_arun``).
+        """The statements of one publish call, for either driver loop (publish_drivers.py).
 
         Normally one. Without idempotency keys, a plain INSERT (ids the caller chose are checked in it,
         and one more statement names a stored one). With keys, the publish statement, which also finds
@@ -268,7 +267,7 @@ class Outbox:
         """
         plan = self._quick(type, key, payload, topic, headers, idempotency_key, time, id, version)
         if plan is not None:
-            return _run(plan, next(plan), _executor(conn))[0]
+            return run(plan, next(plan), executor(conn))[0]
         # A dict, not an Event: publish_many validates it, and knows the id is a new one unless given.
         return self.publish_many(conn, [_fields(type, key, payload, topic, headers, idempotency_key, time, id,
                                                 version)])[0]
@@ -277,9 +276,11 @@ class Outbox:
         """Publish events (``Event`` objects or dicts of ``publish``'s fields) in one statement, in order."""
         plan = self._plan(events)
         step = next(plan)  # validates everything before the connection is looked at
-        return _run(plan, step, _executor(conn))
+        return run(plan, step, executor(conn))
 
     # -- async ----------------------------------------------------------------------------
+    # Thin drivers, like publish/publish_many: the plan (no I/O) is shared, and the statements run
+    # by publish_drivers_async.py (publish_drivers.py is generated from it).
 
     async def apublish(
         self, conn: Any, *, type: str, key: str, payload: Any, topic: str | None = None,
@@ -289,7 +290,7 @@ class Outbox:
         """``publish`` with an async connection (psycopg AsyncConnection/AsyncCursor, SQLAlchemy async)."""
         plan = self._quick(type, key, payload, topic, headers, idempotency_key, time, id, version)
         if plan is not None:
-            return (await _arun(plan, next(plan), await _aexecutor(conn)))[0]
+            return (await run_async(plan, next(plan), await executor_async(conn)))[0]
         return (await self.apublish_many(conn, [_fields(type, key, payload, topic, headers, idempotency_key, time,
                                                         id, version)]))[0]
 
@@ -297,7 +298,7 @@ class Outbox:
         """``publish_many`` with an async connection."""
         plan = self._plan(events)
         step = next(plan)
-        return await _arun(plan, step, await _aexecutor(conn))
+        return await run_async(plan, step, await executor_async(conn))
 
 
 def _plain_row(type: Any, key: Any, payload: Any, topic: Any, idempotency_key: Any, time: Any,
@@ -415,34 +416,7 @@ def _fields(type: str, key: str, payload: Any, topic: str | None, headers: Mappi
     return fields
 
 
-def _run(plan: _Plan, step: _Step, execute: Callable[[str, dict[str, Any]], list[Any]]) -> list[Published]:
-    while True:
-        try:
-            try:
-                rows = execute(*step)
-            except Exception as exc:
-                step = plan.throw(exc)
-            else:
-                step = plan.send(rows)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-
-
-async def _arun(plan: _Plan, step: _Step,
-                execute: Callable[[str, dict[str, Any]], Awaitable[list[Any]]]) -> list[Published]:
-    while True:
-        try:
-            try:
-                rows = await execute(*step)
-            except Exception as exc:
-                step = plan.throw(exc)
-            else:
-                step = plan.send(rows)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-
-
-def _check_storable(event: Event, payload: str) -> None:
+def check_storable(event: Event, payload: str) -> None:
     """``_check_text`` for an Event."""
     _check_text(event.type, event.key, event.topic, event.idempotency_key, event.headers, payload)
 
@@ -498,85 +472,3 @@ def _encodable(text: str) -> bool:
 
 def _uuid(value: Any) -> uuid.UUID:
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
-
-
-def _executor(conn: Any) -> Callable[[str, dict[str, Any]], list[Any]]:
-    """Run statements on ``conn``, once it is known that they join a transaction the caller controls."""
-    if hasattr(conn, "exec_driver_sql") or (hasattr(conn, "get_bind") and hasattr(conn, "connection")):
-        sa = conn if hasattr(conn, "exec_driver_sql") else conn.connection()  # Connection, or a Session's
-        _require_transaction(sa.connection.driver_connection, conn)
-        def on_sqlalchemy(sql: str, params: dict[str, Any]) -> list[Any]:
-            result = sa.exec_driver_sql(sql, params)
-            return list(result.fetchall()) if result.returns_rows else [()] * max(result.rowcount, 0)
-
-        return on_sqlalchemy
-    if hasattr(conn, "cursor"):  # psycopg Connection
-        _require_transaction(conn, conn)
-
-        def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
-            with conn.cursor() as cur:
-                cur.execute(sql, params)
-                return list(cur.fetchall()) if cur.description is not None else [()] * max(cur.rowcount, 0)
-
-        return on_connection
-    if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg Cursor
-        _require_transaction(conn.connection, conn)
-
-        def on_cursor(sql: str, params: dict[str, Any]) -> list[Any]:
-            conn.execute(sql, params)
-            return list(conn.fetchall()) if conn.description is not None else [()] * max(conn.rowcount, 0)
-
-        return on_cursor
-    raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg connection or cursor, "
-                    "or a SQLAlchemy Connection or Session")
-
-
-async def _aexecutor(conn: Any) -> Callable[[str, dict[str, Any]], Awaitable[list[Any]]]:
-    """``_executor`` for async connections."""
-    if hasattr(conn, "exec_driver_sql") or (hasattr(conn, "get_bind") and hasattr(conn, "connection")):
-        sa = conn if hasattr(conn, "exec_driver_sql") else await conn.connection()  # AsyncConnection/Session
-        _require_transaction((await sa.get_raw_connection()).driver_connection, conn)
-
-        async def on_sqlalchemy(sql: str, params: dict[str, Any]) -> list[Any]:
-            result = await sa.exec_driver_sql(sql, params)
-            return list(result.fetchall()) if result.returns_rows else [()] * max(result.rowcount, 0)
-
-        return on_sqlalchemy
-    if hasattr(conn, "cursor"):  # psycopg AsyncConnection
-        _require_transaction(conn, conn)
-
-        async def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
-            async with conn.cursor() as cur:
-                await cur.execute(sql, params)
-                return list(await cur.fetchall()) if cur.description is not None else [()] * max(cur.rowcount, 0)
-
-        return on_connection
-    if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # psycopg AsyncCursor
-        _require_transaction(conn.connection, conn)
-
-        async def on_cursor(sql: str, params: dict[str, Any]) -> list[Any]:
-            await conn.execute(sql, params)
-            return list(await conn.fetchall()) if conn.description is not None else [()] * max(conn.rowcount, 0)
-
-        return on_cursor
-    raise TypeError(f"cannot publish with a {type(conn).__name__}: pass a psycopg AsyncConnection or cursor, "
-                    "or a SQLAlchemy AsyncConnection or AsyncSession")
-
-
-def _require_transaction(driver: Any, given: Any) -> None:
-    """Refuse a driver connection that would commit the events on their own: autocommit mode with no
-    transaction open. The status is the server's own (libpq's, from its last reply), so a transaction
-    opened by ``conn.transaction()`` or a plain BEGIN counts, and a connection without autocommit is
-    fine (the driver opens one). A driver that reports neither is trusted."""
-    status = getattr(getattr(driver, "info", None), "transaction_status", None)
-    if getattr(driver, "autocommit", False) is not True or status is None or int(status) != _IDLE:
-        return
-    if hasattr(given, "exec_driver_sql") or hasattr(given, "get_bind"):
-        how = ("it runs with isolation_level='AUTOCOMMIT'; publish with a Connection or Session of an engine "
-               "without it (or .execution_options(isolation_level='READ COMMITTED') before the transaction)")
-    else:
-        how = "it is in autocommit mode; publish inside `with conn.transaction():`, or on a connection without " \
-              "autocommit"
-    raise NoTransaction(f"publish refused: no transaction is open on this {type(given).__name__} and {how}. "
-                        "Otherwise the event would commit at once, on its own, and stay published even if the "
-                        "business change is rolled back. Nothing was written.")

@@ -6,141 +6,33 @@ The loop (relay.py) holds no SQL; it calls these functions with a connection.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import json
 import operator
 import time
-import uuid
-import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+# Re-exported: they were defined here, and the relay and user code import them from here.
+from .checkpoint import Checkpoint as Checkpoint
+from .checkpoint_writes import checkpoint as checkpoint
+from .checkpoint_writes import server_started as server_started
+from .checkpoint_writes_async import acheckpoint as acheckpoint
+from .checkpoint_writes_async import aserver_started as aserver_started
 from .errors import ConfigurationError, SinkDropped, WorkerIdInUse
 from .positions import Cursor, Snapshot
 from .sqlfiles import query
+from .stored_event import EVENT_COLUMNS as EVENT_COLUMNS
+from .stored_event import StoredEvent as StoredEvent
+from .stored_event import event_reader as event_reader
+from .stored_event import stored_event as stored_event
 
 Conn = psycopg.Connection[Any]
-
-
-@dataclass(slots=True)
-class StoredEvent:
-    bucket: int
-    xid: int
-    seq: int
-    id: uuid.UUID
-    key: str
-    topic: str | None
-    type: str
-    payload_text: str  # jsonb as text: Kafka sends it as is; projections parse it
-    headers_text: str
-    time: datetime  # occurred_at if the producer gave one, else when it was stored (created_at)
-    attempts: int = 0  # failed attempts so far (parked events)
-    blocked: bool = False  # an older event of this key is parked
-    parked: bool = False  # read from outbox.parked (a retry), not from past the cursor
-    # Which read of its bucket under the runner's fence returned it (1, 2, ...: SinkRunner._number_read);
-    # 0: not read by a runner (a key rebuild, the testing kit). The ``read`` of a projection's FenceToken.
-    read: int = 0
-    last_error: str | None = None  # parked events: why the last attempt failed
-    stored_at: datetime | None = None  # created_at: when its transaction stored it (the database's clock)
-    # Monotonic time of the last read of its bucket that could not see it yet (SinkRunner): it became
-    # visible to the relay after that. None: not known (a retry, a probe, a bucket just acquired).
-    unseen_at: float | None = None
-    # The Kafka sink's header values, formatted by the read query (None: formatted in Python).
-    id_text: str | None = None
-    time_text: str | None = None
-    sequence_text: str | None = None
-    version: int = 1  # schema_version: the version of the payload's schema as published
-
-    @property
-    def position(self) -> tuple[int, int]:
-        return (self.xid, self.seq)
-
-    @property
-    def payload(self) -> Any:
-        return json.loads(self.payload_text)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return json.loads(self.headers_text) if self.headers_text != "{}" else {}
-
-
-@dataclass
-class Checkpoint:
-    """The outcome of one batch, written by one fenced statement."""
-
-    fences: dict[int, int]  # bucket -> fence token of every bucket this batch touched
-    advance: dict[int, Cursor] = field(default_factory=dict)  # bucket -> its cursor once this batch landed
-    park: list[tuple[StoredEvent, int, float, str | None]] = field(default_factory=list)  # attempts, delay, error
-    done: list[StoredEvent] = field(default_factory=list)  # parked events that left the park
-    dead: list[tuple[StoredEvent, int, str]] = field(default_factory=list)  # attempts, error
-    resets: set[int] = field(default_factory=set)  # buckets that proved healthy: lapses back to 0
-    # Buckets of ``advance`` whose cursor is not written now, only fenced (the runner writes it later:
-    # SinkRunner._deferrable). Only in a checkpoint that moves cursors only.
-    defer: set[int] = field(default_factory=set)
-    # A checkpoint that moves cursors only renews the leases of the rows it writes for this long (the
-    # runner's lease_seconds; None: the leases stay as they are).
-    lease_seconds: float | None = None
-    delivered: list[StoredEvent] = field(default_factory=list)  # what the sink delivered (for observers)
-    landed_at: datetime | None = None  # the database's clock when the checkpoint was written (set by it)
-
-    @property
-    def moves_only(self) -> bool:
-        """Whether it only moves cursors (nothing parked, unparked or dead-lettered): most batches."""
-        return not (self.park or self.done or self.dead)
-
-    def statement(self) -> str:
-        """What writes it: ``relay.advance`` (cursors only) or the whole ``relay.checkpoint``."""
-        return query("relay", "advance" if self.moves_only else "checkpoint")
-
-    def params(self, sink: str, worker: str) -> dict[str, Any]:
-        buckets = sorted(self.fences)
-        cursors = [self.advance[b].params() if b in self.advance else (None, None, None, None) for b in buckets]
-        moves: dict[str, Any] = {
-            "sink": sink,
-            "worker": worker,
-            "buckets": buckets,
-            "fences": [self.fences[b] for b in buckets],
-            "seen": [c[0] for c in cursors],
-            "targets": [c[1] for c in cursors],
-            "after_xids": [c[2] for c in cursors],
-            "after_seqs": [c[3] for c in cursors],
-            "resets": [b in self.resets for b in buckets],
-        }
-        if self.defer and not self.moves_only:
-            raise ValueError("a checkpoint that parks, unparks or dead-letters writes every cursor it moves")
-        moves["writes"] = [b not in self.defer for b in buckets]
-        moves["lease_seconds"] = self.lease_seconds
-        if self.moves_only:
-            return moves
-        return {
-            **moves,
-            "park_buckets": [e.bucket for e, *_ in self.park],
-            "park_xids": [e.xid for e, *_ in self.park],
-            "park_seqs": [e.seq for e, *_ in self.park],
-            "park_keys": [e.key for e, *_ in self.park],
-            "park_ids": [e.id for e, *_ in self.park],
-            "park_attempts": [a for _, a, _, _ in self.park],
-            "park_delays": [d for _, _, d, _ in self.park],
-            "park_errors": [err for *_, err in self.park],
-            # Read from the park: rescheduled in place, never parked anew (see ``checkpoint``).
-            "park_parked": [e.parked for e, *_ in self.park],
-            "done_buckets": [e.bucket for e in self.done],
-            "done_xids": [e.xid for e in self.done],
-            "done_seqs": [e.seq for e in self.done],
-            "dead_buckets": [e.bucket for e, _, _ in self.dead],
-            "dead_xids": [e.xid for e, _, _ in self.dead],
-            "dead_seqs": [e.seq for e, _, _ in self.dead],
-            "dead_keys": [e.key for e, _, _ in self.dead],
-            "dead_ids": [e.id for e, _, _ in self.dead],
-            "dead_attempts": [a for _, a, _ in self.dead],
-            "dead_errors": [err for _, _, err in self.dead],
-        }
 
 
 def register_sink(conn: Conn, sink: str, kind: str, topics: Sequence[str] | None = None) -> None:
@@ -269,31 +161,6 @@ def _with_floor(name: str, floor: int) -> str:
     return sql.SQL(query("relay", name)).format(floor=sql.Literal(str(floor))).as_string(None)
 
 
-_server_started: weakref.WeakKeyDictionary[Any, datetime] = weakref.WeakKeyDictionary()
-
-
-def server_started(conn: Conn) -> datetime:
-    """When the server ``conn`` talks to started (``server_started`` in relay.sql), read once per
-    connection: every connection made after a restart reads it anew."""
-    started = _server_started.get(conn)
-    if started is None:
-        row = conn.execute(query("relay", "server_started")).fetchone()
-        assert row is not None
-        started = _server_started[conn] = row[0]
-    return started
-
-
-async def aserver_started(conn: psycopg.AsyncConnection[Any]) -> datetime:
-    """``server_started`` on an async connection (an async projection's own)."""
-    started = _server_started.get(conn)
-    if started is None:
-        cur = await conn.execute(query("relay", "server_started"))
-        row = await cur.fetchone()
-        assert row is not None
-        started = _server_started[conn] = row[0]
-    return started
-
-
 def fetch_events(conn: Conn, sink: str, worker: str, reads: dict[int, tuple[int, Cursor]],
                  wanted: EventFilter | None = None, *, formatted: bool = True,
                  fences: dict[int, int] | None = None) -> Read:
@@ -381,25 +248,6 @@ def next_parked_retry(conn: Conn, sink: str, buckets: Sequence[int]) -> float | 
 def has_parked(conn: Conn, sink: str, bucket: int) -> bool:
     row = conn.execute(query("relay", "has_parked"), {"sink": sink, "bucket": bucket}).fetchone()
     return bool(row and row[0])
-
-
-def checkpoint(conn: Conn, sink: str, worker: str, cp: Checkpoint) -> set[int]:
-    """Write the batch outcome; returns the buckets whose fence held (the others were lost)."""
-    if not cp.fences:
-        return set()
-    rows = conn.execute(cp.statement(), cp.params(sink, worker)).fetchall()
-    cp.landed_at = rows[0][1] if rows else None
-    return {r[0] for r in rows}
-
-
-async def acheckpoint(conn: psycopg.AsyncConnection[Any], sink: str, worker: str, cp: Checkpoint) -> set[int]:
-    """``checkpoint`` on an async connection (an async projection's own transaction)."""
-    if not cp.fences:
-        return set()
-    cur = await conn.execute(cp.statement(), cp.params(sink, worker))
-    rows = await cur.fetchall()
-    cp.landed_at = rows[0][1] if rows else None
-    return {r[0] for r in rows}
 
 
 # -- membership -------------------------------------------------------------------------
@@ -515,63 +363,3 @@ def announce_buckets(conn: Conn, buckets: Iterable[int]) -> None:
         return
     conn.execute(query("membership", "announce_buckets"), {"buckets": ",".join(str(b) for b in sorted(buckets))})
 
-
-# Query column -> StoredEvent field: every query that reads events names its columns so.
-EVENT_COLUMNS = {"bucket": "bucket", "xid": "xid", "seq": "seq", "id": "id", "partition_key": "key", "topic": "topic",
-                 "type": "type", "payload": "payload_text", "headers": "headers_text", "time": "time",
-                 "blocked": "blocked", "attempts": "attempts", "last_error": "last_error", "stored_at": "stored_at",
-                 "id_text": "id_text", "time_text": "time_text", "sequence_text": "sequence_text",
-                 "version": "version"}
-
-
-def event_reader(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> tuple[
-        Callable[..., StoredEvent], dict[str, int]]:
-    """A function that turns one of ``cur``'s rows into a StoredEvent by column name (extra keyword
-    arguments set more fields), and the index of every column by name."""
-    column = {d.name: i for i, d in enumerate(cur.description or [])}
-    by_field = {EVENT_COLUMNS[name]: i for name, i in column.items() if name in EVENT_COLUMNS}
-    # Every field goes in positionally, from its column or else its default (appended to the row): keyword
-    # arguments cost half of building the event, once per event of every read.
-    defaults: list[Any] = []
-    indices: list[int] = []
-    for f in _FIELD_DEFS:
-        if f.name in by_field:
-            indices.append(by_field[f.name])
-        elif f.default is not dataclasses.MISSING:
-            indices.append(len(column) + len(defaults))
-            defaults.append(f.default)
-        else:  # a required field no column gives: StoredEvent refuses the row, naming it
-            return _event_by_name(by_field), column
-    pick = operator.itemgetter(*indices)
-    tail = tuple(defaults)
-
-    def event(row: Sequence[Any], **extra: Any) -> StoredEvent:
-        values = pick((row if type(row) is tuple else tuple(row)) + tail)
-        if extra:
-            changed = list(values)
-            for name, value in extra.items():
-                changed[_FIELD_INDEX[name]] = value
-            return StoredEvent(*changed)
-        return StoredEvent(*values)
-
-    return event, column
-
-
-def _event_by_name(by_field: dict[str, int]) -> Callable[..., StoredEvent]:
-    def event(row: Sequence[Any], **extra: Any) -> StoredEvent:
-        return StoredEvent(**{name: row[i] for name, i in by_field.items()}, **extra)
-
-    return event
-
-
-_FIELD_DEFS = dataclasses.fields(StoredEvent)
-_FIELD_INDEX = {f.name: i for i, f in enumerate(_FIELD_DEFS)}
-
-
-def stored_event(row: Sequence[Any], **extra: Any) -> StoredEvent:
-    """A StoredEvent from a row that starts with: bucket, xid, seq, id, partition_key, topic, type,
-    payload, headers, time (for rows without a cursor's description, e.g. through SQLAlchemy: the
-    testing kit; the relay's own reads use ``event_reader``)."""
-    payload = row[7] if isinstance(row[7], str) else json.dumps(row[7])
-    headers = row[8] if isinstance(row[8], str) else json.dumps(row[8])
-    return StoredEvent(row[0], row[1], row[2], row[3], row[4], row[5], row[6], payload, headers, row[9], **extra)

@@ -210,6 +210,8 @@ class TracingObserver(Observer):
             return tracer.start_as_current_span(f"handle {event.type}", kind=SpanKind.INTERNAL,
                                                 links=[link] if link else None, attributes=attributes)
 
+        # Two three-line drivers over ``span`` (the shared part): an async handler must be awaited
+        # inside its span, so it needs a wrapper of its own.
         if inspect.iscoroutinefunction(handler):
             @functools.wraps(handler)
             async def traced_async(event: Any, tx: Any) -> Any:

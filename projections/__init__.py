@@ -15,7 +15,8 @@ from outbox_relay.upcast import Upcasters
 
 from .declare import Projection, Registry, load_registry, projection
 from .event import FenceToken, ProjectionEvent
-from .fencing import fenced_upsert, fenced_upsert_async
+from .fencing import fenced_upsert
+from .fencing_async import fenced_upsert_async
 from .sink import ProjectionSink
 
 __all__ = [

@@ -56,10 +56,11 @@ from outbox_relay.store import event_reader
 
 from .decisions import live_decisions
 from .declare import Projection, _headers, decode_json, describe
+from .drive import drive
 from .event import ProjectionEvent, make_event, make_token
 from .guard import Abandoned, Guard, TimedOut, Walk
 from .sink import END_WALK_WAIT_MS, outside_writes_error
-from .walk import Batch, Delivered, Redo, drive, walk
+from .walk import Batch, Delivered, Redo, walk
 
 log = logging.getLogger("outbox_relay.rebuild")
 

@@ -1,3 +1,5 @@
+# WARNING: generated from projections/fencing_async.py by scripts/async_to_sync.py: edit the source, then run
+# `python scripts/async_to_sync.py --write`.
 """Fenced writes into stores outside the relay's transaction: write only if the stored token is older.
 
 A projection's own tables get exactly-once effects from the relay's transaction (see sink.py).
@@ -16,6 +18,8 @@ several keys compares fences of different buckets, which say nothing about each 
 
 ``str(token)`` sorts like the token itself, so any store that compares strings can do the same
 check (a Redis script, a conditional put, an Elasticsearch external version...).
+
+This is fencing_async.py, the one source: fencing.py is generated from it (scripts/async_to_sync.py).
 """
 
 from __future__ import annotations
@@ -24,33 +28,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from .event import FenceToken
+from .fenced_statement import upsert_statement
 
 
-def _statement(table: str, key: Mapping[str, Any], values: Mapping[str, Any], token_column: str) -> sql.Composed:
-    if not key:
-        raise ValueError("fenced_upsert needs at least one key column")
-    target = sql.Identifier(*table.split("."))
-    columns = [*key, *values, token_column]
-    updates = [*values, token_column]
-    return sql.SQL(
-        "INSERT INTO {table} ({columns}) VALUES ({params}) "
-        "ON CONFLICT ({key}) DO UPDATE SET {updates} "
-        "WHERE {table}.{token} < EXCLUDED.{token}"
-    ).format(
-        table=target,
-        columns=sql.SQL(", ").join(map(sql.Identifier, columns)),
-        params=sql.SQL(", ").join(sql.Placeholder(c) for c in columns),
-        key=sql.SQL(", ").join(map(sql.Identifier, key)),
-        updates=sql.SQL(", ").join(sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c)) for c in updates),
-        token=sql.Identifier(token_column),
-    )
-
-
-def fenced_upsert(conn: psycopg.Connection[Any], table: str, key: Mapping[str, Any], values: Mapping[str, Any],
-                  token: FenceToken, token_column: str = "fence_token") -> bool:
+def fenced_upsert(conn: psycopg.Connection[Any], table: str, key: Mapping[str, Any],
+                  values: Mapping[str, Any], token: FenceToken,
+                  token_column: str = "fence_token") -> bool:
     """Upsert one row unless the row holds the same or a newer token; True if it was written.
 
     Called with ``event.token``, the row ends with the values of the last event of its key the relay
@@ -59,13 +44,5 @@ def fenced_upsert(conn: psycopg.Connection[Any], table: str, key: Mapping[str, A
     token's text, which sorts like the token (tokens stored before reads were numbered included).
     """
     params = {**key, **values, token_column: str(token)}
-    return conn.execute(_statement(table, key, values, token_column), params).rowcount == 1
-
-
-async def fenced_upsert_async(conn: psycopg.AsyncConnection[Any], table: str, key: Mapping[str, Any],
-                              values: Mapping[str, Any], token: FenceToken,
-                              token_column: str = "fence_token") -> bool:
-    """``fenced_upsert`` on an async connection."""
-    params = {**key, **values, token_column: str(token)}
-    cur = await conn.execute(_statement(table, key, values, token_column), params)
+    cur = conn.execute(upsert_statement(table, key, values, token_column), params)
     return cur.rowcount == 1

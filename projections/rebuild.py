@@ -24,16 +24,12 @@ key's events that live processing applied.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-import secrets
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
@@ -48,22 +44,26 @@ from outbox_relay.positions import Cursor
 from outbox_relay.progress_line import ProgressLine
 from outbox_relay.settings import RelaySettings
 from outbox_relay.sqlfiles import query
-from outbox_relay.store import StoredEvent, event_reader
 from outbox_relay.worker import Worker
 
 from .bulk import LANES, BulkPhase
 from .decisions import WaitingKey, follow_live, keep_live_decisions, waiting_keys
-from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection, reserved_schema
+from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection
+from .history_gap import HistoryGap as HistoryGap
+from .history_gap import history_gap as history_gap
+from .key_rebuild import rebuild_key as rebuild_key
+from .rebuild_checks import check_history, check_start, history_unchecked
+from .rebuild_error import RebuildError as RebuildError
+from .rebuild_result import RebuildResult as RebuildResult
+from .rebuild_tables import LiveTable as LiveTable
+from .rebuild_tables import carry_privileges, check_swappable, copy_table, live_table, table_oid, template
 from .sink import ProjectionSink
-from .walk import ENDED_STATES, ENDED_TRANSACTION, Batch, Redo, adrive, drive, walk
 
 log = logging.getLogger("outbox_relay.rebuild")
 
 SINK_SUFFIX = ".rebuild"
-PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "MAINTAIN"}
 MAX_POSITION = 2**63 - 1  # positions are read as bigint (ce_sequence prints them the same way)
 SWITCH_LOCK_TIMEOUT = "5s"
-KEY_REBUILD_IDLE_MS = "30000"
 SWITCH_TRIES = 12
 # How long the switch-over holds the live tables (writers and readers wait) for the relay phase to apply what
 # the live projection applied since the rebuild last caught up, and how often it looks meanwhile.
@@ -77,48 +77,6 @@ PROGRESS_SECONDS = 2.0
 # batch transaction of 8k events stays well inside the lease. Per-event handlers keep the relay's
 # size: one statement per event, the larger batch measured no faster for them.
 REBUILD_BATCH_SIZE = 8192
-
-
-class RebuildError(OutboxError):
-    """A rebuild can not start, resume or switch over; the message says why and what to do."""
-
-
-def _template(query_name: str, **identifiers: sql.Composable) -> sql.Composed:
-    """A DDL template of rebuild.sql with its {placeholders} filled by identifiers."""
-    return sql.SQL(query("rebuild", query_name)).format(**identifiers)
-
-
-@dataclass(frozen=True)
-class LiveTable:
-    oid: int
-    schema: str
-    name: str
-    owner: str
-
-    @property
-    def qualified(self) -> str:
-        return f"{self.schema}.{self.name}"
-
-
-@dataclass(frozen=True)
-class RebuildResult:
-    projection: str
-    events: int  # events the rebuild replayed (this run and, when resumed, earlier ones)
-    seconds: float  # this run
-    resumed: bool
-    # After the switch: keys that still wait (a failing head, or a pause), and what live processing had
-    # decided that the new model could not keep (said before the swap, too, in the log).
-    waiting: tuple[WaitingKey, ...] = ()
-    dropped: tuple[str, ...] = ()
-
-    @property
-    def failing(self) -> tuple[WaitingKey, ...]:
-        return tuple(w for w in self.waiting if not w.paused)
-
-    @property
-    def clean(self) -> bool:
-        """The new model is what live processing reached, with no key of it still failing."""
-        return not self.failing and not self.dropped
 
 
 class Rebuild:
@@ -180,7 +138,7 @@ class Rebuild:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             check_schema(conn)
             tables, resumed = self._start(conn)
-            if not self.accept_partial and (not resumed or self._unchecked(conn)):
+            if not self.accept_partial and (not resumed or history_unchecked(conn, self.projection)):
                 self._check_retained(conn)
             total = self._total(conn)
         log.info("rebuild %s: %s, %d events to replay into %s", self.projection.name,
@@ -241,7 +199,7 @@ class Rebuild:
             row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
             if row is None:
                 return False
-            conn.execute(_template("drop_schema", schema=sql.Identifier(row[2])))
+            conn.execute(template("drop_schema", schema=sql.Identifier(row[2])))
             conn.execute(query("rebuild", "drop_sink"), {"sink": row[1]})
         return True
 
@@ -252,7 +210,7 @@ class Rebuild:
             conn.execute(query("rebuild", "lock_projection"), {"projection": self.projection.name})
             row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
             if row is not None and self.restart:
-                conn.execute(_template("drop_schema", schema=sql.Identifier(row[2])))
+                conn.execute(template("drop_schema", schema=sql.Identifier(row[2])))
                 conn.execute(query("rebuild", "drop_sink"), {"sink": row[1]})
                 row = None
             if row is not None:
@@ -261,20 +219,20 @@ class Rebuild:
                         f"a rebuild of {self.projection.name!r} started {row[6]:%Y-%m-%d %H:%M} with options "
                         f"{json.dumps(row[4])} is in progress: run it again with the same options to resume it, "
                         "or pass --restart to start over")
-                tables = [self._table(conn, name) for name in row[3]]
+                tables = [live_table(conn, self.projection, name) for name in row[3]]
                 self._remember(conn, row, tables)
                 return tables, True
-            self._check_start(conn)
-            tables = [self._table(conn, name) for name in self.projection.tables]
+            check_start(conn, self.from_position, self.from_time)
+            tables = [live_table(conn, self.projection, name) for name in self.projection.tables]
             twice = {t.qualified for t in tables if sum(u.oid == t.oid for u in tables) > 1}
             if twice:
                 raise RebuildError(f"projection {self.projection.name!r}: tables= names {', '.join(sorted(twice))} "
                                    "more than once")
-            self._check_swappable(conn, tables)
-            conn.execute(_template("drop_schema", schema=sql.Identifier(self.shadow)))  # a crashed start's
-            conn.execute(_template("create_schema", schema=sql.Identifier(self.shadow)))
+            check_swappable(conn, tables)
+            conn.execute(template("drop_schema", schema=sql.Identifier(self.shadow)))  # a crashed start's
+            conn.execute(template("create_schema", schema=sql.Identifier(self.shadow)))
             for t in tables:
-                self._copy(conn, t)
+                copy_table(conn, self.shadow, t)
             conn.execute(query("rebuild", "drop_sink"), {"sink": self.sink})
             store.register_sink(conn, self.sink, "projection", self.projection.topics)
             if self.from_position is not None:
@@ -296,49 +254,7 @@ class Rebuild:
         that disappears while it runs can be told apart: switched in by a peer, or cancelled."""
         self._started_at = row[6]
         self._tables = list(tables)
-        self._copies = [self._oid(conn, self.shadow, t.name) for t in tables]
-
-    @staticmethod
-    def _oid(conn: psycopg.Connection[Any], schema: str, name: str) -> int | None:
-        row = conn.execute(query("rebuild", "table_oid"), {"schema": schema, "name": name}).fetchone()
-        return int(row[0]) if row else None
-
-    def _check_start(self, conn: psycopg.Connection[Any]) -> None:
-        """Refuse a start past stored history before anything is created: from there the rebuild would
-        replay nothing, swap in an empty model and park the live projection's cursors there (past every
-        transaction id there is, for good if far enough). Refuse a start from history that retention
-        has removed part of is refused later, once the rebuild holds retention back (``_check_retained``)."""
-        if self.from_position is None and self.from_time is None:
-            return
-        row = conn.execute(query("rebuild", "history_bounds")).fetchone()
-        assert row is not None
-        next_xid, first, last, newest, now = row
-        stored = (f"the stored events span positions {first[0]}:{first[1]} to {last[0]}:{last[1]}" if last
-                  else "no event is stored")
-        context = f"(the next transaction id is {next_xid}; {stored})"
-        if self.from_position is not None:
-            xid, seq = self.from_position
-            if last is None or (xid, seq) > (last[0], last[1]):
-                past = "past every transaction id there is" if xid >= next_xid else "after the last stored event"
-                raise RebuildError(
-                    f"--from-position {xid}:{seq} is {past} {context}: a rebuild from there replays nothing and "
-                    "swaps in an empty model; nothing was changed. Give a position of the stored history (an "
-                    "event's ce_sequence)")
-            return
-        assert self.from_time is not None
-        if self.from_time > now:
-            raise RebuildError(f"--from-time {self.from_time.isoformat()} is in the future (the database's time is "
-                               f"{now.isoformat()}); nothing was changed")
-        if newest is None or self.from_time > newest:
-            raise RebuildError(
-                f"--from-time {self.from_time.isoformat()}: no event was stored at or after it (the newest "
-                f"was stored {newest.isoformat() if newest else 'never'}): a rebuild from there replays nothing "
-                "and swaps in an empty model; nothing was changed")
-
-    def _unchecked(self, conn: psycopg.Connection[Any]) -> bool:
-        """A resumed rebuild that never got past its history check (it counts its events after it)."""
-        row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
-        return row is not None and row[5] is None
+        self._copies = [table_oid(conn, self.shadow, t.name) for t in tables]
 
     def _check_retained(self, conn: psycopg.Connection[Any]) -> None:
         """Refuse a rebuild whose history retention removed part of, once its own sink holds retention back.
@@ -354,7 +270,7 @@ class Rebuild:
             try:
                 with conn.transaction():
                     conn.execute(query("rebuild", "wait_for_retention"))
-                    self._check_history(conn)
+                    check_history(conn, self.projection, self.live_sink, self.from_position, self.from_time)
                 return
             except psycopg.errors.DeadlockDetected:
                 # A removal of a leaf this rebuild does not hold locks its leaf, then the parent table: the
@@ -364,60 +280,6 @@ class Rebuild:
             except RebuildError:
                 self.cancel()
                 raise
-
-    def _check_history(self, conn: psycopg.Connection[Any]) -> None:
-        """A rebuild is never silently partial: refuse when retention removed events its projection
-        applied (since the live model's history began, from partitions that held the topics it reads), or
-        events at or after --from-time/--from-position."""
-        gap = history_gap(conn, self.live_sink, self.projection.topics)
-        if gap is None:
-            return
-        if self.from_time is not None and self.from_time > gap.through:
-            return
-        if self.from_position is not None and self.from_position[0] > gap.removed_xid:
-            return
-        start = (f"--from-time {self.from_time.isoformat()}" if self.from_time else
-                 f"--from-position {self.from_position[0]}:{self.from_position[1]}" if self.from_position else
-                 "the beginning")
-        raise RebuildError(
-            f"rebuild of {self.projection.name!r} from {start} would be partial: {gap.describe()}. Nothing was "
-            "changed. Keep that history longer (outbox-relay retention class), or pass --accept-partial to build the "
-            "model from the events still stored")
-
-    def _table(self, conn: psycopg.Connection[Any], name: str) -> LiveTable:
-        row = conn.execute(query("rebuild", "table_info"), {"name": name}).fetchone()
-        if row is None:
-            raise RebuildError(f"projection {self.projection.name!r}: table {name!r} does not exist (a rebuild "
-                               "copies the live table's definition, so create it first)")
-        if row[4] != "r":
-            raise RebuildError(f"projection {self.projection.name!r}: {name!r} is not a plain table")
-        schema = str(row[1])
-        if reserved_schema(schema):
-            raise RebuildError(f"projection {self.projection.name!r}: table {name!r} is {schema}.{row[2]}, in a "
-                               "schema a rebuild must never swap tables of (the relay's own, the system "
-                               "catalogs', or a rebuild's); nothing was changed")
-        return LiveTable(int(row[0]), schema, row[2], row[3])
-
-    def _check_swappable(self, conn: psycopg.Connection[Any], tables: Sequence[LiveTable]) -> None:
-        blockers = [f"{t.qualified}: {b}" for t in tables
-                    for (b,) in conn.execute(query("rebuild", "table_blockers"), {"oid": t.oid})]
-        if blockers:
-            raise RebuildError("a rebuild swaps fresh tables in and can not carry these over; drop them (and "
-                               "re-create them after the rebuild) or rebuild in place with --key: "
-                               + "; ".join(blockers))
-
-    def _copy(self, conn: psycopg.Connection[Any], t: LiveTable) -> None:
-        copy = sql.Identifier(self.shadow, t.name)
-        conn.execute(_template("create_copy", copy=copy, live=sql.Identifier(t.schema, t.name)))
-        for column, sequence in conn.execute(query("rebuild", "serial_columns"), {"oid": t.oid}).fetchall():
-            # LIKE copies the default, which still draws from the live table's sequence.
-            conn.execute(_template("own_sequence", sequence=sql.Identifier(self.shadow, sequence), table=copy,
-                                   column=sql.Identifier(column)))
-            conn.execute(_template("default_from_sequence", table=copy, column=sql.Identifier(column),
-                                   sequence_name=sql.Literal(f"{self.shadow}.{sequence}")))
-        for name, definition in conn.execute(query("rebuild", "foreign_keys"), {"oid": t.oid}).fetchall():
-            conn.execute(_template("add_constraint", table=copy, name=sql.Identifier(name),
-                                   definition=sql.SQL(definition)))  # catalog text from pg_get_constraintdef
 
     # -- replay -------------------------------------------------------------------------------
 
@@ -531,7 +393,7 @@ class Rebuild:
         if restarted:
             raise RebuildError(f"the rebuild of {self.projection.name!r} was restarted by another process (rebuild "
                                "--restart) while this one ran: this one stops, the new one carries on")
-        live = [self._oid(conn, t.schema, t.name) for t in self._tables]
+        live = [table_oid(conn, t.schema, t.name) for t in self._tables]
         if live == self._copies:
             log.info("rebuild %s: another rebuild process switched over already", self.projection.name)
             return
@@ -574,7 +436,7 @@ class Rebuild:
             # ACCESS EXCLUSIVE from the start, not a lock that lets readers on and is raised for the swap: a
             # live batch that read a table and then waited to write it would deadlock with the raise.
             for t in sorted(tables, key=lambda t: t.oid):
-                conn.execute(_template("lock_table", table=sql.Identifier(t.schema, t.name)))
+                conn.execute(template("lock_table", table=sql.Identifier(t.schema, t.name)))
             store.register_sink(conn, self.live_sink, "projection", self.projection.topics)
             conn.execute(query("rebuild", "lock_live_cursors"), names)
             if not self._caught_up_with_live(conn, worker):
@@ -582,7 +444,7 @@ class Rebuild:
             # The copies too, before the cursors: a peer process's relay batch in flight lands first, and
             # none starts after (one that read a copy, then waited for the cursors, would deadlock).
             for t in sorted(tables, key=lambda t: t.name):
-                conn.execute(_template("lock_table", table=sql.Identifier(self.shadow, t.name)))
+                conn.execute(template("lock_table", table=sql.Identifier(self.shadow, t.name)))
             conn.execute(query("rebuild", "lock_cursors"), names)
             conn.execute(query("rebuild", "adopt_cursors"), names)
             conn.execute(query("rebuild", "adopt_history"), names)
@@ -593,16 +455,16 @@ class Rebuild:
             conn.execute(query("rebuild", "adopt_dead_letters"), names)
             self._waiting = waiting_keys(conn, self.live_sink)
             retired = sql.Identifier(self.retired)
-            conn.execute(_template("drop_schema", schema=retired))  # what an earlier --keep-old kept
-            conn.execute(_template("create_schema", schema=retired))
+            conn.execute(template("drop_schema", schema=retired))  # what an earlier --keep-old kept
+            conn.execute(template("create_schema", schema=retired))
             for t in tables:
-                conn.execute(_template("move_table", table=sql.Identifier(t.schema, t.name), schema=retired))
-                conn.execute(_template("move_table", table=sql.Identifier(self.shadow, t.name),
+                conn.execute(template("move_table", table=sql.Identifier(t.schema, t.name), schema=retired))
+                conn.execute(template("move_table", table=sql.Identifier(self.shadow, t.name),
                                        schema=sql.Identifier(t.schema)))
-                self._carry_privileges(conn, t)
-            conn.execute(_template("drop_schema", schema=sql.Identifier(self.shadow)))
+                carry_privileges(conn, t)
+            conn.execute(template("drop_schema", schema=sql.Identifier(self.shadow)))
             if not self.keep_old:
-                conn.execute(_template("drop_schema", schema=retired))
+                conn.execute(template("drop_schema", schema=retired))
             conn.execute(query("rebuild", "drop_sink"), {"sink": self.sink})
         return True
 
@@ -634,173 +496,3 @@ class Rebuild:
                          self.projection.name, behind)
                 return False
             time.sleep(CATCH_UP_POLL_SECONDS)
-
-    def _carry_privileges(self, conn: psycopg.Connection[Any], old: LiveTable) -> None:
-        new = sql.Identifier(old.schema, old.name)
-        for grantee, privilege, grantable in conn.execute(query("rebuild", "table_grants"), {"oid": old.oid}):
-            if privilege not in PRIVILEGES:
-                continue
-            conn.execute(_template("grant_with_option" if grantable else "grant", privilege=sql.SQL(privilege),
-                                   table=new, grantee=sql.Identifier(grantee) if grantee else sql.SQL("PUBLIC")))
-        current = conn.execute("SELECT current_user").fetchone()
-        if current is not None and current[0] != old.owner:
-            conn.execute(_template("set_owner", table=new, owner=sql.Identifier(old.owner)))
-
-
-@dataclass(frozen=True)
-class HistoryGap:
-    """What retention removed, after a projection's history began, of partitions that held its topics."""
-
-    through: datetime  # the newest removed event (created_at)
-    removed_xid: int  # the largest removed transaction id
-    removed: int  # events removed from those partitions in all (of the topics it reads, or others they held)
-    parts: tuple[str, ...]  # per retention class: which topics, how many, up to when
-    oldest: datetime | None  # the oldest event of its topics still stored
-    topics: tuple[str, ...] | None
-
-    def describe(self) -> str:
-        which = "its topics " + ", ".join(self.topics) if self.topics is not None else "every topic"
-        return (f"retention has removed {self.removed:,} events stored up to {self.through.isoformat()} from "
-                f"partitions that held events of {which} ({'; '.join(self.parts)}), after the projection had applied "
-                f"them; history now exists from {self.oldest.isoformat() if self.oldest else 'no event at all'} on")
-
-
-def history_gap(conn: psycopg.Connection[Any], sink: str, topics: Sequence[str] | None = None) -> HistoryGap | None:
-    """What retention removed since ``sink``'s history began from partitions that held events of
-    ``topics`` (None: every topic), per retention class; None if nothing is missing."""
-    reads = sorted(set(topics)) if topics is not None else None
-    rows = conn.execute(query("rebuild", "history_gap"), {"sink": sink, "topics": reads}).fetchall()
-    if not rows:
-        return None
-    parts = []
-    for cls, held, but, through, _, removed in rows:
-        what = ("every topic" if cls == "(all)" else f"topics {', '.join(held)}" if held is not None
-                else "every topic" + (f" but {', '.join(but)}" if but else ""))
-        where = "events_legacy or events_default" if cls == "(all)" else f"class {cls}"
-        parts.append(f"{where} ({what}): {removed:,} events up to {through.isoformat()}")
-    oldest = conn.execute(query("rebuild", "stored_from"), {"topics": reads}).fetchone()
-    return HistoryGap(through=max(r[3] for r in rows), removed_xid=max(int(r[4]) for r in rows),
-                      removed=sum(int(r[5]) for r in rows), parts=tuple(parts), oldest=oldest[0] if oldest else None,
-                      topics=tuple(reads) if reads is not None else None)
-
-
-def rebuild_key(projection: Projection, dsn: str, key: str, tries: int = 3, *, accept_partial: bool = False) -> int:
-    """Rebuild one partition key's state in place, atomically; returns the events replayed.
-
-    Under the same commit guard as a projection batch (see sink.py): a handler (or key_reset) that
-    ends the transaction makes the whole key rebuild fail, never half of it commit. Refuses when
-    retention removed events the projection applied, unless ``accept_partial``."""
-    if projection.clear_key is None:
-        raise ConfigurationError(f"projection {projection.name!r} has no key_reset: declare one with "
-                                 f"@{projection.handler.__name__}.key_reset to rebuild a single key")
-    if not accept_partial:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            gap = history_gap(conn, projection.name, projection.topics)
-        if gap is not None:
-            raise RebuildError(
-                f"rebuilding key {key!r} of {projection.name!r} would be partial: {gap.describe()}. Nothing was "
-                "changed; pass --accept-partial to rebuild the key from the events still stored")
-    for attempt in range(1, tries + 1):
-        try:
-            if projection.is_async:
-                return asyncio.run(_arebuild_key(projection, dsn, key))
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute(query("projections", "prepare_session"))
-                conn.read_only = False  # conn.transaction() begins READ WRITE
-                with conn.transaction():
-                    token = secrets.token_hex(8)
-                    conn.execute(query("projections", "begin_batch"), _key_begin(token))
-                    cursor, events = _key_history(conn, projection, key)
-                    projection.clear_key(key, conn)
-                    batch = _key_batch(projection, key, cursor, events, token)
-                    with _key_failures(projection, key):
-                        drive(walk(batch, careful=False), conn, projection.handler)
-                    return _replayed(projection, key, batch)
-        except psycopg.errors.DeadlockDetected:  # a live batch of the same bucket: it retries, so do we
-            if attempt == tries:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _key_begin(token: str) -> dict[str, Any]:
-    # A stalled key rebuild must not hold its bucket's cursor (the live relay's checkpoint) for long.
-    return {"token": token, "idle_ms": KEY_REBUILD_IDLE_MS, "shadow": None}
-
-
-async def _arebuild_key(projection: Projection, dsn: str, key: str) -> int:
-    assert projection.clear_key is not None
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await conn.execute(query("projections", "prepare_session"))
-        await conn.set_read_only(False)
-        async with conn.transaction():
-            token = secrets.token_hex(8)
-            await conn.execute(query("projections", "begin_batch"), _key_begin(token))
-            cur = await conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key})
-            cursor = await cur.fetchone()
-            if cursor is None:
-                raise RebuildError(f"projection {projection.name!r} has never run against this database")
-            cur = await conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
-            read, _ = event_reader(cur)
-            events = [read(r) for r in await cur.fetchall()]
-            await projection.clear_key(key, conn)
-            batch = _key_batch(projection, key, cursor, events, token)
-            with _key_failures(projection, key):
-                await adrive(walk(batch, careful=False), conn, projection.handler)
-            return _replayed(projection, key, batch)
-
-
-def _key_batch(projection: Projection, key: str, cursor: Sequence[Any], events: Sequence[StoredEvent],
-               token: str) -> Batch:
-    """The key's history as one batch of the shared walk (walk.py), begun by the caller.
-
-    Its tokens are (live fence, 0, xid, seq): increasing in the (xid, seq) order they are applied
-    in, and below every token the live owner of that fence gave (its reads are numbered from 1), so
-    a store outside the transaction (``fenced_upsert``) keeps what live processing wrote there."""
-    fence = int(cursor[2])
-    return Batch(projection, events, {e.bucket: fence for e in events}, replay=True, name=projection.name,
-                 token=token)
-
-
-@contextlib.contextmanager
-def _key_failures(projection: Projection, key: str) -> Iterator[None]:
-    """A key rebuild is all or nothing: what would make the walk redo a batch fails it instead."""
-    try:
-        yield
-    except Redo as redo:
-        if redo.ended is not None or any(f is ENDED_TRANSACTION for f in redo.failed.values()):
-            raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
-                               "transaction (COMMIT, END or ROLLBACK); nothing was changed") from redo
-        if isinstance(redo.__cause__, Exception):
-            raise redo.__cause__ from None  # the handler's own error, as it raised it
-        raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: a statement of its handler failed "
-                           "(or the handler ended the transaction); nothing was changed") from redo
-    except psycopg.Error as exc:
-        if exc.sqlstate in ENDED_STATES:
-            raise RebuildError(f"rebuilding key {key!r} of {projection.name!r}: its handler or key_reset ended the "
-                               "transaction (COMMIT, END or ROLLBACK); nothing was changed") from exc
-        raise
-
-
-def _key_params(projection: Projection, key: str, cursor: Sequence[Any]) -> dict[str, Any]:
-    return {"sink": projection.name, "key": key, "seen": cursor[0], "target": cursor[1], "after_xid": cursor[3],
-            "after_seq": cursor[4],
-            **projection.event_filter.params()}
-
-
-def _key_history(conn: psycopg.Connection[Any], projection: Projection,
-                 key: str) -> tuple[Sequence[Any], list[StoredEvent]]:
-    cursor = conn.execute(query("rebuild", "key_cursor"), {"sink": projection.name, "key": key}).fetchone()
-    if cursor is None:
-        raise RebuildError(f"projection {projection.name!r} has never run against this database")
-    cur = conn.execute(query("rebuild", "key_history"), _key_params(projection, key, cursor))
-    event, _ = event_reader(cur)
-    return cursor, [event(r) for r in cur.fetchall()]
-
-
-def _replayed(projection: Projection, key: str, batch: Batch) -> int:
-    """The events the key rebuild replayed; an event that no longer applies fails it (rolled back)."""
-    for e in batch.events:
-        outcome = batch.outcomes.get(e.id)
-        if outcome is not None:
-            raise RebuildError(f"event {e.id} of key {e.key!r} no longer applies: {outcome.error}")
-    return len(batch.events)

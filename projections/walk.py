@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +35,9 @@ import psycopg
 from psycopg import pq
 
 from outbox_relay.errors import NonRetriableDelivery
-from outbox_relay.sinks.engine import Aborted, AsyncConn, Failure, KeyHold, Outcomes
+from outbox_relay.sinks.engine import Aborted, Failure, KeyHold, Outcomes
 from outbox_relay.sqlfiles import query
-from outbox_relay.store import Conn, StoredEvent
+from outbox_relay.store import StoredEvent
 
 from .declare import Projection, describe
 from .event import ProjectionEvent
@@ -310,71 +310,11 @@ def max_runs(events: Sequence[Delivered]) -> int:
     return len(events) + 2
 
 
-# -- the two drivers ------------------------------------------------------------------------------
+# -- what the drivers (drive.py, drive_async.py) share ------------------------------------------
 
 Handler = Callable[[Any, Any], Any]
 OnCall = Callable[[Delivered | None], None]  # told before each handler call (None: after it returned)
 
 
-def _ignore(_: Delivered | None) -> None:
-    pass
-
-
-def drive(steps: Walk, conn: Conn, handler: Handler, on_call: OnCall = _ignore) -> Outcomes:
-    """Run a walk on a sync connection. A statement's error is sent back to the walk (which decides),
-    unless the connection broke: then it is raised."""
-    reply: Reply | None = None
-    try:
-        while True:
-            step = steps.send(reply) if reply is not None else next(steps)
-            error: Exception | None = None
-            if isinstance(step, Execute):
-                try:
-                    conn.execute(step.sql, step.params)
-                except psycopg.Error as exc:
-                    error = exc
-            else:
-                on_call(step.event)
-                try:
-                    handler(step.argument, conn)
-                except Exception as exc:
-                    error = exc
-                except (SystemExit, KeyboardInterrupt) as exc:
-                    error = HandlerExited(exc)
-                on_call(None)
-            if error is not None and conn.broken:
-                raise error
-            reply = Reply(error, conn.info.transaction_status)
-    except StopIteration as done:
-        outcomes: Outcomes = done.value
-        return outcomes
-
-
-async def adrive(steps: Walk, conn: AsyncConn, handler: Callable[[Any, Any], Awaitable[Any]],
-                 on_call: OnCall = _ignore) -> Outcomes:
-    """``drive`` on an async connection, with an async handler."""
-    reply: Reply | None = None
-    try:
-        while True:
-            step = steps.send(reply) if reply is not None else next(steps)
-            error: Exception | None = None
-            if isinstance(step, Execute):
-                try:
-                    await conn.execute(step.sql, step.params)
-                except psycopg.Error as exc:
-                    error = exc
-            else:
-                on_call(step.event)
-                try:
-                    await handler(step.argument, conn)
-                except Exception as exc:
-                    error = exc
-                except (SystemExit, KeyboardInterrupt) as exc:
-                    error = HandlerExited(exc)
-                on_call(None)
-            if error is not None and conn.broken:
-                raise error
-            reply = Reply(error, conn.info.transaction_status)
-    except StopIteration as done:
-        outcomes: Outcomes = done.value
-        return outcomes
+def no_call_listener(_: Delivered | None) -> None:
+    """The default ``OnCall``: nobody is told."""

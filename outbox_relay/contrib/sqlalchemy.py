@@ -52,7 +52,8 @@ from sqlalchemy.orm import Session, SessionTransaction, scoped_session, sessionm
 
 from ..errors import ConfigurationError, NoTransaction
 from ..event import Event
-from ..publish import Outbox, Published, _check_storable, _require_transaction
+from ..publish import Outbox, Published, check_storable
+from ..transactions import require_transaction
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -150,6 +151,8 @@ def record(
     return recorded
 
 
+# ``record`` and ``arecord`` are small drivers over the shared steps (_outbox_for, _build, _add, _write):
+# they differ in where they may wait (an AsyncSession's connection, run_sync), nothing else.
 async def arecord(
     session: AsyncSession, *, type: str, key: str, payload: Any, topic: str | None = None,
     headers: Mapping[str, str] | None = None, idempotency_key: str | None = None,
@@ -222,7 +225,7 @@ def _build(outbox: Outbox, **fields: Any) -> Event:
     from do not reach the event."""
     built = outbox.event(**fields)
     text = built.payload_json()
-    _check_storable(built, text)
+    check_storable(built, text)
     return built.model_copy(update={"payload": json.loads(text)})
 
 
@@ -230,7 +233,7 @@ def _add(session: Session, outbox: Outbox, built: Event) -> tuple[Recorded, _Uni
     # session.connection() begins the transaction (if none is open), so the event has one to belong
     # to; for an AsyncSession, arecord has acquired the connection, so nothing here waits for IO.
     try:
-        _require_transaction(session.connection().connection.driver_connection, session)
+        require_transaction(session.connection().connection.driver_connection, session)
     except NoTransaction:
         raise NoTransaction(
             "record refused: this session's connection is in autocommit mode (isolation_level='AUTOCOMMIT'), so "

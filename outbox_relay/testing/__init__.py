@@ -7,9 +7,11 @@ One module per product:
 - ``published.py``: ``published(conn, key=..., type=..., topic=...)`` (``apublished`` for async
   connections), ``assert_published(conn, [("OrderPlaced", {...}), "OrderPaid"], key="order:1")``
   and ``assert_not_published``: what the test's connection can see, in the relay's order.
-- ``projection.py``: ``apply_projection(conn, projection)`` (``aapply_projection``): the
-  projection's handler run in the test's transaction over events published in it, by the relay's
-  own batch walk (projections/walk.py), each ``ProjectionEvent`` built as the relay builds it.
+- ``apply_projection(conn, projection)`` (``aapply_projection``): the projection's handler run in
+  the test's transaction over events published in it, by the relay's own batch walk
+  (projections/walk.py), each ``ProjectionEvent`` built as the relay builds it. It lives with the
+  projections (projections/testing.py, projections/testing_async.py) and is re-exported here on
+  first use, so that importing this kit does not import the projections package.
 - ``recording.py``: ``RecordingSink``, a sink a real relay (``Worker``) delivers to in a test,
   recording each event (and failing the ones you say); subclass it for more bookkeeping.
 - ``fake.py``: ``FakeOutbox``, an ``Outbox`` that keeps events in memory, for code tested without
@@ -29,11 +31,13 @@ unlike ``publish``, an autocommit connection is fine.
 from typing import TYPE_CHECKING, Any
 
 from .fake import FakeOutbox
-from .projection import aapply_projection, apply_projection
 from .published import PublishedEvent, apublished, assert_not_published, assert_published, published
 from .recording import Delivery, RecordingSink
 
 if TYPE_CHECKING:
+    from projections.testing import apply_projection
+    from projections.testing_async import aapply_projection
+
     from .sink_contract import SinkContract
 
 
@@ -42,6 +46,14 @@ def __getattr__(name: str) -> Any:
         from .sink_contract import SinkContract
 
         return SinkContract
+    if name == "apply_projection":
+        from projections.testing import apply_projection
+
+        return apply_projection
+    if name == "aapply_projection":
+        from projections.testing_async import aapply_projection
+
+        return aapply_projection
     raise AttributeError(f"module 'outbox_relay.testing' has no attribute {name!r}")
 
 

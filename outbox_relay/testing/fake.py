@@ -11,7 +11,7 @@ from typing import Any
 from outbox_relay.event import Event
 from outbox_relay.publish import Outbox, Published, _expand, _id_taken, _key_stands_for_another
 
-from .published import PublishedEvent
+from .published_event import PublishedEvent
 
 # -- the in-memory fake ----------------------------------------------------------------------------
 

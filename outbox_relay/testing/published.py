@@ -8,166 +8,23 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from outbox_relay.publish import Published
-from outbox_relay.sqlfiles import query
-from outbox_relay.store import StoredEvent, stored_event
+
+from .published_event import PublishedEvent as PublishedEvent
+from .published_event import Source
+from .reading import published as published
+from .reading_async import apublished as apublished
 
 FIELDS = ("type", "key", "topic", "payload", "headers", "idempotency_key", "id", "time")
-_SHOWN = 20  # events listed in a failure message before "... and N more"
+SHOWN = 20  # events listed in a failure message before "... and N more"
 _PAYLOAD_CHARS = 300
-
-
-@dataclass(frozen=True)
-class PublishedEvent:
-    """One published event as a test sees it. ``payload`` and ``headers`` are decoded JSON, as a
-    consumer gets them; ``time`` is what the producer passed (None if nothing); ``position`` is
-    ``(xid, seq)``, per key the order the relays deliver in (except for two overlapping
-    transactions of one key: docs/design/read-path.md, "What order one key gets"); a ``FakeOutbox``
-    numbers its events ``(0, 1)``, ``(0, 2)``, ... in publish order."""
-
-    id: uuid.UUID
-    type: str
-    key: str
-    topic: str | None
-    payload: Any
-    headers: dict[str, str]
-    idempotency_key: str | None
-    time: datetime | None
-    position: tuple[int, int]
-
-
-Source = Any  # a connection (see the module docstring), a FakeOutbox, or a list or tuple of PublishedEvent
-_Read = Callable[[str, dict[str, Any]], list[Any]]
-_ARead = Callable[[str, dict[str, Any]], Awaitable[list[Any]]]
-
-
-# -- reading ---------------------------------------------------------------------------------------
-
-
-def published(source: Source, *, key: str | None = None, type: str | None = None,
-              topic: str | None = None) -> list[PublishedEvent]:
-    """The events ``source`` can see, of ``key``/``type``/``topic`` if given, in position order.
-
-    On a connection inside a transaction that includes the events that transaction published and has
-    not committed; other transactions' events only once committed (what the relays see, too).
-    """
-    local = _local(source)
-    if local is not None:
-        return _filter(local, key=key, type=type, topic=topic)
-    _refuse_async(source, "published", "await apublished(conn, ...)")
-    return _from_rows(_reader(source)(query("testing", "published"), _params(key, type, topic)))
-
-
-async def apublished(source: Source, *, key: str | None = None, type: str | None = None,
-                     topic: str | None = None) -> list[PublishedEvent]:
-    """``published`` for an async connection (psycopg AsyncConnection/AsyncCursor, SQLAlchemy async)."""
-    local = _local(source)
-    if local is not None:
-        return _filter(local, key=key, type=type, topic=topic)
-    read = await _areader(source)
-    return _from_rows(await read(query("testing", "published"), _params(key, type, topic)))
-
-
-def _params(key: str | None, type: str | None, topic: str | None,
-            ids: Sequence[uuid.UUID] | None = None) -> dict[str, Any]:
-    return {"key": key, "type": type, "topic": topic, "ids": [str(i) for i in ids] if ids is not None else None}
-
-
-def _from_rows(rows: Iterable[Sequence[Any]]) -> list[PublishedEvent]:
-    return [_published_event(stored_event(_with_uuid(r)), r[10], r[11]) for r in rows]
-
-
-def _with_uuid(row: Sequence[Any]) -> list[Any]:
-    # psycopg2 (through SQLAlchemy) returns uuid columns as text.
-    out = list(row)
-    out[3] = out[3] if isinstance(out[3], uuid.UUID) else uuid.UUID(str(out[3]))
-    return out
-
-
-def _published_event(e: StoredEvent, idempotency_key: str | None, time: datetime | None) -> PublishedEvent:
-    return PublishedEvent(id=e.id, type=e.type, key=e.key, topic=e.topic, payload=e.payload, headers=e.headers,
-                          idempotency_key=idempotency_key, time=time, position=e.position)
-
-
-def _local(source: Source) -> list[PublishedEvent] | None:
-    """The events of a source that needs no database (a FakeOutbox, a list), else None."""
-    from .fake import FakeOutbox  # here: fake.py builds on this module
-
-    if isinstance(source, FakeOutbox):
-        return source.events
-    if isinstance(source, list | tuple) and all(isinstance(e, PublishedEvent) for e in source):
-        return sorted(source, key=lambda e: e.position)
-    return None
-
-
-def _filter(events: Iterable[PublishedEvent], *, key: str | None, type: str | None,
-            topic: str | None) -> list[PublishedEvent]:
-    return [e for e in events
-            if (key is None or e.key == key) and (type is None or e.type == type)
-            and (topic is None or e.topic == topic)]
-
-
-def _is_async(conn: Any) -> bool:
-    return inspect.iscoroutinefunction(getattr(conn, "execute", None))
-
-
-def _refuse_async(conn: Any, name: str, instead: str) -> None:
-    if _is_async(conn):
-        raise TypeError(f"{name} was given an async {type(conn).__name__}: use {instead}")
-
-
-def _reader(conn: Any) -> _Read:
-    """Run a query on ``conn`` and return its rows (sync). Unlike ``publish``'s executor, no open
-    transaction is required: reading commits nothing."""
-    if hasattr(conn, "exec_driver_sql") or (hasattr(conn, "get_bind") and hasattr(conn, "connection")):
-        sa = conn if hasattr(conn, "exec_driver_sql") else conn.connection()  # Connection, or a Session's
-        return lambda sql, params: list(sa.exec_driver_sql(sql, params).fetchall())
-    if hasattr(conn, "cursor"):  # psycopg Connection
-
-        def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
-            with conn.cursor() as cur:
-                cur.execute(sql, params)
-                return list(cur.fetchall())
-
-        return on_connection
-    if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # a cursor: a cursor of its connection
-        return _reader(conn.connection)
-    raise TypeError(f"cannot read events from a {type(conn).__name__}: pass a psycopg connection or cursor, a "
-                    "SQLAlchemy Connection or Session, a FakeOutbox or a list of PublishedEvent")
-
-
-async def _areader(conn: Any) -> _ARead:
-    """``_reader`` for async connections."""
-    if not _is_async(conn):
-        raise TypeError(f"apublished was given a {type(conn).__name__}, which is not async: use published(...)")
-    if hasattr(conn, "exec_driver_sql") or (hasattr(conn, "get_bind") and hasattr(conn, "connection")):
-        sa = conn if hasattr(conn, "exec_driver_sql") else await conn.connection()  # AsyncConnection/Session
-
-        async def on_sqlalchemy(sql: str, params: dict[str, Any]) -> list[Any]:
-            return list((await sa.exec_driver_sql(sql, params)).fetchall())
-
-        return on_sqlalchemy
-    if hasattr(conn, "cursor"):  # psycopg AsyncConnection
-
-        async def on_connection(sql: str, params: dict[str, Any]) -> list[Any]:
-            async with conn.cursor() as cur:
-                await cur.execute(sql, params)
-                return list(await cur.fetchall())
-
-        return on_connection
-    if hasattr(conn, "execute") and hasattr(conn, "fetchall"):  # an AsyncCursor
-        return await _areader(conn.connection)
-    raise TypeError(f"cannot read events from a {type(conn).__name__}: pass a psycopg AsyncConnection or cursor, "
-                    "or a SQLAlchemy AsyncConnection or AsyncSession")
 
 
 # -- assertions ------------------------------------------------------------------------------------
@@ -206,7 +63,7 @@ def assert_not_published(source: Source, *, key: str | None = None, type: str | 
     events = published(source, key=key, type=type, topic=topic)
     if events:
         lines = [f"assert_not_published: {len(events)} event(s) {_scope(key, type, topic)} were published:"]
-        lines += [f"  {_show_event(e, identify=True)}" for e in events[:_SHOWN]]
+        lines += [f"  {_show_event(e, identify=True)}" for e in events[:SHOWN]]
         lines += _more(events)
         raise AssertionError("\n".join(lines))
 
@@ -276,7 +133,7 @@ def _show_event(event: PublishedEvent, fields: Iterable[str] = (), identify: boo
 
 
 def _more(events: Sequence[Any]) -> list[str]:
-    return [f"  ... and {len(events) - _SHOWN} more"] if len(events) > _SHOWN else []
+    return [f"  ... and {len(events) - SHOWN} more"] if len(events) > SHOWN else []
 
 
 def _difference(source: Source, events: list[PublishedEvent], wanted: list[dict[str, Any]], scope: str) -> str:
@@ -284,8 +141,8 @@ def _difference(source: Source, events: list[PublishedEvent], wanted: list[dict[
     lines = [f"assert_published: the events {scope} are not the expected ones "
              f"({len(wanted)} expected, {len(events)} published), in position order:"]
     for i in range(max(len(events), len(wanted))):
-        if i == _SHOWN:
-            lines.append(f"  ... and {max(len(events), len(wanted)) - _SHOWN} more")
+        if i == SHOWN:
+            lines.append(f"  ... and {max(len(events), len(wanted)) - SHOWN} more")
             break
         e = events[i] if i < len(events) else None
         w = wanted[i] if i < len(wanted) else None
@@ -308,7 +165,7 @@ def _difference(source: Source, events: list[PublishedEvent], wanted: list[dict[
         if everything:
             found = Counter(f"key={e.key!r} type={e.type!r} topic={e.topic!r}" for e in everything)
             lines.append(f"Nothing was published {scope}; the {len(everything)} event(s) visible are:")
-            lines += [f"  {count} x {what}" for what, count in found.most_common(_SHOWN)]
+            lines += [f"  {count} x {what}" for what, count in found.most_common(SHOWN)]
     return "\n".join(lines)
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from outbox_relay.sinks.engine import Commit, Failure, KeyHold, Outcomes
 from outbox_relay.store import EventFilter, StoredEvent
 
-from .published import _SHOWN, PublishedEvent, _published_event
+from .published import SHOWN, PublishedEvent
+from .published_event import published_event
 
 # -- a sink for whole-relay tests ------------------------------------------------------------------
 
@@ -75,7 +76,7 @@ class RecordingSink:
                 continue
             outcome = self.attempt(e, fences[e.bucket])
             outcomes[e.id] = outcome
-            attempts.append(Delivery(_published_event(e, None, None), e.attempts + 1,
+            attempts.append(Delivery(published_event(e, None, None), e.attempts + 1,
                                      outcome.error if outcome else None))
             hold.record(e, outcome)
         landed = commit(outcomes, None)
@@ -91,7 +92,7 @@ class RecordingSink:
 
     def attempt(self, e: StoredEvent, fence: int) -> Failure | None:
         """Hook: deliver ``e`` (its bucket's fence is ``fence``); its outcome. The default asks ``fail``."""
-        result = self.fail(_published_event(e, None, None), e.attempts + 1) if self.fail is not None else None
+        result = self.fail(published_event(e, None, None), e.attempts + 1) if self.fail is not None else None
         if result is None or isinstance(result, Failure):
             return result
         return Failure(str(result))
@@ -129,7 +130,7 @@ class RecordingSink:
                     failed = [f"{d.event.type} {d.event.key!r} attempt {d.attempt}: {d.error}"
                               for d in self._deliveries if d.error is not None]
                     raise AssertionError(f"{len(self.delivered())} of {count} events delivered within {timeout:g}s"
-                                         + (f"; failed attempts: {failed[:_SHOWN]}" if failed else ""))
+                                         + (f"; failed attempts: {failed[:SHOWN]}" if failed else ""))
                 self._lock.wait(left)
         return self.delivered()
 
