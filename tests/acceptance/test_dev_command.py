@@ -106,8 +106,7 @@ def dev_processes() -> Iterator[list[Dev]]:
         yield started
     finally:
         for dev in started:
-            dev.kill()
-            dev.wait(30)
+            dev.kill()  # waits for the process group
 
 
 def env_of(exports: dict[str, str]) -> dict[str, str]:
