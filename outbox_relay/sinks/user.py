@@ -46,7 +46,9 @@ SINK_KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}\Z")
 SINK_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,62}\Z")
 # Kinds of the product's own sinks: status, rebuild and replay treat a sink by its kind (a "projection"
 # is rebuilt, a "kafka" sink replayed), so a user's sink may not take one.
-RESERVED_KINDS = {"kafka": "the Kafka sink", "projection": "projections", "webhook": "outbox_relay.webhook"}
+RESERVED_KINDS = {"kafka": "the Kafka sink", "projection": "projections", "webhook": "outbox_relay.webhook",
+                  "rabbitmq": "the RabbitMQ sink", "nats": "the NATS JetStream sink",
+                  "redis": "the Redis Streams sink", "sqs": "the SQS sink"}
 _PRODUCT_PACKAGES = ("outbox_relay.", "projections.")
 MAX_CONCURRENCY = 256  # threads per sink: more is a configuration mistake, not a plan
 MAX_WAIT_SECONDS = 86400.0  # longest Retry.after_seconds / SinkUnavailable wait honoured
