@@ -116,6 +116,10 @@ class Harness:
             store.register_sink(conn, sink.name, sink.kind)
         runner = SinkRunner(sink, self.pool, settings)
         runner.desired = set(range(256))
+        # As under a worker with no long transaction holding vacuum back (the usual state): cursors are
+        # written with each batch. Alone, a runner would defer them up to cursor_flush_seconds (5 s), and
+        # every settle would wait that out (tests/integration/test_cursor_writes.py covers the deferral).
+        runner.hooks.defer_writes = lambda: False
         return runner
 
     def run_until(self, runner: SinkRunner, predicate: Callable[[], bool]) -> None:
