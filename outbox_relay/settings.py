@@ -36,7 +36,6 @@ from .settings_base import (
 )
 from .webhook_settings import WebhookFields, WebhookSettings
 
-
 # Debezium's placeholder in route.topic.replacement (sinks/kafka/debezium.py; not imported: it loads confluent-kafka).
 ROUTED_BY_VALUE = "${routedByValue}"
 

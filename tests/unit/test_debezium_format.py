@@ -19,7 +19,7 @@ def test_json_strings_escape_as_jackson_does() -> None:
 
 
 def test_a_topic_replacement_that_can_not_make_a_topic_is_refused() -> None:
-    with pytest.raises(ConfigurationError, match="kafka_debezium_topic .*routedByValue"):
+    with pytest.raises(ConfigurationError, match=r"kafka_debezium_topic .*routedByValue"):
         load_settings(dsn="postgresql:///x", kafka_debezium_topic="events/${routedByValue}")
     with pytest.raises(ConfigurationError, match="kafka_format"):
         load_settings(dsn="postgresql:///x", kafka_format="avro")
