@@ -21,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser("verify", help="read back what reached a sink and check it against the stored history per "
                                       "key: lost, reordered, phantoms, duplicates (exit 1 on loss, reorder or "
                                       "phantom)")
-    p.add_argument("--sink", required=True, help="the sink to verify (a Kafka sink, a projection, a broker sink)")
+    # Not "sink": that is the relay setting --sink MODULE:ATTR, which _settings_from would read.
+    p.add_argument("--sink", dest="sink_name", required=True, help="the sink to verify (a Kafka sink, a projection, a broker sink)")
     for name in VERIFY_SETTINGS:
         _add_setting(p, name, RelaySettings.model_fields[name])
     p.add_argument("--topic", dest="topics", action="append", type=_topic, default=None,
@@ -36,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def cmd_verify(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
     with _database(settings.dsn.get_secret_value()) as conn:
-        report = verify(conn, args.sink, settings, topics=args.topics, timeout_seconds=args.timeout_seconds,
+        report = verify(conn, args.sink_name, settings, topics=args.topics, timeout_seconds=args.timeout_seconds,
                         sample=args.limit)
     if args.json:
         _print_json({"ok": report.ok, **dataclasses.asdict(report)})
