@@ -14,6 +14,7 @@ from psycopg_pool import ConnectionPool
 from outbox_relay.compose import debezium_format
 from outbox_relay.publish import Outbox
 from outbox_relay.sinks.kafka import KafkaSink
+from outbox_relay.verify import verify
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     dead_letters,
     make_settings,
@@ -69,6 +70,12 @@ def test_messages_are_what_debeziums_outbox_event_router_emits(
     ]
     letters = dead_letters(dsn, SINK)
     assert set(letters) == {unroutable} and "no topic to route by" in letters[unroutable][1]
+
+    # verify reads the format back: the id header, the key decoded from its JSON string.
+    settings = make_settings(dsn, "verify", kafka_format="debezium", kafka_bootstrap_servers=kafka_bootstrap)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        report = verify(conn, SINK, settings, topics=[aggregate])
+    assert report.ok and (report.stored, report.delivered, report.received) == (2, 2, 2), report
 
 
 def test_the_routed_topic_and_the_route_by_field_follow_the_options(

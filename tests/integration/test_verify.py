@@ -19,6 +19,7 @@ from outbox_relay.publish import Outbox
 from outbox_relay.sinks.engine import Failure
 from outbox_relay.sinks.kafka import KafkaSink
 from outbox_relay.testing import RecordingSink
+from outbox_relay.verify import verify as verify_sink
 from tests.cli_helpers import run_cli
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     make_settings,
@@ -76,6 +77,12 @@ def test_a_relays_run_to_kafka_verifies_and_a_phantom_fails_it(
     assert code == 0, out
     assert report["ok"] and (report["stored"], report["delivered"], report["received"], report["lost"],
                              report["reordered"], report["phantoms"]) == (12, 12, 12, 0, 0, 0)
+
+    # The library call, reading history one event per page: the same verdict (no page skips or repeats one).
+    settings = make_settings(dsn, "verify", kafka_bootstrap_servers=kafka_bootstrap)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        paged = verify_sink(conn, KAFKA, settings, page=1)
+    assert paged.ok and (paged.stored, paged.delivered, paged.received) == (12, 12, 12)
 
     # A copy of a delivered message (at-least-once) is counted, not a failure.
     messages = consume_all(kafka_bootstrap, kafka_topic, 12, timeout=20)
@@ -151,3 +158,36 @@ def test_sinks_verify_can_not_read_are_refused_with_the_reason(capsys: pytest.Ca
     assert code == 2 and "of kind 'audit'" in err, err
     code, _, err = run_cli(capsys, "verify", "--sink", "nope", "--dsn", dsn)
     assert code == 2 and "no sink named 'nope'" in err, err
+
+
+def test_events_delivered_while_the_sink_is_read_back_are_neither_lost_nor_phantoms(
+        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The history is read in a snapshot taken before the read-back: an event delivered after the reader
+    passed is not expected yet, and one the reader saw that the snapshot does not hold is found again."""
+    from outbox_relay.verify import run as verify_run
+
+    outbox = Outbox(default_topic=kafka_topic)
+    runner = runner_for(kafka_sink, pool, make_settings(dsn, "relay-v"))
+
+    def deliver_one(key: str) -> uuid.UUID:
+        with psycopg.connect(dsn) as conn:
+            event_id = outbox.publish(conn, type="t", key=key, payload={}).id
+        run_until(runner, lambda: undelivered(dsn, KAFKA) == 0, timeout=20)
+        return event_id
+
+    deliver_one("a")
+    real = verify_run.read_back
+
+    def live(*args: Any, **kwargs: Any) -> Any:
+        deliver_one("seen")  # committed after the snapshot, read back
+        got = real(*args, **kwargs)
+        deliver_one("unseen")  # delivered after the reader passed
+        return got
+
+    monkeypatch.setattr(verify_run, "read_back", live)
+    settings = make_settings(dsn, "verify", kafka_bootstrap_servers=kafka_bootstrap)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        report = verify_sink(conn, KAFKA, settings)
+    assert report.ok, report
+    assert (report.stored, report.delivered, report.received, report.pending) == (1, 1, 2, 1)
