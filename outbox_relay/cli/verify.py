@@ -22,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                       "key: lost, reordered, phantoms, duplicates (exit 1 on loss, reorder or "
                                       "phantom)")
     # Not "sink": that is the relay setting --sink MODULE:ATTR, which _settings_from would read.
-    p.add_argument("--sink", dest="sink_name", required=True, help="the sink to verify (a Kafka sink, a projection, a broker sink)")
+    p.add_argument("--sink", dest="sink_name", required=True,
+                   help="the sink to verify (a Kafka sink, a projection, a broker sink)")
     for name in VERIFY_SETTINGS:
         _add_setting(p, name, RelaySettings.model_fields[name])
     p.add_argument("--topic", dest="topics", action="append", type=_topic, default=None,

@@ -19,6 +19,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from ..errors import ConfigurationError
+from ..sinks.kafka import LIBRDKAFKA_LOG
 from .check import Received
 
 QUIET_SECONDS = 1.0  # once every partition reached its end offset: this long without a message ends the read
@@ -31,6 +32,7 @@ def consumer_config(producer_config: dict[str, Any]) -> dict[str, Any]:
               if not k.startswith(("enable.idempotence", "acks", "linger", "message.timeout", "delivery.timeout",
                                    "partitioner", "compression", "queue.buffering", "batch.", "retries"))}
     return {**config, "group.id": f"outbox-relay-verify-{uuid.uuid4().hex[:12]}",  # required; never joined
+            "logger": LIBRDKAFKA_LOG,  # librdkafka's lines through the relay's logging (redacted, --log-json)
             "enable.auto.commit": False, "enable.auto.offset.store": False, "enable.partition.eof": True,
             "auto.offset.reset": "earliest", "fetch.wait.max.ms": 50}
 
