@@ -29,7 +29,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     runner_for,
     undelivered,
 )
-from tests.servers import Message, consume_all
+from tests.servers import Message, PgServer, consume_all, require_restartable
 
 KAFKA = "kafka"
 
@@ -129,6 +129,9 @@ def test_a_lost_event_and_two_swapped_events_of_a_key_are_named(
     assert str(published["x2"]) in reordered and str(published["x1"]) in reordered
     assert reordered.index(str(published["x2"])) < reordered.index(str(published["x1"])), "came first, then after"
     assert str(later) not in out
+    with psycopg.connect(dsn) as conn:
+        commit_times = (conn.execute("SHOW track_commit_timestamp").fetchone() or ("",))[0] == "on"
+    assert commit_times or "track_commit_timestamp = off" in out, "the report says why any inversion counts"
 
     code, out = verify(capsys, dsn, kafka_bootstrap, "--json")
     report = json.loads(out[:out.rindex("}") + 1])
@@ -191,3 +194,43 @@ def test_events_delivered_while_the_sink_is_read_back_are_neither_lost_nor_phant
         report = verify_sink(conn, KAFKA, settings)
     assert report.ok, report
     assert (report.stored, report.delivered, report.received, report.pending) == (1, 1, 2, 1)
+
+
+@pytest.fixture
+def commit_times(pg_server: PgServer) -> Iterator[None]:
+    """The session's server recording commit times (track_commit_timestamp needs a restart)."""
+    require_restartable(pg_server)
+
+    def set_to(value: str | None) -> None:
+        with pg_server.admin() as conn:
+            conn.execute("ALTER SYSTEM RESET track_commit_timestamp" if value is None
+                         else "ALTER SYSTEM SET track_commit_timestamp = on")
+        pg_server.restart()
+
+    set_to("on")
+    try:
+        yield
+    finally:
+        set_to(None)
+
+
+def test_two_overlapping_transactions_of_a_key_may_come_in_either_order_when_commit_times_tell(
+        commit_times: None, dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str,
+        kafka_sink: KafkaSink) -> None:
+    """The relay delivers a key's later transaction first when the earlier one was still open (G6, "The
+    order one key gets"): with commit times verify knows they overlapped, and allows it."""
+    outbox = Outbox(default_topic=kafka_topic)
+    runner = runner_for(kafka_sink, pool, make_settings(dsn, "relay-v"))
+    with psycopg.connect(dsn) as first:
+        earlier = outbox.publish(first, type="t", key="k", payload={"n": 1}).id  # takes the smaller xid, stays open
+        with psycopg.connect(dsn) as second:
+            later = outbox.publish(second, type="t", key="k", payload={"n": 2}).id
+        run_until(runner, lambda: undelivered(dsn, KAFKA) == 0, timeout=20)  # the later one goes first
+    run_until(runner, lambda: undelivered(dsn, KAFKA) == 0, timeout=20)
+    order = [m.headers["ce_id"] for m in consume_all(kafka_bootstrap, kafka_topic, 2, timeout=20)]
+    assert order == [str(later), str(earlier)]
+
+    settings = make_settings(dsn, "verify", kafka_bootstrap_servers=kafka_bootstrap)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        report = verify_sink(conn, KAFKA, settings)
+    assert report.ok and (report.delivered, report.reordered, report.overlapping) == (2, 0, 1), report
