@@ -53,7 +53,7 @@ FROM (
      WHERE k.bucket = %(bucket)s AND (k.xid, k.seq) > (%(after_xid)s::text::xid8, %(after_seq)s)
      ORDER BY k.xid, k.seq LIMIT %(limit)s)
 ) h
-JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = h.bucket
+JOIN outbox.cursors c ON c.sink = %(sink)s AND c.bucket = %(bucket)s
 ORDER BY h.xid, h.seq
 LIMIT %(limit)s;
 
