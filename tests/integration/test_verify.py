@@ -5,6 +5,7 @@ named; duplicates, dead letters and events not yet delivered are not failures.""
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -234,3 +235,31 @@ def test_two_overlapping_transactions_of_a_key_may_come_in_either_order_when_com
     with psycopg.connect(dsn, autocommit=True) as conn:
         report = verify_sink(conn, KAFKA, settings)
     assert report.ok and (report.delivered, report.reordered, report.overlapping) == (2, 0, 1), report
+
+
+def test_a_broker_sink_is_read_back_by_its_kinds_readback_module(
+        capsys: pytest.CaptureFixture[str], dsn: str, pool: ConnectionPool[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The contract with each broker sink's reader (outbox_relay/sinks/<kind>/readback.py): called with the
+    relay's settings and the topics to read, it returns (event id, key, destination) in the broker's order."""
+    import types
+
+    with psycopg.connect(dsn) as conn:
+        a, b, c = (Outbox().publish(conn, type="t", key="k", topic=t, payload={}).id
+                   for t in ("orders", "refunds", "orders"))
+    sink = RecordingSink("rabbit")
+    sink.kind = "nats"  # registered as a NATS sink, whose cursor moves past the three
+    run_until(runner_for(sink, pool, make_settings(dsn, "relay-v")), lambda: undelivered(dsn, "rabbit") == 0)
+    calls: list[tuple[Any, Any, Any]] = []
+
+    def read_back(fields: Any, *, topics: Any = None, timeout_seconds: float = 5.0) -> list[Any]:
+        calls.append((fields.dsn.get_secret_value(), sorted(topics), timeout_seconds))
+        return [(b, "k", "refunds"), (a, "k", "orders"), (a, "k", "orders")]  # c never arrived
+
+    module = types.ModuleType("outbox_relay.sinks.nats.readback")
+    module.read_back = read_back  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    code, out, _ = run_cli(capsys, "verify", "--sink", "rabbit", "--dsn", dsn, "--timeout-seconds", "2")
+    assert code == 1 and "FAILED: lost 1, reordered 0, phantoms 0" in out and str(c) in out, out
+    assert "(1 duplicates, allowed)" in out
+    assert calls == [(dsn, ["orders", "refunds"], 2.0)]
