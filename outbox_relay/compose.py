@@ -19,7 +19,7 @@ from .settings import RelaySettings
 from .sinks import EventSink, check_sink
 from .sinks.adapter import EventSinkAdapter
 from .sinks.engine import Sink, is_engine_sink
-from .sinks.kafka import KafkaSink
+from .sinks.kafka import DebeziumFormat, KafkaSink
 from .worker import Worker
 
 
@@ -32,7 +32,7 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
     sinks: list[Sink] = []
     if s.kafka:
         kafka = KafkaSink(s.kafka_sink, s.kafka_producer_config(), s.default_topic, s.source,
-                          stall_seconds=s.kafka_stall_seconds)
+                          stall_seconds=s.kafka_stall_seconds, debezium=debezium_format(s))
         kafka.observer = observer
         sinks.append(kafka)
     if s.projection:
@@ -74,6 +74,13 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
                                  "has its own name: its cursors, dead letters and metrics); sinks: "
                                  + ", ".join(f"{made.name} ({made.kind})" for made in sinks))
     return sinks
+
+
+def debezium_format(settings: RelaySettings) -> DebeziumFormat | None:
+    """The Debezium message format when --kafka-format debezium asks for it (None: CloudEvents)."""
+    if settings.kafka_format != "debezium":
+        return None
+    return DebeziumFormat(settings.kafka_debezium_topic, settings.kafka_debezium_route_by)
 
 
 def as_engine_sink(sink: object, handler_timeout_seconds: float, observer: Observer = NULL_OBSERVER) -> Sink:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -35,6 +35,9 @@ from .settings_base import (
     read_kafka_config_file,
 )
 from .webhook_settings import WebhookFields, WebhookSettings
+
+# Debezium's placeholder in route.topic.replacement (sinks/kafka/debezium.py; not imported: it loads confluent-kafka).
+ROUTED_BY_VALUE = "${routedByValue}"
 
 
 class RelaySettings(AttemptSettings, WebhookFields):
@@ -69,6 +72,18 @@ class RelaySettings(AttemptSettings, WebhookFields):
         description="recreate the Kafka producer after this long without a delivery report while messages are in "
                     "flight (e.g. a broker that forgot the producer id); unacknowledged messages are sent again",
     )
+    kafka_format: Literal["cloudevents", "debezium"] = Field(
+        "cloudevents",
+        description="the Kafka messages' shape: cloudevents (the payload as value, ce_* headers) or debezium (as "
+                    "Debezium's outbox event router emits them: key and value as JSON strings, header id; "
+                    "docs/how-to/debezium-cutover.md)")
+    kafka_debezium_topic: str = Field(
+        "outbox.event." + ROUTED_BY_VALUE, min_length=1, max_length=249,
+        description="--kafka-format debezium: each message's topic, ${routedByValue} replaced by the routed value "
+                    "(Debezium's route.topic.replacement)")
+    kafka_debezium_route_by: Literal["topic", "type"] = Field(
+        "topic", description="--kafka-format debezium: what ${routedByValue} is, the event's topic (its aggregate "
+                             "type; --default-topic for events without one) or its type (Debezium's route.by.field)")
     default_topic: str | None = Field(None, description="topic for events published without one")
     projections: str | None = Field(
         None, max_length=500,
@@ -162,6 +177,15 @@ class RelaySettings(AttemptSettings, WebhookFields):
             raise ValueError('a Kafka topic name is 1-249 characters of A-Z a-z 0-9 . _ - and not "." or ".."')
         return value
 
+    @field_validator("kafka_debezium_topic")
+    @classmethod
+    def _debezium_topic(cls, value: str) -> str:
+        made = value.replace(ROUTED_BY_VALUE, "x")
+        if not TOPIC_NAME.match(made) or made in (".", ".."):
+            raise ValueError(f"expected a Kafka topic name in which {ROUTED_BY_VALUE} stands for the routed value "
+                             "(A-Z a-z 0-9 . _ -)")
+        return value
+
     @field_validator("projections")
     @classmethod
     def _module(cls, value: str | None) -> str | None:
@@ -232,6 +256,7 @@ class RelaySettings(AttemptSettings, WebhookFields):
 
     def kafka_producer_config(self) -> dict[str, Any]:
         return {"bootstrap.servers": self.require_kafka(), **self.kafka_config}
+
 
 
 def flag(name: str) -> str:

@@ -2,8 +2,8 @@
 
 # Every command is registered here, in
 # build_parser (its arguments) and COMMANDS (what runs it); the commands live in one module per group:
-# operate.py (status, lag, dead-letters, retention, sinks, keys: calls of outbox_relay.admin) and relays.py (run,
-# migrate, dev, rebuild, replay); common.py holds argument types and the database connection, output.py
+# operate.py (status, lag, dead-letters, retention, sinks, keys: calls of outbox_relay.admin), relays.py (run,
+# migrate, dev, rebuild, replay) and verify.py; common.py holds argument types and the database connection, output.py
 # the printing, logs.py the log format.
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ from .relays import (
     cmd_replay,
     cmd_run,
 )
+from .verify import add_parser as add_verify_parser
+from .verify import cmd_verify
 
 __all__ = [
     "COMMANDS",
@@ -95,7 +97,7 @@ def version() -> str:
 
 # The top-level --help: plain text (a docstring's ``markup`` showed as is), every command named.
 DESCRIPTION = """outbox-relay: migrate, run, status, lag, dead-letters, retention, keys, sinks, rebuild, replay,
-dev, inbox.
+verify, dev, inbox.
 
 Every option of `run` can also come from the environment variable its --help names (OUTBOX_*)."""
 
@@ -228,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     k = actions.add_parser("resume", help="let a paused key go: its held events are due at once")
     _key_args(k)
 
+    add_verify_parser(sub)  # `outbox-relay verify`: cli/verify.py
+
     p = sub.add_parser("dev", help="try it on this machine: start a private PostgreSQL and Kafka-protocol broker "
                                    "(the embedded extra), migrate, print the environment to export; Ctrl-C stops both")
     p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
@@ -253,6 +257,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "sinks": cmd_sinks,
     "rebuild": cmd_rebuild,
     "replay": cmd_replay,
+    "verify": cmd_verify,
     "dev": cmd_dev,
     "inbox": inbox_cli.command,
 }

@@ -101,6 +101,12 @@ def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]
 
             assert history.rows(relay, "by_class", 0.0)[1], "history per retention class"
             assert history.rows(relay, "partitions", 0.0)[1]
+            # `outbox-relay verify`'s reads of the store (its Kafka read-back needs no database rights).
+            from outbox_relay.verify import stored
+
+            record = stored.sink_record(relay, "kafka")
+            assert [e.id for events in stored.buckets(relay, record) for e in events] == [first.id]
+            assert relay.execute(query("verify", "stored_ids"), {"ids": [first.id]}).fetchall() == [(first.id,)]
         assert Housekeeping(pool, make_settings(relay_dsn, "r", retention_seconds=0.0)).run_once().deleted_events == 1
 
     # A service's read-model role keeps its projection and rebuilds it; readers keep their grants.

@@ -52,6 +52,8 @@ class Message:
     event: StoredEvent
     topic: str
     headers: list[tuple[str, str | bytes | None]]
+    key: bytes
+    value: bytes
 
 
 class MessageHeaders:

@@ -46,6 +46,7 @@ from ...store import EventFilter, StoredEvent
 from ..engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, EarlyCheckpoints, Failure, KeyHold, Outcomes
 from .broker_errors import TOPIC_CONDITIONS, describe, failure_of
 from .config import PRODUCER_DEFAULTS, check_config
+from .debezium import DebeziumFormat
 from .flight import Batch, Flight, Session
 from .message import Message, MessageHeaders
 from .topics import TopicCondition, TopicHolds
@@ -105,12 +106,13 @@ class KafkaSink:
 
     def __init__(self, name: str, config: dict[str, Any], default_topic: str | None, source: str,
                  stall_seconds: float = DEFAULT_STALL_SECONDS, *, topic: str | None = None,
-                 extra_headers: Sequence[tuple[str, bytes]] = ()) -> None:
+                 extra_headers: Sequence[tuple[str, bytes]] = (), debezium: DebeziumFormat | None = None) -> None:
         check_config(config)
         self.name = name
         self.default_topic = default_topic
         self.topic = topic  # every message to this topic (a replay into another topic)
         self.headers = MessageHeaders(name, source.encode(), extra_headers)
+        self.debezium = debezium  # None: CloudEvents headers, the payload as the value (message.py)
         self.stall_seconds = stall_seconds
         self._config = {**PRODUCER_DEFAULTS, **config}
         log.info("kafka producer config %s", redact_kafka_config({k: str(v) for k, v in self._config.items()}))
@@ -173,15 +175,11 @@ class KafkaSink:
         outcomes: Outcomes = {}
         messages: list[Message] = []
         for e in events:
-            topic = self.topic or e.topic or self.default_topic
-            if topic is None:
-                outcomes[e.id] = Failure("event has no topic and the relay has no --default-topic", retriable=False)
-                continue
-            headers = self.headers.of(e, fences[e.bucket])
-            if isinstance(headers, Failure):
-                outcomes[e.id] = headers
-                continue
-            messages.append(Message(e, topic, headers))
+            message = self._message(e, fences[e.bucket])
+            if isinstance(message, Failure):
+                outcomes[e.id] = message
+            else:
+                messages.append(message)
         if messages:
             self._check_producer(abort)
             messages = self.holds.hold_back(messages, outcomes, self._producer)
@@ -208,6 +206,21 @@ class KafkaSink:
         # its next read rather than a statement of its own (``later``; another commit writes at once).
         return commit.later(outcomes)
 
+    def _message(self, e: StoredEvent, fence: int) -> Message | Failure:
+        """The event's message, or why it can not have one (non-retriable: the row never changes)."""
+        if self.debezium is not None:
+            routed = self.topic or self.debezium.topic(e, self.default_topic)
+            if isinstance(routed, Failure):
+                return routed
+            return Message(e, routed, self.debezium.headers(e), self.debezium.key(e), self.debezium.value(e))
+        topic = self.topic or e.topic or self.default_topic
+        if topic is None:
+            return Failure("event has no topic and the relay has no --default-topic", retriable=False)
+        headers = self.headers.of(e, fence)
+        if isinstance(headers, Failure):
+            return headers
+        return Message(e, topic, headers, e.key.encode(), e.payload_text.encode())
+
     def _produce(self, todo: list[Message], hold: KeyHold, flight: Flight, abort: threading.Event) -> None:
         """Hand ``todo`` to the producer in order, except keys ``hold`` holds (it grows with failures);
         stops early if the producer is wedged."""
@@ -217,7 +230,7 @@ class KafkaSink:
                 continue
             while True:
                 try:
-                    self._producer.produce(m.topic, m.event.payload_text.encode(), m.event.key.encode(),
+                    self._producer.produce(m.topic, m.value, m.key,
                                            headers=m.headers, on_delivery=flight.report(m.event.id))
                     flight.pending += 1
                     break
