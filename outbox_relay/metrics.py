@@ -376,6 +376,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
+    # listen() backlog: socketserver's 5 overflowed under a burst of probes and scrapes (the kernel then
+    # drops SYNs, and each client waited out a 1 s retransmit); MAX_CONNECTIONS still bounds the threads.
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
         super().__init__(address, handler)

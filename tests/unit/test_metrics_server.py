@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -119,3 +120,14 @@ def test_a_client_that_hangs_up_is_no_error(caplog: pytest.LogCaptureFixture,
             server.close()
     assert "Traceback" not in capfd.readouterr().err
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "refresh" not in r.getMessage()]
+
+
+def test_a_burst_of_connections_waits_in_the_backlog_rather_than_for_a_syn_retransmit() -> None:
+    """Probes and scrapes arrive together: connections the serving thread has not accepted yet wait in
+    the listen backlog. With socketserver's backlog of 5 the kernel dropped the rest's SYNs and each of
+    those clients waited out a 1 s retransmit (the hang-up acceptance test spent 47 s so)."""
+    server = metrics.BoundedHTTPServer(("127.0.0.1", 0), metrics.BaseHTTPRequestHandler)
+    with contextlib.ExitStack() as clients:  # never served: every connection stays in the backlog
+        clients.callback(server.server_close)
+        for _ in range(metrics.MAX_CONNECTIONS):
+            clients.enter_context(socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=0.5))
