@@ -9,8 +9,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -72,16 +72,26 @@ def dsn_from_args(args: argparse.Namespace) -> str:
     return dsn
 
 
-def relays_retention_seconds(args: argparse.Namespace) -> float:
-    """The relays' --retention-seconds (what the default retention class keeps unless set): the option,
-    else the environment, else the relays' default."""
-    if getattr(args, "retention_seconds", None) is not None:
-        return float(args.retention_seconds)
-    text = os.environ.get(env_var("retention_seconds"))
+_Number = TypeVar("_Number", int, float)
+
+
+def relays_setting(args: argparse.Namespace, name: str, parse: Callable[[str], _Number],
+                   kind: type[_Number]) -> _Number:
+    """A relay setting that a command must know as the relays have it (``--max-attempts`` for "attempt 3 of
+    N", ``--retention-seconds``, ``--worker-ttl-seconds``): the command's option, else the relays'
+    environment variable (parsed as the option is), else the relays' default."""
+    if getattr(args, name, None) is not None:
+        return kind(getattr(args, name))
+    text = os.environ.get(env_var(name))
     try:
-        return retention_seconds(text) if text else float(RelaySettings.model_fields["retention_seconds"].default)
+        return kind(parse(text)) if text else kind(RelaySettings.model_fields[name].default)
     except argparse.ArgumentTypeError as exc:
-        raise ConfigurationError(f"{env_var('retention_seconds')}: {exc}") from None
+        raise ConfigurationError(f"{env_var(name)}: {exc}") from None
+
+
+def relays_retention_seconds(args: argparse.Namespace) -> float:
+    """The relays' --retention-seconds: what the default retention class keeps unless set."""
+    return relays_setting(args, "retention_seconds", retention_seconds, float)
 
 
 def announce_database(dsn: str) -> None:

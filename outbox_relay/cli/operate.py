@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 from typing import Any
@@ -15,9 +14,8 @@ import psycopg
 from .. import admin
 from ..admin import SKIPPED_ERROR
 from ..errors import ConfigurationError
-from ..settings import RelaySettings, env_var
 from .exit_codes import EXIT_OK
-from .invocation import dsn_from_args, migrated_database, relays_retention_seconds
+from .invocation import dsn_from_args, migrated_database, relays_retention_seconds, relays_setting
 from .output import print_json, print_table, say, table_cell
 from .values import MAX_ATTEMPTS, int_between, seconds
 
@@ -61,13 +59,18 @@ def cmd_status(args: argparse.Namespace) -> int:
                    "needs --accept-partial",
     }
     tables: dict[str, admin.Table] = {f.name: getattr(found, f.name) for f in dataclasses.fields(found)}
-    if args.json:
-        print_json({name: table.records() for name, table in tables.items()})
-        return EXIT_OK
-    for name, table in tables.items():
-        say(f"\n{titles[name]}:")
-        print_table(table.rows, table.columns) if table.rows else say("  (none)")
+    _print_sections(tables, args.json, titles)
     return EXIT_OK
+
+
+def _print_sections(tables: dict[str, admin.Table], as_json: bool, titles: dict[str, str] | None = None) -> None:
+    """Named tables: one JSON object of their records, or each table under its title (its name if none)."""
+    if as_json:
+        print_json({name: table.records() for name, table in tables.items()})
+        return
+    for name, table in tables.items():
+        say(f"\n{(titles or {}).get(name, name)}:")
+        print_table(table.rows, table.columns) if table.rows else say("  (none)")
 
 
 def cmd_lag(args: argparse.Namespace) -> int:
@@ -134,8 +137,8 @@ def cmd_sinks(args: argparse.Namespace) -> int:
             lines = [f"sink {args.name!r} ({recreated.kind}) recreated: the next relay that runs it registers it "
                      "anew and delivers to it from the oldest retained event"]
         else:
-            result, lines = _dropped(admin.drop_sink(conn, args.name, force=args.force,
-                                                     worker_ttl_seconds=_worker_ttl(args)))
+            ttl = relays_setting(args, "worker_ttl_seconds", seconds, float)
+            result, lines = _dropped(admin.drop_sink(conn, args.name, force=args.force, worker_ttl_seconds=ttl))
     if args.json:
         print_json({"action": args.action, "sink": args.name, **result})
     else:
@@ -175,12 +178,7 @@ def cmd_retention(args: argparse.Namespace) -> int:
                 sections = {"classes": found.classes, "history": found.history}
             else:
                 sections = {"partitions": admin.history_partitions(conn, keep_default)}
-            if args.json:
-                print_json({name: table.records() for name, table in sections.items()})
-                return EXIT_OK
-            for title, table in sections.items():
-                say(f"\n{title}:")
-                print_table(table.rows, table.columns) if table.rows else say("  (none)")
+            _print_sections(sections, args.json)
             return EXIT_OK
         if args.action == "roll":
             rolled = admin.roll_history(conn)
@@ -213,16 +211,6 @@ def cmd_retention(args: argparse.Namespace) -> int:
     else:
         say(line)
     return EXIT_OK
-
-
-def _worker_ttl(args: argparse.Namespace) -> float:
-    if args.worker_ttl_seconds is not None:
-        return float(args.worker_ttl_seconds)
-    text = os.environ.get(env_var("worker_ttl_seconds"))
-    try:
-        return seconds(text) if text else float(RelaySettings.model_fields["worker_ttl_seconds"].default)
-    except argparse.ArgumentTypeError as exc:
-        raise ConfigurationError(f"{env_var('worker_ttl_seconds')}: {exc}") from None
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -268,7 +256,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _key_show(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
-    state = admin.key_state(conn, args.key, sink=args.sink, max_attempts=_max_attempts(args))
+    max_attempts = relays_setting(args, "max_attempts", int_between(*MAX_ATTEMPTS), int)
+    state = admin.key_state(conn, args.key, sink=args.sink, max_attempts=max_attempts)
     if not state.sinks:
         if args.json:
             print_json(dataclasses.asdict(state))
@@ -285,16 +274,6 @@ def _key_show(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
     for r in report["sinks"]:
         _print_key_report(r)
     return EXIT_OK
-
-
-def _max_attempts(args: argparse.Namespace) -> int:
-    if args.max_attempts is not None:
-        return int(args.max_attempts)
-    text = os.environ.get(env_var("max_attempts"))
-    try:
-        return int_between(*MAX_ATTEMPTS)(text) if text else int(RelaySettings.model_fields["max_attempts"].default)
-    except argparse.ArgumentTypeError as exc:
-        raise ConfigurationError(f"{env_var('max_attempts')}: {exc}") from None
 
 
 def _print_key_report(r: dict[str, Any]) -> None:
