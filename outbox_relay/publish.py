@@ -13,14 +13,15 @@ import json
 import re
 import uuid
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from .errors import IdempotencyConflict, InvalidEvent, OutboxError
+from .errors import InvalidEvent, OutboxError
 from .event import MAX_HEADERS_BYTES, MAX_PAYLOAD_BYTES, Event, dump_payload, make_event, plain_fields_valid, uuid7
 from .publish_drivers import executor, run
 from .publish_drivers_async import executor_async, run_async
+from .publish_outcomes import Published as Published  # what Outbox.publish returns: part of this module's API
+from .publish_outcomes import id_taken, key_just_taken, key_stands_for_another, results_per_input
 from .sqlfiles import query
 from .tracing import with_trace
 
@@ -30,12 +31,6 @@ _quote: Callable[[str], str] = json.encoder.encode_basestring_ascii
 # A NUL written by json.dumps: "\\u0000" after an even number of backslashes (an odd number
 # means the backslash itself was escaped). jsonb refuses it, as text columns refuse a NUL.
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
-
-
-@dataclass(frozen=True)
-class Published:
-    id: uuid.UUID
-    created: bool  # False: the idempotency key was known; id is the event stored earlier
 
 
 # The array parameter of a batch statement for each field of a row (Outbox._rows).
@@ -177,7 +172,7 @@ class Outbox:
             rows = self._rows(batch)
             ids = [e.id for e in batch]
         if made and len(rows) == 1:
-            return _expand((yield from _plan_one(rows[0], ids[0])), where)
+            return results_per_input((yield from _plan_one(rows[0], ids[0])), where)
         if not any(r["idempotency_key"] for r in rows):
             # The common case, and what the SQL path of other languages writes: a plain INSERT (G2 costs
             # nothing without a key). Ids the caller chose are checked in the same statement.
@@ -187,15 +182,15 @@ class Outbox:
                 inserted = yield query("publish", "insert_checked"), self._arrays(rows, keys=False)
                 if not inserted:
                     stored = yield query("publish", "stored_ids"), {"ids": [r["id"] for r in rows]}
-                    raise _id_taken(stored[0][0] if stored else "?")
-            return _expand([Published(i, True) for i in ids], where)
+                    raise id_taken(stored[0][0] if stored else "?")
+            return results_per_input([Published(i, True) for i in ids], where)
         params = self._arrays(rows)
         answers = yield query("publish", "publish"), params
         for event_id, row, answer in zip(ids, rows, answers, strict=True):
             if answer[3]:
-                raise _id_taken(event_id)
+                raise id_taken(event_id)
             if answer[2]:
-                raise _key_stands_for_another(row)
+                raise key_stands_for_another(row)
         results = [Published(_uuid(r[0]), bool(r[1])) if r[0] is not None else None for r in answers]
         late = [i for i, r in enumerate(results) if r is None]
         if late:
@@ -211,18 +206,18 @@ class Outbox:
                 row = rows[bad[0]]
                 if not any(r is not None and r.created for r in results):
                     # Retention may remove the other event in between (id NULL): publishing again works.
-                    raise _key_just_taken(row, "nothing of this call was written")
+                    raise key_just_taken(row, "nothing of this call was written")
                 # The rest of the batch is written and can not be taken back (producers may not
                 # delete): fail the transaction so that it can never commit.
                 try:
                     yield query("publish", "abort_transaction"), {}
                 except Exception as exc:
-                    raise _key_just_taken(row, "the other events of this call were already written, so the "
+                    raise key_just_taken(row, "the other events of this call were already written, so the "
                                           "transaction was failed on purpose and must be rolled back") from exc
                 raise OutboxError("abort_transaction did not fail the transaction")  # not reached
             for i, (event_id, _same) in zip(late, found, strict=True):
                 results[i] = Published(_uuid(event_id), False)
-        return _expand([r for r in results if r is not None], where)
+        return results_per_input([r for r in results if r is not None], where)
 
     # -- sync -----------------------------------------------------------------------------
 
@@ -341,45 +336,10 @@ def _plan_one(row: dict[str, Any], event_id: uuid.UUID) -> _Plan:
         "keys": [row["key"]], "payloads": [row["payload"]]}
     stored_id, same = found[0]
     if stored_id is None:  # committed after this statement's snapshot, or removed meanwhile
-        raise _key_just_taken(row, "nothing of this call was written")
+        raise key_just_taken(row, "nothing of this call was written")
     if not same:
-        raise _key_stands_for_another(row)
+        raise key_stands_for_another(row)
     return [Published(_uuid(stored_id), False)]
-
-
-def _expand(results: Sequence[Published], where: Sequence[int] | None) -> list[Published]:
-    """Results per input (``where``: each input's insert; None: one each): a repeat of an event already
-    in the batch was not created by it."""
-    if where is None:
-        return list(results)
-    seen: set[int] = set()
-    out = []
-    for i in where:
-        out.append(results[i] if i not in seen else Published(results[i].id, False))
-        seen.add(i)
-    return out
-
-
-def _id_taken(event_id: Any) -> InvalidEvent:
-    return InvalidEvent(
-        f"invalid event: id: an event with the id {event_id} is already stored; ids are unique (leave id out for a "
-        "new one; to publish an event again, give it the same idempotency_key); nothing of this call was written")
-
-
-def _key_stands_for_another(e: Event | dict[str, Any]) -> IdempotencyConflict:
-    idempotency_key, topic = (e["idempotency_key"], e["topic"]) if isinstance(e, dict) else (e.idempotency_key, e.topic)
-    return IdempotencyConflict(
-        idempotency_key or "", topic,
-        "already stands for another event, stored or in this batch (type, key or payload differ): a retry must "
-        "publish the same event, a new event needs a new key; nothing of this call was written")
-
-
-def _key_just_taken(e: Event | dict[str, Any], what_happened: str) -> IdempotencyConflict:
-    idempotency_key, topic = (e["idempotency_key"], e["topic"]) if isinstance(e, dict) else (e.idempotency_key, e.topic)
-    return IdempotencyConflict(
-        idempotency_key or "", topic,
-        f"was just taken by a concurrent transaction for another event (its type, key or payload differ); "
-        f"{what_happened}")
 
 
 def _batch_json(rows: Sequence[dict[str, Any]]) -> str:

@@ -54,11 +54,12 @@ from outbox_relay.sinks.engine import Aborted
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import event_reader
 
-from .decisions import live_decisions
-from .declare import Projection, _headers, decode_json, describe
+from .declare import Projection, describe
+from .decoding import decode_headers, decode_json
 from .drive import drive
 from .event import ProjectionEvent, make_event, make_token
 from .guard import Abandoned, Guard, TimedOut, Walk
+from .live_decisions import live_decisions
 from .sink import END_WALK_WAIT_MS, outside_writes_error
 from .walk import Batch, Delivered, Redo, walk
 
@@ -125,7 +126,7 @@ def handed_over(projection: Projection, rows: Sequence[Sequence[Any]]) -> list[P
             if wanted is not None and type_ not in wanted:
                 return None
             payload: Any = decode_json(payload_text)
-            headers = _headers(headers_text)
+            headers = decode_headers(headers_text)
             if not isinstance(headers, dict):
                 return None
             if upcasters is not None:

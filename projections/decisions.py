@@ -5,9 +5,10 @@ attempts, events an operator skipped with ``keys skip``, events that could not b
 decisions the replay must follow, or the new model would hold effects the live one never had and
 the swap would forget the operator's skip. So every batch of a rebuild (a relay-phase batch,
 sink.py, and a bulk-phase slice, bulk.py) looks up, in its own transaction, which of its events are
-dead-lettered for the live projection; the walk (walk.py ``Batch.decided``) records those as dead
-with the live reason without calling the handler, and the key moves on as it did live. The switch
-(rebuild.py) then keeps the live dead letter rows as they were.
+dead-lettered for the live projection (live_decisions_async.py, and the live_decisions.py generated
+from it); the walk (walk.py ``Batch.decided``) records those as dead with the live reason without
+calling the handler, and the key moves on as it did live. The switch (rebuild_switch.py) then keeps
+the live dead letter rows as they were.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from outbox_relay.sinks.engine import AsyncConn, Failure
+from outbox_relay.sinks.engine import Failure
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import Conn, StoredEvent
 
@@ -28,14 +29,14 @@ HELD = "held: the live projection has this event parked (a retry, queued behind 
 HOLD_SECONDS = 1.0  # how often a hold looks again whether live processing applied the event
 
 
-def _params(live: str, events: Sequence[Delivered]) -> dict[str, Any]:
+def decision_range(live: str, events: Sequence[Delivered]) -> dict[str, Any]:
     """The batch's transaction id range: decisions are looked up by position (two index range scans), not per
     event, so a batch costs the same whatever its size and nothing when live processing decided nothing."""
     xids = [e.xid if isinstance(e, StoredEvent) else e.position[0] for e in events]
     return {"live": live, "lo": min(xids), "hi": max(xids)}
 
 
-def _decided(rows: Sequence[Sequence[Any]], events: Sequence[Delivered]) -> dict[Any, Failure]:
+def decided_failures(rows: Sequence[Sequence[Any]], events: Sequence[Delivered]) -> dict[Any, Failure]:
     """Dead live: dead here, with the live reason. Parked live: held here, no attempt counted. (The range
     also returns other buckets' events of those transactions: only the batch's are kept.)"""
     if not rows:
@@ -45,22 +46,7 @@ def _decided(rows: Sequence[Sequence[Any]], events: Sequence[Delivered]) -> dict
             for event, error, held in rows if event in ids}
 
 
-def live_decisions(conn: Conn, live: str, events: Sequence[Delivered]) -> dict[Any, Failure]:
-    """What the live projection ``live`` decided about ``events``, as the walk's decided failures."""
-    if not events:
-        return {}
-    return _decided(conn.execute(query("rebuild", "live_decisions"), _params(live, events)).fetchall(), events)
-
-
-async def alive_decisions(conn: AsyncConn, live: str, events: Sequence[Delivered]) -> dict[Any, Failure]:
-    """``live_decisions`` on an async connection."""
-    if not events:
-        return {}
-    cur = await conn.execute(query("rebuild", "live_decisions"), _params(live, events))
-    return _decided(await cur.fetchall(), events)
-
-
-# -- the switch (rebuild.py) -------------------------------------------------------------------------
+# -- the switch (rebuild_switch.py) ------------------------------------------------------------------
 
 
 def follow_live(conn: Conn, live: str, rebuild: str) -> int:

@@ -8,9 +8,6 @@ in one process never collide. A ``Registry`` (explicit, or gathered from a modul
 from __future__ import annotations
 
 import inspect
-import json
-import json.decoder
-import json.scanner
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +22,7 @@ from outbox_relay.sinks.engine import Failure
 from outbox_relay.store import EventFilter, StoredEvent
 from outbox_relay.upcast import UpcastError, Upcasters
 
+from .decoding import decode_headers, decode_json
 from .event import FenceToken, ProjectionEvent
 
 # A projection's name becomes its sink name and part of its rebuild schema's name, so it is
@@ -94,7 +92,7 @@ class Projection:
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep for this stack
             return Failure(f"the event's payload can not be decoded for the handler: {describe(exc)}",
                            retriable=False)
-        headers = {} if e.headers_text == "{}" else _headers(e.headers_text)  # most events have none
+        headers = {} if e.headers_text == "{}" else decode_headers(e.headers_text)  # most events have none
         if isinstance(headers, Failure):
             return headers
         version = e.version
@@ -287,50 +285,6 @@ def load_registry(spec: str) -> Registry:
 
 _new = object.__new__
 _set = object.__setattr__
-
-# The C scanner json.loads uses, with its settings (typeshed types the decoder it takes too narrowly).
-_SCAN_JSON = json.scanner.make_scanner(json.decoder.JSONDecoder())  # type: ignore[arg-type]
-
-
-def decode_json(text: str) -> Any:
-    """``json.loads(text)``, in about half the time for the text PostgreSQL prints a jsonb as.
-
-    ``json.loads`` wraps the C scanner in Python (whitespace skipping, an end check) that costs as
-    much as scanning a small payload; a rebuild decodes every stored payload. Anything but one JSON
-    value with no whitespace around it goes to ``json.loads``, which decodes it or raises its own error."""
-    try:
-        value, end = _SCAN_JSON(text, 0)
-    except StopIteration:  # not a value at 0 (leading whitespace, or not JSON)
-        return json.loads(text)
-    if end != len(text):  # trailing whitespace or extra data
-        return json.loads(text)
-    return value
-
-
-_JSON_KINDS = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-
-
-def _json_kind(value: Any) -> str:
-    return "null" if value is None else _JSON_KINDS.get(type(value), type(value).__name__)
-
-
-def _headers(text: str) -> dict[str, str] | Failure:
-    """An event's headers as the handler gets them, or why they can not be (a JSON object of strings)."""
-    if text == "{}":
-        return {}
-    try:
-        value = decode_json(text)
-    except (ValueError, RecursionError) as exc:
-        return Failure(f"the event's headers can not be decoded: {describe(exc)}", retriable=False)
-    if not isinstance(value, dict):
-        return Failure(f"the event's headers must be a JSON object of strings, not a JSON {_json_kind(value)}",
-                       retriable=False)
-    for name, v in value.items():
-        if not isinstance(v, str):
-            return Failure(f"the event's headers must be a JSON object of strings: the value of {name[:200]!r} "
-                           f"is a JSON {_json_kind(v)}", retriable=False)
-    return value
-
 
 def describe(exc: BaseException) -> str:
     """An exception as a dead letter's or parked event's last error (no secrets, bounded)."""

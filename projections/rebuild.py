@@ -15,7 +15,12 @@
    its parked events and dead letters merged with the live ones (decisions.py: what live
    processing decided stays decided, G12), bump its fences (relays holding its buckets are fenced out
    and their open batches roll back), drop the rebuild's sink. Live processing goes on from
-   there; events that arrived during the rebuild are applied once, to the new tables.
+   there; events that arrived during the rebuild are applied once, to the new tables
+   (rebuild_switch.py).
+
+``Rebuild`` composes the parts: the start and the phases here, ``RunningRebuild`` (which rebuild this
+process runs, rebuild_running.py), ``rebuild_backlog`` (what is left to replay), ``BulkPhase`` (bulk.py)
+and ``SwitchOver``.
 
 ``rebuild_key`` is the in-place variant for one partition key: in one transaction, holding the
 key's bucket cursor, it clears the key's state (the projection's ``key_reset``) and replays the
@@ -29,7 +34,6 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
@@ -46,8 +50,8 @@ from outbox_relay.settings import RelaySettings
 from outbox_relay.sqlfiles import query
 from outbox_relay.worker import Worker
 
-from .bulk import LANES, BulkPhase
-from .decisions import WaitingKey, follow_live, keep_live_decisions, waiting_keys
+from . import rebuild_backlog
+from .bulk import BulkPhase
 from .declare import RETIRED_PREFIX, SHADOW_PREFIX, Projection
 from .history_gap import HistoryGap as HistoryGap
 from .history_gap import history_gap as history_gap
@@ -55,20 +59,16 @@ from .key_rebuild import rebuild_key as rebuild_key
 from .rebuild_checks import check_history, check_start, history_unchecked
 from .rebuild_error import RebuildError as RebuildError
 from .rebuild_result import RebuildResult as RebuildResult
+from .rebuild_running import RunningRebuild
+from .rebuild_switch import SWITCH_TRIES, SwitchOver
 from .rebuild_tables import LiveTable as LiveTable
-from .rebuild_tables import carry_privileges, check_swappable, copy_table, live_table, table_oid, template
+from .rebuild_tables import check_swappable, copy_table, live_table, template
 from .sink import ProjectionSink
 
 log = logging.getLogger("outbox_relay.rebuild")
 
 SINK_SUFFIX = ".rebuild"
 MAX_POSITION = 2**63 - 1  # positions are read as bigint (ce_sequence prints them the same way)
-SWITCH_LOCK_TIMEOUT = "5s"
-SWITCH_TRIES = 12
-# How long the switch-over holds the live tables (writers and readers wait) for the relay phase to apply what
-# the live projection applied since the rebuild last caught up, and how often it looks meanwhile.
-CATCH_UP_SECONDS = 2.0
-CATCH_UP_POLL_SECONDS = 0.02
 PROGRESS_SECONDS = 2.0
 # Events a rebuild of a batched projection reads per batch unless --batch-size (OUTBOX_BATCH_SIZE)
 # says otherwise. A read spreads its batch over the 256 buckets and the batch's checkpoint writes
@@ -119,13 +119,7 @@ class Rebuild:
         # commit) are spread over more events for per-event handlers too (measured 1.6x at 8,192 over 1,000).
         self.slice_size = settings.batch_size if chosen else REBUILD_BATCH_SIZE
         self._filter = projection.event_filter.params()
-        # The rebuild this process runs, set by _start (see _remember).
-        self._started_at: datetime | None = None
-        self._tables: list[LiveTable] = []
-        self._copies: list[int | None] = []
-        # What the switch found (set by _switch_once, in its transaction).
-        self._waiting: list[WaitingKey] = []
-        self._dropped: list[str] = []
+        self._running: RunningRebuild | None = None  # the rebuild this process runs, set by _start
 
     def stop(self) -> None:
         """Stop replaying (from another thread or a signal handler); ``run`` returns None, resumable."""
@@ -137,10 +131,12 @@ class Rebuild:
         started = time.monotonic()
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             check_schema(conn)
-            tables, resumed = self._start(conn)
+            running, resumed = self._start(conn)
             if not self.accept_partial and (not resumed or history_unchecked(conn, self.projection)):
                 self._check_retained(conn)
-            total = self._total(conn)
+            total = rebuild_backlog.total(conn, self.projection.name, self.sink, self._filter)
+        switch = SwitchOver(self.projection, self.dsn, running, live_sink=self.live_sink, shadow=self.shadow,
+                            retired=self.retired, keep_old=self.keep_old, event_filter=self._filter)
         log.info("rebuild %s: %s, %d events to replay into %s", self.projection.name,
                  "resumed" if resumed else "started", total, self.shadow)
         worker_id = f"{self.settings.worker_id}-rebuild"[:200]
@@ -148,12 +144,12 @@ class Rebuild:
         if bulk == "stopped":
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
-        if bulk == "finished" and self._nothing_left() and self._switch(tables, None):
+        if bulk == "finished" and self._nothing_left() and switch.switch(None):
             # Every lane ended and nothing committed after the lanes' snapshots: the relay phase would find
             # nothing to do (and a start, a count and a drain cost a second or two): switched over without it.
             bulk = "switched"
         if bulk == "switched":
-            return self._switched(total, time.monotonic() - started, resumed)
+            return self._switched(total, time.monotonic() - started, resumed, switch)
         while True:
             sink = ProjectionSink(self.projection, self.dsn, name=self.sink,
                                   lease_seconds=self.settings.lease_seconds, replay=True, shadow_schema=self.shadow,
@@ -168,7 +164,7 @@ class Rebuild:
             try:
                 outcome = self._replay(worker, sink, total)
                 # While this relay phase still runs: the switch waits for it to pass the live cursors.
-                if outcome == "caught up" and not self._switch(tables, worker):
+                if outcome == "caught up" and not switch.switch(worker):
                     outcome = "behind"
             finally:
                 worker.drain()
@@ -180,11 +176,11 @@ class Rebuild:
         if outcome == "stopped":
             log.info("rebuild %s: stopped; run it again to resume", self.projection.name)
             return None
-        return self._switched(total, time.monotonic() - started, resumed)
+        return self._switched(total, time.monotonic() - started, resumed, switch)
 
-    def _switched(self, total: int, seconds: float, resumed: bool) -> RebuildResult:
-        result = RebuildResult(self.projection.name, total, seconds, resumed, tuple(self._waiting),
-                               tuple(self._dropped))
+    def _switched(self, total: int, seconds: float, resumed: bool, switch: SwitchOver) -> RebuildResult:
+        result = RebuildResult(self.projection.name, total, seconds, resumed, tuple(switch.waiting),
+                               tuple(switch.dropped))
         failing = result.failing
         ProgressLine(self.progress, f"rebuild {self.projection.name}", total).finish(
             f"switched over ({total:,} events replayed)" + (f"; {len(failing)} keys still fail" if failing else ""))
@@ -205,7 +201,7 @@ class Rebuild:
 
     # -- start --------------------------------------------------------------------------------
 
-    def _start(self, conn: psycopg.Connection[Any]) -> tuple[list[LiveTable], bool]:
+    def _start(self, conn: psycopg.Connection[Any]) -> tuple[RunningRebuild, bool]:
         with conn.transaction():
             conn.execute(query("rebuild", "lock_projection"), {"projection": self.projection.name})
             row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
@@ -220,8 +216,8 @@ class Rebuild:
                         f"{json.dumps(row[4])} is in progress: run it again with the same options to resume it, "
                         "or pass --restart to start over")
                 tables = [live_table(conn, self.projection, name) for name in row[3]]
-                self._remember(conn, row, tables)
-                return tables, True
+                self._running = RunningRebuild.remember(conn, row, tables, self.shadow)
+                return self._running, True
             check_start(conn, self.from_position, self.from_time)
             tables = [live_table(conn, self.projection, name) for name in self.projection.tables]
             twice = {t.qualified for t in tables if sum(u.oid == t.oid for u in tables) > 1}
@@ -246,15 +242,8 @@ class Rebuild:
                 "live_tables": [t.qualified for t in tables], "options": json.dumps(self.options)})
             row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
             assert row is not None
-            self._remember(conn, row, tables)
-        return tables, False
-
-    def _remember(self, conn: psycopg.Connection[Any], row: Sequence[Any], tables: Sequence[LiveTable]) -> None:
-        """Which rebuild this process runs (its start time) and the oids of its copies, so that a rebuild
-        that disappears while it runs can be told apart: switched in by a peer, or cancelled."""
-        self._started_at = row[6]
-        self._tables = list(tables)
-        self._copies = [table_oid(conn, self.shadow, t.name) for t in tables]
+            self._running = RunningRebuild.remember(conn, row, tables, self.shadow)
+        return self._running, False
 
     def _check_retained(self, conn: psycopg.Connection[Any]) -> None:
         """Refuse a rebuild whose history retention removed part of, once its own sink holds retention back.
@@ -283,32 +272,9 @@ class Rebuild:
 
     # -- replay -------------------------------------------------------------------------------
 
-    def _total(self, conn: psycopg.Connection[Any]) -> int:
-        row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
-        if row is not None and row[5] is not None:
-            return int(row[5])
-        total = self._remaining(conn, self.sink)
-        conn.execute(query("rebuild", "set_total"), {"projection": self.projection.name, "total": total})
-        return total
-
-    def _remaining(self, conn: psycopg.Connection[Any], sink: str) -> int:
-        cursors = conn.execute(query("rebuild", "cursors"), {"sink": sink, "limit": LANES + 1}).fetchall()
-        if len(cursors) > LANES:
-            row = conn.execute(query("rebuild", "remaining"), {"sink": sink, **self._filter}).fetchone()
-            return int(row[0]) if row else 0
-        # The same cursor in every bucket (a start), or in each lane's (after the bulk phase): one scan per
-        # cursor, from its snapshot on.
-        left = 0
-        for seen, target, after_xid, after_seq, buckets in cursors:
-            row = conn.execute(query("rebuild", "remaining_from"), {
-                "seen": seen, "target": target, "after_xid": after_xid, "after_seq": after_seq,
-                "buckets": buckets if len(cursors) > 1 else None, **self._filter}).fetchone()
-            left += int(row[0]) if row else 0
-        return left
-
     def _nothing_left(self) -> bool:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
-            return self._remaining(conn, self.sink) == 0
+            return rebuild_backlog.remaining(conn, self.sink, self._filter) == 0
 
     def _replay(self, worker: Worker, sink: ProjectionSink, total: int) -> str:
         """Report progress until the rebuild has "caught up", was "stopped", or was "switched" over
@@ -322,16 +288,16 @@ class Rebuild:
         about a second per million events on an idle machine) only as often as it costs at most a
         tenth of the time, and at once when this process's own progress says the end is near; in
         between, progress is this process's batches (``sink.passed``) since the last count."""
+        running = self._running
+        assert running is not None
         first = time.monotonic()
         line = ProgressLine(self.progress, f"rebuild {self.projection.name}", total)
         with psycopg.connect(self.dsn, autocommit=True) as conn:
-            start_left = left = self._remaining(conn, self.sink)
+            start_left = left = rebuild_backlog.remaining(conn, self.sink, self._filter)
             counted_at, passed_then, next_count = time.monotonic(), sink.passed, 0.0
             while not (self.stopping.is_set() or worker.stopping.is_set()):
                 # Before anything else: a rebuild cancelled elsewhere has no cursors left (0 to do).
-                row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
-                if row is None or row[6] != self._started_at:
-                    self._gone(conn, restarted=row is not None)
+                if not running.still_running(conn):
                     return "switched"
                 if sink.fatal is not None:
                     raise RebuildError(str(sink.fatal))
@@ -339,7 +305,7 @@ class Rebuild:
                 estimate = left - (sink.passed - passed_then)
                 if time.monotonic() >= next_count or estimate <= near:
                     started = time.monotonic()
-                    left, passed_then = self._remaining(conn, self.sink), sink.passed
+                    left, passed_then = rebuild_backlog.remaining(conn, self.sink, self._filter), sink.passed
                     counted_at = time.monotonic()
                     next_count = counted_at + max(PROGRESS_SECONDS, 10 * (counted_at - started))
                     estimate = left
@@ -353,7 +319,7 @@ class Rebuild:
         """The bulk phase (bulk.py) before the relay phase: "done", "finished" (done: every lane ended, and
         none that this process ran was handed over), "stopped" (resumable), or "switched" (a peer finished
         the whole rebuild meanwhile). Raises RebuildError if it was cancelled."""
-        assert self._started_at is not None
+        assert self._running is not None
         if self.from_time is not None:
             return "done"  # each bucket starts at its own place: the relay phase does it all
         line = ProgressLine(self.progress, f"rebuild {self.projection.name}", total)
@@ -364,7 +330,7 @@ class Rebuild:
             line.update(min(total, phase.events), rate)
 
         phase = BulkPhase(self.projection, self.dsn, sink=self.sink, shadow=self.shadow,
-                          started_at=self._started_at, slice_size=self.slice_size,
+                          started_at=self._running.started_at, slice_size=self.slice_size,
                           lease_seconds=self.settings.lease_seconds,
                           handler_timeout_seconds=self.settings.handler_timeout_seconds, application_name=app,
                           stopping=self.stopping, on_slice=progress)
@@ -380,119 +346,6 @@ class Rebuild:
         if outcome.result == "stopped":
             return "stopped"
         with psycopg.connect(self.dsn, autocommit=True) as conn:  # cancelled or switched by a peer meanwhile?
-            row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
-            if row is None or row[6] != self._started_at:
-                self._gone(conn, restarted=row is not None)
+            if not self._running.still_running(conn):
                 return "switched"
         return "finished" if outcome.finished else "done"
-
-    def _gone(self, conn: psycopg.Connection[Any], restarted: bool) -> None:
-        """This process's rebuild is no longer in outbox.rebuilds. Returns if a peer switched its copies
-        in (the live tables are those copies now); raises RebuildError if it was cancelled, its sink
-        dropped, or it was restarted by another process."""
-        if restarted:
-            raise RebuildError(f"the rebuild of {self.projection.name!r} was restarted by another process (rebuild "
-                               "--restart) while this one ran: this one stops, the new one carries on")
-        live = [table_oid(conn, t.schema, t.name) for t in self._tables]
-        if live == self._copies:
-            log.info("rebuild %s: another rebuild process switched over already", self.projection.name)
-            return
-        raise RebuildError(
-            f"the rebuild of {self.projection.name!r} was cancelled while it ran (`rebuild --cancel`, or its sink "
-            f"{self.sink!r} was dropped): nothing was switched over, the live model is unchanged; run the rebuild "
-            "again to start over")
-
-    # -- switch -------------------------------------------------------------------------------
-
-    def _switch(self, tables: Sequence[LiveTable], worker: Worker | None) -> bool:
-        """Swap the copies in; False if the rebuild has not applied every event the live projection has
-        (``worker``, the relay phase still running, had CATCH_UP_SECONDS to get there under the switch's
-        locks; without one, none)."""
-        for attempt in range(1, SWITCH_TRIES + 1):
-            try:
-                with psycopg.connect(self.dsn, autocommit=True) as conn:
-                    return self._switch_once(conn, tables, worker)
-            except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
-                log.warning("rebuild %s: switch-over attempt %d waited too long for locks (%s); retrying",
-                            self.projection.name, attempt, type(exc).__name__)
-                time.sleep(min(5.0, 0.2 * attempt))
-        raise RebuildError(f"rebuild {self.projection.name!r}: could not lock the live tables to switch over "
-                           f"after {SWITCH_TRIES} tries; long transactions on them? Run it again to retry")
-
-    def _switch_once(self, conn: psycopg.Connection[Any], tables: Sequence[LiveTable], worker: Worker | None) -> bool:
-        """The switch-over in one transaction. The live tables are locked first (live batches in flight
-        land, later ones and readers wait) and the live cursors with them; then the rebuild must have
-        applied every event the live projection did (``behind_live``), or a reader could miss in the new
-        model an event it saw in the old one: the running relay phase gets CATCH_UP_SECONDS to get there,
-        and its last batch lands. Then the copies and both sinks' cursors are locked, and the tables swap."""
-        names = {"live": self.live_sink, "rebuild": self.sink}
-        with conn.transaction():
-            conn.execute("SELECT set_config('lock_timeout', %s, true)", (SWITCH_LOCK_TIMEOUT,))
-            conn.execute(query("rebuild", "lock_projection"), {"projection": self.projection.name})
-            row = conn.execute(query("rebuild", "get"), {"projection": self.projection.name}).fetchone()
-            if row is None or row[6] != self._started_at:
-                self._gone(conn, restarted=row is not None)
-                return True
-            # ACCESS EXCLUSIVE from the start, not a lock that lets readers on and is raised for the swap: a
-            # live batch that read a table and then waited to write it would deadlock with the raise.
-            for t in sorted(tables, key=lambda t: t.oid):
-                conn.execute(template("lock_table", table=sql.Identifier(t.schema, t.name)))
-            store.register_sink(conn, self.live_sink, "projection", self.projection.topics)
-            conn.execute(query("rebuild", "lock_live_cursors"), names)
-            if not self._caught_up_with_live(conn, worker):
-                return False  # rolls back: the live projection goes on
-            # The copies too, before the cursors: a peer process's relay batch in flight lands first, and
-            # none starts after (one that read a copy, then waited for the cursors, would deadlock).
-            for t in sorted(tables, key=lambda t: t.name):
-                conn.execute(template("lock_table", table=sql.Identifier(self.shadow, t.name)))
-            conn.execute(query("rebuild", "lock_cursors"), names)
-            conn.execute(query("rebuild", "adopt_cursors"), names)
-            conn.execute(query("rebuild", "adopt_history"), names)
-            self._dropped = keep_live_decisions(conn, self.live_sink, self.sink)
-            for line in self._dropped:  # said before the swap commits
-                log.warning("rebuild %s: %s", self.projection.name, line)
-            conn.execute(query("rebuild", "adopt_parked"), names)
-            conn.execute(query("rebuild", "adopt_dead_letters"), names)
-            self._waiting = waiting_keys(conn, self.live_sink)
-            retired = sql.Identifier(self.retired)
-            conn.execute(template("drop_schema", schema=retired))  # what an earlier --keep-old kept
-            conn.execute(template("create_schema", schema=retired))
-            for t in tables:
-                conn.execute(template("move_table", table=sql.Identifier(t.schema, t.name), schema=retired))
-                conn.execute(template("move_table", table=sql.Identifier(self.shadow, t.name),
-                                       schema=sql.Identifier(t.schema)))
-                carry_privileges(conn, t)
-            conn.execute(template("drop_schema", schema=sql.Identifier(self.shadow)))
-            if not self.keep_old:
-                conn.execute(template("drop_schema", schema=retired))
-            conn.execute(query("rebuild", "drop_sink"), {"sink": self.sink})
-        return True
-
-    def _caught_up_with_live(self, conn: psycopg.Connection[Any], worker: Worker | None) -> bool:
-        """Whether the rebuild's cursors pass every event the live projection's do (locked: they stand
-        still); with ``worker`` running, waits up to CATCH_UP_SECONDS for them to get there. Each look is a
-        statement of its own, so it sees the relay phase's checkpoints as they commit."""
-        deadline = time.monotonic() + CATCH_UP_SECONDS
-        params = {"live": self.live_sink, "rebuild": self.sink, **self._filter}
-        while True:
-            row = conn.execute(query("rebuild", "behind_live"), params).fetchone()
-            behind = int(row[0]) if row else 0
-            if worker is not None:
-                with psycopg.connect(self.dsn, autocommit=True) as other:  # these rows must stay unlocked here
-                    behind += follow_live(other, self.live_sink, self.sink)
-            if behind == 0:
-                if worker is None:
-                    return True
-                # The relay phase's batch in flight lands in the copies (its writes and cursors are not
-                # locked yet); it starts no other. Then nothing writes the copies but this transaction.
-                worker.drain()
-                if worker.sinks_done(max(0.0, deadline - time.monotonic())):
-                    return True
-                log.info("rebuild %s: the relay phase's last batch did not land within %gs", self.projection.name,
-                         CATCH_UP_SECONDS)
-                return False
-            if worker is None or worker.stopping.is_set() or time.monotonic() >= deadline:
-                log.info("rebuild %s: the live projection applied events the rebuild has not yet, in %d buckets",
-                         self.projection.name, behind)
-                return False
-            time.sleep(CATCH_UP_POLL_SECONDS)

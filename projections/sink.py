@@ -41,11 +41,12 @@ from outbox_relay.sinks.engine import Aborted, AsyncConn, Commit, Failure
 from outbox_relay.sqlfiles import query
 from outbox_relay.store import Conn, EventFilter, StoredEvent
 
-from .decisions import alive_decisions, live_decisions
 from .declare import Projection
 from .drive import drive
 from .drive_async import adrive
 from .guard import Abandoned, Guard, TimedOut, Walk
+from .live_decisions import live_decisions
+from .live_decisions_async import alive_decisions
 from .walk import Batch, Redo, max_runs, redo_known, walk
 
 log = logging.getLogger("outbox_relay.projections")

@@ -45,6 +45,7 @@ RENAMES = {
     "apsycopg_connection": "psycopg_connection",
     "adrive": "drive",
     "areplay_key": "replay_key",
+    "alive_decisions": "live_decisions",
 }
 
 HEADER = "# WARNING: generated from {source} by scripts/async_to_sync.py: edit the source, then run\n" \

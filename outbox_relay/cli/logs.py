@@ -47,6 +47,11 @@ class _RedactingFormatter(logging.Formatter):
 _json_logs = False  # set by setup_logging: stderr carries JSON log records only (--log-json)
 
 
+def logs_as_json() -> bool:
+    """Whether stderr carries JSON log records only (--log-json): then a command says things by logging them."""
+    return _json_logs
+
+
 def setup_logging(level: str, as_json: bool, worker_id: str) -> None:
     global _json_logs
     _json_logs = as_json

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 from typing import Any
@@ -15,9 +14,10 @@ import psycopg
 from .. import admin
 from ..admin import SKIPPED_ERROR
 from ..errors import ConfigurationError
-from ..settings import RelaySettings, env_var
-from .common import EXIT_OK, MAX_ATTEMPTS, _database, _dsn, _int_between, _retention_seconds, _seconds
-from .output import _cell, _print_json, _print_table, _say
+from .exit_codes import EXIT_OK
+from .invocation import dsn_from_args, migrated_database, relays_retention_seconds, relays_setting
+from .output import print_json, print_table, say, table_cell
+from .values import MAX_ATTEMPTS, int_between, seconds
 
 SINKS_ACTIONS = {
     "list": "every sink: kind, when created, whether dropped",
@@ -42,8 +42,8 @@ DEAD_LETTERS_ACTIONS = {
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with _database(_dsn(args)) as conn:
-        found = admin.status(conn, all_databases=args.all_databases, retention_seconds=_retention_seconds(args))
+    with migrated_database(dsn_from_args(args)) as conn:
+        found = admin.status(conn, all_databases=args.all_databases, retention_seconds=relays_retention_seconds(args))
     titles = {
         "workers": "workers",
         "backlog": "backlog",
@@ -59,22 +59,27 @@ def cmd_status(args: argparse.Namespace) -> int:
                    "needs --accept-partial",
     }
     tables: dict[str, admin.Table] = {f.name: getattr(found, f.name) for f in dataclasses.fields(found)}
-    if args.json:
-        _print_json({name: table.records() for name, table in tables.items()})
-        return EXIT_OK
-    for name, table in tables.items():
-        _say(f"\n{titles[name]}:")
-        _print_table(table.rows, table.columns) if table.rows else _say("  (none)")
+    _print_sections(tables, args.json, titles)
     return EXIT_OK
 
 
+def _print_sections(tables: dict[str, admin.Table], as_json: bool, titles: dict[str, str] | None = None) -> None:
+    """Named tables: one JSON object of their records, or each table under its title (its name if none)."""
+    if as_json:
+        print_json({name: table.records() for name, table in tables.items()})
+        return
+    for name, table in tables.items():
+        say(f"\n{(titles or {}).get(name, name)}:")
+        print_table(table.rows, table.columns) if table.rows else say("  (none)")
+
+
 def cmd_lag(args: argparse.Namespace) -> int:
-    with _database(_dsn(args)) as conn:
+    with migrated_database(dsn_from_args(args)) as conn:
         found = [dataclasses.asdict(b) for b in admin.backlog(conn, args.sink)]
     if args.json:
-        _print_json(found)
+        print_json(found)
     else:
-        _print_table([list(b.values()) for b in found], list(found[0])) if found else _say("no sinks")
+        print_table([list(b.values()) for b in found], list(found[0])) if found else say("no sinks")
     return EXIT_OK
 
 
@@ -84,16 +89,16 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
             raise ConfigurationError(f"dead-letters {args.action} needs --sink")
         if not (args.events or args.key or args.all):
             raise ConfigurationError(f"dead-letters {args.action} needs --event, --key or --all")
-    with _database(_dsn(args)) as conn:
+    with migrated_database(dsn_from_args(args)) as conn:
         if args.action == "list":
             return _list_dead_letters(conn, args)
         change = admin.retry_dead_letters if args.action == "retry" else admin.discard_dead_letters
         result = change(conn, args.sink, event_ids=args.events, key=args.key, all=args.all)
     if args.json:
-        _print_json({"action": args.action, **dataclasses.asdict(result)})
+        print_json({"action": args.action, **dataclasses.asdict(result)})
         return EXIT_OK
     verb = "queued for retry" if args.action == "retry" else "discarded"
-    _say(f"{result.count} dead letters {verb}")
+    say(f"{result.count} dead letters {verb}")
     return EXIT_OK
 
 
@@ -101,44 +106,44 @@ def _list_dead_letters(conn: psycopg.Connection[Any], args: argparse.Namespace) 
     """One page, newest first; when there are more, the command for the next page (on stderr under --json)."""
     page = admin.dead_letters(conn, sink=args.sink, key=args.key, limit=args.limit, after=args.after)
     if args.json:
-        _print_json(page.records())
+        print_json(page.records())
     else:
-        _print_table(page.rows, page.columns) if page.rows else _say("no dead letters"
-                                                                     + (" after that one" if args.after else ""))
+        print_table(page.rows, page.columns) if page.rows else say("no dead letters"
+                                                                   + (" after that one" if args.after else ""))
     if page.more:
         following = ["outbox-relay", "dead-letters", "list"]
         following += [a for name in ("sink", "key") if getattr(args, name) for a in (f"--{name}", getattr(args, name))]
         following += ["--limit", str(args.limit), "--after", str(page.last_event_id)]
-        _say(f"more: {shlex.join(following)}", file=sys.stderr if args.json else None)
+        say(f"more: {shlex.join(following)}", file=sys.stderr if args.json else None)
     return EXIT_OK
 
 
 def cmd_sinks(args: argparse.Namespace) -> int:
-    dsn = _dsn(args)
+    dsn = dsn_from_args(args)
     if args.action == "list":
-        with _database(dsn) as conn:
+        with migrated_database(dsn) as conn:
             table = admin.sinks(conn)
         if args.json:
-            _print_json(table.records())
+            print_json(table.records())
         else:
-            _print_table(table.rows, table.columns) if table.rows else _say("no sinks")
+            print_table(table.rows, table.columns) if table.rows else say("no sinks")
         return EXIT_OK
     if not args.name:
         raise ConfigurationError(f"sinks {args.action} needs the sink's name")
-    with _database(dsn) as conn:
+    with migrated_database(dsn) as conn:
         if args.action == "recreate":
             recreated = admin.recreate_sink(conn, args.name)
             result: dict[str, Any] = {"kind": recreated.kind, "recreated": True}
             lines = [f"sink {args.name!r} ({recreated.kind}) recreated: the next relay that runs it registers it "
                      "anew and delivers to it from the oldest retained event"]
         else:
-            result, lines = _dropped(admin.drop_sink(conn, args.name, force=args.force,
-                                                     worker_ttl_seconds=_worker_ttl(args)))
+            ttl = relays_setting(args, "worker_ttl_seconds", seconds, float)
+            result, lines = _dropped(admin.drop_sink(conn, args.name, force=args.force, worker_ttl_seconds=ttl))
     if args.json:
-        _print_json({"action": args.action, "sink": args.name, **result})
+        print_json({"action": args.action, "sink": args.name, **result})
     else:
         for line in lines:
-            _say(line)
+            say(line)
     return EXIT_OK
 
 
@@ -165,20 +170,15 @@ def _dropped(drop: admin.SinkDrop) -> tuple[dict[str, Any], list[str]]:
 
 
 def cmd_retention(args: argparse.Namespace) -> int:
-    keep_default = _retention_seconds(args)
-    with _database(_dsn(args)) as conn:
+    keep_default = relays_retention_seconds(args)
+    with migrated_database(dsn_from_args(args)) as conn:
         if args.action in ("list", "partitions"):
             if args.action == "list":
                 found = admin.retention(conn, keep_default)
                 sections = {"classes": found.classes, "history": found.history}
             else:
                 sections = {"partitions": admin.history_partitions(conn, keep_default)}
-            if args.json:
-                _print_json({name: table.records() for name, table in sections.items()})
-                return EXIT_OK
-            for title, table in sections.items():
-                _say(f"\n{title}:")
-                _print_table(table.rows, table.columns) if table.rows else _say("  (none)")
+            _print_sections(sections, args.json)
             return EXIT_OK
         if args.action == "roll":
             rolled = admin.roll_history(conn)
@@ -207,32 +207,22 @@ def cmd_retention(args: argparse.Namespace) -> int:
             line = (f"topic {mapped.topic!r} is in retention class {mapped.class_name!r} from the next partition on "
                     "(`outbox-relay retention roll` starts it now)")
     if args.json:
-        _print_json(result)
+        print_json(result)
     else:
-        _say(line)
+        say(line)
     return EXIT_OK
-
-
-def _worker_ttl(args: argparse.Namespace) -> float:
-    if args.worker_ttl_seconds is not None:
-        return float(args.worker_ttl_seconds)
-    text = os.environ.get(env_var("worker_ttl_seconds"))
-    try:
-        return _seconds(text) if text else float(RelaySettings.model_fields["worker_ttl_seconds"].default)
-    except argparse.ArgumentTypeError as exc:
-        raise ConfigurationError(f"{env_var('worker_ttl_seconds')}: {exc}") from None
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
     key, sink = args.key, args.sink
-    with _database(_dsn(args)) as conn:
+    with migrated_database(dsn_from_args(args)) as conn:
         if args.action == "show":
             return _key_show(conn, args)
         if args.action == "pause":
             paused = admin.pause_key(conn, key, sink, reason=args.reason)
             if paused.already_paused:
-                text = (f"key {key!r} was already paused for sink {sink!r} since {_cell(paused.paused_at)} by "
-                        f"{paused.paused_by}" + (f" ({_cell(paused.reason)})" if paused.reason else "")
+                text = (f"key {key!r} was already paused for sink {sink!r} since {table_cell(paused.paused_at)} by "
+                        f"{paused.paused_by}" + (f" ({table_cell(paused.reason)})" if paused.reason else "")
                         + ": nothing changed")
             else:
                 text = (f"paused key {key!r} for sink {sink!r}: from the relay's next read on its events are held "
@@ -245,8 +235,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 return _key_done(args, {"action": "resume", "sink": sink, "key": key, "was_paused": False},
                                  f"key {key!r} is not paused for sink {sink!r}: nothing to resume")
             return _key_done(args, {"action": "resume", **dataclasses.asdict(resumed)},
-                             f"resumed key {key!r} for sink {sink!r} (paused since {_cell(resumed.paused_at)}): its "
-                             f"{resumed.now_due} parked event(s) are due now, in order")
+                             f"resumed key {key!r} for sink {sink!r} (paused since "
+                             f"{table_cell(resumed.paused_at)}): its {resumed.now_due} parked event(s) are due now, "
+                             "in order")
         if args.action == "retry":
             retried = admin.retry_key(conn, key, sink)
             result = {"action": "retry", **dataclasses.asdict(retried)}
@@ -265,70 +256,61 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _key_show(conn: psycopg.Connection[Any], args: argparse.Namespace) -> int:
-    state = admin.key_state(conn, args.key, sink=args.sink, max_attempts=_max_attempts(args))
+    max_attempts = relays_setting(args, "max_attempts", int_between(*MAX_ATTEMPTS), int)
+    state = admin.key_state(conn, args.key, sink=args.sink, max_attempts=max_attempts)
     if not state.sinks:
         if args.json:
-            _print_json(dataclasses.asdict(state))
+            print_json(dataclasses.asdict(state))
         else:
-            _say("no sinks (no relay has run against this database yet)")
+            say("no sinks (no relay has run against this database yet)")
         return EXIT_OK
     report = dataclasses.asdict(state)
     if args.json:
-        _print_json(report)
+        print_json(report)
         return EXIT_OK
-    _say(f"key {args.key!r} (bucket {state.bucket})")
+    say(f"key {args.key!r} (bucket {state.bucket})")
     for r in report["sinks"]:
-        _say(f"  {r['sink']}: {r['summary']}")
+        say(f"  {r['sink']}: {r['summary']}")
     for r in report["sinks"]:
         _print_key_report(r)
     return EXIT_OK
 
 
-def _max_attempts(args: argparse.Namespace) -> int:
-    if args.max_attempts is not None:
-        return int(args.max_attempts)
-    text = os.environ.get(env_var("max_attempts"))
-    try:
-        return _int_between(*MAX_ATTEMPTS)(text) if text else int(RelaySettings.model_fields["max_attempts"].default)
-    except argparse.ArgumentTypeError as exc:
-        raise ConfigurationError(f"{env_var('max_attempts')}: {exc}") from None
-
-
 def _print_key_report(r: dict[str, Any]) -> None:
-    _say(f"\nsink {r['sink']} ({r['kind']}): {r['state']}")
+    say(f"\nsink {r['sink']} ({r['kind']}): {r['state']}")
     if r["owner"]:
-        _say(f"  bucket {r['bucket']}: held by {r['owner']} (fence {r['fence']}, lease {r['lease_seconds_left']} s "
-              "left)")
+        say(f"  bucket {r['bucket']}: held by {r['owner']} (fence {r['fence']}, lease {r['lease_seconds_left']} s "
+             "left)")
     else:
-        _say(f"  bucket {r['bucket']}: held by no relay")
+        say(f"  bucket {r['bucket']}: held by no relay")
     if r["paused"] is not None:
         p = r["paused"]
-        _say(f"  paused since {_cell(p['since'])} by {p['by']} (role {p['role']})"
-              + (f": {_cell(p['reason'])}" if p["reason"] else ""))
+        say(f"  paused since {table_cell(p['since'])} by {p['by']} (role {p['role']})"
+             + (f": {table_cell(p['reason'])}" if p["reason"] else ""))
     head = r["head"]
     if head is None:
-        _say("  parked: nothing")
+        say("  parked: nothing")
     else:
         wait = head["retry_in_seconds"]
         when = ("when resumed" if r["paused"] is not None else
-                f"{_cell(head['next_retry'])} (in {wait:.0f} s)" if wait is not None and wait > 0 else "due now")
-        _say(f"  parked head: event {head['event_id']} ({_cell(head['type'])}), {head['attempts']} failed attempt(s), "
-              f"parked since {_cell(head['parked_at'])}, next retry {when}")
+                f"{table_cell(head['next_retry'])} (in {wait:.0f} s)" if wait is not None and wait > 0 else "due now")
+        say(f"  parked head: event {head['event_id']} ({table_cell(head['type'])}), {head['attempts']} failed "
+            f"attempt(s), parked since {table_cell(head['parked_at'])}, next retry {when}")
         if head["last_error"] is not None:
-            _say(f"    last error: {_cell(head['last_error'])}")
-        _say(f"  queued behind it: {r['queued_behind']} event(s)")
-    _say(f"  not read by the sink yet: {r['unread']} event(s)"
-          + (f", the oldest stored {_cell(r['oldest_unread'])}" if r["oldest_unread"] else ""))
+            say(f"    last error: {table_cell(head['last_error'])}")
+        say(f"  queued behind it: {r['queued_behind']} event(s)")
+    say(f"  not read by the sink yet: {r['unread']} event(s)"
+         + (f", the oldest stored {table_cell(r['oldest_unread'])}" if r["oldest_unread"] else ""))
     dead = r["dead_letters"]
-    _say(f"  dead letters: {dead['count']}" + (f" (newest {len(dead['recent'])}):" if dead["count"] else ""))
+    say(f"  dead letters: {dead['count']}" + (f" (newest {len(dead['recent'])}):" if dead["count"] else ""))
     for d in dead["recent"]:
-        _say(f"    {d['event_id']} ({_cell(d['type'])}) after {d['attempts']} attempt(s) at {_cell(d['dead_at'])}: "
-              f"{_cell(d['last_error'])}")
+        say(f"    {d['event_id']} ({table_cell(d['type'])}) after {d['attempts']} attempt(s) at "
+            f"{table_cell(d['dead_at'])}: {table_cell(d['last_error'])}")
 
 
 def _key_done(args: argparse.Namespace, result: dict[str, Any], text: str) -> int:
     if args.json:
-        _print_json(result)
+        print_json(result)
     else:
-        _say(text)
+        say(text)
     return EXIT_OK

@@ -31,7 +31,7 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
-def _print_json(value: Any) -> None:
+def print_json(value: Any) -> None:
     print(json.dumps(_json_value(value), indent=2))
 
 
@@ -52,12 +52,12 @@ def printable(text: str) -> str:
     return _UNPRINTABLE.sub(_escape, text)
 
 
-def _say(text: str, file: TextIO | None = None, end: str = "\n") -> None:
+def say(text: str, file: TextIO | None = None, end: str = "\n") -> None:
     """Print plain text (every line a command prints, but JSON, goes through here)."""
     print(printable(text), file=file, end=end)
 
 
-def _cell(value: Any) -> str:
+def table_cell(value: Any) -> str:
     """A table cell: no Python reprs (lists and mappings as plain text), nothing a terminal acts on."""
     if value is None:
         return ""
@@ -66,9 +66,9 @@ def _cell(value: Any) -> str:
     if isinstance(value, datetime):
         return value.isoformat(sep=" ", timespec="seconds")
     if isinstance(value, dict):
-        return ", ".join(f"{k}: {_cell(v)}" for k, v in value.items())
+        return ", ".join(f"{k}: {table_cell(v)}" for k, v in value.items())
     if isinstance(value, list | tuple):
-        return ", ".join(_cell(v) for v in value)
+        return ", ".join(table_cell(v) for v in value)
     return " ".join(printable(str(value)).split())  # one line per row
 
 
@@ -102,9 +102,9 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[:max(0, width - 1)] + ELLIPSIS
 
 
-def _print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
+def print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
     """A table cut to the terminal's width (long cells end in an ellipsis; --json has the full values)."""
-    cells = [[str(h) for h in headers]] + [[_cell(v) for v in r] for r in rows]
+    cells = [[str(h) for h in headers]] + [[table_cell(v) for v in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     terminal = _terminal_width()
     if terminal is not None:
@@ -113,10 +113,10 @@ def _print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> None:
         whole = [w if w <= WHOLE_COLUMN else f for w, f in zip(widths, floors, strict=True)]
         widths = _fit(widths, whole if sum(whole) <= room else floors, room)
     for i, r in enumerate(cells):
-        _say("  ".join(_cut(c, w).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        say("  ".join(_cut(c, w).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         if i == 0:
-            _say("  ".join("-" * w for w in widths))
+            say("  ".join("-" * w for w in widths))
 
 
-def _error(message: str) -> None:
-    _say(f"outbox-relay: {one_line(message)}", file=sys.stderr)
+def say_error(message: str) -> None:
+    say(f"outbox-relay: {one_line(message)}", file=sys.stderr)

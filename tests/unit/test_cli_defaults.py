@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from outbox_relay import cli
-from outbox_relay.cli import common, output
+from outbox_relay.cli import invocation, output
 from outbox_relay.dsn import describe
 from outbox_relay.errors import ConfigurationError
 from outbox_relay.settings import RelaySettings, flag, load_settings
@@ -110,7 +110,7 @@ def test_replay_accepts_a_kafka_config_file(tmp_path: Path) -> None:
     config.write_text("security.protocol=SSL\n")
     args = cli.build_parser().parse_args(["replay", "--topic", "t", "--dsn", UNREACHABLE,
                                           "--kafka-bootstrap-servers", "k:9092", "--kafka-config-file", str(config)])
-    assert common._settings_from(args).kafka_producer_config()["security.protocol"] == "SSL"
+    assert invocation.settings_from_args(args).kafka_producer_config()["security.protocol"] == "SSL"
 
 
 # -- --help ------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def test_tables_fit_the_terminal(capsys: pytest.CaptureFixture[str], monkeypatch
     monkeypatch.setenv("COLUMNS", "80")
     rows = [("kafka", "01900000-0000-7000-8000-000000000000", "order-1", "x" * 500 + "\x1b[31m"),
             ("totals", "01900000-0000-7000-8000-000000000001", "k\x1b]0;title\x07", "short")]
-    output._print_table(rows, ["sink", "event_id", "partition_key", "last_error"])
+    output.print_table(rows, ["sink", "event_id", "partition_key", "last_error"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert all(len(line) <= 80 for line in lines), [len(line) for line in lines]
@@ -174,7 +174,7 @@ def test_tables_fit_the_terminal(capsys: pytest.CaptureFixture[str], monkeypatch
 
 def test_tables_are_whole_when_they_fit(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    output._print_table([("kafka", "x" * 100)], ["sink", "last_error"])
+    output.print_table([("kafka", "x" * 100)], ["sink", "last_error"])
     out = capsys.readouterr().out
     assert "x" * 100 in out and "\u2026" not in out
 

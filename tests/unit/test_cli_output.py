@@ -26,9 +26,9 @@ def test_json_values() -> None:
 
 
 def test_table_cells_are_not_python_reprs(capsys: pytest.CaptureFixture[str]) -> None:
-    output._print_table([("relay-a", ["kafka", "totals"], {"kafka": 141, "totals": 12}, True,
-                       datetime(2026, 11, 23, 12, 0, 1, 250000, tzinfo=UTC), None, "line one\nline two")],
-                     ["id", "sinks", "buckets", "prepared", "since", "gid", "error"])
+    output.print_table([("relay-a", ["kafka", "totals"], {"kafka": 141, "totals": 12}, True,
+                      datetime(2026, 11, 23, 12, 0, 1, 250000, tzinfo=UTC), None, "line one\nline two")],
+                    ["id", "sinks", "buckets", "prepared", "since", "gid", "error"])
     out = capsys.readouterr().out
     assert "kafka, totals" in out and "kafka: 141, totals: 12" in out and "2026-11-23 12:00:01+00:00" in out
     assert "yes" in out and "line one line two" in out
@@ -68,4 +68,4 @@ def test_every_read_command_has_json(command: list[str]) -> None:
 ])
 def test_printable_escapes_what_a_terminal_would_act_on(raw: str, shown: str) -> None:
     assert output.printable(raw) == shown
-    assert output._cell(raw) == shown
+    assert output.table_cell(raw) == shown

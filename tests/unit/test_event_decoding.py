@@ -14,7 +14,7 @@ import pytest
 
 from outbox_relay.store import StoredEvent, event_reader
 from projections import FenceToken, ProjectionEvent
-from projections.declare import decode_json
+from projections.decoding import decode_json
 from projections.event import make_event, make_token
 
 TEXTS = ['{"a": 1, "b": [1, 2.5, null, true]}', '{"a":1}', ' {"a": 1}', '{"a": 1} ', '\n[1]\n', '[]', '"x"', "1",
