@@ -26,12 +26,12 @@ from order_service import (
 from read_models import OrderPlaced, order_totals
 
 from outbox_relay.testing import (
-    apply_projection,
     apublished,
     assert_not_published,
     assert_published,
     published,
 )
+from projections.testing import apply_projection
 
 
 def test_placing_and_paying_an_order_publishes_both_events_in_order(conn: psycopg.Connection[Any]) -> None:

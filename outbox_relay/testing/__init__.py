@@ -1,17 +1,15 @@
 """Testing kit for code that publishes events and for projection handlers (no relay needed).
 
-    from outbox_relay.testing import FakeOutbox, apply_projection, assert_published, published
+    from outbox_relay.testing import FakeOutbox, assert_published, published
+    from projections.testing import apply_projection
 
 One module per product:
 
 - ``published.py``: ``published(conn, key=..., type=..., topic=...)`` (``apublished`` for async
   connections), ``assert_published(conn, [("OrderPlaced", {...}), "OrderPaid"], key="order:1")``
   and ``assert_not_published``: what the test's connection can see, in the relay's order.
-- ``apply_projection(conn, projection)`` (``aapply_projection``): the projection's handler run in
-  the test's transaction over events published in it, by the relay's own batch walk
-  (projections/walk.py), each ``ProjectionEvent`` built as the relay builds it. It lives with the
-  projections (projections/testing.py, projections/testing_async.py) and is re-exported here on
-  first use, so that importing this kit does not import the projections package.
+- ``apply_projection`` and ``aapply_projection`` live with the projections (``projections.testing``,
+  ``projections.testing_async``): the engine's package does not import the projections'.
 - ``recording.py``: ``RecordingSink``, a sink a real relay (``Worker``) delivers to in a test,
   recording each event (and failing the ones you say); subclass it for more bookkeeping.
 - ``fake.py``: ``FakeOutbox``, an ``Outbox`` that keeps events in memory, for code tested without
@@ -35,10 +33,10 @@ from .published import PublishedEvent, apublished, assert_not_published, assert_
 from .recording import Delivery, RecordingSink
 
 if TYPE_CHECKING:
-    from projections.testing import apply_projection
-    from projections.testing_async import aapply_projection
-
     from .sink_contract import SinkContract
+
+
+_MOVED = {"apply_projection": "projections.testing", "aapply_projection": "projections.testing_async"}
 
 
 def __getattr__(name: str) -> Any:
@@ -46,14 +44,8 @@ def __getattr__(name: str) -> Any:
         from .sink_contract import SinkContract
 
         return SinkContract
-    if name == "apply_projection":
-        from projections.testing import apply_projection
-
-        return apply_projection
-    if name == "aapply_projection":
-        from projections.testing_async import aapply_projection
-
-        return aapply_projection
+    if name in _MOVED:
+        raise AttributeError(f"{name} moved to the projections package: from {_MOVED[name]} import {name}")
     raise AttributeError(f"module 'outbox_relay.testing' has no attribute {name!r}")
 
 
@@ -63,8 +55,6 @@ __all__ = [
     "PublishedEvent",
     "RecordingSink",
     "SinkContract",
-    "aapply_projection",
-    "apply_projection",
     "apublished",
     "assert_not_published",
     "assert_published",

@@ -22,10 +22,10 @@ from outbox_relay import store
 from outbox_relay.errors import ConfigurationError, NonRetriableDelivery
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import SinkRunner
-from outbox_relay.testing import apply_projection
 from projections import ProjectionEvent, projection
 from projections.rebuild import Rebuild, rebuild_key
 from projections.sink import ProjectionSink
+from projections.testing import apply_projection
 from tests.integration.order_totals import applied, expected_totals, orders, per_key, totals
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     ALL_BUCKETS,

@@ -19,10 +19,6 @@ MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 300
 # The only modules of outbox_relay/ that may import projections: the composition root.
 COMPOSITION_ROOT = ("outbox_relay/compose.py", "outbox_relay/cli/")
-# ... and one re-export: ``from outbox_relay.testing import apply_projection`` (docs/testing.md) still works,
-# importing projections on first use only (the kernel step's CHANGELOG entry). Dropping it is a user-visible
-# change to decide on its own, not a tidy-up.
-REEXPORTS_PROJECTIONS = {"outbox_relay/testing/__init__.py": {"projections.testing", "projections.testing_async"}}
 # Underscore names that their library documents as public.
 DOCUMENTED_UNDERSCORE = {"os._exit"}
 
@@ -145,7 +141,7 @@ def test_only_the_composition_root_imports_projections() -> None:
     found = [f"{_rel(p)}:{node.lineno} {ast.unparse(node)}"
              for p in _modules() if _rel(p).startswith("outbox_relay/") and not _rel(p).startswith(COMPOSITION_ROOT)
              for node in _imports(_tree(p))
-             if set(_imported_projections(node)) - REEXPORTS_PROJECTIONS.get(_rel(p), set())]
+             if _imported_projections(node)]
     assert not found, _listed("outbox_relay/ imports projections outside compose.py and cli/", found)
 
 
