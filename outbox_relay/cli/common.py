@@ -21,6 +21,7 @@ from ..dsn import check_dsn, describe, remember_dsn
 from ..errors import ConfigurationError, OutboxError
 from ..event import MAX_KEY_BYTES
 from ..migrate import check_schema
+from ..nats_settings import ENVIRONMENT_ONLY as NATS_ENVIRONMENT_ONLY
 from ..settings import NO_DSN, TOPIC_NAME, RelaySettings, bounds, default_text, env_var, load_settings
 from . import logs
 from .output import _say
@@ -46,7 +47,7 @@ def _add_setting(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -
     default = default_text(name, field)
     help_text = (f"{field.description or name}" + (f" ({allowed})" if allowed else "")
                  + (" (required)" if default == "required" else f" (default {default})") + f" [env {env_var(name)}]")
-    if name == "webhook_secret":
+    if name == "webhook_secret" or name in NATS_ENVIRONMENT_ONLY:
         return  # the environment or --webhook-secret-file only: a command line shows in `ps`
     if field.annotation is bool:
         parser.add_argument(option, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
