@@ -74,7 +74,7 @@ class NatsFields(SettingsBase):
 
     @field_validator("nats_url")
     @classmethod
-    def _url(cls, value: str | None) -> str | None:
+    def _nats_url(cls, value: str | None) -> str | None:
         if value is not None:
             from .sinks.nats.connection import check_url  # the sink's own check (no client library needed)
 
@@ -86,14 +86,14 @@ class NatsFields(SettingsBase):
 
     @field_validator("nats_password", "nats_token")
     @classmethod
-    def _secret(cls, value: SecretStr | None) -> SecretStr | None:
+    def _nats_secret(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
             remember_secret(value.get_secret_value())
         return value
 
     @field_validator("nats_subject_prefix")
     @classmethod
-    def _prefix(cls, value: str) -> str:
+    def _nats_prefix(cls, value: str) -> str:
         from .sinks.nats.subjects import check_prefix
 
         try:
@@ -103,7 +103,7 @@ class NatsFields(SettingsBase):
 
     @field_validator("nats_topics")
     @classmethod
-    def _topics(cls, value: list[str]) -> list[str]:
+    def _nats_topics(cls, value: list[str]) -> list[str]:
         from .sinks.nats.subjects import topic_problem
 
         for topic in value:

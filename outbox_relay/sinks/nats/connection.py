@@ -168,6 +168,7 @@ class Connection:
         self._js: JetStreamContext | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock: asyncio.Lock | None = None
+        self._closing = False  # close() was called: a disconnect is no news
         client_library()  # a missing extra is a configuration error at start-up, not a failure per event
 
     async def jetstream(self) -> JetStreamContext:
@@ -195,14 +196,24 @@ class Connection:
 
     async def _connect(self) -> None:
         nats = client_library()
-        args = self.options.arguments()
+        nc = nats.aio.client.Client()
         try:
             # The client retries each server RECONNECT_ATTEMPTS times; the wait bounds a server that never answers.
-            nc = await asyncio.wait_for(
-                nats.connect(**args, error_cb=self._error, disconnected_cb=self._disconnected,
-                             reconnected_cb=self._reconnected, name=f"outbox-relay {self.sink}"),
+            await asyncio.wait_for(
+                nc.connect(**self.options.arguments(), error_cb=self._error, disconnected_cb=self._disconnected,
+                           reconnected_cb=self._reconnected, name=f"outbox-relay {self.sink}"),
                 self.options.connect_timeout_seconds * (RECONNECT_ATTEMPTS + 1) + RECONNECT_WAIT_SECONDS * 2)
-        except (TimeoutError, Exception) as exc:
+        except BaseException as exc:
+            # Half made (a timeout, or the call abandoned and cancelled): its socket is closed here, not left to
+            # the garbage collector.
+            self._closing = True
+            try:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+            finally:
+                self._closing = False
+            if not isinstance(exc, Exception):
+                raise
             raise SinkUnavailable(f"nats {self.endpoint}: can not connect: {self._why(exc)}", 1.0) from None
         self._nc, self._js = nc, nc.jetstream()
         log.info("nats sink %s: connected to %s", self.sink, self.endpoint)
@@ -220,6 +231,8 @@ class Connection:
         log.debug("nats sink %s: %s", self.sink, self.last_error)
 
     async def _disconnected(self) -> None:
+        if self._closing:
+            return
         log.warning("nats sink %s: disconnected from %s; its events wait while the client reconnects", self.sink,
                     self.endpoint)
 
@@ -229,8 +242,12 @@ class Connection:
     async def _drop(self) -> None:
         nc, self._nc, self._js = self._nc, None, None
         if nc is not None and not nc.is_closed:
-            with contextlib.suppress(Exception):
-                await nc.close()
+            self._closing = True
+            try:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+            finally:
+                self._closing = False
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the client from any thread (on its loop, if that still runs)."""
