@@ -94,7 +94,7 @@ def read_secret(path: Path, what: str) -> str:
 class ConnectOptions:
     """How to reach and authenticate to the servers. ``repr`` shows no secret."""
 
-    servers: list[str]
+    servers: list[str] = field(repr=False)  # a URL may hold a password or token
     user: str | None = None
     password: str | None = field(default=None, repr=False)
     token: str | None = field(default=None, repr=False)

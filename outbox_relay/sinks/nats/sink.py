@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...dsn import describe_error
@@ -56,8 +57,6 @@ class NatsSink:
                  creds_file: str | None = None, nkey_seed_file: str | None = None, ca_file: str | None = None,
                  client_cert: str | None = None, client_key: str | None = None, tls_verify: bool = True,
                  unavailable_seconds: float = UNAVAILABLE_SECONDS) -> None:
-        from pathlib import Path
-
         self.name = name
         self.source = source
         self.prefix = check_prefix(subject_prefix)
@@ -86,6 +85,7 @@ class NatsSink:
             log.warning("nats sink %s: TLS certificate verification is OFF", name)
         self.connection = Connection(options, name)
         self.endpoint = self.connection.endpoint
+        self._client = client_library()
 
     def __repr__(self) -> str:
         return f"NatsSink(name={self.name!r}, endpoint={self.endpoint!r}, prefix={self.prefix!r})"
@@ -100,8 +100,7 @@ class NatsSink:
         if made.size > limit:
             return GiveUp(f"the message is {made.size} bytes (headers and payload), over the server's max_payload "
                           f"of {limit}")
-        errors = client_library().errors
-        js_errors = client_library().js.errors
+        errors, js_errors = self._client.errors, self._client.js.errors
         where = f"nats {self.endpoint}: subject {made.subject[:200]}"
         try:
             await js.publish(made.subject, made.payload, timeout=self.ack_timeout_seconds, stream=self.stream,
