@@ -5,6 +5,7 @@ duplicate window, Nats-Msg-Id = event id, drops the redeliveries the crash cause
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -66,6 +67,10 @@ def test_relay_and_server_killed_mid_stream_lose_nothing_reorder_nothing_duplica
             wait_until(lambda: held() == EVENTS, 90, 0.2,
                        f"every event in the stream; relay: {(tmp_path / 'nats-b.stderr').read_text()[-3000:]}")
             got = read_back(fields)
+            status = subprocess.run([*command(), "status", "--json"], env={**os.environ, "OUTBOX_DSN": dsn},
+                                    capture_output=True, text=True, timeout=60)
+            assert status.returncode == 0, status.stderr
+            assert {r["sink"]: r["kind"] for r in json.loads(status.stdout)["backlog"]}.get("nats") == "nats"
         assert relay.poll() is None, "the relay rode out the server's restart"
         assert "disconnected from" in (tmp_path / "nats-b.stderr").read_text()
         relay.send_signal(signal.SIGTERM)

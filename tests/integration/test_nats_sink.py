@@ -410,3 +410,33 @@ def test_run_help_lists_the_nats_options_and_no_secret_option() -> None:
                    "--nats-password-file", "--nats-creds-file", "--nats-concurrency", "--nats-topics"):
         assert option in text
     assert "--nats-password " not in text and "--nats-token " not in text and "OUTBOX_NATS_PASSWORD" in text
+
+
+def test_a_subject_the_account_may_not_publish_to_holds_its_events_with_the_servers_word(
+        dsn: str, harness_for: Any, tmp_path: Path) -> None:
+    """An ACL that denies the subject is a condition of the sink: the server answers the publish with a
+    permissions error and no PubAck; the events wait (no attempt counted), the reason quotes the server."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    (tmp_path / "server.conf").write_text(
+        'authorization { users = [ { user: "relay", password: "pw-relay", permissions: { publish: { allow: [">"], '
+        f'deny: ["{prefix}.secret.>"] }} }} }} ] }}\n')
+    server = PrivateNats(tmp_path).start("-c", str(tmp_path / "server.conf"))
+    try:
+        with namespace(f"nats://relay:pw-relay@127.0.0.1:{server.port}") as space:
+            space.prefix = prefix
+            space.update(subjects=[f"{prefix}.>"])
+            h = harness_for(NatsSink(f"nats://relay:pw-relay@127.0.0.1:{server.port}", subject_prefix=prefix,
+                                     ack_timeout_seconds=0.3, unavailable_seconds=0.1))
+            denied, allowed = publish(dsn, [{"key": "k1", "type": "T", "payload": 1, "topic": "secret"},
+                                            {"key": "k2", "type": "T", "payload": 2, "topic": "orders"}])
+            runner = h.runner(max_attempts=1)
+            h.run_until(runner, lambda: denied in h.parked() and h.parked()[denied][1] is not None)
+            for _ in range(3):
+                runner.run_once()
+            attempts, error = h.parked()[denied]
+            assert attempts == 0 and h.dead_letters() == {}, h.parked()
+            assert "no PubAck" in (error or "") and "ermission" in (error or ""), error
+            assert [i for i, _, _ in read_back(NatsSettings(nats_url=space.url, nats_subject_prefix=prefix))] \
+                == [allowed]
+    finally:
+        server.close()

@@ -27,11 +27,14 @@ _NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _RESERVED_PREFIXES = ("ce-", "nats-")
 # CloudEvents NATS binding 3.1.3.2: printable ASCII but space, '"' and '%' stays; the rest is percent-encoded.
 _CE_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
+_CE_UNSAFE = re.compile(r'[^\x21-\x7e]|["%]')
 _HEADER_LINE = len(": \r\n")
 _HEADER_BLOCK = len("NATS/1.0\r\n\r\n")
 
 
 def ce_value(value: str) -> str:
+    if not _CE_UNSAFE.search(value):  # most values (a type, a key, a topic): nothing to encode, no quote() call
+        return value
     return urllib.parse.quote(value, safe=_CE_SAFE)
 
 
