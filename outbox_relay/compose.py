@@ -63,6 +63,13 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
                                    where="--webhook-url")
         webhook.observer = observer
         sinks.append(webhook)
+    if s.nats_url:
+        from .sinks.nats import from_settings as nats_from_settings
+
+        nats = EventSinkAdapter(nats_from_settings(s, s.source, s.default_topic),  # type: ignore[arg-type]  # async
+                                handler_timeout_seconds=s.handler_timeout_seconds, where="--nats-url")
+        nats.observer = observer
+        sinks.append(nats)
     for given in extra:
         sinks.append(as_engine_sink(given, s.handler_timeout_seconds, observer))
     names = [made.name for made in sinks]

@@ -18,6 +18,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from .dsn import remember_kafka_secrets
 from .errors import ConfigurationError
+from .nats_settings import NatsFields
 from .settings_base import (
     DAY,
     ENV_PREFIX,
@@ -32,6 +33,7 @@ from .settings_base import (
     bounds,
     default_text,
     default_worker_id,
+    environment_only,
     read_kafka_config_file,
 )
 from .webhook_settings import WebhookFields, WebhookSettings
@@ -40,9 +42,9 @@ from .webhook_settings import WebhookFields, WebhookSettings
 ROUTED_BY_VALUE = "${routedByValue}"
 
 
-class RelaySettings(AttemptSettings, WebhookFields):
+class RelaySettings(AttemptSettings, WebhookFields, NatsFields):
     """The relay's settings: its own below; leases, attempts and the handler time limit (AttemptSettings) and
-    the webhook sink's (WebhookFields) inherited."""
+    the webhook sink's (WebhookFields) and the NATS sink's (NatsFields) inherited."""
 
     model_config = SettingsConfigDict(extra="forbid")
 
@@ -243,7 +245,8 @@ class RelaySettings(AttemptSettings, WebhookFields):
     @property
     def sinks(self) -> list[str]:
         return (([self.kafka_sink] if self.kafka else []) + list(self.projection)
-                + ([self.webhook_sink] if self.webhook_url else []))
+                + ([self.webhook_sink] if self.webhook_url else [])
+                + ([self.nats_sink] if self.nats_url else []))
 
     def require_kafka(self) -> str:
         """The bootstrap servers, or ConfigurationError saying how to give them."""
@@ -283,7 +286,7 @@ def describe_validation_error(exc: ValidationError) -> str:
         else:
             name = loc[0]
             where = f" ({flag(name)}, {env_var(name)})" if name in RelaySettings.model_fields else ""
-            if name == "webhook_secret":  # no command-line option (a command line shows in `ps`)
+            if name in RelaySettings.model_fields and environment_only(RelaySettings.model_fields[name]):
                 where = f" ({env_var(name)})"
             problems.append(f"{name}{where}: {message}")
     return "; ".join(problems)
@@ -293,7 +296,8 @@ def listed_fields() -> dict[str, FieldInfo]:
     """``RelaySettings``' fields in the order ``run --help`` and docs/configuration.md list them: the relay's
     own as declared, each base's group after the option it belongs with (pydantic puts base fields first)."""
     fields = RelaySettings.model_fields
-    groups = {"sink": WebhookFields.model_fields, "housekeeping_seconds": AttemptSettings.model_fields}
+    groups = {"sink": {**WebhookFields.model_fields, **NatsFields.model_fields},
+              "housekeeping_seconds": AttemptSettings.model_fields}
     inherited = {name for group in groups.values() for name in group}
     listed: dict[str, FieldInfo] = {}
     for name, field in fields.items():

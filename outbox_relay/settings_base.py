@@ -115,6 +115,16 @@ HandlerTimeout = Annotated[float, Field(
                 "/readyz says so")]
 
 
+# The json_schema_extra of a secret with no command-line option (a command line shows in `ps`): it is read
+# from the environment, or from the file its ``*_file`` setting names.
+ENVIRONMENT_ONLY: dict[str, Any] = {"environment_only": True}
+
+
+def environment_only(field: FieldInfo) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("environment_only") is True
+
+
 class SettingsBase(BaseSettings):
     """The model configuration every settings model has: no infinite or NaN number, defaults checked too."""
 

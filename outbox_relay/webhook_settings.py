@@ -11,7 +11,7 @@ from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_v
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from .errors import ConfigurationError
-from .settings_base import SINK_NAME, TOPIC_NAME, SettingsBase
+from .settings_base import ENVIRONMENT_ONLY, SINK_NAME, TOPIC_NAME, SettingsBase
 
 
 def _names(value: Any) -> Any:
@@ -31,7 +31,7 @@ class WebhookFields(SettingsBase):
         default="webhook", min_length=1, max_length=63,
                               description="sink name of the webhook delivery (its own cursors)")
     webhook_secret: SecretStr | None = Field(
-        default=None,
+        default=None, json_schema_extra=ENVIRONMENT_ONLY,
         description="the webhook signing secret, whsec_<base64> (environment only, or --webhook-secret-file; "
                           "never logged)")
     webhook_secret_file: Path | None = Field(

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic_core import PydanticUndefined
 
 from outbox_relay.settings import ENV_PREFIX, bounds, listed_fields
+from outbox_relay.settings_base import environment_only
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
@@ -49,7 +50,7 @@ def _flag(name: str, field: Any) -> str:
         return f"`--projection NAME` (repeatable; {env} comma-separated)"
     if name == "sink":
         return f"`--sink MODULE:ATTR` (repeatable; {env} comma- or space-separated)"
-    if name == "webhook_secret":
+    if environment_only(field):
         return f"{env} (environment only)"
     flag = "--" + name.replace("_", "-")
     if field.annotation is bool:

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from ..settings import bounds, default_text, env_var
+from ..settings_base import environment_only
 from .values import log_level, partition_key
 
 
@@ -19,8 +20,8 @@ def add_setting_option(parser: argparse.ArgumentParser, name: str, field: FieldI
     default = default_text(name, field)
     help_text = (f"{field.description or name}" + (f" ({allowed})" if allowed else "")
                  + (" (required)" if default == "required" else f" (default {default})") + f" [env {env_var(name)}]")
-    if name == "webhook_secret":
-        return  # the environment or --webhook-secret-file only: a command line shows in `ps`
+    if environment_only(field):
+        return  # the environment or its *_file setting only: a command line shows in `ps`
     if field.annotation is bool:
         parser.add_argument(option, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     elif name == "projection":

@@ -168,3 +168,18 @@ def test_names_with_a_trailing_newline_are_refused() -> None:
         history.map_topic(None, "orders\n", "short")  # type: ignore[arg-type]  # refused before any SQL
     with pytest.raises(ConfigurationError):
         projection("totals\n", events=["x"], tables=["t"])(lambda event, tx: None)
+
+
+def test_no_validator_of_one_sinks_settings_hides_anothers() -> None:
+    """pydantic keys validators by method name: in RelaySettings, a base's ``_url`` silently replaced
+    another base's ``_url`` (the NATS sink's URL check never ran). Each name must be declared once."""
+    kinds = ("field_validators", "model_validators", "field_serializers", "model_serializers")
+    declared: dict[str, list[str]] = {}
+    for cls in RelaySettings.__mro__:
+        decorators = cls.__dict__.get("__pydantic_decorators__")
+        if decorators is not None:
+            names = {name for kind in kinds for name in getattr(decorators, kind)}
+            for name in names & cls.__dict__.keys():  # declared in this class's own body
+                declared.setdefault(name, []).append(cls.__qualname__)
+    assert declared, "no validators found: the check reads nothing"
+    assert not {n: c for n, c in declared.items() if len(c) > 1}
