@@ -18,6 +18,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from .dsn import remember_kafka_secrets
 from .errors import ConfigurationError
+from .redis_settings import RedisFields
 from .settings_base import (
     DAY,
     ENV_PREFIX,
@@ -37,7 +38,7 @@ from .settings_base import (
 from .webhook_settings import WebhookFields, WebhookSettings
 
 
-class RelaySettings(AttemptSettings, WebhookFields):
+class RelaySettings(AttemptSettings, WebhookFields, RedisFields):
     """The relay's settings: its own below; leases, attempts and the handler time limit (AttemptSettings) and
     the webhook sink's (WebhookFields) inherited."""
 
@@ -219,7 +220,8 @@ class RelaySettings(AttemptSettings, WebhookFields):
     @property
     def sinks(self) -> list[str]:
         return (([self.kafka_sink] if self.kafka else []) + list(self.projection)
-                + ([self.webhook_sink] if self.webhook_url else []))
+                + ([self.webhook_sink] if self.webhook_url else [])
+                + ([self.redis_sink] if self.redis_url else []))
 
     def require_kafka(self) -> str:
         """The bootstrap servers, or ConfigurationError saying how to give them."""
@@ -268,7 +270,8 @@ def listed_fields() -> dict[str, FieldInfo]:
     """``RelaySettings``' fields in the order ``run --help`` and docs/configuration.md list them: the relay's
     own as declared, each base's group after the option it belongs with (pydantic puts base fields first)."""
     fields = RelaySettings.model_fields
-    groups = {"sink": WebhookFields.model_fields, "housekeeping_seconds": AttemptSettings.model_fields}
+    groups = {"sink": {**WebhookFields.model_fields, **RedisFields.model_fields},
+              "housekeeping_seconds": AttemptSettings.model_fields}
     inherited = {name for group in groups.values() for name in group}
     listed: dict[str, FieldInfo] = {}
     for name, field in fields.items():
