@@ -66,7 +66,8 @@ class PrivateRedis:
     SIGCONT with ``pause``), on one port throughout, so that a client's URL stays valid."""
 
     def __init__(self, directory: Path, *args: str, tls: tuple[Path, Path] | None = None) -> None:
-        self.binary = os.environ.get("OUTBOX_TEST_REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.binary = (os.environ.get("OUTBOX_TEST_REDIS_SERVER") or shutil.which("redis-server")
+                       or "/usr/bin/redis-server")
         if not Path(self.binary).exists():
             pytest.skip("no redis-server binary")
         self.directory = directory
