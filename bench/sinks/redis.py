@@ -10,9 +10,10 @@ persistence: the same for both cases, so the ratio is the relay's own cost).
   sink (settings ``redis_url``, as ``outbox-relay run --redis-url``); timed from the commit to the last
   acknowledgement (the last entry's stream id, the server's clock). The plain loop: the same entries
   (``message.entry``), one ``XADD`` at a time, each reply waited for, from one thread.
-- latency: a producer process commits one event per transaction at ``--rate``/s for ``--seconds``;
+- latency: a producer process commits what is due every ``--tick-ms`` at ``--rate``/s for ``--seconds``;
   commit -> ack is the entry's stream id (server time, ms) minus the commit time. The plain loop sends
-  one ``XADD`` per tick at the same rate: its latency is send -> reply.
+  one ``XADD`` at a time at the same rate: its latency is send -> reply. The relay's own part: the same
+  producer and relay with a no-op ``EventSink`` (commit -> its ``deliver`` called).
 
 Medians of ``--runs`` (min-max); cases interleaved run by run.
 """
@@ -76,10 +77,11 @@ def last_ack_ms(client: redis.Redis, stream: str, n: int, timeout: float = 300) 
     return float(last.split(b"-")[0])
 
 
-def relay_for(dsn: str, port: int, prefix: str, concurrency: int) -> Relay:
-    relay = Relay(load_settings(dsn=dsn, worker_id="bench", kafka=False, redis_url=f"redis://127.0.0.1:{port}/0",
-                                redis_stream_prefix=prefix, redis_concurrency=concurrency, heartbeat_seconds=0.2,
-                                worker_ttl_seconds=1.0))
+def relay_for(dsn: str, port: int | None, prefix: str, concurrency: int, sinks: list[Any] | None = None) -> Relay:
+    redis_options: dict[str, Any] = {} if port is None else {
+        "redis_url": f"redis://127.0.0.1:{port}/0", "redis_stream_prefix": prefix, "redis_concurrency": concurrency}
+    relay = Relay(load_settings(dsn=dsn, worker_id="bench", kafka=False, heartbeat_seconds=0.2, worker_ttl_seconds=1.0,
+                                **redis_options), sinks=sinks or [])
     relay.start()
     deadline = time.monotonic() + 60
     while relay.readiness():
@@ -134,20 +136,28 @@ def drain_plain(port: int, args: argparse.Namespace) -> float:
     return rate
 
 
-def _produce(dsn: str, rate: float, seconds: float, out: Any) -> None:
+def _produce(dsn: str, rate: float, seconds: float, tick_ms: float, out: Any) -> None:
+    """What is due every ``tick_ms`` in one transaction (as bench/procs.py's latency producer)."""
     outbox = Outbox(default_topic="bench")
     commits: dict[str, float] = {}
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    total = int(rate * seconds)
+    tick = tick_ms / 1000
+    sent = 0
+    with psycopg.connect(dsn) as conn:
         start = time.perf_counter()
-        for i in range(int(rate * seconds)):
-            due = start + i / rate
-            wait = due - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
-            with conn.transaction():
-                published = outbox.publish(conn, type="bench.redis", key=f"k{i % 64}", payload={**PAYLOAD, "n": i})
-            commits[str(published.id)] = time.time() * 1000
-        out.put((commits, int(rate * seconds) / (time.perf_counter() - start)))
+        while sent < total:
+            due = min(total, int(rate * (time.perf_counter() - start))) - sent
+            if due > 0:
+                published = outbox.publish_many(conn, [
+                    {"type": "bench.redis", "key": f"k{(sent + n) % 64}", "payload": {**PAYLOAD, "n": sent + n}}
+                    for n in range(due)])
+                conn.commit()
+                committed = time.time() * 1000
+                commits.update((str(p.id), committed) for p in published)
+                sent += due
+            elapsed = time.perf_counter() - start
+            time.sleep(max(0.0, start + (int(elapsed / tick) + 1) * tick - time.perf_counter()))
+        out.put((commits, total / (time.perf_counter() - start)))
 
 
 def pct(values: list[float], p: float) -> float:
@@ -155,23 +165,42 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
 
 
-def latency_sink(pg: Postgres, port: int, args: argparse.Namespace) -> tuple[float, float, float]:
+class NoOp:
+    """An EventSink that only notes when each event reached it: the relay's own part of the latency."""
+
+    name = kind = "noop"
+
+    def __init__(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self.reached: dict[str, float] = {}
+
+    def deliver(self, event: SinkEvent) -> None:
+        self.reached[str(event.id)] = time.time() * 1000
+
+
+def latency_sink(pg: Postgres, port: int, args: argparse.Namespace, noop: bool = False) -> tuple[float, float, float]:
     name = pg.create_database()
     dsn = pg.dsn(name)
     migrate(dsn)
     prefix = f"l{uuid.uuid4().hex[:6]}:"
-    relay = relay_for(dsn, port, prefix, args.concurrency)
+    sink = NoOp(args.concurrency) if noop else None
+    relay = relay_for(dsn, None if noop else port, prefix, args.concurrency, [sink] if sink else None)
     client = redis.Redis(port=port)
     try:
         out: multiprocessing.Queue[Any] = multiprocessing.Queue()
-        producer = multiprocessing.Process(target=_produce, args=(dsn, args.rate, args.seconds, out))
+        producer = multiprocessing.Process(target=_produce, args=(dsn, args.rate, args.seconds, args.tick_ms, out))
         producer.start()
         commits, offered = out.get(timeout=args.seconds * 10 + 60)
         producer.join(30)
-        last_ack_ms(client, prefix + "bench", len(commits))
-        lat = []
-        for entry_id, fields in client.xrange(prefix + "bench"):
-            lat.append(float(entry_id.split(b"-")[0]) - commits[fields[b"id"].decode()])
+        if sink is not None:
+            deadline = time.monotonic() + 60
+            while len(sink.reached) < len(commits) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            lat = [at - commits[i] for i, at in sink.reached.items()]
+        else:
+            last_ack_ms(client, prefix + "bench", len(commits))
+            lat = [float(entry_id.split(b"-")[0]) - commits[fields[b"id"].decode()]
+                   for entry_id, fields in client.xrange(prefix + "bench")]
         return pct(lat, 0.5), pct(lat, 0.99), offered
     finally:
         relay.drain(60)
@@ -211,11 +240,14 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=64)
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--tick-ms", type=float, default=5.0,
+                        help="latency: the producer commits what is due this often")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--drain-only", action="store_true", help="skip the latency cases")
     args = parser.parse_args()
     drains: dict[str, list[float]] = {"sink": [], "plain": []}
-    lats: dict[str, list[tuple[float, float, float]]] = {"sink": [], "plain": []}
+    lats: dict[str, list[tuple[float, float, float]]] = {"sink": [], "plain": [], "noop": []}
     with tempfile.TemporaryDirectory() as tmp:
         proc, port = redis_server(Path(tmp))
         pg = Postgres(Path(tmp))
@@ -224,8 +256,10 @@ def main() -> int:
                 print(f"run {run + 1}/{args.runs}", file=sys.stderr, flush=True)
                 drains["plain"].append(drain_plain(port, args))
                 drains["sink"].append(drain_sink(pg, port, args))
-                lats["plain"].append(latency_plain(port, args))
-                lats["sink"].append(latency_sink(pg, port, args))
+                if not args.drain_only:
+                    lats["plain"].append(latency_plain(port, args))
+                    lats["sink"].append(latency_sink(pg, port, args))
+                    lats["noop"].append(latency_sink(pg, port, args, noop=True))
         finally:
             pg.stop()
             proc.terminate()
@@ -240,9 +274,13 @@ def main() -> int:
     print("| case | events/s |\n|---|---|")
     print(f"| plain loop (one XADD at a time, reply waited) | {span(drains['plain'])} |")
     print(f"| sink (relay, commit -> last ack) | {span(drains['sink'])} ({ratio:.2f}x plain) |\n")
-    print(f"latency at {args.rate:g} events/s for {args.seconds:g} s\n")
+    if args.drain_only:
+        return 0
+    print(f"latency at {args.rate:g} events/s for {args.seconds:g} s, the producer committing every "
+          f"{args.tick_ms:g} ms\n")
     print("| case | p50 ms | p99 ms | offered rate reached |\n|---|---|---|---|")
-    for name, label in (("plain", "plain loop (send -> reply)"), ("sink", "sink (commit -> ack)")):
+    for name, label in (("plain", "plain loop (send -> reply)"), ("sink", "sink (commit -> ack)"),
+                        ("noop", "relay with a no-op EventSink (commit -> deliver called)")):
         rows = lats[name]
         print(f"| {label} | {span([r[0] for r in rows], '{:.2f}')} | {span([r[1] for r in rows], '{:.2f}')} | "
               f"{span([r[2] for r in rows])}/s |")

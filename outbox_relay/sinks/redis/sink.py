@@ -76,8 +76,9 @@ class RedisStreamsSink:
             raise ConfigurationError("give the Redis password once: in the URL, or as a password file, not both")
         if password_file is not None:
             password = read_password(password_file)
+        # Room for the lanes, and for calls past the time limit that still hold a connection until their timeout.
         self._client = connect(target, password=password, timeout_seconds=timeout_seconds,
-                               max_connections=concurrency + 2, ca_file=ca_file, client_cert=client_cert,
+                               max_connections=2 * concurrency + 2, ca_file=ca_file, client_cert=client_cert,
                                client_key=client_key, verify_tls=verify_tls)
         if target.tls and not verify_tls:
             log.warning("redis sink %s: TLS certificate verification is OFF for %s", name, self.endpoint)
