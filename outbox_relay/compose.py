@@ -70,6 +70,13 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
                                 handler_timeout_seconds=s.handler_timeout_seconds, where="--nats-url")
         nats.observer = observer
         sinks.append(nats)
+    if s.redis_url:
+        from .sinks.redis import from_settings as redis_from_settings
+
+        redis = EventSinkAdapter(redis_from_settings(s, source=s.source, default_topic=s.default_topic),
+                                 handler_timeout_seconds=s.handler_timeout_seconds, where="--redis-url")
+        redis.observer = observer
+        sinks.append(redis)
     for given in extra:
         sinks.append(as_engine_sink(given, s.handler_timeout_seconds, observer))
     names = [made.name for made in sinks]
