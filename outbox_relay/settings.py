@@ -18,6 +18,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from .dsn import remember_kafka_secrets
 from .errors import ConfigurationError
+from .rabbitmq_settings import RabbitMQFields
 from .settings_base import (
     DAY,
     ENV_PREFIX,
@@ -37,9 +38,9 @@ from .settings_base import (
 from .webhook_settings import WebhookFields, WebhookSettings
 
 
-class RelaySettings(AttemptSettings, WebhookFields):
+class RelaySettings(AttemptSettings, WebhookFields, RabbitMQFields):
     """The relay's settings: its own below; leases, attempts and the handler time limit (AttemptSettings) and
-    the webhook sink's (WebhookFields) inherited."""
+    the webhook sink's (WebhookFields) and the RabbitMQ sink's (RabbitMQFields) inherited."""
 
     model_config = SettingsConfigDict(extra="forbid")
 
@@ -219,7 +220,8 @@ class RelaySettings(AttemptSettings, WebhookFields):
     @property
     def sinks(self) -> list[str]:
         return (([self.kafka_sink] if self.kafka else []) + list(self.projection)
-                + ([self.webhook_sink] if self.webhook_url else []))
+                + ([self.webhook_sink] if self.webhook_url else [])
+                + ([self.rabbitmq_sink] if self.rabbitmq_url else []))
 
     def require_kafka(self) -> str:
         """The bootstrap servers, or ConfigurationError saying how to give them."""
@@ -258,7 +260,7 @@ def describe_validation_error(exc: ValidationError) -> str:
         else:
             name = loc[0]
             where = f" ({flag(name)}, {env_var(name)})" if name in RelaySettings.model_fields else ""
-            if name == "webhook_secret":  # no command-line option (a command line shows in `ps`)
+            if name in ("webhook_secret", "rabbitmq_password"):  # no command-line option (a command line shows in `ps`)
                 where = f" ({env_var(name)})"
             problems.append(f"{name}{where}: {message}")
     return "; ".join(problems)
@@ -268,7 +270,8 @@ def listed_fields() -> dict[str, FieldInfo]:
     """``RelaySettings``' fields in the order ``run --help`` and docs/configuration.md list them: the relay's
     own as declared, each base's group after the option it belongs with (pydantic puts base fields first)."""
     fields = RelaySettings.model_fields
-    groups = {"sink": WebhookFields.model_fields, "housekeeping_seconds": AttemptSettings.model_fields}
+    groups = {"sink": {**WebhookFields.model_fields, **RabbitMQFields.model_fields},
+              "housekeeping_seconds": AttemptSettings.model_fields}
     inherited = {name for group in groups.values() for name in group}
     listed: dict[str, FieldInfo] = {}
     for name, field in fields.items():

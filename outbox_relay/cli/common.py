@@ -46,7 +46,7 @@ def _add_setting(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -
     default = default_text(name, field)
     help_text = (f"{field.description or name}" + (f" ({allowed})" if allowed else "")
                  + (" (required)" if default == "required" else f" (default {default})") + f" [env {env_var(name)}]")
-    if name == "webhook_secret":
+    if name in ("webhook_secret", "rabbitmq_password"):
         return  # the environment or --webhook-secret-file only: a command line shows in `ps`
     if field.annotation is bool:
         parser.add_argument(option, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
