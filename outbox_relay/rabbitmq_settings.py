@@ -17,7 +17,7 @@ from .settings_base import SINK_NAME, TOPIC_NAME, SettingsBase
 ExchangeType = Literal["direct", "topic", "fanout", "headers", "x-consistent-hash"]
 
 
-def _names(value: Any) -> Any:
+def _rabbitmq_names_list(value: Any) -> Any:
     return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
 
 
@@ -39,7 +39,7 @@ class RabbitMQFields(SettingsBase):
     rabbitmq_concurrency: int = Field(
         default=4, ge=1, le=256,
         description="rabbitmq: keys published at once, one connection each (each key stays in order)")
-    rabbitmq_topics: Annotated[list[str], NoDecode, BeforeValidator(_names)] = Field(
+    rabbitmq_topics: Annotated[list[str], NoDecode, BeforeValidator(_rabbitmq_names_list)] = Field(
         default_factory=list, description="rabbitmq: only events of these topics (comma-separated; none: all)")
     rabbitmq_default_exchange: str | None = Field(
         default=None, min_length=1, max_length=249,
@@ -48,7 +48,7 @@ class RabbitMQFields(SettingsBase):
         default=None,
         description="rabbitmq: declare each exchange (durable) of this type if it is missing; none: declare nothing "
                     "(a missing exchange holds its events until it exists)")
-    rabbitmq_queues: Annotated[list[str], NoDecode, BeforeValidator(_names)] = Field(
+    rabbitmq_queues: Annotated[list[str], NoDecode, BeforeValidator(_rabbitmq_names_list)] = Field(
         default_factory=list,
         description="rabbitmq: queues bound to the sink's exchanges, which `outbox-relay verify` reads back (their "
                     "messages are read and requeued; comma-separated)")
@@ -65,6 +65,10 @@ class RabbitMQFields(SettingsBase):
         default=60.0, ge=1, le=3600,
         description="rabbitmq: drop a connection the broker blocked this long (a memory or disk alarm); its events "
                     "wait")
+    rabbitmq_unavailable_seconds: float = Field(
+        default=5.0, ge=0.01, le=3600,
+        description="rabbitmq: wait this long before trying again after the broker was unreachable, returned a "
+                    "message unroutable or refused it (nack); the events wait meanwhile")
     rabbitmq_ca_file: Path | None = Field(
         default=None, description="rabbitmq: trust the broker's certificate from this CA file (PEM), amqps:// only")
     rabbitmq_client_cert: Path | None = Field(
@@ -77,7 +81,7 @@ class RabbitMQFields(SettingsBase):
 
     @field_validator("rabbitmq_url")
     @classmethod
-    def _url(cls, value: str | None) -> str | None:
+    def _rabbitmq_url(cls, value: str | None) -> str | None:
         if value is not None:
             from .sinks.rabbitmq.connection import check_url  # the sink's own check (no client library needed)
 
@@ -89,14 +93,14 @@ class RabbitMQFields(SettingsBase):
 
     @field_validator("rabbitmq_password")
     @classmethod
-    def _password(cls, value: SecretStr | None) -> SecretStr | None:
+    def _rabbitmq_password(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
             remember_secret(value.get_secret_value())
         return value
 
     @field_validator("rabbitmq_topics", "rabbitmq_queues")
     @classmethod
-    def _topics(cls, value: list[str]) -> list[str]:
+    def _rabbitmq_names(cls, value: list[str]) -> list[str]:
         from .sinks.rabbitmq.connection import check_name
 
         for name in value:
@@ -108,7 +112,7 @@ class RabbitMQFields(SettingsBase):
 
     @field_validator("rabbitmq_default_exchange")
     @classmethod
-    def _exchange(cls, value: str | None) -> str | None:
+    def _rabbitmq_exchange(cls, value: str | None) -> str | None:
         if value is not None and not TOPIC_NAME.match(value):
             raise ValueError(f"{value[:64]!r} is not an exchange name the sink publishes to (1-249 characters of "
                              "A-Z a-z 0-9 . _ -, as topics)")

@@ -245,7 +245,8 @@ def from_settings(settings: RabbitMQFields, source: str | None = None) -> Rabbit
         topics=s.rabbitmq_topics or None, default_exchange=s.rabbitmq_default_exchange,
         declare_exchange=s.rabbitmq_declare_exchange, max_message_bytes=s.rabbitmq_max_message_bytes,
         heartbeat_seconds=s.rabbitmq_heartbeat_seconds, connect_timeout_seconds=s.rabbitmq_connect_timeout_seconds,
-        blocked_timeout_seconds=s.rabbitmq_blocked_timeout_seconds, tls=tls)
+        blocked_timeout_seconds=s.rabbitmq_blocked_timeout_seconds, tls=tls,
+        unavailable_seconds=s.rabbitmq_unavailable_seconds)
 
 
 def from_env() -> RabbitMQSink:
