@@ -29,6 +29,7 @@ from outbox_relay.settings import load_settings
 from outbox_relay.sinks import GiveUp, SinkEvent, SinkUnavailable
 from outbox_relay.sinks.rabbitmq import RabbitMQSink, from_settings
 from outbox_relay.sinks.rabbitmq.readback import read_back
+from outbox_relay.sinks.rabbitmq.sink import refusal
 from outbox_relay.testing import SinkContract
 from tests.faults.proxy import Proxy
 from tests.integration.relay_helpers import dead_letters, make_settings, running
@@ -167,8 +168,8 @@ def test_the_message_is_the_cloudevents_amqp_binding_with_the_event_id_as_messag
     assert (msg.exchange, msg.key) == (orders, "order:7")  # routing key = partition key
     assert p.message_id == str(event_id) and p.delivery_mode == 2 and p.content_type == "application/json"
     with psycopg.connect(dsn) as conn:
-        stored = conn.execute("SELECT payload::text, coalesce(occurred_at, created_at) FROM outbox.events WHERE id = %s",
-                              (event_id,)).fetchone()
+        stored = conn.execute("SELECT payload::text, coalesce(occurred_at, created_at) FROM outbox.events "
+                              "WHERE id = %s", (event_id,)).fetchone()
     assert stored is not None and msg.body == stored[0].encode()  # the stored JSON, as is
     headers = p.headers
     assert headers["cloudEvents_id"] == str(event_id)
@@ -263,14 +264,10 @@ def test_faults_of_the_event_are_dead_lettered_with_their_reason(dsn: str, ns: N
 def test_the_broker_refusing_a_message_for_its_size_is_the_events_fault() -> None:
     """The broker's own size check (max_message_size, server-wide: not changed on a shared broker) closes the
     channel with 406; the sink reads that as the event's fault, and any other close as the sink's."""
-    import pika
-
-    sink = RabbitMQSink("amqp://127.0.0.1/")
-    too_big = pika.exceptions.ChannelClosedByBroker(406, "PRECONDITION_FAILED - message size 200 is larger than "
-                                                    "configured max size 100")
-    assert isinstance(sink._channel_closed(too_big, "x"), GiveUp)  # noqa: SLF001 - the classification alone
-    with pytest.raises(SinkUnavailable, match="may not write"):
-        sink._channel_closed(pika.exceptions.ChannelClosedByBroker(403, "ACCESS_REFUSED"), "x")  # noqa: SLF001
+    assert isinstance(refusal(406, "PRECONDITION_FAILED - message size 200 is larger than configured max size 100",
+                              "x"), GiveUp)
+    assert "may not write" in str(refusal(403, "ACCESS_REFUSED", "x"))
+    assert "does not exist" in str(refusal(404, "NOT_FOUND - no exchange 'x'", "x"))
 
 
 def test_broker_down_and_credentials_refused_hold_and_say_so_without_the_password(broker: str) -> None:

@@ -129,7 +129,11 @@ class RabbitMQSink:
                 except errors.ChannelClosedByBroker as exc:
                     link.channel = None
                     link.declared.clear()
-                    return self._channel_closed(exc, message.exchange)
+                    why = refusal(int(exc.reply_code), str(exc.reply_text), message.exchange)
+                    if isinstance(why, GiveUp):
+                        return GiveUp(f"{self.endpoint}: {why.reason}")
+                    raise SinkUnavailable(f"{self.endpoint}: {why}; its events wait",
+                                          self.broker.unavailable_seconds) from None
                 except (errors.AMQPError, OSError, AssertionError) as exc:
                     # AssertionError: pika's own checks on a connection it found dead midway.
                     self._drop(link)
@@ -192,21 +196,6 @@ class RabbitMQSink:
             link.declared.add(exchange)
         return link.channel
 
-    def _channel_closed(self, exc: Any, exchange: str) -> GiveUp:
-        """The broker closed the channel over this message: its size is the event's fault, the rest the sink's."""
-        code, text = exc.reply_code, str(exc.reply_text)
-        if code == 406 and "max size" in text:
-            return GiveUp(f"{self.endpoint}: the broker refused the message for its size: {text}")
-        if code == 404:
-            why = f"exchange {exchange!r} does not exist (declare it, or pass --rabbitmq-declare-exchange TYPE)"
-        elif code == 403:
-            why = f"the user may not write to exchange {exchange!r} ({text})"
-        elif code == 406:
-            why = f"exchange {exchange!r} is not what --rabbitmq-declare-exchange asks for ({text})"
-        else:
-            why = f"the broker closed the channel: {code} {text}"
-        raise SinkUnavailable(f"{self.endpoint}: {why}; its events wait", self.broker.unavailable_seconds)
-
     def _forget(self, link: Link) -> None:
         with self._lock:
             self._links.discard(link)
@@ -216,6 +205,20 @@ class RabbitMQSink:
         if getattr(self._local, "link", None) is link:
             self._local.link = None
         _close(link)
+
+
+def refusal(code: int, text: str, exchange: str) -> GiveUp | str:
+    """Why the broker closed the channel over a message: GiveUp if for the message's size (the event's fault),
+    else the reason the sink is held."""
+    if code == 406 and "max size" in text:
+        return GiveUp(f"the broker refused the message for its size: {text}")
+    if code == 404:
+        return f"exchange {exchange!r} does not exist (declare it, or pass --rabbitmq-declare-exchange TYPE)"
+    if code == 403:
+        return f"the user may not write to exchange {exchange!r} ({text})"
+    if code == 406:
+        return f"exchange {exchange!r} is not what --rabbitmq-declare-exchange asks for ({text})"
+    return f"the broker closed the channel: {code} {text}"
 
 
 def _close(link: Link) -> None:
@@ -263,4 +266,4 @@ def from_env() -> RabbitMQSink:
     return from_settings(settings, settings.source)
 
 
-__all__ = ["RabbitMQSink", "from_env", "from_settings"]
+__all__ = ["RabbitMQSink", "from_env", "from_settings", "refusal"]
