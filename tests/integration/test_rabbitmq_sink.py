@@ -8,6 +8,7 @@ own exchanges and queues (a uuid prefix), deleted at its end.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -221,6 +222,33 @@ def test_a_nack_holds_the_event_until_the_broker_takes_it(dsn: str, ns: Namespac
             got.extend(r.id for r in take_all(queue))
     assert got == ids
     assert dead_letters(dsn, SINK) == {}
+
+
+def test_a_publish_cut_off_before_its_confirm_is_sent_again(ns: Namespace, broker: str) -> None:
+    """The ack handling: deliver() returns only once the broker confirmed. A publish held in the network (the
+    proxy stalled) is still waiting; when the connection is cut, that message never reached the broker, and the
+    sink sends it again on a new connection. A sink that answered before the confirm, or took a lost connection
+    for a delivery, would lose it."""
+    orders = ns.exchange("orders", "topic")
+    queue = ns.queue("orders", bind=orders)
+    proxy = Proxy("rabbitmq", ("127.0.0.1", 5672)).start()
+    sink = RabbitMQSink(f"amqp://guest:guest@127.0.0.1:{proxy.port}/", unavailable_seconds=0.1)
+    lane = concurrent.futures.ThreadPoolExecutor(1)  # one thread, as one of the adapter's lanes: its connection
+    try:
+        first, second = event(orders), event(orders)
+        assert lane.submit(sink.deliver, first).result(10) is not None
+        proxy.stall()
+        publishing = lane.submit(sink.deliver, second)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            publishing.result(0.5)  # "deliver() returned before the broker could confirm" otherwise
+        proxy.cut()
+        proxy.resume()
+        assert type(publishing.result(10)).__name__ == "Delivered"
+        assert [r.id for r in take_all(queue)] == [first.id, second.id]
+    finally:
+        lane.shutdown()
+        sink.close()
+        proxy.close()
 
 
 def test_a_missing_exchange_holds_until_it_exists_or_is_declared(dsn: str, ns: Namespace, broker: str) -> None:

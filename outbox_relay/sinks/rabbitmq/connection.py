@@ -35,6 +35,12 @@ def client() -> ModuleType:
         import pika
     except ImportError:
         raise ConfigurationError(EXTRA) from None
+    quiet = logging.getLogger("pika")
+    if quiet.level == logging.NOTSET:
+        # pika logs each connection's steps at INFO and each failure it raises at ERROR with a traceback, on every
+        # attempt while a broker is away; the sink reports those failures itself (the reason its events wait).
+        # Configure the "pika" logger to see its lines.
+        quiet.setLevel(logging.CRITICAL)
     module: ModuleType = pika
     return module
 
