@@ -49,7 +49,7 @@ def _flag(name: str, field: Any) -> str:
         return f"`--projection NAME` (repeatable; {env} comma-separated)"
     if name == "sink":
         return f"`--sink MODULE:ATTR` (repeatable; {env} comma- or space-separated)"
-    if name == "webhook_secret":
+    if name in ("webhook_secret", "rabbitmq_password"):
         return f"{env} (environment only)"
     flag = "--" + name.replace("_", "-")
     if field.annotation is bool:
