@@ -370,13 +370,21 @@ def test_run_help_lists_the_rabbitmq_options_and_no_password_option() -> None:
     assert "--rabbitmq-password " not in out and "--rabbitmq-password\n" not in out
 
 
-def test_import_outbox_relay_does_not_load_pika() -> None:
+def test_import_outbox_relay_does_not_load_pika_and_a_missing_extra_is_one_clear_error() -> None:
     import subprocess
     import sys
 
-    code = "import sys, outbox_relay, outbox_relay.compose, outbox_relay.sinks.rabbitmq; print('pika' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          timeout=60).stdout.strip() == "False"
+    code = ("import sys, outbox_relay, outbox_relay.compose, outbox_relay.sinks.rabbitmq\n"
+            "print('pika' in sys.modules)\n"
+            "sys.modules['pika'] = None  # as if the extra were not installed\n"
+            "from outbox_relay.errors import ConfigurationError\n"
+            "try:\n"
+            "    outbox_relay.sinks.rabbitmq.RabbitMQSink('amqp://h/')\n"
+            "except ConfigurationError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
+    assert out.splitlines() == ["False",
+                                "the rabbitmq sink needs `pip install outbox-relay[rabbitmq]` (the pika client)"]
 
 
 # -- read-back and order across consumers ----------------------------------------------------------

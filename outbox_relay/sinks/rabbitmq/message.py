@@ -40,10 +40,8 @@ class Message:
     headers: dict[str, Any]
     timestamp: int  # seconds since the epoch (the AMQP timestamp property)
 
-    def properties(self, event_id: str) -> Any:
-        from .connection import client
-
-        return client().BasicProperties(
+    def properties(self, event_id: str, pika: Any) -> Any:
+        return pika.BasicProperties(
             content_type=CONTENT_TYPE, delivery_mode=PERSISTENT, message_id=event_id, timestamp=self.timestamp,
             headers=self.headers)
 

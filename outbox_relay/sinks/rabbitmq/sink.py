@@ -65,6 +65,8 @@ class RabbitMQSink:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, heartbeat_seconds: int = 15,
                  connect_timeout_seconds: float = 5.0, blocked_timeout_seconds: float = 60.0,
                  tls: Tls | None = None, unavailable_seconds: float = 5.0) -> None:
+        # At start-up, not at the first event: a missing extra is a ConfigurationError, never a retry.
+        self._pika = client()
         self.name = name
         self.source = source
         if not 1 <= concurrency <= MAX_CONCURRENCY:
@@ -105,9 +107,8 @@ class RabbitMQSink:
                              max_bytes=self.max_message_bytes)
         if isinstance(message, GiveUp):
             return message
-        pika = client()
-        errors = pika.exceptions
-        properties = message.properties(str(event.id))
+        errors = self._pika.exceptions
+        properties = message.properties(str(event.id), self._pika)
         for fresh in (False, True):
             link = self._link(fresh)
             reused = link.used
