@@ -357,19 +357,6 @@ def test_settings_build_the_sink_and_keep_the_password_out_of_errors(tmp_path: P
     assert "not both" in str(both.value) and secret not in str(both.value)
 
 
-def test_run_help_lists_the_rabbitmq_options_and_no_password_option() -> None:
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "outbox_relay.cli", "run", "--help"], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
-    for option in ("--rabbitmq-url", "--rabbitmq-sink", "--rabbitmq-concurrency", "--rabbitmq-topics",
-                   "--rabbitmq-default-exchange", "--rabbitmq-declare-exchange", "--rabbitmq-password-file",
-                   "--rabbitmq-queues", "OUTBOX_RABBITMQ_URL"):
-        assert option in out
-    assert "--rabbitmq-password " not in out and "--rabbitmq-password\n" not in out
-
-
 def test_import_outbox_relay_does_not_load_pika_and_a_missing_extra_is_one_clear_error() -> None:
     import subprocess
     import sys
