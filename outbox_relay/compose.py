@@ -77,6 +77,13 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
                                  handler_timeout_seconds=s.handler_timeout_seconds, where="--redis-url")
         redis.observer = observer
         sinks.append(redis)
+    if s.rabbitmq_url:
+        from .sinks.rabbitmq import from_settings as rabbitmq_from_settings
+
+        rabbitmq = EventSinkAdapter(rabbitmq_from_settings(s, s.source),
+                                    handler_timeout_seconds=s.handler_timeout_seconds, where="--rabbitmq-url")
+        rabbitmq.observer = observer
+        sinks.append(rabbitmq)
     for given in extra:
         sinks.append(as_engine_sink(given, s.handler_timeout_seconds, observer))
     names = [made.name for made in sinks]

@@ -19,6 +19,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 from .dsn import remember_kafka_secrets
 from .errors import ConfigurationError
 from .nats_settings import NatsFields
+from .rabbitmq_settings import RabbitMQFields
 from .redis_settings import RedisFields
 from .settings_base import (
     DAY,
@@ -43,9 +44,10 @@ from .webhook_settings import WebhookFields, WebhookSettings
 ROUTED_BY_VALUE = "${routedByValue}"
 
 
-class RelaySettings(AttemptSettings, WebhookFields, NatsFields, RedisFields):
+
+class RelaySettings(AttemptSettings, WebhookFields, NatsFields, RedisFields, RabbitMQFields):
     """The relay's settings: its own below; leases, attempts and the handler time limit (AttemptSettings) and
-    the sinks' (WebhookFields, NatsFields, RedisFields, ...) inherited."""
+    the sinks' (WebhookFields, NatsFields, RedisFields, RabbitMQFields) inherited."""
 
     model_config = SettingsConfigDict(extra="forbid")
 
@@ -248,7 +250,8 @@ class RelaySettings(AttemptSettings, WebhookFields, NatsFields, RedisFields):
         return (([self.kafka_sink] if self.kafka else []) + list(self.projection)
                 + ([self.webhook_sink] if self.webhook_url else [])
                 + ([self.nats_sink] if self.nats_url else [])
-                + ([self.redis_sink] if self.redis_url else []))
+                + ([self.redis_sink] if self.redis_url else [])
+                + ([self.rabbitmq_sink] if self.rabbitmq_url else []))
 
     def require_kafka(self) -> str:
         """The bootstrap servers, or ConfigurationError saying how to give them."""
@@ -298,7 +301,8 @@ def listed_fields() -> dict[str, FieldInfo]:
     """``RelaySettings``' fields in the order ``run --help`` and docs/configuration.md list them: the relay's
     own as declared, each base's group after the option it belongs with (pydantic puts base fields first)."""
     fields = RelaySettings.model_fields
-    groups = {"sink": {**WebhookFields.model_fields, **NatsFields.model_fields, **RedisFields.model_fields},
+    sink_fields = (WebhookFields, NatsFields, RedisFields, RabbitMQFields)
+    groups = {"sink": {name: f for cls in sink_fields for name, f in cls.model_fields.items()},
               "housekeeping_seconds": AttemptSettings.model_fields}
     inherited = {name for group in groups.values() for name in group}
     listed: dict[str, FieldInfo] = {}

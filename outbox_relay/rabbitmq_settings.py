@@ -1,0 +1,154 @@
+"""The RabbitMQ sink's settings (outbox_relay.sinks.rabbitmq): :class:`RabbitMQFields`, which ``RelaySettings``
+extends (``outbox-relay run --rabbitmq-url ...``), and :class:`RabbitMQSettings`, the same alone
+(``--sink outbox_relay.sinks.rabbitmq:from_env``). Every field is read from ``OUTBOX_RABBITMQ_<FIELD>``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from .dsn import remember_secret
+from .errors import ConfigurationError
+from .settings_base import ENVIRONMENT_ONLY, SINK_NAME, TOPIC_NAME, SettingsBase
+
+ExchangeType = Literal["direct", "topic", "fanout", "headers", "x-consistent-hash"]
+
+
+def _rabbitmq_names_list(value: Any) -> Any:
+    return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
+
+
+class RabbitMQFields(SettingsBase):
+    """The RabbitMQ sink's settings, on when ``rabbitmq_url`` is set."""
+
+    rabbitmq_url: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="publish every event to this broker, amqp[s]://user@host:port/vhost (turns the RabbitMQ sink on; "
+                    "a password in it is masked in logs, better --rabbitmq-password-file; see docs/sinks/rabbitmq.md)")
+    rabbitmq_sink: str = Field(
+        default="rabbitmq", min_length=1, max_length=63,
+        description="sink name of the RabbitMQ delivery (its own cursors)")
+    rabbitmq_password: SecretStr | None = Field(
+        default=None, json_schema_extra=ENVIRONMENT_ONLY,
+        description="the RabbitMQ password, instead of the URL's (environment only, or --rabbitmq-password-file; "
+                    "never logged)")
+    rabbitmq_password_file: Path | None = Field(
+        default=None, description="read the RabbitMQ password from this file (one trailing newline dropped)")
+    rabbitmq_concurrency: int = Field(
+        default=4, ge=1, le=256,
+        description="rabbitmq: keys published at once, one connection each (each key stays in order)")
+    rabbitmq_topics: Annotated[list[str], NoDecode, BeforeValidator(_rabbitmq_names_list)] = Field(
+        default_factory=list, description="rabbitmq: only events of these topics (comma-separated; none: all)")
+    rabbitmq_default_exchange: str | None = Field(
+        default=None, min_length=1, max_length=249,
+        description="rabbitmq: exchange of the events published without a topic (an event's topic is its exchange)")
+    rabbitmq_declare_exchange: ExchangeType | None = Field(
+        default=None,
+        description="rabbitmq: declare each exchange (durable) of this type if it is missing; none: declare nothing "
+                    "(a missing exchange holds its events until it exists)")
+    rabbitmq_queues: Annotated[list[str], NoDecode, BeforeValidator(_rabbitmq_names_list)] = Field(
+        default_factory=list,
+        description="rabbitmq: queues bound to the sink's exchanges, which `outbox-relay verify` reads back (their "
+                    "messages are read and requeued; comma-separated)")
+    rabbitmq_max_message_bytes: int = Field(
+        default=128 * 1024 * 1024, ge=1, le=512 * 1024 * 1024,
+        description="rabbitmq: dead-letter a message larger than this without sending it (the broker's "
+                    "max_message_size)")
+    rabbitmq_heartbeat_seconds: int = Field(
+        default=15, ge=0, le=600,
+        description="rabbitmq: AMQP heartbeat (a broker silent about twice this long counts as lost; 0: off)")
+    rabbitmq_connect_timeout_seconds: float = Field(
+        default=5.0, ge=0.01, le=600, description="rabbitmq: seconds to connect before the broker counts as down")
+    rabbitmq_blocked_timeout_seconds: float = Field(
+        default=60.0, ge=1, le=3600,
+        description="rabbitmq: drop a connection the broker blocked this long (a memory or disk alarm); its events "
+                    "wait")
+    rabbitmq_unavailable_seconds: float = Field(
+        default=5.0, ge=0.01, le=3600,
+        description="rabbitmq: wait this long before trying again after the broker was unreachable, returned a "
+                    "message unroutable or refused it (nack); the events wait meanwhile")
+    rabbitmq_ca_file: Path | None = Field(
+        default=None, description="rabbitmq: trust the broker's certificate from this CA file (PEM), amqps:// only")
+    rabbitmq_client_cert: Path | None = Field(
+        default=None, description="rabbitmq: client certificate (PEM) for mutual TLS (EXTERNAL auth if no password)")
+    rabbitmq_client_key: Path | None = Field(
+        default=None,
+        description="rabbitmq: the client certificate's private key (PEM), if not in the certificate file")
+    rabbitmq_tls_verify: bool = Field(
+        default=True, description="rabbitmq: verify the broker's TLS certificate (turn off only for tests)")
+
+    @field_validator("rabbitmq_url")
+    @classmethod
+    def _rabbitmq_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            from .sinks.rabbitmq.connection import check_url  # the sink's own check (no client library needed)
+
+            try:
+                check_url(value)  # remembers its password for redaction first
+            except ConfigurationError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("rabbitmq_password")
+    @classmethod
+    def _rabbitmq_password(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            remember_secret(value.get_secret_value())
+        return value
+
+    @field_validator("rabbitmq_topics", "rabbitmq_queues")
+    @classmethod
+    def _rabbitmq_names(cls, value: list[str]) -> list[str]:
+        from .sinks.rabbitmq.connection import check_name
+
+        for name in value:
+            try:
+                check_name(name, "name")
+            except ConfigurationError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("rabbitmq_default_exchange")
+    @classmethod
+    def _rabbitmq_exchange(cls, value: str | None) -> str | None:
+        if value is not None and not TOPIC_NAME.match(value):
+            raise ValueError(f"{value[:64]!r} is not an exchange name the sink publishes to (1-249 characters of "
+                             "A-Z a-z 0-9 . _ -, as topics)")
+        return value
+
+    @model_validator(mode="after")
+    def _rabbitmq(self) -> RabbitMQFields:
+        if not SINK_NAME.match(self.rabbitmq_sink):
+            raise ValueError("rabbitmq_sink: a sink name is 1-63 characters of a-z 0-9 _ . : - and starts with a "
+                             "letter or digit")
+        if self.rabbitmq_password is not None and self.rabbitmq_password_file is not None:
+            raise ValueError("give the RabbitMQ password once: --rabbitmq-password-file or OUTBOX_RABBITMQ_PASSWORD, "
+                             "not both")
+        if self.rabbitmq_url is None:
+            return self
+        if self.rabbitmq_password_file is not None:
+            from .sinks.rabbitmq.connection import read_password
+
+            try:
+                read_password(self.rabbitmq_password_file)  # at start-up, and remembered for redaction
+            except ConfigurationError as exc:
+                raise ValueError(str(exc)) from None
+        tls = (self.rabbitmq_ca_file or self.rabbitmq_client_cert or self.rabbitmq_client_key
+               or not self.rabbitmq_tls_verify)
+        if tls and not self.rabbitmq_url.strip().lower().startswith("amqps:"):
+            raise ValueError("RabbitMQ TLS settings (CA file, client certificate, verify off) need an amqps:// URL")
+        if self.rabbitmq_client_key is not None and self.rabbitmq_client_cert is None:
+            raise ValueError("--rabbitmq-client-key needs --rabbitmq-client-cert")
+        return self
+
+
+class RabbitMQSettings(RabbitMQFields):
+    """The RabbitMQ sink's settings alone, from ``OUTBOX_RABBITMQ_*`` (and ``OUTBOX_SOURCE``)."""
+
+    model_config = SettingsConfigDict(extra="ignore")
+
+    source: str = Field(default="outbox-relay", min_length=1, max_length=1000,
+                        description="CloudEvents source attribute")
