@@ -26,43 +26,52 @@ def _default(name: str, field: Any) -> str:
         if name == "worker_id":
             return "host-pid"
         empty = field.default_factory()
-        return "(none)" if not empty and isinstance(empty, list) else f"`{empty}`"
+        return "" if not empty and isinstance(empty, list) else f"`{empty}`"
     value = field.default
     if field.is_required():
         return "**required**"
     if value is PydanticUndefined or value is None:
-        return "(none)"
+        return ""  # an empty cell: no default
     if hasattr(value, "get_secret_value"):
         value = value.get_secret_value()
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return f"`{value}`"
+    return str(value) if isinstance(value, int | float) else f"`{value}`"
 
 
 def _flag(name: str, field: Any) -> str:
     """The option, and its variable where it is not the option's name (``--a-b`` is ``OUTBOX_A_B``)."""
     env = f"`{ENV_PREFIX}{name.upper()}`"
-    if name == "kafka_config":
-        return f"`--kafka-option KEY=VALUE` (repeatable; `KEY=@PATH` reads the value from a file); {env} (JSON object)"
-    if name == "projection":
-        return f"`--projection NAME` (repeatable; {env} comma-separated)"
-    if name == "sink":
-        return f"`--sink MODULE:ATTR` (repeatable; {env} comma- or space-separated)"
+    if name == "kafka_config":  # the meaning says what @PATH does
+        return f"`--kafka-option KEY=VALUE` (repeatable); {env} (JSON object)"
+    if name in ("projection", "sink"):  # the meaning says how the variable separates them
+        return f"`--{name} {'NAME' if name == 'projection' else 'MODULE:ATTR'}`"
     if environment_only(field):
-        return f"{env} (environment only)"
+        return env if "environment only" in (field.description or "") else f"{env} (environment only)"
     flag = "--" + name.replace("_", "-")
     if field.annotation is bool:
         return f"`{flag}` / `--no-{name.replace('_', '-')}`"
     return f"`{flag}`"
 
 
+def _default_and_bounds(name: str, field: Any) -> str:
+    default, allowed = _default(name, field), (bounds(field) or "").replace(" characters", " chars")
+    return f"{default} ({allowed})" if default and allowed else default or (allowed and f"({allowed})")
+
+
+def _meaning(name: str, field: Any) -> str:
+    """The field's description without a ``webhook:`` style prefix that the option's own name already says."""
+    text = field.description or ""
+    head, sep, rest = text.partition(": ")
+    return rest if sep and head.isidentifier() and name.startswith(head + "_") else text
+
+
 def table() -> str:
-    lines = ["| option | default | allowed | meaning |", "|---|---|---|---|"]
+    lines = ["| option | default (allowed) | meaning |", "|---|---|---|"]
     for name, field in listed_fields().items():
-        allowed = bounds(field) or ""
-        lines.append(f"| {_flag(name, field)} | {_default(name, field)} | {allowed} | {field.description or ''} |")
+        lines.append(f"| {_flag(name, field)} | {_default_and_bounds(name, field)} | {_meaning(name, field)} |")
     return "\n".join(lines)
 
 
