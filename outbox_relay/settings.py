@@ -34,12 +34,13 @@ from .settings_base import (
     default_worker_id,
     read_kafka_config_file,
 )
+from .sqs_settings import SqsFields
 from .webhook_settings import WebhookFields, WebhookSettings
 
 
-class RelaySettings(AttemptSettings, WebhookFields):
+class RelaySettings(AttemptSettings, WebhookFields, SqsFields):
     """The relay's settings: its own below; leases, attempts and the handler time limit (AttemptSettings) and
-    the webhook sink's (WebhookFields) inherited."""
+    the webhook's and SQS sinks' (WebhookFields, SqsFields) inherited."""
 
     model_config = SettingsConfigDict(extra="forbid")
 
@@ -219,7 +220,7 @@ class RelaySettings(AttemptSettings, WebhookFields):
     @property
     def sinks(self) -> list[str]:
         return (([self.kafka_sink] if self.kafka else []) + list(self.projection)
-                + ([self.webhook_sink] if self.webhook_url else []))
+                + ([self.webhook_sink] if self.webhook_url else []) + ([self.sqs_sink] if self.sqs_url else []))
 
     def require_kafka(self) -> str:
         """The bootstrap servers, or ConfigurationError saying how to give them."""
@@ -268,7 +269,8 @@ def listed_fields() -> dict[str, FieldInfo]:
     """``RelaySettings``' fields in the order ``run --help`` and docs/configuration.md list them: the relay's
     own as declared, each base's group after the option it belongs with (pydantic puts base fields first)."""
     fields = RelaySettings.model_fields
-    groups = {"sink": WebhookFields.model_fields, "housekeeping_seconds": AttemptSettings.model_fields}
+    groups = {"sink": {**WebhookFields.model_fields, **SqsFields.model_fields},
+              "housekeeping_seconds": AttemptSettings.model_fields}
     inherited = {name for group in groups.values() for name in group}
     listed: dict[str, FieldInfo] = {}
     for name, field in fields.items():
