@@ -66,6 +66,18 @@ class Batcher:
                 me.lead = False
                 self._send_next(queue_url, line)
 
+    def waiting(self, queue_url: str) -> int:
+        """How many calls wait for a request of ``queue_url`` (their messages not sent yet)."""
+        with self._lock:
+            line = self._lines.get(queue_url)
+            return len(line.waiting) if line is not None else 0
+
+    def in_flight(self, queue_url: str) -> bool:
+        """Whether a request of ``queue_url`` is being sent."""
+        with self._lock:
+            line = self._lines.get(queue_url)
+            return line is not None and line.sending
+
     def _send_next(self, queue_url: str, line: _Line) -> None:
         """Send the line's next request (this thread's message is its first) and pass the turn on."""
         with self._lock:

@@ -65,7 +65,8 @@ def message_of(event: SinkEvent, source: str, fifo: bool) -> Message | GiveUp:
     if event.topic is not None:
         attributes["ce-topic"] = event.topic
     if event.headers:
-        attributes[HEADERS_ATTRIBUTE] = json.dumps(dict(event.headers), ensure_ascii=False, separators=(",", ":"))
+        # ASCII JSON: any header value round-trips, even one with characters SQS refuses.
+        attributes[HEADERS_ATTRIBUTE] = json.dumps(dict(event.headers), separators=(",", ":"))
     for name, value in (("the payload", event.payload_json), *attributes.items()):
         bad = _INVALID.search(value)
         if bad is not None:

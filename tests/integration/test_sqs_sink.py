@@ -1,0 +1,408 @@
+"""The SQS sink against a real SQS endpoint over HTTP (moto's server mode, tests/sqs_server.py; or
+``OUTBOX_TEST_SQS_URL``), real PostgreSQL, the real relay (compose.build_worker from settings with
+``sqs_url``, as ``outbox-relay run --sqs-url`` builds it).
+
+What reached SQS is read back from the queues (``read_back``, which consumes); every test has queues
+of its own (a uuid prefix) and deletes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_relay.compose import build_worker
+from outbox_relay.publish import Outbox
+from outbox_relay.sinks.sqs import SqsSink
+from outbox_relay.sinks.sqs.readback import read_back
+from outbox_relay.sqs_settings import SqsSettings
+from outbox_relay.testing import SinkContract
+from tests.integration.relay_helpers import dead_letters, fetch_all, make_settings, parked_ids, publish, running
+from tests.servers import wait_until
+from tests.sqs_server import MotoServer, Namespace, use_dummy_credentials
+
+SINK = "sqs"
+TOPIC = "orders"
+FAST = {"sqs_unavailable_seconds": 0.2, "sqs_timeout_seconds": 2.0, "sqs_connect_timeout_seconds": 1.0}
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer | None]:
+    """This module's SQS endpoint: moto as a subprocess, or None when OUTBOX_TEST_SQS_URL names one."""
+    if os.environ.get("OUTBOX_TEST_SQS_URL"):
+        yield None
+        return
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log").start()
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(Exception):
+            server.resume()
+        server.kill()
+
+
+@pytest.fixture
+def endpoint(moto: MotoServer | None, monkeypatch: pytest.MonkeyPatch) -> str:
+    if moto is None:
+        return os.environ["OUTBOX_TEST_SQS_URL"]
+    use_dummy_credentials(monkeypatch)
+    if moto.process is None:  # a test that restarted it failed half-way
+        moto.start()
+    return moto.url
+
+
+@pytest.fixture
+def ns(endpoint: str) -> Iterator[Namespace]:
+    namespace = Namespace(endpoint)
+    try:
+        yield namespace
+    finally:
+        namespace.close()
+
+
+class Reader:
+    """Everything read back from a namespace's queues so far (read_back consumes: it is kept here)."""
+
+    def __init__(self, endpoint: str, ns: Namespace) -> None:
+        self.fields = SqsSettings(sqs_url=endpoint, sqs_queue_prefix=ns.prefix)
+        self.got: list[tuple[uuid.UUID, str, str]] = []
+
+    def read(self) -> list[tuple[uuid.UUID, str, str]]:
+        self.got += read_back(self.fields, timeout_seconds=30)
+        return self.got
+
+    def ids(self) -> set[uuid.UUID]:
+        return {i for i, _k, _q in self.got}
+
+    def wait_for(self, ids: Sequence[uuid.UUID], timeout: float = 30) -> list[tuple[uuid.UUID, str, str]]:
+        def arrived() -> bool:
+            self.read()
+            return self.ids() >= set(ids)
+
+        wait_until(arrived, timeout=timeout, interval=0.05, message=f"{len(ids)} events in SQS")
+        return self.got
+
+    def per_key(self) -> dict[str, list[uuid.UUID]]:
+        """Per key, the ids in queue order, each once (its first time)."""
+        seen: set[uuid.UUID] = set()
+        out: dict[str, list[uuid.UUID]] = defaultdict(list)
+        for i, key, _q in self.got:
+            if i not in seen:
+                seen.add(i)
+                out[key].append(i)
+        return dict(out)
+
+
+def relay(dsn: str, endpoint: str, ns: Namespace, worker_id: str = "w1", **overrides: Any) -> Any:
+    values: dict[str, Any] = {"sqs_url": endpoint, "sqs_queue_prefix": ns.prefix, "sqs_concurrency": 8, **FAST}
+    values.update(overrides)
+    return build_worker(make_settings(dsn, worker_id, **values))
+
+
+def batch(keys: int, per_key: int) -> list[tuple[str, str, Any]]:
+    return [(f"key-{k}", "order.placed", {"k": k, "n": n}) for n in range(per_key) for k in range(keys)]
+
+
+def per_key(events: list[tuple[str, str, Any]], ids: list[uuid.UUID]) -> dict[str, list[uuid.UUID]]:
+    out: dict[str, list[uuid.UUID]] = defaultdict(list)
+    for (key, _t, _p), event_id in zip(events, ids, strict=True):
+        out[key].append(event_id)
+    return dict(out)
+
+
+def receive_all(ns: Namespace, topic: str) -> list[dict[str, Any]]:
+    """Every message of a queue with its attributes (received and deleted)."""
+    url = ns.sqs.get_queue_url(QueueName=ns.name(topic))["QueueUrl"]
+    out: list[dict[str, Any]] = []
+    while True:
+        got = ns.sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, VisibilityTimeout=60, WaitTimeSeconds=0,
+                                     MessageAttributeNames=["All"], MessageSystemAttributeNames=["All"])
+        messages = got.get("Messages") or []
+        if not messages:
+            return out
+        out += messages
+        ns.sqs.delete_message_batch(QueueUrl=url, Entries=[{"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]}
+                                                           for i, m in enumerate(messages)])
+
+
+def pending(dsn: str, sink: str = SINK) -> int:
+    """Events of ``sink`` neither delivered nor dead-lettered yet (parked ones included); -1 before the
+    sink has cursors."""
+    if not fetch_all(dsn, "SELECT 1 FROM outbox.cursors WHERE sink = %s LIMIT 1", (sink,)):
+        return -1
+    unread = fetch_all(dsn, "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = %s "
+                            "AND c.bucket = e.bucket WHERE NOT outbox.delivered_v1(e.xid, e.seq, c.snapshot, "
+                            "c.target, c.after_xid, c.after_seq)", (sink,))[0][0]
+    parked = fetch_all(dsn, "SELECT count(*) FROM outbox.parked WHERE sink = %s", (sink,))[0][0]
+    return int(unread) + int(parked)
+
+
+# -- the contract -------------------------------------------------------------------------------
+
+
+class TestSqsSinkContract(SinkContract):
+    @pytest.fixture(autouse=True)
+    def _queues(self, endpoint: str, ns: Namespace, moto: MotoServer | None) -> None:
+        self.endpoint, self.ns, self.moto = endpoint, ns, moto
+        ns.create(self.topic)
+        self.reader = Reader(endpoint, ns)
+
+    def make_sink(self) -> Any:
+        return SqsSink(self.endpoint, queue_prefix=self.ns.prefix, concurrency=4, unavailable_seconds=0.2,
+                       timeout_seconds=2.0, connect_timeout_seconds=1.0)
+
+    def received(self, sink: Any) -> Sequence[uuid.UUID]:
+        return [i for i, _k, _q in self.reader.read()]
+
+    def break_downstream(self, sink: Any, how: str) -> contextlib.AbstractContextManager[None]:
+        if self.moto is None or how == "rejects":
+            return super().break_downstream(sink, how)
+        return self._away() if how == "down" else self._paused()
+
+    @contextlib.contextmanager
+    def _away(self) -> Iterator[None]:
+        assert self.moto is not None
+        self.reader.read()  # moto forgets everything when it stops
+        self.moto.kill()
+        try:
+            yield
+        finally:
+            self.moto.start()
+            self.ns.create(self.topic)
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        assert self.moto is not None
+        self.moto.pause()
+        try:
+            yield
+        finally:
+            self.moto.resume()
+
+
+# -- delivery and the message -------------------------------------------------------------------
+
+
+def test_every_event_arrives_once_in_order_per_key_as_a_cloudevent(dsn: str, endpoint: str, ns: Namespace) -> None:
+    ns.create(TOPIC)
+    events = batch(keys=8, per_key=10)
+    outbox = Outbox(default_topic=TOPIC)
+    with psycopg.connect(dsn) as conn:
+        ids = [p.id for p in outbox.publish_many(conn, [
+            {"key": k, "type": t, "payload": p, "headers": {"traceparent": f"00-{p['k']:032x}-{p['n']:016x}-01"}}
+            for k, t, p in events])]
+    with running(relay(dsn, endpoint, ns)):
+        wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered")
+    messages = receive_all(ns, TOPIC)
+    assert len(messages) == len(ids), "each event once (no fault, no duplicate)"
+    got: dict[str, list[uuid.UUID]] = defaultdict(list)
+    for m in messages:
+        got[m["Attributes"]["MessageGroupId"]].append(uuid.UUID(m["MessageAttributes"]["ce-id"]["StringValue"]))
+    assert dict(got) == per_key(events, ids), "per key (message group), the publish order"
+    stored = {r[0]: r for r in fetch_all(dsn, "SELECT id, payload::text, occurred_at FROM outbox.events")}
+    for m in messages:
+        a = {name: v["StringValue"] for name, v in m["MessageAttributes"].items()}
+        event_id = uuid.UUID(a["ce-id"])
+        assert m["Attributes"]["MessageDeduplicationId"] == str(event_id)
+        assert m["Attributes"]["MessageGroupId"] == a["ce-partitionkey"]
+        assert json.loads(m["Body"]) == json.loads(stored[event_id][1])
+        assert len(a) <= 10, "SQS takes at most 10 attributes"
+        assert a["ce-specversion"] == "1.0" and a["ce-type"] == "order.placed" and a["ce-source"] == "outbox-relay"
+        assert a["ce-topic"] == TOPIC and a["ce-datacontenttype"] == "application/json"
+        assert a["ce-time"].endswith("Z") and a["ce-schemaversion"] == "1"
+        payload = json.loads(m["Body"])
+        assert json.loads(a["outbox-headers"]) == {"traceparent": f"00-{payload['k']:032x}-{payload['n']:016x}-01"}
+
+
+def test_a_key_that_is_no_group_id_gets_a_digest_and_keeps_its_order(dsn: str, endpoint: str, ns: Namespace) -> None:
+    ns.create(TOPIC)
+    key = "Zürich order 7"  # a space and a non-ASCII letter: not a MessageGroupId
+    ids = publish(dsn, [(key, "t", {"n": n}) for n in range(5)], topic=TOPIC)
+    with running(relay(dsn, endpoint, ns)):
+        wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered")
+    messages = receive_all(ns, TOPIC)
+    assert [uuid.UUID(m["MessageAttributes"]["ce-id"]["StringValue"]) for m in messages] == ids
+    assert {m["MessageAttributes"]["ce-partitionkey"]["StringValue"] for m in messages} == {key}
+    assert len({m["Attributes"]["MessageGroupId"] for m in messages}) == 1
+
+
+# -- routing ------------------------------------------------------------------------------------
+
+
+def test_each_topic_goes_to_its_own_queue(dsn: str, endpoint: str, ns: Namespace) -> None:
+    ns.create("orders")
+    ns.create("refunds")
+    mapped = ns.create("elsewhere")
+    orders = publish(dsn, [("k", "t", {"n": 1})], topic="orders")
+    refunds = publish(dsn, [("k", "t", {"n": 2})], topic="refunds")
+    dotted = publish(dsn, [("k", "t", {"n": 4})], topic="audit.v1")  # no queue name can hold a "."
+    remapped = publish(dsn, [("k", "t", {"n": 5})], topic="payments.v2")
+    skipped = publish(dsn, [("k", "t", {"n": 6})], topic="ignored")
+    worker = relay(dsn, endpoint, ns, sqs_queue_urls={"payments.v2": mapped},
+                   sqs_topics="orders,refunds,audit.v1,payments.v2")
+    with running(worker):
+        wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered or dead-lettered")
+    reader = Reader(endpoint, ns)
+    by_queue = {i: q for i, _k, q in reader.read()}
+    assert by_queue == {orders[0]: ns.name("orders"), refunds[0]: ns.name("refunds"),
+                        remapped[0]: ns.name("elsewhere")}
+    dead = dead_letters(dsn, SINK)
+    assert list(dead) == [dotted[0]], "the topic no queue name can hold is dead-lettered, the others delivered"
+    assert "audit.v1" in dead[dotted[0]][1] and "--sqs-queue-urls" in dead[dotted[0]][1]
+    assert skipped[0] not in by_queue, "--sqs-topics: other topics are not this sink's"
+
+
+def test_a_standard_queue_is_taken_only_when_allowed_and_gets_no_group(dsn: str, endpoint: str, ns: Namespace) -> None:
+    url = ns.create("plain", fifo=False)
+    with pytest.raises(ValueError, match=r"standard queue.*--sqs-allow-standard-queue"):
+        make_settings(dsn, "w1", sqs_url=endpoint, sqs_queue_urls={"plain": url})
+    ids = publish(dsn, [("k", "t", {"n": n}) for n in range(3)], topic="plain")
+    worker = relay(dsn, endpoint, ns, sqs_queue_urls={"plain": url}, sqs_allow_standard_queue=True)
+    with running(worker):
+        wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered")
+    messages = _receive_url(ns, url)
+    assert sorted(uuid.UUID(m["MessageAttributes"]["ce-id"]["StringValue"]) for m in messages) == sorted(ids)
+    assert all("MessageGroupId" not in m["Attributes"] for m in messages)
+
+
+def _receive_url(ns: Namespace, url: str) -> list[dict[str, Any]]:
+    got = ns.sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=0,
+                                 MessageAttributeNames=["All"], MessageSystemAttributeNames=["All"])
+    return list(got.get("Messages") or [])
+
+
+# -- the event's fault and the sink's condition ------------------------------------------------
+
+
+def test_a_missing_queue_holds_its_events_until_it_exists(dsn: str, endpoint: str, ns: Namespace,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    events = batch(keys=3, per_key=3)
+    ids = publish(dsn, events, topic=TOPIC)
+    with running(relay(dsn, endpoint, ns, max_attempts=2)):
+        wait_until(lambda: parked_ids(dsn, SINK) or None, timeout=15, message="the events held")
+        time.sleep(1.0)  # several holds of 0.2 s, each more than max_attempts would allow if they counted
+        assert dead_letters(dsn, SINK) == {}
+        attempts = fetch_all(dsn, "SELECT max(attempts) FROM outbox.parked WHERE sink = %s", (SINK,))[0][0]
+        assert attempts in (0, None), "a condition of the sink counts no attempt"
+        ns.create(TOPIC)
+        reader = Reader(endpoint, ns)
+        reader.wait_for(ids)
+    assert reader.per_key() == per_key(events, ids)
+    assert dead_letters(dsn, SINK) == {}
+    assert "does not exist" in caplog.text
+
+
+def test_a_message_sqs_refuses_is_dead_lettered_with_its_reason_and_the_batch_goes_on(
+        dsn: str, endpoint: str, ns: Namespace) -> None:
+    # The ack handling: SQS refuses the request for one message's sake; the others must still be sent
+    # and counted only once SQS took them, the refused one dead-lettered with SQS's reason.
+    ns.create(TOPIC, MaximumMessageSize="1024")
+    events = [(f"key-{k}", "t", {"k": k, "pad": "x" * (2000 if k == 3 else 10)}) for k in range(8)]
+    events += [("key-3", "t", {"k": 3, "after": True})]
+    ids = publish(dsn, events, topic=TOPIC)
+    with running(relay(dsn, endpoint, ns, sqs_concurrency=8)):
+        wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered or dead-lettered")
+    dead = dead_letters(dsn, SINK)
+    assert list(dead) == [ids[3]]
+    attempts, error = dead[ids[3]]
+    assert attempts == 1 and "InvalidParameterValue" in error and "1024" in error, error
+    reader = Reader(endpoint, ns)
+    reader.read()
+    assert reader.ids() == set(ids) - {ids[3]}, "every other event reached the queue, the key went on"
+
+
+def test_a_character_sqs_refuses_is_the_events_fault(dsn: str, endpoint: str, ns: Namespace) -> None:
+    ns.create(TOPIC)
+    ids = publish(dsn, [("k", "t", {"text": "fine"}), ("k", "t", {"text": "\ufffe"}), ("k", "t", {"text": "ok"})],
+                  topic=TOPIC)
+    with running(relay(dsn, endpoint, ns)):
+        wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered or dead-lettered")
+    dead = dead_letters(dsn, SINK)
+    assert list(dead) == [ids[1]] and "U+FFFE" in dead[ids[1]][1]
+    reader = Reader(endpoint, ns)
+    reader.read()
+    assert reader.per_key() == {"k": [ids[0], ids[2]]}
+
+
+def test_nothing_counts_delivered_before_sqs_answered(dsn: str, endpoint: str, ns: Namespace,
+                                                      moto: MotoServer | None) -> None:
+    # While the endpoint takes requests and never answers (SIGSTOP), no event may count as delivered;
+    # once it answers, every one is, in order. A sink that did not wait for SQS's answer fails here.
+    if moto is None:
+        pytest.skip("needs the test's own endpoint (it is stopped)")
+    ns.create(TOPIC)
+    events = batch(keys=4, per_key=3)
+    first = publish(dsn, [("key-0", "t", {"first": True})], topic=TOPIC)
+    try:
+        with running(relay(dsn, endpoint, ns, sqs_timeout_seconds=0.5)):
+            wait_until(lambda: pending(dsn) == 0, timeout=30, message="the first event delivered (queue known)")
+            moto.pause()
+            ids = publish(dsn, events, topic=TOPIC)
+            wait_until(lambda: parked_ids(dsn, SINK) or pending(dsn) == 0, timeout=15, message="the events held")
+            assert pending(dsn) == len(ids), "nothing counted delivered while SQS did not answer"
+            moto.resume()
+            wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered")
+    finally:
+        moto.resume()
+    assert dead_letters(dsn, SINK) == {}
+    reader = Reader(endpoint, ns)
+    reader.read()
+    want = per_key(events, ids)
+    want["key-0"] = first + want["key-0"]
+    assert reader.per_key() == want
+
+
+def test_secrets_never_reach_logs_or_errors(dsn: str, endpoint: str, ns: Namespace, moto: MotoServer | None,
+                                            monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    secret, token = f"SECRETKEY{uuid.uuid4().hex}", f"SESSIONTOKEN{uuid.uuid4().hex}"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", token)
+    caplog.set_level(logging.DEBUG, logger="outbox_relay")
+    ids = publish(dsn, [("k", "t", {"n": 1})], topic=TOPIC)
+    publish(dsn, [("k2", "t", {"pad": "x" * 2000})], topic="small")
+    ns.create("small", MaximumMessageSize="1024")
+    with running(relay(dsn, endpoint, ns)):  # the queue of TOPIC is missing: held, with a reason
+        wait_until(lambda: parked_ids(dsn, SINK) >= set(ids) or None, timeout=15, message="held")
+        wait_until(lambda: dead_letters(dsn, SINK) or None, timeout=15, message="the big one dead-lettered")
+        errors = " ".join(str(r) for r in fetch_all(dsn, "SELECT last_error FROM outbox.parked UNION ALL "
+                                                         "SELECT last_error FROM outbox.dead_letters"))
+    assert "does not exist" in errors
+    for text in (errors, caplog.text):
+        assert secret not in text and token not in text
+
+
+# -- settings -----------------------------------------------------------------------------------
+
+
+def test_the_sink_is_listed_by_name_and_kind(dsn: str, endpoint: str, ns: Namespace) -> None:
+    ns.create(TOPIC)
+    publish(dsn, [("k", "t", {})], topic=TOPIC)
+    with running(relay(dsn, endpoint, ns, sqs_sink="sqs-eu")):
+        wait_until(lambda: pending(dsn, "sqs-eu") == 0, timeout=30, message="delivered")
+    assert fetch_all(dsn, "SELECT name, kind FROM outbox.sinks WHERE name = 'sqs-eu'") == [("sqs-eu", "sqs")]
+
+
+def test_no_credentials_is_a_clear_error_at_start(endpoint: str, monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    from outbox_relay.errors import ConfigurationError
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(ConfigurationError, match="no AWS credentials"):
+        SqsSink(endpoint, region="us-east-1")
+    with pytest.raises(ConfigurationError, match="profile 'nobody'"):
+        SqsSink(endpoint, region="us-east-1", profile="nobody")
