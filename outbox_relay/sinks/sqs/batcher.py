@@ -1,16 +1,20 @@
 """Messages of concurrent ``deliver`` calls share SendMessageBatch requests (group commit).
 
 Each call hands its message over and waits for that message's own answer. Per queue, one request is
-in flight at a time: a call that finds none sends at once (no lingering: an idle relay's latency is
-one request), the calls that come while it is in flight wait and go out together in the next request
-(up to ``size`` messages and ``max_bytes``), sent by the first of them. Busy lanes thus fill batches
-on their own. Order per key is not the batcher's concern: the relay hands a key's next event to the
-sink only after the previous one was answered, so a request never holds two events of one key.
+in flight at a time; the calls that come while it is in flight wait and go out together in the next
+request (up to ``size`` messages and ``max_bytes``), sent by the first of them. A call that finds the
+queue idle sends at once, unless the last request answered several calls: those come back for their
+keys' next events within a moment, so it waits for as many (at most ``linger`` seconds) instead of
+going out alone and leaving them the next request (without this, requests alternated 1 and 10
+messages: half the requests for a tenth of the messages). An idle relay's latency stays one request.
+Order per key is not the batcher's concern: the relay hands a key's next event to the sink only
+after the previous one was answered, so a request never holds two events of one key.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from .message import Message
 
 BATCH_BYTES = 262_144  # SQS's limit on a batch's total size (256 KiB; a larger message goes alone)
+LINGER_SECONDS = 0.005  # the longest a request waits for the calls the last one answered
 
 
 @dataclass
@@ -35,17 +40,21 @@ class Waiting:
 class _Line:
     waiting: deque[Waiting] = field(default_factory=deque)
     sending: bool = False  # a request of this queue is in flight (its sender owns the line's next turn)
+    expected: int = 1  # calls the last request answered: about as many come back for their next events
 
 
 Send = Callable[[str, Sequence[Message]], list[object]]  # (queue URL, messages) -> one answer per message
 
 
 class Batcher:
-    def __init__(self, send: Send, size: int = 10, max_bytes: int = BATCH_BYTES) -> None:
+    def __init__(self, send: Send, size: int = 10, max_bytes: int = BATCH_BYTES,
+                 linger: float = LINGER_SECONDS) -> None:
         self._send = send
         self.size = size
         self.max_bytes = max_bytes
+        self.linger = linger
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a call joined a line
         self._lines: dict[str, _Line] = {}
 
     def submit(self, queue_url: str, message: Message) -> object:
@@ -54,6 +63,7 @@ class Batcher:
         with self._lock:
             line = self._lines.setdefault(queue_url, _Line())
             line.waiting.append(me)
+            self._arrived.notify_all()
             if not line.sending:
                 line.sending = me.lead = True
         while True:
@@ -81,6 +91,12 @@ class Batcher:
     def _send_next(self, queue_url: str, line: _Line) -> None:
         """Send the line's next request (this thread's message is its first) and pass the turn on."""
         with self._lock:
+            deadline = time.monotonic() + self.linger
+            while len(line.waiting) < min(self.size, line.expected):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._arrived.wait(left)
             batch: list[Waiting] = [line.waiting.popleft()]
             total = batch[0].message.size
             while (line.waiting and len(batch) < self.size
@@ -94,6 +110,7 @@ class Batcher:
         finally:
             following: Waiting | None = None
             with self._lock:
+                line.expected = len(batch)
                 if line.waiting:
                     following = line.waiting[0]
                     following.lead = True
