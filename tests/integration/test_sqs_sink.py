@@ -25,6 +25,7 @@ import pytest
 from outbox_relay.compose import build_worker
 from outbox_relay.publish import Outbox
 from outbox_relay.sinks.sqs import SqsSink
+from outbox_relay.sinks.sqs.message import group_id
 from outbox_relay.sinks.sqs.readback import read_back
 from outbox_relay.sqs_settings import SqsSettings
 from outbox_relay.testing import SinkContract
@@ -189,6 +190,7 @@ class TestSqsSinkContract(SinkContract):
 def test_every_event_arrives_once_in_order_per_key_as_a_cloudevent(dsn: str, endpoint: str, ns: Namespace) -> None:
     ns.create(TOPIC)
     events = batch(keys=8, per_key=10)
+    events += [("Zürich order 7", "order.placed", {"k": 99, "n": n}) for n in range(5)]  # no MessageGroupId
     outbox = Outbox(default_topic=TOPIC)
     with psycopg.connect(dsn) as conn:
         ids = [p.id for p in outbox.publish_many(conn, [
@@ -199,15 +201,18 @@ def test_every_event_arrives_once_in_order_per_key_as_a_cloudevent(dsn: str, end
     messages = receive_all(ns, TOPIC)
     assert len(messages) == len(ids), "each event once (no fault, no duplicate)"
     got: dict[str, list[uuid.UUID]] = defaultdict(list)
+    groups: dict[str, set[str]] = defaultdict(set)
     for m in messages:
-        got[m["Attributes"]["MessageGroupId"]].append(uuid.UUID(m["MessageAttributes"]["ce-id"]["StringValue"]))
+        key = m["MessageAttributes"]["ce-partitionkey"]["StringValue"]
+        got[key].append(uuid.UUID(m["MessageAttributes"]["ce-id"]["StringValue"]))
+        groups[key].add(m["Attributes"]["MessageGroupId"])
     assert dict(got) == per_key(events, ids), "per key (message group), the publish order"
+    assert groups["Zürich order 7"] == {group_id("Zürich order 7")} and groups["key-1"] == {"key-1"}
     stored = {r[0]: r for r in fetch_all(dsn, "SELECT id, payload::text, occurred_at FROM outbox.events")}
     for m in messages:
         a = {name: v["StringValue"] for name, v in m["MessageAttributes"].items()}
         event_id = uuid.UUID(a["ce-id"])
         assert m["Attributes"]["MessageDeduplicationId"] == str(event_id)
-        assert m["Attributes"]["MessageGroupId"] == a["ce-partitionkey"]
         assert json.loads(m["Body"]) == json.loads(stored[event_id][1])
         assert len(a) <= 10, "SQS takes at most 10 attributes"
         assert a["ce-specversion"] == "1.0" and a["ce-type"] == "order.placed" and a["ce-source"] == "outbox-relay"
@@ -215,18 +220,6 @@ def test_every_event_arrives_once_in_order_per_key_as_a_cloudevent(dsn: str, end
         assert a["ce-time"].endswith("Z") and a["ce-schemaversion"] == "1"
         payload = json.loads(m["Body"])
         assert json.loads(a["outbox-headers"]) == {"traceparent": f"00-{payload['k']:032x}-{payload['n']:016x}-01"}
-
-
-def test_a_key_that_is_no_group_id_gets_a_digest_and_keeps_its_order(dsn: str, endpoint: str, ns: Namespace) -> None:
-    ns.create(TOPIC)
-    key = "Zürich order 7"  # a space and a non-ASCII letter: not a MessageGroupId
-    ids = publish(dsn, [(key, "t", {"n": n}) for n in range(5)], topic=TOPIC)
-    with running(relay(dsn, endpoint, ns)):
-        wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered")
-    messages = receive_all(ns, TOPIC)
-    assert [uuid.UUID(m["MessageAttributes"]["ce-id"]["StringValue"]) for m in messages] == ids
-    assert {m["MessageAttributes"]["ce-partitionkey"]["StringValue"] for m in messages} == {key}
-    assert len({m["Attributes"]["MessageGroupId"] for m in messages}) == 1
 
 
 # -- routing ------------------------------------------------------------------------------------
@@ -241,15 +234,16 @@ def test_each_topic_goes_to_its_own_queue(dsn: str, endpoint: str, ns: Namespace
     dotted = publish(dsn, [("k", "t", {"n": 4})], topic="audit.v1")  # no queue name can hold a "."
     remapped = publish(dsn, [("k", "t", {"n": 5})], topic="payments.v2")
     skipped = publish(dsn, [("k", "t", {"n": 6})], topic="ignored")
-    worker = relay(dsn, endpoint, ns, sqs_queue_urls={"payments.v2": mapped},
+    worker = relay(dsn, endpoint, ns, sqs_queue_urls={"payments.v2": mapped}, sqs_sink="sqs-eu",
                    sqs_topics="orders,refunds,audit.v1,payments.v2")
     with running(worker):
-        wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered or dead-lettered")
+        wait_until(lambda: pending(dsn, "sqs-eu") == 0, timeout=30, message="every event delivered or dead-lettered")
+    assert fetch_all(dsn, "SELECT name, kind FROM outbox.sinks") == [("sqs-eu", "sqs")]
     reader = Reader(endpoint, ns)
     by_queue = {i: q for i, _k, q in reader.read()}
     assert by_queue == {orders[0]: ns.name("orders"), refunds[0]: ns.name("refunds"),
                         remapped[0]: ns.name("elsewhere")}
-    dead = dead_letters(dsn, SINK)
+    dead = dead_letters(dsn, "sqs-eu")
     assert list(dead) == [dotted[0]], "the topic no queue name can hold is dead-lettered, the others delivered"
     assert "audit.v1" in dead[dotted[0]][1] and "--sqs-queue-urls" in dead[dotted[0]][1]
     assert skipped[0] not in by_queue, "--sqs-topics: other topics are not this sink's"
@@ -278,15 +272,22 @@ def _receive_url(ns: Namespace, url: str) -> list[dict[str, Any]]:
 
 
 def test_a_missing_queue_holds_its_events_until_it_exists(dsn: str, endpoint: str, ns: Namespace,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+                                                          caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    secret, token = f"SECRETKEY{uuid.uuid4().hex}", f"SESSIONTOKEN{uuid.uuid4().hex}"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", token)
+    caplog.set_level(logging.DEBUG, logger="outbox_relay")
     events = batch(keys=3, per_key=3)
     ids = publish(dsn, events, topic=TOPIC)
     with running(relay(dsn, endpoint, ns, max_attempts=2)):
         wait_until(lambda: parked_ids(dsn, SINK) or None, timeout=15, message="the events held")
         time.sleep(1.0)  # several holds of 0.2 s, each more than max_attempts would allow if they counted
         assert dead_letters(dsn, SINK) == {}
-        attempts = fetch_all(dsn, "SELECT max(attempts) FROM outbox.parked WHERE sink = %s", (SINK,))[0][0]
+        attempts, errors = fetch_all(dsn, "SELECT max(attempts), string_agg(last_error, ' ') FROM outbox.parked "
+                                          "WHERE sink = %s", (SINK,))[0]
         assert attempts in (0, None), "a condition of the sink counts no attempt"
+        assert "does not exist" in errors and secret not in errors and token not in errors
         ns.create(TOPIC)
         wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered")
     reader = Reader(endpoint, ns)
@@ -294,38 +295,30 @@ def test_a_missing_queue_holds_its_events_until_it_exists(dsn: str, endpoint: st
     assert reader.per_key() == per_key(events, ids)
     assert dead_letters(dsn, SINK) == {}
     assert "does not exist" in caplog.text
+    assert secret not in caplog.text and token not in caplog.text
 
 
 def test_a_message_sqs_refuses_is_dead_lettered_with_its_reason_and_the_batch_goes_on(
-        dsn: str, endpoint: str, ns: Namespace) -> None:
+        dsn: str, endpoint: str, ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
     # The ack handling: SQS refuses the request for one message's sake; the others must still be sent
     # and counted only once SQS took them, the refused one dead-lettered with SQS's reason.
+    secret = f"SECRETKEY{uuid.uuid4().hex}"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     ns.create(TOPIC, MaximumMessageSize="1024")
     events = [(f"key-{k}", "t", {"k": k, "pad": "x" * (2000 if k == 3 else 10)}) for k in range(8)]
-    events += [("key-3", "t", {"k": 3, "after": True})]
+    events += [("key-3", "t", {"k": 3, "after": True}), ("key-5", "t", {"text": "\ufffe"}), ("key-5", "t", {})]
     ids = publish(dsn, events, topic=TOPIC)
     with running(relay(dsn, endpoint, ns, sqs_concurrency=8)):
         wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered or dead-lettered")
     dead = dead_letters(dsn, SINK)
-    assert list(dead) == [ids[3]]
+    assert set(dead) == {ids[3], ids[9]}
     attempts, error = dead[ids[3]]
     assert attempts == 1 and "InvalidParameterValue" in error and "1024" in error, error
+    assert "U+FFFE" in dead[ids[9]][1], "a character SQS refuses is the event's fault"
+    assert all(secret not in error for _n, error in dead.values())
     reader = Reader(endpoint, ns)
     reader.read()
-    assert reader.ids() == set(ids) - {ids[3]}, "every other event reached the queue, the key went on"
-
-
-def test_a_character_sqs_refuses_is_the_events_fault(dsn: str, endpoint: str, ns: Namespace) -> None:
-    ns.create(TOPIC)
-    ids = publish(dsn, [("k", "t", {"text": "fine"}), ("k", "t", {"text": "\ufffe"}), ("k", "t", {"text": "ok"})],
-                  topic=TOPIC)
-    with running(relay(dsn, endpoint, ns)):
-        wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered or dead-lettered")
-    dead = dead_letters(dsn, SINK)
-    assert list(dead) == [ids[1]] and "U+FFFE" in dead[ids[1]][1]
-    reader = Reader(endpoint, ns)
-    reader.read()
-    assert reader.per_key() == {"k": [ids[0], ids[2]]}
+    assert reader.ids() == set(ids) - {ids[3], ids[9]}, "every other event reached the queue, the keys went on"
 
 
 def test_nothing_counts_delivered_before_sqs_answered(dsn: str, endpoint: str, ns: Namespace,
@@ -356,34 +349,7 @@ def test_nothing_counts_delivered_before_sqs_answered(dsn: str, endpoint: str, n
     assert reader.per_key() == want
 
 
-def test_secrets_never_reach_logs_or_errors(dsn: str, endpoint: str, ns: Namespace, moto: MotoServer | None,
-                                            monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    secret, token = f"SECRETKEY{uuid.uuid4().hex}", f"SESSIONTOKEN{uuid.uuid4().hex}"
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    monkeypatch.setenv("AWS_SESSION_TOKEN", token)
-    caplog.set_level(logging.DEBUG, logger="outbox_relay")
-    ids = publish(dsn, [("k", "t", {"n": 1})], topic=TOPIC)
-    publish(dsn, [("k2", "t", {"pad": "x" * 2000})], topic="small")
-    ns.create("small", MaximumMessageSize="1024")
-    with running(relay(dsn, endpoint, ns)):  # the queue of TOPIC is missing: held, with a reason
-        wait_until(lambda: parked_ids(dsn, SINK) >= set(ids) or None, timeout=15, message="held")
-        wait_until(lambda: dead_letters(dsn, SINK) or None, timeout=15, message="the big one dead-lettered")
-        errors = " ".join(str(r) for r in fetch_all(dsn, "SELECT last_error FROM outbox.parked UNION ALL "
-                                                         "SELECT last_error FROM outbox.dead_letters"))
-    assert "does not exist" in errors
-    for text in (errors, caplog.text):
-        assert secret not in text and token not in text
-
-
 # -- settings -----------------------------------------------------------------------------------
-
-
-def test_the_sink_is_listed_by_name_and_kind(dsn: str, endpoint: str, ns: Namespace) -> None:
-    ns.create(TOPIC)
-    publish(dsn, [("k", "t", {})], topic=TOPIC)
-    with running(relay(dsn, endpoint, ns, sqs_sink="sqs-eu")):
-        wait_until(lambda: pending(dsn, "sqs-eu") == 0, timeout=30, message="delivered")
-    assert fetch_all(dsn, "SELECT name, kind FROM outbox.sinks WHERE name = 'sqs-eu'") == [("sqs-eu", "sqs")]
 
 
 def test_no_credentials_is_a_clear_error_at_start(endpoint: str, monkeypatch: pytest.MonkeyPatch,
