@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# read_back's long polling, in seconds: moto answers a short poll exactly (SQS may not: 1 against another endpoint).
+QUIET = 1 if os.environ.get("OUTBOX_TEST_SQS_URL") else 0
 DUMMY_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret-not-shown",
                      "AWS_DEFAULT_REGION": "us-east-1"}
 

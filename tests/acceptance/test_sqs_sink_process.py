@@ -23,7 +23,7 @@ from outbox_relay.sinks.sqs.readback import read_back
 from outbox_relay.sqs_settings import SqsSettings
 from tests.integration.relay_helpers import dead_letters, fetch_all, publish
 from tests.servers import wait_until
-from tests.sqs_server import DUMMY_CREDENTIALS, MotoServer, Namespace, use_dummy_credentials
+from tests.sqs_server import DUMMY_CREDENTIALS, QUIET, MotoServer, Namespace, use_dummy_credentials
 
 pytestmark = pytest.mark.slow
 
@@ -53,8 +53,11 @@ def delivered(dsn: str) -> int:
     past = fetch_all(dsn, "SELECT count(*) FROM outbox.events e JOIN outbox.cursors c ON c.sink = 'sqs' AND "
                           "c.bucket = e.bucket WHERE outbox.delivered_v1(e.xid, e.seq, c.snapshot, c.target, "
                           "c.after_xid, c.after_seq)")[0][0]
-    parked = fetch_all(dsn, "SELECT count(*) FROM outbox.parked WHERE sink = 'sqs'")[0][0]
-    return int(past) - int(parked)
+    return int(past) - parked(dsn)
+
+
+def parked(dsn: str) -> int:
+    return int(fetch_all(dsn, "SELECT count(*) FROM outbox.parked WHERE sink = 'sqs'")[0][0])
 
 
 def test_relay_killed_and_sqs_restarted_mid_stream_lose_nothing_and_reorder_nothing(
@@ -67,7 +70,7 @@ def test_relay_killed_and_sqs_restarted_mid_stream_lose_nothing_and_reorder_noth
     got: list[tuple[uuid.UUID, str, str]] = []
 
     def read() -> set[uuid.UUID]:
-        got.extend(read_back(fields, timeout_seconds=30))
+        got.extend(read_back(fields, timeout_seconds=30, quiet_seconds=QUIET))
         return {i for i, _k, _q in got}
 
     keys = [f"order:{i % 20}" for i in range(1600)]
@@ -93,7 +96,7 @@ def test_relay_killed_and_sqs_restarted_mid_stream_lose_nothing_and_reorder_noth
         assert delivered(dsn) < len(ids), "SQS goes away mid-stream"
         moto.kill()
         relays[1].send_signal(signal.SIGCONT)
-        time.sleep(1.5)  # the relay finds the endpoint down and holds its events
+        wait_until(lambda: parked(dsn) > 0, timeout=30, message="the relay holds its events while SQS is away")
         assert relays[1].poll() is None, logs()
         moto.start()
         ns.create(TOPIC)  # SQS (moto) came back empty: the queue is made again

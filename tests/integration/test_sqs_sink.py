@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -31,7 +30,7 @@ from outbox_relay.sqs_settings import SqsSettings
 from outbox_relay.testing import SinkContract
 from tests.integration.relay_helpers import dead_letters, fetch_all, make_settings, parked_ids, publish, running
 from tests.servers import wait_until
-from tests.sqs_server import MotoServer, Namespace, use_dummy_credentials
+from tests.sqs_server import QUIET, MotoServer, Namespace, use_dummy_credentials
 
 SINK = "sqs"
 TOPIC = "orders"
@@ -80,7 +79,7 @@ class Reader:
         self.got: list[tuple[uuid.UUID, str, str]] = []
 
     def read(self) -> list[tuple[uuid.UUID, str, str]]:
-        self.got += read_back(self.fields, timeout_seconds=30)
+        self.got += read_back(self.fields, timeout_seconds=30, quiet_seconds=QUIET)
         return self.got
 
     def ids(self) -> set[uuid.UUID]:
@@ -281,8 +280,8 @@ def test_a_missing_queue_holds_its_events_until_it_exists(dsn: str, endpoint: st
     events = batch(keys=3, per_key=3)
     ids = publish(dsn, events, topic=TOPIC)
     with running(relay(dsn, endpoint, ns, max_attempts=2)):
-        wait_until(lambda: parked_ids(dsn, SINK) or None, timeout=15, message="the events held")
-        time.sleep(1.0)  # several holds of 0.2 s, each more than max_attempts would allow if they counted
+        # several holds (0.2 s each), more than max_attempts would allow if they counted
+        wait_until(lambda: caplog.text.count("does not exist") >= 3, timeout=15, message="three holds")
         assert dead_letters(dsn, SINK) == {}
         attempts, errors = fetch_all(dsn, "SELECT max(attempts), string_agg(last_error, ' ') FROM outbox.parked "
                                           "WHERE sink = %s", (SINK,))[0]

@@ -20,28 +20,29 @@ from ...errors import ConfigurationError
 from ...sqs_settings import SqsFields, queue_name_of
 from .client import make_client
 
-QUIET_SECONDS = 1.0  # a queue is read to its end once a receive waited this long and got nothing
+QUIET_SECONDS = 1  # a queue is read to its end once a receive waited this long (long polling) and got nothing
 HIDE_SECONDS = 60  # received messages stay hidden this long; they are deleted at once
 
 
-def read_back(fields: SqsFields, *, topics: Collection[str] | None = None,
-              timeout_seconds: float = 5.0) -> list[tuple[uuid.UUID, str, str]]:
+def read_back(fields: SqsFields, *, topics: Collection[str] | None = None, timeout_seconds: float = 5.0,
+              quiet_seconds: int = QUIET_SECONDS) -> list[tuple[uuid.UUID, str, str]]:
     """Receive and delete every message of the sink's queues (those of ``topics``, else of
     ``--sqs-topics``, else every queue whose name starts with ``--sqs-queue-prefix`` and every queue of
     ``--sqs-queue-urls``); (event id, partition key, queue name) each, in order per queue. A queue is
-    read until a receive got nothing for ``QUIET_SECONDS``, at most ``timeout_seconds`` in all.
+    read until a receive got nothing for ``quiet_seconds`` (whole seconds of long polling; 0: short polling,
+    which on SQS may answer empty while a queue holds messages), at most ``timeout_seconds`` in all.
     Messages that are not an outbox event's (no ``ce-id``) are received and deleted too, and skipped."""
     if not fields.sqs_url:
         raise ConfigurationError("no SQS endpoint: pass --sqs-url or set OUTBOX_SQS_URL")
     client = make_client(fields.sqs_url, region=fields.sqs_region, profile=fields.sqs_profile,
                          connect_timeout_seconds=fields.sqs_connect_timeout_seconds,
-                         timeout_seconds=max(fields.sqs_timeout_seconds, QUIET_SECONDS + 5),
+                         timeout_seconds=max(fields.sqs_timeout_seconds, quiet_seconds + 5.0),
                          ca_file=fields.sqs_ca_file, verify_tls=fields.sqs_tls_verify)
     try:
         deadline = time.monotonic() + timeout_seconds
         out: list[tuple[uuid.UUID, str, str]] = []
         for url in _queue_urls(client, fields, topics):
-            out.extend(_drain(client, url, deadline))
+            out.extend(_drain(client, url, deadline, quiet_seconds))
         return out
     finally:
         client.close()
@@ -72,7 +73,7 @@ def _queue_urls(client: Any, fields: SqsFields, topics: Collection[str] | None) 
     return urls
 
 
-def _drain(client: Any, url: str, deadline: float) -> list[tuple[uuid.UUID, str, str]]:
+def _drain(client: Any, url: str, deadline: float, quiet: int) -> list[tuple[uuid.UUID, str, str]]:
     name = queue_name_of(url)
     out: list[tuple[uuid.UUID, str, str]] = []
     while True:
@@ -80,7 +81,7 @@ def _drain(client: Any, url: str, deadline: float) -> list[tuple[uuid.UUID, str,
         if left <= 0:
             return out
         reply = client.receive_message(QueueUrl=url, MaxNumberOfMessages=10, VisibilityTimeout=HIDE_SECONDS,
-                                       WaitTimeSeconds=max(0, min(int(QUIET_SECONDS), int(left))),
+                                       WaitTimeSeconds=max(0, min(quiet, int(left))),
                                        MessageAttributeNames=["All"], MessageSystemAttributeNames=["All"])
         messages = reply.get("Messages") or []
         if not messages:
