@@ -105,10 +105,13 @@ def use_dummy_credentials(monkeypatch: Any) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def client(url: str) -> Any:
+def client(url: str, service: str = "sqs") -> Any:
+    """A client signed with the credentials the environment holds now (a session of its own: boto3's
+    default session keeps the first ones it found)."""
     import boto3
 
-    return boto3.client("sqs", endpoint_url=url, region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+    return boto3.session.Session().client(service, endpoint_url=url,
+                                          region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
 
 
 class Namespace:
@@ -118,6 +121,9 @@ class Namespace:
         self.url = url
         self.prefix = f"t{uuid.uuid4().hex[:10]}-"
         self.sqs = client(url)
+
+    def iam(self) -> Any:
+        return client(self.url, "iam")
 
     def name(self, topic: str, fifo: bool = True) -> str:
         return f"{self.prefix}{topic}" + (".fifo" if fifo else "")

@@ -30,7 +30,7 @@ from outbox_relay.sqs_settings import SqsSettings
 from outbox_relay.testing import SinkContract
 from tests.integration.relay_helpers import dead_letters, fetch_all, make_settings, parked_ids, publish, running
 from tests.servers import wait_until
-from tests.sqs_server import QUIET, MotoServer, Namespace, use_dummy_credentials
+from tests.sqs_server import QUIET, MotoServer, Namespace, client, use_dummy_credentials
 
 SINK = "sqs"
 TOPIC = "orders"
@@ -318,6 +318,39 @@ def test_a_message_sqs_refuses_is_dead_lettered_with_its_reason_and_the_batch_go
     reader = Reader(endpoint, ns)
     reader.read()
     assert reader.ids() == set(ids) - {ids[3], ids[9]}, "every other event reached the queue, the keys went on"
+
+
+def test_credentials_sqs_refuses_hold_the_events_and_dead_letter_none(dsn: str, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # moto checking signatures (after the first 4 requests, which make the queue, a user and its key)
+    use_dummy_credentials(monkeypatch)
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "4")
+    server = MotoServer(tmp_path / "moto.log").start()
+    monkeypatch.delenv("INITIAL_NO_AUTH_ACTION_COUNT")
+    try:
+        ns = Namespace(server.url)
+        url = ns.create(TOPIC)
+        iam = ns.iam()
+        iam.create_user(UserName="relay")
+        key = iam.create_access_key(UserName="relay")["AccessKey"]
+        iam.put_user_policy(UserName="relay", PolicyName="sqs", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sqs:*", "Resource": "*"}]}))
+        ids = publish(dsn, [("k", "t", {"n": n}) for n in range(3)], topic=TOPIC)
+        # The queue by URL: the send itself is refused (no lookup first).
+        with running(relay(dsn, server.url, ns, max_attempts=1, sqs_queue_urls={TOPIC: url})):
+            wait_until(lambda: fetch_all(dsn, "SELECT count(*) FROM outbox.parked WHERE sink = 'sqs' AND "
+                                              "last_error LIKE '%%a condition of the sink%%'")[0][0] > 0,
+                       timeout=15, message="the events held")
+        assert dead_letters(dsn, SINK) == {}, "refused credentials are no fault of the events"
+        assert fetch_all(dsn, "SELECT max(attempts) FROM outbox.parked WHERE sink = 'sqs'")[0][0] == 0
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        with running(relay(dsn, server.url, ns, max_attempts=1, sqs_queue_urls={TOPIC: url})):
+            wait_until(lambda: pending(dsn) == 0, timeout=30, message="every event delivered")
+        ns.sqs = client(server.url)  # signed with the user's key too
+        assert [uuid.UUID(m["MessageAttributes"]["ce-id"]["StringValue"]) for m in receive_all(ns, TOPIC)] == ids
+    finally:
+        server.kill()
 
 
 def test_nothing_counts_delivered_before_sqs_answered(dsn: str, endpoint: str, ns: Namespace,

@@ -177,6 +177,7 @@ def test_queue_names_by_the_prefix_rule_and_the_map() -> None:
     ("InvalidParameterValue", 400, True, GiveUp),
     ("SomethingNew", 0, True, GiveUp),  # a batch entry the sender got wrong
     ("SomethingNew", 400, True, Retry),
+    ("403", 403, True, SinkUnavailable),  # an error body the client could not parse
 ])
 def test_what_an_sqs_error_means(code: str, status: int, sender: bool, answer: type) -> None:
     assert isinstance(of_error({code}, "msg", status, "send to q", sender, 1.0), answer)

@@ -4,8 +4,8 @@ an outage.
 - the endpoint can not be reached, times out, throttles or answers 5xx: the sink is down
   (``SinkUnavailable``, no attempt counted; the events are sent again, and a FIFO queue drops a copy
   that did arrive);
-- a queue that does not exist, credentials refused or missing, access or a KMS key denied: a condition
-  of the sink, held the same way (nothing dead-lettered while an operator fixes it);
+- a queue that does not exist, credentials refused or missing, access or a KMS key denied (and any
+  401/403): a condition of the sink, held the same way (nothing dead-lettered while an operator fixes it);
 - the message refused (contents, size, parameters): the event's fault, ``GiveUp`` with SQS's reason;
 - anything else: ``Retry`` (counted; dead-lettered with the reason past --max-attempts).
 """
@@ -48,7 +48,9 @@ def of_error(code_names: set[str], message: str, status: int, where: str, sender
              wait: float) -> Answer:
     """The answer to an error SQS returned (for a request, or one entry of a batch)."""
     what = redact(f"sqs: {where}: {'/'.join(sorted(code_names)) or 'error'}: {message}".rstrip(": "))
-    if code_names & CONDITIONS:
+    if code_names & CONDITIONS or (status in (401, 403) and not code_names & OUTAGES):
+        # 401/403 whatever the code (an error body the client could not parse, a proxy): SQS or something
+        # in front of it refuses this relay, not the message.
         return SinkUnavailable(f"{what} (a condition of the sink: check the queue, the credentials and the "
                                "policy)", wait)
     if code_names & OUTAGES or status >= 500 or (status == 0 and not sender_fault):
