@@ -342,6 +342,8 @@ def test_credentials_sqs_refuses_hold_the_events_and_dead_letter_none(dsn: str, 
                                               "last_error LIKE '%%a condition of the sink%%'")[0][0] > 0,
                        timeout=15, message="the events held")
         assert dead_letters(dsn, SINK) == {}, "refused credentials are no fault of the events"
+        [error] = fetch_all(dsn, "SELECT DISTINCT last_error FROM outbox.parked WHERE sink = 'sqs'")[0]
+        assert "InvalidClientTokenId: The security token included in the request is invalid" in error, error
         assert fetch_all(dsn, "SELECT max(attempts) FROM outbox.parked WHERE sink = 'sqs'")[0][0] == 0
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])

@@ -12,6 +12,7 @@ an outage.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ...dsn import redact
@@ -40,8 +41,20 @@ MISSING_QUEUE = frozenset({"AWS.SimpleQueueService.NonExistentQueue", "QueueDoes
 Answer = GiveUp | Retry | SinkUnavailable
 
 
+_XML_ERROR = re.compile(r"<Code>([^<]{1,100})</Code>.*?<Message>([^<]{0,500})</Message>", re.S)
+
+
 def codes(error: dict[str, Any]) -> set[str]:
     return {str(error[k]) for k in ("Code", "QueryErrorCode") if error.get(k)}
+
+
+def parsed(error: dict[str, Any]) -> dict[str, Any]:
+    """``error`` with the code and message of an XML error body the JSON client left unparsed (its code is
+    then the HTTP status: moto, or a proxy in front of SQS, answering in the query protocol's XML)."""
+    found = _XML_ERROR.search(str(error.get("Message") or ""))
+    if found is None or not str(error.get("Code") or "").isdigit():
+        return error
+    return {**error, "Code": found.group(1), "Message": found.group(2)}
 
 
 def of_error(code_names: set[str], message: str, status: int, where: str, sender_fault: bool,
@@ -65,7 +78,7 @@ def of_exception(exc: Exception, where: str, wait: float) -> Answer | None:
     from botocore import exceptions as boto
 
     if isinstance(exc, boto.ClientError):
-        error = exc.response.get("Error", {})
+        error = parsed(exc.response.get("Error", {}))
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 400)
         return of_error(codes(error), str(error.get("Message") or ""), status, where, True, wait)
     if isinstance(exc, boto.ConnectionError | boto.HTTPClientError):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import ConfigurationError
 from ...sqs_settings import FIFO_QUEUE_NAME, QUEUE_NAME, QUEUE_PREFIX, check_endpoint, queue_name_of
 from ..user import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
-from .answers import MISSING_QUEUE, codes, of_error, of_exception
+from .answers import MISSING_QUEUE, codes, of_error, of_exception, parsed
 from .batcher import Batcher
 from .client import make_client
 from .message import Message, message_of
@@ -162,7 +162,7 @@ class SqsSink:
         answer = of_exception(exc, where, self.unavailable_seconds)
         if answer is None:
             raise exc
-        error = getattr(exc, "response", {}).get("Error", {})
+        error = parsed(getattr(exc, "response", {}).get("Error", {}))
         if codes(error) & MISSING_QUEUE:
             self.queues.forget_url(url)
         return answer
