@@ -2,7 +2,7 @@
 
 The only module that knows every kind of sink. The engine (worker.py, relay.py) takes sinks and
 imports neither Kafka nor projections, and ``import outbox_relay`` (what a producer needs) loads
-neither. Dependencies run one way: compose -> sinks (sinks/kafka, sinks/webhook, projections) -> engine.
+neither. Dependencies run one way: compose -> sinks (sinks/kafka, sinks/webhook, sinks/sqs, projections) -> engine.
 """
 
 from __future__ import annotations
@@ -84,6 +84,13 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
                                     handler_timeout_seconds=s.handler_timeout_seconds, where="--rabbitmq-url")
         rabbitmq.observer = observer
         sinks.append(rabbitmq)
+    if s.sqs_url:
+        from .sinks.sqs import from_settings as sqs_from_settings
+
+        sqs = EventSinkAdapter(sqs_from_settings(s, source=s.source, default_topic=s.default_topic),
+                               handler_timeout_seconds=s.handler_timeout_seconds, where="--sqs-url")
+        sqs.observer = observer
+        sinks.append(sqs)
     for given in extra:
         sinks.append(as_engine_sink(given, s.handler_timeout_seconds, observer))
     names = [made.name for made in sinks]

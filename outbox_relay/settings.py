@@ -38,6 +38,7 @@ from .settings_base import (
     environment_only,
     read_kafka_config_file,
 )
+from .sqs_settings import SqsFields
 from .webhook_settings import WebhookFields, WebhookSettings
 
 # Debezium's placeholder in route.topic.replacement (sinks/kafka/debezium.py; not imported: it loads confluent-kafka).
@@ -45,9 +46,9 @@ ROUTED_BY_VALUE = "${routedByValue}"
 
 
 
-class RelaySettings(AttemptSettings, WebhookFields, NatsFields, RedisFields, RabbitMQFields):
+class RelaySettings(AttemptSettings, WebhookFields, NatsFields, RedisFields, RabbitMQFields, SqsFields):
     """The relay's settings: its own below; leases, attempts and the handler time limit (AttemptSettings) and
-    the sinks' (WebhookFields, NatsFields, RedisFields, RabbitMQFields) inherited."""
+    the sinks' (WebhookFields, NatsFields, RedisFields, RabbitMQFields, SqsFields) inherited."""
 
     model_config = SettingsConfigDict(extra="forbid")
 
@@ -247,11 +248,11 @@ class RelaySettings(AttemptSettings, WebhookFields, NatsFields, RedisFields, Rab
 
     @property
     def sinks(self) -> list[str]:
+        brokers = [(self.webhook_url, self.webhook_sink), (self.nats_url, self.nats_sink),
+                   (self.redis_url, self.redis_sink), (self.rabbitmq_url, self.rabbitmq_sink),
+                   (self.sqs_url, self.sqs_sink)]
         return (([self.kafka_sink] if self.kafka else []) + list(self.projection)
-                + ([self.webhook_sink] if self.webhook_url else [])
-                + ([self.nats_sink] if self.nats_url else [])
-                + ([self.redis_sink] if self.redis_url else [])
-                + ([self.rabbitmq_sink] if self.rabbitmq_url else []))
+                + [name for url, name in brokers if url])
 
     def require_kafka(self) -> str:
         """The bootstrap servers, or ConfigurationError saying how to give them."""
@@ -301,7 +302,7 @@ def listed_fields() -> dict[str, FieldInfo]:
     """``RelaySettings``' fields in the order ``run --help`` and docs/configuration.md list them: the relay's
     own as declared, each base's group after the option it belongs with (pydantic puts base fields first)."""
     fields = RelaySettings.model_fields
-    sink_fields = (WebhookFields, NatsFields, RedisFields, RabbitMQFields)
+    sink_fields = (WebhookFields, NatsFields, RedisFields, RabbitMQFields, SqsFields)
     groups = {"sink": {name: f for cls in sink_fields for name, f in cls.model_fields.items()},
               "housekeeping_seconds": AttemptSettings.model_fields}
     inherited = {name for group in groups.values() for name in group}
