@@ -35,8 +35,6 @@ from outbox_relay.relay import SinkRunner
 from outbox_relay.testing import (
     FakeOutbox,
     PublishedEvent,
-    aapply_projection,
-    apply_projection,
     apublished,
     assert_not_published,
     assert_published,
@@ -44,6 +42,8 @@ from outbox_relay.testing import (
 )
 from projections import FenceToken, ProjectionEvent, projection
 from projections.sink import ProjectionSink
+from projections.testing import apply_projection
+from projections.testing_async import aapply_projection
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     ALL_BUCKETS,
     dead_letters,
