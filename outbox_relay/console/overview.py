@@ -34,7 +34,7 @@ def overview(request: Request) -> Response:
         r["state"] = _relay_state(r)
         r["held"] = sum(int(n) for n in (r["buckets"] or {}).values())
     by = per_sink(samples)
-    rates = {s: r[-1][1] for s, v in by.items() if (r := delivered_rates(v))}
+    rates = {s: rs[-1][1] for s, v in by.items() if (rs := delivered_rates(v))}
     return render(request, "overview.html", title="Overview", relays=relays, sinks=sinks, rates=rates,
                   sparks={s: sparkline(v) for s, v in by.items()}, charts=overview_charts(samples),
                   rebuilds=rebuilds)
