@@ -290,3 +290,44 @@ def test_a_token_file_is_checked_at_start(tmp_path: Path, dsn: str) -> None:
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(ConfigurationError, match="holds no token"):
         create_app(dsn, token_file=tmp_path / "empty")
+
+
+@pytest.fixture
+def console_role(pg_server: Any, dsn: str) -> Iterator[str]:
+    """The conninfo of a login holding exactly docs/roles.md's outbox_console rights (the block as written,
+    its roles renamed for this test)."""
+    from outbox_relay import privileges
+    from tests.integration.doc_roles import doc_roles
+
+    roles = privileges.roles_of(privileges.OUTBOX)
+    with doc_roles(pg_server, dsn, roles) as r, psycopg.connect(dsn, autocommit=True) as su:
+        for role in roles:
+            su.execute(f'CREATE ROLE "{r["names"][role]}" LOGIN')
+        su.execute(r["rename"](privileges.grants_sql(privileges.OUTBOX)))
+        yield r["as"](privileges.CONSOLE)
+
+
+def test_the_console_role_can_do_every_page_and_action_and_no_more(console_role: str, token_file: Path,
+                                                                   state: dict[str, Any], dsn: str) -> None:
+    with TestClient(create_app(console_role, token_file=token_file, sample_seconds=None),
+                    base_url="http://127.0.0.1") as c:
+        for path in ("/", f"/sinks/{SINK}", f"/events?id={state['dead']}", f"/events?key={SCRIPT}", "/history",
+                     "/audit"):
+            assert c.get(path).status_code == 200, path
+        sign_in(c)
+        assert "its events are held" in _confirm_and_run(c, {"action": "pause-key", "sink": SINK, "key": IMG})
+        assert "held event(s) due now" in _confirm_and_run(c, {"action": "resume-key", "sink": SINK, "key": IMG})
+        assert "is due now" in _confirm_and_run(c, {"action": "retry-key", "sink": SINK, "key": IMG})
+        assert "went to dead letters" in _confirm_and_run(c, {"action": "skip-key", "sink": SINK, "key": IMG})
+        assert "queued again" in _confirm_and_run(c, {"action": "retry-dead", "sink": SINK, "scope": "key",
+                                                      "key": IMG})
+        assert "deleted" in _confirm_and_run(c, {"action": "discard-dead", "sink": SINK, "scope": "all"})
+    with psycopg.connect(console_role, autocommit=True) as conn:
+        admin.take_sample(conn)
+        assert conn.execute("SELECT session_user").fetchone() == (conn.info.user,)
+        assert admin.audit_log(conn).records()[0]["role"] == conn.info.user
+        for refused in ("DELETE FROM outbox.events", "UPDATE outbox.workers SET status = 'dead'",
+                        "UPDATE outbox.cursors SET owner = NULL", "DELETE FROM outbox.console_audit",
+                        "UPDATE outbox.sinks SET dropped_at = now()", "SELECT outbox.retire_partition_v2()"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(refused)
