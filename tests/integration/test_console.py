@@ -5,9 +5,9 @@ are confirmed, audited and refused without the token or the CSRF value, and the 
 from __future__ import annotations
 
 import re
-from html.parser import HTMLParser
 import uuid
 from collections.abc import Iterator
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
