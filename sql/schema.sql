@@ -1057,7 +1057,11 @@ CREATE TABLE outbox.console_samples (
     CONSTRAINT console_samples_pkey PRIMARY KEY (sink, at)
 );
 
-CREATE INDEX console_samples_at ON outbox.console_samples (at);
+CREATE INDEX console_samples_at ON outbox.console_samples (at, sink);
+
+-- A sink's dead letters newest first (the console's and `dead-letters list`'s page): an index range read
+-- backwards, not a sort of every dead letter of the sink (10,000 of them in the console's bench).
+CREATE INDEX dead_letters_newest ON outbox.dead_letters (sink, dead_at, event_id);
 
 -- 0019_privileges: nothing in the schema is open to PUBLIC (migrate repeats this after every run); the
 -- documented roles' grants are in outbox_relay/privileges.py (docs/roles.md).

@@ -42,7 +42,10 @@ def create_app(dsn: str, *, token_file: str | Path | None = None, read_needs_tok
     if read_needs_token and tokens is None:
         raise ConfigurationError("a console that needs a token to read needs --token-file")
     pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
-        dsn, min_size=1, max_size=pool_size, kwargs={"autocommit": True, "application_name": "outbox-console"},
+        dsn, min_size=1, max_size=pool_size, kwargs={"autocommit": True, "application_name": "outbox-console",
+                    # Never prepared: each page's queries are planned for their values (GUIDE section 4: a
+                    # generic plan of an "x IS NULL OR col = x" filter can not use the index).
+                    "prepare_threshold": None},
         open=False)
     state = Console(pool=pool, dsn_shown=redact(dsn), tokens=tokens, read_needs_token=read_needs_token,
                     max_attempts=max_attempts)
