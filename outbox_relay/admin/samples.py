@@ -41,4 +41,4 @@ def take_sample(conn: Conn) -> datetime:
 def samples_since(conn: Conn, minutes: int = 61) -> list[Sample]:
     """Every sink's samples of the last ``minutes``, oldest first."""
     rows = fetch_table(conn, "samples_since", {"minutes": minutes, "limit": SAMPLES_READ}, group="console").rows
-    return [Sample(*r) for r in rows]
+    return sorted((Sample(*r) for r in rows), key=lambda s: (s.at, s.sink))

@@ -40,11 +40,10 @@ SELECT count(*) AS trimmed FROM gone;
 SELECT date_trunc('minute', clock_timestamp()) AS minute;
 
 -- name: samples_since
--- Every sink's samples of the last minutes, oldest first (index console_samples_at).
+-- Every sink's samples of the last minutes (a range of index console_samples_at; the caller orders them).
 SELECT s.sink, s.at, s.pending, s.parked, s.dead_letters, s.published
 FROM outbox.console_samples s
 WHERE s.at >= now() - make_interval(mins => %(minutes)s)  -- now(): stable, so an index bound
-ORDER BY s.at, s.sink
 LIMIT %(limit)s;
 
 -- name: waiting_keys
