@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 from pathlib import Path
 
 from ..errors import ConfigurationError
@@ -61,5 +62,9 @@ def cmd_console(args: argparse.Namespace) -> int:
                      **({"max_attempts": max_attempts} if max_attempts else {}))
     _say(f"outbox-relay console: http://{args.host}:{args.port}/ ("
          + ("actions need a token of " + str(token_file) if token_file else "read-only: no --token-file") + ")")
+    # uvicorn stops gracefully on SIGTERM/SIGINT, then raises the signal again for the handler it replaced:
+    # a handler that does nothing makes that a normal exit (status 0) rather than death by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _sig, _frame: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return EXIT_OK

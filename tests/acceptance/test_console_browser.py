@@ -226,3 +226,30 @@ def test_an_operator_gets_a_dead_letter_delivered_from_the_browser(chromium: Pat
         browser.close()
     assert dialogs == []  # no script of a producer's ran
     assert not [e for e in errors if "Content Security Policy" in e], errors
+
+
+def test_the_console_command_serves_the_pages_and_stops_on_sigterm(dsn: str, tmp_path: Path) -> None:
+    import urllib.request
+
+    port = free_port()
+    script = Path(sys.executable).with_name("outbox-relay")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "outbox_relay.cli"]
+    with (tmp_path / "console.out").open("wb") as out:
+        process = subprocess.Popen([*command, "console", "--dsn", dsn, "--port", str(port)], stdout=out,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        def page() -> str | None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as r:
+                    return str(r.headers["content-security-policy"]) + r.read().decode()
+            except OSError:
+                return None
+
+        wait_until(lambda: page() is not None, timeout=30,
+                   message=f"the console to answer: {(tmp_path / 'console.out').read_text()[-1000:]}")
+        served = page() or ""
+        assert "default-src 'self'" in served and "read-only" in served
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(20) == 0, (tmp_path / "console.out").read_text()[-1000:]
+    assert "read-only: no --token-file" in (tmp_path / "console.out").read_text()

@@ -331,3 +331,13 @@ def test_the_console_role_can_do_every_page_and_action_and_no_more(console_role:
                         "UPDATE outbox.sinks SET dropped_at = now()", "SELECT outbox.retire_partition_v2()"):
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 conn.execute(refused)
+
+
+def test_the_command_refuses_to_listen_beyond_this_host_without_a_token_file(
+        capsys: pytest.CaptureFixture[str], dsn: str) -> None:
+    from outbox_relay import cli
+    from tests.cli_helpers import run_cli
+
+    code, _, err = run_cli(capsys, "console", "--dsn", dsn, "--host", "0.0.0.0")
+    assert code == cli.EXIT_ERROR
+    assert "listening on 0.0.0.0 (beyond this host) needs --token-file" in err, err
