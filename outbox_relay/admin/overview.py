@@ -30,7 +30,7 @@ def status(conn: Conn, *, all_databases: bool = False, dead_letter_keys: int = 2
     default class keeps unless set) and history per projection."""
     return Status(
         workers=fetch_table(conn, "workers"),
-        backlog=fetch_table(conn, "backlog"),
+        backlog=fetch_table(conn, "backlog", {"sink": None}),
         oldest_open_transaction=fetch_table(conn, "horizon_holder", {"all_databases": all_databases}),
         dead_letters_by_key=fetch_table(conn, "dead_letters_by_key", {"sink": None, "limit": dead_letter_keys}),
         rebuilds=fetch_table(conn, "rebuilds"),
