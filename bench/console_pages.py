@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -59,19 +58,23 @@ def seed(dsn: str, events: int, dead: int, relays: int) -> dict[str, Any]:
         conn.execute("INSERT INTO outbox.workers (id, sinks, metadata) "
                      "SELECT 'relay-' || g, %s, jsonb_build_object('host', 'host-' || (g %% 8), 'pid', 1000 + g, "
                      "'ttl_seconds', 10, 'listening', true) FROM generate_series(1, %s) g", (list(SINKS), relays))
-        conn.execute("UPDATE outbox.cursors SET snapshot = pg_current_snapshot(), owner = 'relay-' || (1 + bucket %% %s), "
+        conn.execute("UPDATE outbox.cursors SET snapshot = pg_current_snapshot(), "
+                     "owner = 'relay-' || (1 + bucket %% %s), "
                      "lease_expires_at = clock_timestamp() + interval '1 hour', advanced_at = clock_timestamp()",
                      (relays,))
         conn.execute("INSERT INTO outbox.events (id, partition_key, topic, type, payload) "
                      "SELECT uuidv7(), 'key-' || (g % 50000), 'orders', 'OrderPaid', '{}' "
                      "FROM generate_series(1, 10000) AS g")  # the pending head
         conn.execute("""
-            INSERT INTO outbox.dead_letters (sink, event_id, bucket, xid, seq, partition_key, attempts, last_error, dead_at)
+            INSERT INTO outbox.dead_letters (sink, event_id, bucket, xid, seq, partition_key, attempts, last_error,
+                                             dead_at)
             SELECT 'kafka', e.id, e.bucket, e.xid, e.seq, e.partition_key, 10,
-                   'KafkaError: MSG_SIZE_TOO_LARGE (message ' || e.seq || ')', clock_timestamp() - make_interval(secs => e.seq %% 86400)
+                   'KafkaError: MSG_SIZE_TOO_LARGE (message ' || e.seq || ')',
+                   clock_timestamp() - make_interval(secs => e.seq %% 86400)
             FROM outbox.events e WHERE e.seq %% %s = 7 LIMIT %s""", (max(1, events // dead), dead))
         conn.execute("""
-            INSERT INTO outbox.parked (sink, bucket, xid, seq, partition_key, event_id, attempts, available_at, last_error)
+            INSERT INTO outbox.parked (sink, bucket, xid, seq, partition_key, event_id, attempts, available_at,
+                                       last_error)
             SELECT 'kafka', e.bucket, e.xid, e.seq, e.partition_key, e.id, 3, clock_timestamp() + interval '40 seconds',
                    'broker said no'
             FROM outbox.events e WHERE e.type = 'OrderPaid' AND e.seq % 10 < 1 LIMIT 1000""")
@@ -95,7 +98,7 @@ def seed(dsn: str, events: int, dead: int, relays: int) -> dict[str, Any]:
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main() -> int:
