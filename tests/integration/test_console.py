@@ -241,6 +241,8 @@ def test_actions_are_refused_without_the_token_or_the_csrf_value(client: TestCli
 def test_a_console_without_a_token_file_is_read_only(dsn: str, state: dict[str, Any]) -> None:
     with TestClient(create_app(dsn, sample_seconds=None), base_url="http://127.0.0.1") as c:
         assert "read-only" in c.get("/").text
+        sink = c.get(f"/sinks/{SINK}").text
+        assert "Retry selected" not in sink and "Pause a key" not in sink  # no action offered
         r = c.post("/actions/run", data={"action": "discard-dead", "sink": SINK, "scope": "all",
                                          "csrf": csrf_of(c)})
         assert r.status_code == 403 and "read-only" in r.text
