@@ -92,13 +92,10 @@ def key_ledger(conn: Conn, key: str, *, limit: int = 20) -> list[EventLedger]:
     if not low <= limit <= high:
         raise ConfigurationError(f"a key's ledger shows {low}-{high} events, not {limit}")
     with conn.transaction():
-        ids = [r[0] for r in fetch_table(conn, "key_events", {"key": key, "limit": limit}, group="console").rows]
-        if not ids:
+        fetch_table(conn, "ordered_scans", group="console")
+        events = fetch_table(conn, "key_events", {"key": key, "limit": limit}, group="console").records()
+        if not events:
             return []
-        details = {}
-        for eid in ids:
-            row = fetch_table(conn, "event_detail", {"event": eid}, group="console").records()
-            if row:
-                details[eid] = row[0]
+        ids = [e["id"] for e in events]
         entries = _ledgers(conn, ids)
-    return [EventLedger(event=details[i], sinks=entries[i]) for i in ids if i in details]
+    return [EventLedger(event=e, sinks=entries[e["id"]]) for e in events]

@@ -97,14 +97,20 @@ ORDER BY k.paused_at, k.partition_key
 LIMIT %(limit)s;
 
 -- name: key_events
--- A key's newest stored events: its bucket's entries of index events_position, then the key (there is
--- no index by key: the producers' write path stays one index lighter), so it reads one bucket, 1/256 of
--- what is stored.
-SELECT e.id
+-- A key's newest stored events: its bucket's entries of index events_position read backwards, newest
+-- partition first, then the key (there is no index by key: the producers' write path stays one index
+-- lighter). A key with recent events stops after a few hundred entries; one with none reads its bucket,
+-- 1/256 of what is stored. Run after ordered_scans (a bitmap of the whole bucket reads every row of it).
+SELECT e.id, e.partition_key, e.bucket, e.type, e.topic, e.created_at
 FROM outbox.events e
 WHERE e.bucket = outbox.bucket_v1(%(key)s::text) AND e.partition_key = %(key)s
 ORDER BY e.xid DESC, e.seq DESC
 LIMIT %(limit)s;
+
+-- name: ordered_scans
+-- For the rest of this transaction, no bitmap scans: key_events then walks the index in order and stops
+-- at its LIMIT instead of reading every row of the key's bucket.
+SELECT set_config('enable_bitmapscan', 'off', true);
 
 -- name: event_detail
 -- One stored event by id (index events_id per partition; the copy kept after retention otherwise).
