@@ -2,7 +2,8 @@
 `outbox-relay run` delivering to a user sink and a real PostgreSQL, the console under uvicorn: find a dead
 letter from the overview, fix its cause, retry it and see it delivered; pause and resume a key; hostile
 strings render as text (no dialog fires); an action without the token is refused. It takes the docs'
-screenshots (docs/images/console-*.png)."""
+screenshots: into docs/images/console-*.png with OUTBOX_CONSOLE_SCREENSHOTS=1 set (else into the test's
+temporary directory, so that a test run leaves the work tree as it was)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from tests.servers import wait_until
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
-IMAGES = HERE.parents[1] / "docs" / "images"
+DOC_IMAGES = HERE.parents[1] / "docs" / "images"
 CHROMIUM = Path("/usr/bin/chromium")
 SINK = "orders-sink"
 SCRIPT = "<script>alert(1)</script>"
@@ -123,8 +124,10 @@ def dead_keys(dsn: str) -> set[str]:
 
 
 def test_an_operator_gets_a_dead_letter_delivered_from_the_browser(chromium: Path, dsn: str, console_url: str,
-                                                                   relay: dict[str, Path]) -> None:
+                                                                   relay: dict[str, Path], tmp_path: Path) -> None:
     from playwright.sync_api import expect, sync_playwright
+
+    images = DOC_IMAGES if os.environ.get("OUTBOX_CONSOLE_SCREENSHOTS") == "1" else tmp_path
 
     outbox = Outbox(default_topic="orders")
     with psycopg.connect(dsn) as conn:
@@ -138,7 +141,6 @@ def test_an_operator_gets_a_dead_letter_delivered_from_the_browser(chromium: Pat
     with psycopg.connect(dsn, autocommit=True) as conn:
         admin.take_sample(conn)  # the overview's charts (a running console samples every minute)
 
-    IMAGES.mkdir(parents=True, exist_ok=True)
     dialogs: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(chromium), headless=True, args=["--no-sandbox"])
@@ -169,7 +171,7 @@ def test_an_operator_gets_a_dead_letter_delivered_from_the_browser(chromium: Pat
         page.get_by_role("button", name="Sign in").click()
         expect(page.locator(".who")).to_contain_text("Ada (token ops)")
         relay["switch"].write_text(f"{SCRIPT}\n")
-        page.screenshot(path=str(IMAGES / "console-sink.png"))
+        page.screenshot(path=str(images / "console-sink.png"))
         page.locator("tr.dead-letter", has_text="order:7").locator('input[name="event"]').check()
         page.get_by_role("button", name="Retry selected…").click()
         expect(page.locator("p.confirm-what")).to_have_text(f"Retry 1 selected dead letter(s) of sink '{SINK}'.")
@@ -178,7 +180,7 @@ def test_an_operator_gets_a_dead_letter_delivered_from_the_browser(chromium: Pat
         wait_until(lambda: str(stuck) in delivered(relay), timeout=20, message="the retried event delivered")
         page.goto(f"{console_url}/events?id={stuck}")
         expect(page.locator("table.ledger tr", has_text=SINK)).to_contain_text("delivered", timeout=15000)
-        page.screenshot(path=str(IMAGES / "console-event.png"))
+        page.screenshot(path=str(images / "console-event.png"))
 
         # Pause a key: its next event is held; resume it: delivered.
         page.goto(f"{console_url}/sinks/{SINK}")
@@ -217,12 +219,12 @@ def test_an_operator_gets_a_dead_letter_delivered_from_the_browser(chromium: Pat
         page.goto(console_url + "/")
         expect(page.locator("svg.plot").first).to_be_visible()
         assert page.locator("svg.plot polyline").count() >= 3
-        page.screenshot(path=str(IMAGES / "console-overview.png"))
+        page.screenshot(path=str(images / "console-overview.png"))
 
         page.goto(f"{console_url}/audit")
         expect(page.locator("tr.audit-record").first).to_contain_text("Ada (token ops)")
         assert page.locator("tr.audit-record").count() == 3
-        page.screenshot(path=str(IMAGES / "console-audit.png"))
+        page.screenshot(path=str(images / "console-audit.png"))
         browser.close()
     assert dialogs == []  # no script of a producer's ran
     assert not [e for e in errors if "Content Security Policy" in e], errors
