@@ -49,7 +49,7 @@ def backlog(conn: psycopg.Connection[Any], sink: str | None = None) -> list[Sink
     """Every live sink's backlog, by name; only ``sink``'s if given (OutboxError if there is no such
     sink, or it was dropped). ``conn`` is a connection to a migrated database."""
     with conn.cursor() as cur:
-        cur.execute(query("admin", "backlog"))
+        cur.execute(query("admin", "backlog"), {"sink": sink})  # one sink's buckets only, if given
         cols = [d.name for d in cur.description or []]
         rows = [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
     found = [SinkBacklog(sink=r["sink"], kind=r["kind"], pending=int(r["pending"]),

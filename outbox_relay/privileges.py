@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRODUCER, RELAY, PROJECTOR = "outbox_producer", "outbox_relay", "outbox_projector"
+CONSOLE = "outbox_console"
 INBOX_CONSUMER = "outbox_inbox_consumer"
-ROLES = (PRODUCER, RELAY, PROJECTOR, INBOX_CONSUMER)
+ROLES = (PRODUCER, RELAY, PROJECTOR, CONSOLE, INBOX_CONSUMER)
 OUTBOX, INBOX = "outbox", "outbox_inbox"
 SCHEMAS = (OUTBOX, INBOX)  # the product's schemas: nothing in them is open to PUBLIC
 TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
@@ -86,6 +87,37 @@ GRANTS: tuple[Grant, ...] = (
     Grant("", ("SELECT", "INSERT", "UPDATE", "DELETE"), _RELAY_TABLES, (PROJECTOR,)),
     Grant("A projection batch's guard (a constraint trigger on the connection's own temporary table) and its end.",
           ("EXECUTE",), ("projection_batch_guard_v1()", "projection_batch_end_v1(text)"), (PROJECTOR,)),
+    # The operator console (outbox_relay/console, sql/queries/console.sql): it reads what `status`, `keys show`
+    # and `dead-letters list` read, and acts only as `keys retry|skip|pause|resume` and `dead-letters
+    # retry|discard` do. No rights on workers, assignments, housekeeping or the partitions' functions that change
+    # anything; no DELETE or UPDATE of events.
+    Grant("The console (`outbox-relay console`): reads events (the ledger shows payloads and headers), sinks, "
+          "relays, cursors, the park, dead letters, pauses, rebuilds and history; writes nothing there but what an "
+          "operator's action changes.",
+          ("SELECT",), ("events", "sinks", "workers", "cursors", "parked", "dead_letters", "paused_keys", "rebuilds",
+                        "partitions", "retention_classes", "topic_retention", "history", "history_removed",
+                        "kept_events", "housekeeping", "schema_migrations", "console_audit", "console_samples"),
+          (CONSOLE,)),
+    Grant("Its actions: a retry makes a parked head due or moves dead letters back to the park, a skip moves the "
+          "head to dead letters, a discard deletes dead letters, a pause or resume adds or removes a paused key.",
+          ("INSERT", "UPDATE", "DELETE"), ("parked",), (CONSOLE,)),
+    Grant("", ("INSERT", "DELETE"), ("dead_letters", "paused_keys"), (CONSOLE,)),
+    Grant("A skip of an event dead-lettered before (and retried since) updates its dead letter.",
+          ("UPDATE",), ("dead_letters",), (CONSOLE,), ("attempts", "last_error", "dead_at")),
+    Grant("A skip fences the key's bucket first (an attempt in flight then lands nothing).",
+          ("UPDATE",), ("cursors",), (CONSOLE,), ("fence", "fenced_by")),
+    Grant("Actions lock the sink's row against a drop (SELECT ... FOR SHARE needs UPDATE on one column: "
+          "created_at, which nothing but listings reads).",
+          ("UPDATE",), ("sinks",), (CONSOLE,), ("created_at",)),
+    Grant("Every action's audit record, and the per-minute samples the overview's charts draw (a day is kept).",
+          ("INSERT",), ("console_audit", "console_samples"), (CONSOLE,)),
+    Grant("", ("DELETE",), ("console_samples",), (CONSOLE,)),
+    Grant("The ledger asks whether a cursor delivered an event; the history page what holds each partition.",
+          ("EXECUTE",),
+          ("bucket_v1(text)", "delivered_v1(xid8, bigint, pg_snapshot, pg_snapshot, xid8, bigint)",
+           "history_covers_v1(text[], text[], text[])", "history_stored_from_v1(text[])",
+           "partition_oldest_v1(text)", "partition_hold_v1(text, interval)", "class_keep_v1(text, interval)"),
+          (CONSOLE,)),
     # The inbox (sql/queries/inbox.sql): `outbox-relay inbox run`, and the operator commands `inbox status` and
     # `inbox dead-letters`, which need nothing the consumer does not. No DDL: `inbox migrate` is the owner's.
     Grant("Inbox consumers: `inbox run` and `inbox status` check the tables' version first.",
@@ -109,12 +141,16 @@ OWNER_ONLY_FUNCTIONS = ("check_event_v4()", "events_no_delete_v1()", "header_nam
 
 _ROW_SECURITY_TABLES = ("sinks", "assignments", "cursors", "parked", "dead_letters")
 
+_CONSOLE_ROW_TABLES = ("sinks", "cursors", "parked", "dead_letters")
+
 ROW_SECURITY = "\n".join((
     "-- Row security: a projector sees and changes projection sinks' rows only. The table owner (the",
-    "-- migrator) is not subject to it; relays see everything.",
+    "-- migrator) is not subject to it; relays and the console see every sink's (within their grants).",
     *(f"ALTER TABLE outbox.{t} ENABLE ROW LEVEL SECURITY;" for t in _ROW_SECURITY_TABLES),
     *(f"DROP POLICY IF EXISTS relay_all ON outbox.{t};" for t in _ROW_SECURITY_TABLES),
     *(f"CREATE POLICY relay_all ON outbox.{t} TO {RELAY} USING (true);" for t in _ROW_SECURITY_TABLES),
+    *(f"DROP POLICY IF EXISTS console_all ON outbox.{t};" for t in _CONSOLE_ROW_TABLES),
+    *(f"CREATE POLICY console_all ON outbox.{t} TO {CONSOLE} USING (true);" for t in _CONSOLE_ROW_TABLES),
     *(f"DROP POLICY IF EXISTS projections_only ON outbox.{t};" for t in _ROW_SECURITY_TABLES),
     f"CREATE POLICY projections_only ON outbox.sinks TO {PROJECTOR} USING (kind = 'projection');",
     *(f"CREATE POLICY projections_only ON outbox.{t} TO {PROJECTOR}\n"

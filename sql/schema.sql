@@ -1031,6 +1031,38 @@ $$;
 -- The first range, from now on.
 SELECT outbox.add_partition_v1(1000000, 86400);
 
+-- 0023_console_audit: the console's audit records and per-minute samples (see the migration).
+CREATE TABLE outbox.console_audit (
+    id          bigint      GENERATED ALWAYS AS IDENTITY,
+    at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+    who         text        NOT NULL,
+    -- The database role the console ran as.
+    role        text        NOT NULL DEFAULT session_user,
+    action      text        NOT NULL,
+    sink        text,
+    target      text        NOT NULL,
+    count       integer     NOT NULL DEFAULT 0,
+    -- NULL: done; else why it was refused.
+    refused     text,
+    CONSTRAINT console_audit_pkey PRIMARY KEY (id)
+);
+
+CREATE TABLE outbox.console_samples (
+    sink         text        NOT NULL,
+    at           timestamptz NOT NULL,
+    pending      bigint      NOT NULL,
+    parked       bigint      NOT NULL,
+    dead_letters bigint      NOT NULL,
+    published    bigint      NOT NULL,
+    CONSTRAINT console_samples_pkey PRIMARY KEY (sink, at)
+);
+
+CREATE INDEX console_samples_at ON outbox.console_samples (at, sink);
+
+-- A sink's dead letters newest first (the console's and `dead-letters list`'s page): an index range read
+-- backwards, not a sort of every dead letter of the sink (10,000 of them in the console's bench).
+CREATE INDEX dead_letters_newest ON outbox.dead_letters (sink, dead_at, event_id);
+
 -- 0019_privileges: nothing in the schema is open to PUBLIC (migrate repeats this after every run); the
 -- documented roles' grants are in outbox_relay/privileges.py (docs/roles.md).
 REVOKE ALL ON SCHEMA outbox FROM PUBLIC;
@@ -1061,4 +1093,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (19, 'privileges', NULL),
     (20, 'retention_recheck', NULL),
     (21, 'fenced_by', NULL),
-    (22, 'idle_watch', NULL);
+    (22, 'idle_watch', NULL),
+    (23, 'console_audit', NULL);

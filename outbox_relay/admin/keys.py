@@ -176,7 +176,7 @@ def _key_sink_state(s: dict[str, Any], dead: list[dict[str, Any]], max_attempts:
     owner = s["owner"] if held else None
     queued_behind = max(0, s["parked"] - 1)
     letters = KeyDeadLetters(count=s["dead_letters"], last_at=s["last_dead_at"], recent=dead)
-    state, summary = _key_summary(head, paused, owner, s["bucket"], queued_behind, s["parked"], s["unread"],
+    state, summary = key_summary(head, paused, owner, s["bucket"], queued_behind, s["parked"], s["unread"],
                                   s["stored"], letters, max_attempts)
     return KeySinkState(
         sink=s["sink"], kind=s["kind"], bucket=s["bucket"], owner=owner, fence=s["fence"],
@@ -193,14 +193,16 @@ def _failed(head: KeyHead, max_attempts: int) -> str:
     return f"attempt {head.attempts} of {max_attempts} failed: {one_line(head.last_error)}"
 
 
-def _key_summary(head: KeyHead | None, paused: KeyPause | None, owner: str | None, bucket: int, queued_behind: int,
-                 parked: int, unread: int, stored: int, dead: KeyDeadLetters, max_attempts: int) -> tuple[str, str]:
-    """(state, the plain-language line) of one sink's state."""
+def key_summary(head: KeyHead | None, paused: KeyPause | None, owner: str | None, bucket: int, queued_behind: int,
+                parked: int, unread: int | None, stored: int, dead: KeyDeadLetters,
+                max_attempts: int) -> tuple[str, str]:
+    """(state, the plain-language line) of one sink's state, in the words of ``keys show`` (the console's
+    sink page says it of each waiting key; ``unread`` None: not counted, left out of the line)."""
     nobody = "" if owner else f"; no relay holds bucket {bucket} now"
     if paused is not None:
         text = (f"paused since {time_text(paused.since)} by {paused.by} (role {paused.role})"
                 + (f": {one_line(paused.reason)}" if paused.reason else "")
-                + f"; {parked} parked event(s) held, {unread} not read yet")
+                + f"; {parked} parked event(s) held" + ("" if unread is None else f", {unread} not read yet"))
         if head is not None and head.last_error is not None:
             text += f" (its head: {_failed(head, max_attempts)})"
         return "paused", text

@@ -35,10 +35,10 @@ class Table:
         return [dict(zip(self.columns, r, strict=True)) for r in self.rows]
 
 
-def fetch_table(conn: Conn, name: str, params: dict[str, Any] | None = None) -> Table:
-    """Run admin.sql's query ``name``."""
+def fetch_table(conn: Conn, name: str, params: dict[str, Any] | None = None, *, group: str = "admin") -> Table:
+    """Run the query ``name`` of sql/queries/<group>.sql (admin.sql; console.sql for the console's reads)."""
     with conn.cursor() as cur:
-        cur.execute(query("admin", name), params or {})
+        cur.execute(query(group, name), params or {})
         return Table(tuple(d.name for d in cur.description or []), list(cur.fetchall()))
 
 

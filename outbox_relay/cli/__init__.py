@@ -24,6 +24,7 @@ from ..dsn import connection_problem, redact
 from ..errors import OutboxError
 from ..inbox import cli as inbox_cli
 from ..settings import RelaySettings, env_var, listed_fields
+from . import console as console_cli
 from .exit_codes import EXIT_ERROR, EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
 from .logs import setup_logging
 from .operate import (
@@ -95,7 +96,7 @@ def version() -> str:
 
 # The top-level --help: plain text (a docstring's ``markup`` showed as is), every command named.
 DESCRIPTION = """outbox-relay: migrate, run, status, lag, dead-letters, retention, keys, sinks, rebuild, replay,
-verify, dev, inbox.
+verify, dev, console, inbox.
 
 Every option of `run` can also come from the environment variable its --help names (OUTBOX_*)."""
 
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partitions", type=int_between(1, 1000), default=3, help="the topic's partitions (1-1000)")
     p.add_argument("--kafka-port", type=int_between(1, 65535), default=None, metavar="PORT",
                    help="the broker's port on 127.0.0.1 (default: a free one)")
+    console_cli.add_parser(sub)  # `outbox-relay console`: the operator console (outbox_relay/cli/console.py)
     inbox_cli.add_parser(sub)  # `outbox-relay inbox ...`: the consumer side (outbox_relay/inbox/cli.py)
     return parser
 
@@ -257,6 +259,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "replay": cmd_replay,
     "verify": cmd_verify,
     "dev": cmd_dev,
+    "console": console_cli.cmd_console,
     "inbox": inbox_cli.command,
 }
 

@@ -19,8 +19,8 @@ FROM outbox.workers w
 ORDER BY w.id;
 
 -- name: backlog
--- Per sink: events not yet delivered, the age of the oldest, parked (retrying), held by paused keys,
--- and dead letters.
+-- Per sink (every live one, or only sink): events not yet delivered, the age of the oldest, parked
+-- (retrying), held by paused keys, and dead letters.
 SELECT s.name AS sink, s.kind,
        coalesce(sum(b.pending), 0)::bigint AS pending,
        round(extract(epoch FROM clock_timestamp() - min(b.oldest))::numeric, 1) AS oldest_pending_seconds,
@@ -38,7 +38,7 @@ SELECT s.name AS sink, s.kind,
        count(c.owner) AS leased_buckets,
        count(*) FILTER (WHERE c.owner IS NOT NULL AND c.lease_expires_at < clock_timestamp()) AS expired_leases
 FROM outbox.sinks s
-JOIN outbox.cursors c ON c.sink = s.name
+JOIN outbox.cursors c ON c.sink = s.name AND (%(sink)s::text IS NULL OR s.name = %(sink)s)
 CROSS JOIN LATERAL (
     -- Committed events this bucket's cursor has not delivered (an index range from the oldest
     -- transaction it has not seen) and the oldest of them.

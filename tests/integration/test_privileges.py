@@ -367,8 +367,10 @@ def test_the_migration_closes_a_database_granted_as_the_old_docs_said(
             projector.execute("SELECT outbox.roll_partition_v1(1000, 86400)")  # open before 0019
         monkeypatch.undo()
         assert [m.version for m in migrate(dsn)] == [m.version for m in shipped if m.version >= 19]
-        # Without running the new grants: every function's EXECUTE is what the table declares, per kind.
-        execute = [p for p in problems(roles) if " EXECUTE on " in p or "function" in p]
+        # Without running the new grants: every function's EXECUTE is what the table declares, per kind (but for
+        # the console's role, which the old docs did not have: it gets its rights from the current block).
+        execute = [p for p in problems(roles) if (" EXECUTE on " in p or "function" in p)
+                   and not p.startswith(f"{privileges.CONSOLE} ")]
         assert execute == []
         with psycopg.connect(roles.dsn_of(privileges.PROJECTOR), autocommit=True) as projector:
             for call in ("SELECT outbox.roll_partition_v1(1000, 86400)",

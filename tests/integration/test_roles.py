@@ -28,7 +28,8 @@ from tests.integration.relay_helpers import ALL_BUCKETS, RecordingSink, close_hi
 from tests.servers import PgServer
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "roles.md"
-ROLES = ("outbox_migrator", "outbox_relay", "outbox_producer", "outbox_projector", "orders_read_models")
+ROLES = ("outbox_migrator", "outbox_relay", "outbox_producer", "outbox_projector", "outbox_console",
+         "orders_read_models")
 
 
 def doc_blocks() -> list[str]:
