@@ -7,7 +7,9 @@ neither. Dependencies run one way: compose -> sinks (sinks/kafka, sinks/webhook,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 from .dsn import describe_error
@@ -51,46 +53,25 @@ def default_sinks(settings: RelaySettings, observer: Observer = NULL_OBSERVER,
                                   batch_size=BATCHED_READ_SIZE if p.batch and not chosen else None)
             sink.observer = observer
             sinks.append(sink)
-    for spec in s.sink:
-        adapter = EventSinkAdapter(load_sink(spec), handler_timeout_seconds=s.handler_timeout_seconds,
-                                   where=f"--sink {spec}")
+    def adapted(sink: Any, where: str) -> EventSinkAdapter:
+        adapter = EventSinkAdapter(sink, handler_timeout_seconds=s.handler_timeout_seconds, where=where)
         adapter.observer = observer
-        sinks.append(adapter)
-    if s.webhook_url:
-        from .sinks.webhook import from_settings as webhook_from_settings
+        return adapter
 
-        webhook = EventSinkAdapter(webhook_from_settings(s), handler_timeout_seconds=s.handler_timeout_seconds,
-                                   where="--webhook-url")
-        webhook.observer = observer
-        sinks.append(webhook)
-    if s.nats_url:
-        from .sinks.nats import from_settings as nats_from_settings
-
-        nats = EventSinkAdapter(nats_from_settings(s, s.source, s.default_topic),  # type: ignore[arg-type]  # async
-                                handler_timeout_seconds=s.handler_timeout_seconds, where="--nats-url")
-        nats.observer = observer
-        sinks.append(nats)
-    if s.redis_url:
-        from .sinks.redis import from_settings as redis_from_settings
-
-        redis = EventSinkAdapter(redis_from_settings(s, source=s.source, default_topic=s.default_topic),
-                                 handler_timeout_seconds=s.handler_timeout_seconds, where="--redis-url")
-        redis.observer = observer
-        sinks.append(redis)
-    if s.rabbitmq_url:
-        from .sinks.rabbitmq import from_settings as rabbitmq_from_settings
-
-        rabbitmq = EventSinkAdapter(rabbitmq_from_settings(s, s.source),
-                                    handler_timeout_seconds=s.handler_timeout_seconds, where="--rabbitmq-url")
-        rabbitmq.observer = observer
-        sinks.append(rabbitmq)
-    if s.sqs_url:
-        from .sinks.sqs import from_settings as sqs_from_settings
-
-        sqs = EventSinkAdapter(sqs_from_settings(s, source=s.source, default_topic=s.default_topic),
-                               handler_timeout_seconds=s.handler_timeout_seconds, where="--sqs-url")
-        sqs.observer = observer
-        sinks.append(sqs)
+    for spec in s.sink:
+        sinks.append(adapted(load_sink(spec), f"--sink {spec}"))
+    # The product's sinks on the user contract, each turned on by its URL and built by its package (imported
+    # only then: each needs its broker's client).
+    brokers: list[tuple[object, str, Callable[[ModuleType], Any]]] = [
+        (s.webhook_url, "webhook", lambda m: m.from_settings(s)),
+        (s.nats_url, "nats", lambda m: m.from_settings(s, s.source, s.default_topic)),
+        (s.redis_url, "redis", lambda m: m.from_settings(s, source=s.source, default_topic=s.default_topic)),
+        (s.rabbitmq_url, "rabbitmq", lambda m: m.from_settings(s, s.source)),
+        (s.sqs_url, "sqs", lambda m: m.from_settings(s, source=s.source, default_topic=s.default_topic)),
+    ]
+    for url, kind, build in brokers:
+        if url:
+            sinks.append(adapted(build(importlib.import_module(f"{__package__}.sinks.{kind}")), f"--{kind}-url"))
     for given in extra:
         sinks.append(as_engine_sink(given, s.handler_timeout_seconds, observer))
     names = [made.name for made in sinks]
