@@ -151,8 +151,12 @@ class Worker:
                                      membership_changed=membership.changed.set)
         self.housekeeper = Housekeeper(self.pool, s, observer, first_member=lambda: membership.first_member,
                                        recovered=self._wake_all)
-        if self.stopping.is_set():  # a drain that came before the housekeeper existed
+        if self.stopping.is_set():  # a drain that came before the housekeeper and the runners existed
             self.housekeeper.stop()
+            for runner in self.runners:
+                runner.draining.set()
+                if self._hard_deadline is not None:  # a hard stop, not a drain
+                    runner.abort.set()
         for runner in self.runners:
             runner.listening = lambda: self.listening
             runner.reachable_since = lambda: membership.reachable_since

@@ -230,6 +230,26 @@ def test_drain_finishes_the_batch_in_flight_then_releases_every_lease(dsn: str) 
     assert undelivered(dsn) == 0, "the cursors must have advanced past the finished batch"
 
 
+def test_a_drain_while_starting_reaches_the_runners_built_after_it(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while start() registers the sinks: drain() found no runners yet, and the ones start() built
+    next never drained (the relay ran on until its drain deadline stopped it hard)."""
+    real = store.register_sink
+    worker = Worker(make_settings(dsn, "relay-early", drain_seconds=60.0), sinks=[RecordingSink("relay-early")])
+
+    def drained_meanwhile(conn: psycopg.Connection[Any], sink: str, kind: str, *args: Any) -> None:
+        worker.drain()  # as the signal handler would, from another thread, before the runners exist
+        real(conn, sink, kind, *args)
+
+    monkeypatch.setattr(store, "register_sink", drained_meanwhile)
+    try:
+        assert worker.start() is True
+        assert all(r.draining.is_set() for r in worker.runners), "a runner built after the drain is not draining"
+        assert worker.sinks_done(10), "the sink threads did not end after the drain"
+    finally:
+        worker.stop_hard()
+        worker.wait()
+
+
 def test_a_connection_lost_while_starting_is_ridden_out(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend terminated (or the database restarting) between opening the pool and registering the
     sinks made the relay exit (found by the fault suite)."""
