@@ -28,6 +28,7 @@ from outbox_relay.settings import load_settings
 from outbox_relay.sinks.redis import RedisStreamsSink
 from outbox_relay.sinks.redis.readback import read_back
 from outbox_relay.testing import SinkContract
+from tests.cli_helpers import run_cli
 from tests.integration.relay_helpers import (
     dead_letters,
     fetch_all,
@@ -193,6 +194,29 @@ def test_many_keys_arrive_once_each_in_order_per_key(dsn: str, shared: tuple[str
     back = read_back(fields(url, prefix))
     assert sorted(i for i, _k, _s in back) == sorted(ids), "each event once (no fault, no duplicate)"
     assert firsts_per_key(back) == per_key(events, ids)
+
+
+def test_verify_reads_the_streams_back_clean_and_names_an_entry_lost(
+        dsn: str, shared: tuple[str, str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`outbox-relay verify --sink redis` end to end: the relay's streams check clean (exit 0); an entry
+    deleted from a stream is named lost (exit 1)."""
+    url, prefix = shared
+    events = [(f"key-{k}", "t", {"n": n}) for n in range(4) for k in range(3)]
+    with running(relay(dsn, url, prefix)):
+        ids = publish(dsn, events, topic="orders")
+        wait_until(lambda: settled(dsn), timeout=20, message="every event delivered")
+    monkeypatch.setenv("OUTBOX_REDIS_URL", url)
+    monkeypatch.setenv("OUTBOX_REDIS_STREAM_PREFIX", prefix)
+    code, out, err = run_cli(capsys, "verify", "--sink", SINK, "--dsn", dsn, "--json")
+    assert code == 0, out + err
+    import redis
+
+    client = redis.Redis.from_url(url)
+    [entry] = [e for e, f in client.xrange(f"{prefix}orders") if f[b"id"].decode() == str(ids[5])]
+    client.xdel(f"{prefix}orders", entry)
+    client.close()
+    code, out, err = run_cli(capsys, "verify", "--sink", SINK, "--dsn", dsn)
+    assert code == 1 and str(ids[5]) in out and "lost" in out, out + err
 
 
 def test_only_the_topics_asked_for_and_an_event_without_a_topic_is_dead_lettered(
