@@ -5,18 +5,13 @@ extends (``outbox-relay run --nats-url ...``), and :class:`NatsSettings`, the sa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import NoDecode, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from .dsn import remember_secret
 from .errors import ConfigurationError
-from .settings_base import ENVIRONMENT_ONLY, SINK_NAME, TOPIC_NAME, SettingsBase
-
-
-def _names(value: Any) -> Any:
-    return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
+from .settings_base import ENVIRONMENT_ONLY, SINK_NAME, TOPIC_NAME, NameList, SettingsBase
 
 
 class NatsFields(SettingsBase):
@@ -39,7 +34,7 @@ class NatsFields(SettingsBase):
                     "none: whichever stream takes the subject")
     nats_concurrency: int = Field(
         default=16, ge=1, le=256, description="nats: keys published at once (each key stays in order)")
-    nats_topics: Annotated[list[str], NoDecode, BeforeValidator(_names)] = Field(
+    nats_topics: NameList = Field(
         default_factory=list, description="nats: only events of these topics (comma-separated; none: all)")
     nats_ack_timeout_seconds: float = Field(
         default=5.0, ge=0.01, le=3600,

@@ -5,20 +5,16 @@ extends (``outbox-relay run --rabbitmq-url ...``), and :class:`RabbitMQSettings`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import NoDecode, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from .dsn import remember_secret
 from .errors import ConfigurationError
-from .settings_base import ENVIRONMENT_ONLY, SINK_NAME, TOPIC_NAME, SettingsBase
+from .settings_base import ENVIRONMENT_ONLY, SINK_NAME, TOPIC_NAME, NameList, SettingsBase
 
 ExchangeType = Literal["direct", "topic", "fanout", "headers", "x-consistent-hash"]
-
-
-def _rabbitmq_names_list(value: Any) -> Any:
-    return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
 
 
 class RabbitMQFields(SettingsBase):
@@ -40,7 +36,7 @@ class RabbitMQFields(SettingsBase):
     rabbitmq_concurrency: int = Field(
         default=4, ge=1, le=256,
         description="rabbitmq: keys published at once, one connection each (each key stays in order)")
-    rabbitmq_topics: Annotated[list[str], NoDecode, BeforeValidator(_rabbitmq_names_list)] = Field(
+    rabbitmq_topics: NameList = Field(
         default_factory=list, description="rabbitmq: only events of these topics (comma-separated; none: all)")
     rabbitmq_default_exchange: str | None = Field(
         default=None, min_length=1, max_length=249,
@@ -49,7 +45,7 @@ class RabbitMQFields(SettingsBase):
         default=None,
         description="rabbitmq: declare each exchange (durable) of this type if it is missing; none: declare nothing "
                     "(a missing exchange holds its events until it exists)")
-    rabbitmq_queues: Annotated[list[str], NoDecode, BeforeValidator(_rabbitmq_names_list)] = Field(
+    rabbitmq_queues: NameList = Field(
         default_factory=list,
         description="rabbitmq: queues bound to the sink's exchanges, which `outbox-relay verify` reads back (their "
                     "messages are read and requeued; comma-separated)")

@@ -4,19 +4,14 @@ extends (``outbox-relay run --redis-url ...``). Every field is read from ``OUTBO
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import NoDecode
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from .errors import ConfigurationError
-from .settings_base import SINK_NAME, TOPIC_NAME, SettingsBase
+from .settings_base import SINK_NAME, TOPIC_NAME, NameList, SettingsBase
 
 MAX_ENTRY_BYTES = 512 * 1024 * 1024  # Redis's largest proto-max-bulk-len default
 
-
-def _names(value: Any) -> Any:
-    return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
 
 
 class RedisFields(SettingsBase):
@@ -38,7 +33,7 @@ class RedisFields(SettingsBase):
                     "whether consumers read them or not; none: no trimming")
     redis_concurrency: int = Field(
         default=4, ge=1, le=256, description="Redis: keys delivered at once (each key stays in order)")
-    redis_topics: Annotated[list[str], NoDecode, BeforeValidator(_names)] = Field(
+    redis_topics: NameList = Field(
         default_factory=list, description="Redis: only events of these topics (comma-separated; none: all)")
     redis_password_file: Path | None = Field(
         default=None, description="Redis: read the password from this file (instead of the URL's)")

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
-from pydantic import AfterValidator, Field, SecretStr, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, SecretStr, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .dsn import check_dsn, remember_dsn
 
@@ -113,6 +113,15 @@ HandlerTimeout = Annotated[float, Field(
                 "long is abandoned (its transaction ended) and charged to its event as a failed attempt; in the relay, "
                 "a sink that has not checked its stop flag for this long counts as stuck: it gives its buckets up and "
                 "/readyz says so")]
+
+
+def split_names(value: Any) -> Any:
+    """A comma-separated value (an option, an ``OUTBOX_*`` variable) as its names; a list as it is."""
+    return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
+
+
+# A list of names given comma-separated (the environment's form) or as a list (from code).
+NameList = Annotated[list[str], NoDecode, BeforeValidator(split_names)]
 
 
 # The json_schema_extra of a secret with no command-line option (a command line shows in `ps`): it is read

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from .settings_base import SINK_NAME, TOPIC_NAME, SettingsBase
+from .settings_base import SINK_NAME, TOPIC_NAME, NameList, SettingsBase
 
 # SQS queue names: 1-80 characters of A-Z a-z 0-9 _ -; a FIFO queue's ends in ".fifo" (counted).
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,80}\Z")
@@ -22,9 +22,6 @@ FIFO_QUEUE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,75}\.fifo\Z")
 QUEUE_PREFIX = re.compile(r"^[A-Za-z0-9_-]{0,74}\Z")
 REGION = re.compile(r"^[a-z]{2}(-[a-z0-9]+)+-\d+\Z")
 
-
-def _names(value: Any) -> Any:
-    return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
 
 
 def _pairs(value: Any) -> Any:
@@ -92,7 +89,7 @@ class SqsFields(SettingsBase):
         default=10, ge=1, le=10,
         description="SQS: most messages per SendMessageBatch (events of different keys delivered at once share a "
                     "request); 1: one SendMessage per event")
-    sqs_topics: Annotated[list[str], NoDecode, BeforeValidator(_names)] = Field(
+    sqs_topics: NameList = Field(
         default_factory=list, description="SQS: only events of these topics (comma-separated; none: all)")
     sqs_connect_timeout_seconds: float = Field(
         default=5.0, ge=0.01, le=600, description="SQS: seconds to connect before the endpoint counts as down")

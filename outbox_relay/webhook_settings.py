@@ -5,17 +5,12 @@ extends (``outbox-relay run --webhook-url ...``), and :class:`WebhookSettings`, 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import NoDecode, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from .errors import ConfigurationError
-from .settings_base import ENVIRONMENT_ONLY, SINK_NAME, TOPIC_NAME, SettingsBase
-
-
-def _names(value: Any) -> Any:
-    return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
+from .settings_base import ENVIRONMENT_ONLY, SINK_NAME, TOPIC_NAME, NameList, SettingsBase
 
 
 class WebhookFields(SettingsBase):
@@ -45,7 +40,7 @@ class WebhookFields(SettingsBase):
                     "retried")
     webhook_concurrency: int = Field(
         default=4, ge=1, le=256, description="webhook: keys delivered at once (each key stays in order)")
-    webhook_topics: Annotated[list[str], NoDecode, BeforeValidator(_names)] = Field(
+    webhook_topics: NameList = Field(
         default_factory=list, description="webhook: only events of these topics (comma-separated; none: all)")
     webhook_ca_file: Path | None = Field(
         default=None,
