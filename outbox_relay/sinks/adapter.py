@@ -47,7 +47,7 @@ from ..observer import NULL_OBSERVER, Observer
 from ..store import EventFilter, StoredEvent
 from ..timelimit import WAIT_SLICE, HandlerThread, cap_exceeded, leave
 from .engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, EarlyCheckpoints, Failure, Outcomes
-from .tasks import TaskLane
+from .tasks import TaskLane, loop_lost
 from .user import MAX_WAIT_SECONDS, Delivered, EventSink, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
 
 log = logging.getLogger("outbox_relay.sinks")
@@ -412,11 +412,9 @@ class EventSinkAdapter:
         them within the time limit (a call blocks it): its lanes are left, the calls in flight charged, and
         the other keys go on on a new loop (a blocked one is stopped, and counted against the cap)."""
         lanes = [lane for lane in run.active if isinstance(lane, TaskLane)]
-        stopped = any(not lane.loop_thread.is_alive() for lane in lanes)
-        blocked = any(not lane.started and now - lane.since > self.timeout for lane in lanes)
-        if not (stopped or blocked):
+        if (why := loop_lost(lanes, now, self.timeout)) is None:
             return
-        why = "was stopped by the sink's code" if stopped else f"ran nothing else for {self.timeout:g}s"
+        stopped = not lanes[0].loop_thread.is_alive()
         for lane in lanes:
             lane.detach()
             run.active.discard(lane)

@@ -137,4 +137,14 @@ class TaskLane:
         return run.outcome(result)
 
 
-__all__ = ["Run", "TaskLane"]
+def loop_lost(lanes: list[TaskLane], now: float, timeout: float) -> str | None:
+    """Why the event loop of ``lanes`` (one run's, all on one loop) is lost, or None: the sink's code stopped
+    it, or a lane handed to it more than ``timeout`` ago has not begun (a call blocks the loop)."""
+    if any(not lane.loop_thread.is_alive() for lane in lanes):
+        return "was stopped by the sink's code"
+    if any(not lane.started and now - lane.since > timeout for lane in lanes):
+        return f"ran nothing else for {timeout:g}s"
+    return None
+
+
+__all__ = ["Run", "TaskLane", "loop_lost"]
