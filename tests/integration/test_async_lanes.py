@@ -197,10 +197,15 @@ def test_a_call_that_ignores_its_cancel_counts_against_the_cap_and_stops_the_rel
 
 def test_a_cancelled_call_that_ends_is_not_counted(dsn: str, pool: ConnectionPool[Any]) -> None:
     ids = publish(dsn, [("stuck", "t", {}), ("stuck", "t", {})])
+    cancelled = threading.Event()
 
     async def script(e: SinkEvent) -> Outcome:
         if e.id == ids[0] and e.attempt == 1:
-            await asyncio.sleep(3600)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
         return None
 
     before = timelimit.abandoned_threads()
@@ -208,9 +213,9 @@ def test_a_cancelled_call_that_ends_is_not_counted(dsn: str, pool: ConnectionPoo
     r, adapter = runner(sink, pool, dsn, handler_timeout_seconds=0.3)
     try:
         run_until(r, lambda: sink.ok == set(ids), timeout=20)
+        assert cancelled.is_set() and timelimit.abandoned_threads() == before, "cancelled, so not left running"
     finally:
         adapter.close()
-    assert timelimit.abandoned_threads() == before
     assert [c.id for c in sink.calls] == [ids[0], ids[0], ids[1]], "retried, then the key's next event"
 
 
