@@ -165,6 +165,34 @@ def test_a_long_batch_checkpoints_what_is_delivered_while_a_slow_call_runs(
     assert undelivered(dsn, NAME) == 0
 
 
+def test_a_hard_stop_leaves_the_call_in_flight_and_checkpoints_nothing_of_its_batch(
+        dsn: str, release: threading.Event) -> None:
+    ids = publish(dsn, [("k", "t", {"n": n}) for n in range(3)])
+    entered = threading.Event()
+
+    async def script(e: SinkEvent) -> Outcome:
+        entered.set()
+        await asyncio.to_thread(release.wait, 60)
+        return None
+
+    sink = AsyncSink(script)
+    worker = Worker(make_settings(dsn, "w"), sinks=[EventSinkAdapter(sink)])
+    assert worker.start()
+    waiter = threading.Thread(target=worker.wait)
+    waiter.start()
+    try:
+        assert entered.wait(20)
+        started = time.monotonic()
+        worker.stop_hard()
+        waiter.join(15)
+        assert not waiter.is_alive() and time.monotonic() - started < 5, "the runner did not wait for the call"
+    finally:
+        release.set()
+        waiter.join(10)
+    assert undelivered(dsn, NAME) == 3 and not parked_ids(dsn, NAME), "nothing of the batch was checkpointed"
+    assert [c.id for c in sink.calls] == [ids[0]]
+
+
 def test_a_call_that_ignores_its_cancel_counts_against_the_cap_and_stops_the_relay_past_it(
         dsn: str, pool: ConnectionPool[Any], release: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
     ids = publish(dsn, [("stuck", "t", {}), ("b", "t", {})])
