@@ -12,8 +12,7 @@ waits with a deadline (``Deadline``), and past it the owner gives up on it:
 2. The owner makes whatever the thread still does harmless (ends its transaction, closes its
    connection) and ``HandlerThread.abandon`` leaves the thread to its handler: it ends if that returns.
 3. Abandoned threads still alive are counted in one registry for the whole process, whoever abandoned
-   them, with an async sink's calls that went on after they were cancelled (``leave``). Past
-   ``MAX_ABANDONED`` the owner that crossed it charges its event as usual, then stops the
+   them. Past ``MAX_ABANDONED`` the owner that crossed it charges its event as usual, then stops the
    process (the relay exits 4, the inbox consumer stops) rather than pile up threads; the restarted
    process starts without them, and the attempts were counted.
 """
@@ -33,22 +32,14 @@ WAIT_SLICE = 0.2  # how often an owner looks at its stop flag and the clock whil
 T = TypeVar("T")
 
 _abandoned_lock = threading.Lock()
-_abandoned: list[Callable[[], bool]] = []  # each: is it still running? (guarded by _abandoned_lock)
+_abandoned: list[threading.Thread] = []  # guarded by _abandoned_lock
 
 
 def abandoned_threads() -> int:
-    """Threads (or async calls) left to handlers that have not returned yet (this process, every owner)."""
+    """Threads left to handlers that have not returned yet (this process, every owner)."""
     with _abandoned_lock:
-        _abandoned[:] = [alive for alive in _abandoned if alive()]
+        _abandoned[:] = [t for t in _abandoned if t.is_alive()]
         return len(_abandoned)
-
-
-def leave(alive: Callable[[], bool]) -> bool:
-    """Count a call given up on while ``alive()`` says it still runs (an abandoned thread, or an async
-    call that did not end when it was cancelled); True when the process is now over the cap."""
-    with _abandoned_lock:
-        _abandoned.append(alive)
-    return over_cap()
 
 
 def over_cap() -> bool:
@@ -61,9 +52,8 @@ def cap_exceeded(what: str) -> str | None:
     left = abandoned_threads()
     if left <= MAX_ABANDONED:
         return None
-    return (f"{left} {what} that never returned are left on threads of this process or its sinks' "
-            f"event loops (more than {MAX_ABANDONED}, counted over every sink and inbox of the process); "
-            "it stops so that a fresh process takes over "
+    return (f"{left} {what} that never returned are left on threads of this process (more than {MAX_ABANDONED}, "
+            "counted over every sink and inbox of the process); it stops so that a fresh process takes over "
             "(their attempts were counted)")
 
 
@@ -96,7 +86,9 @@ class HandlerThread:
         """Leave the thread to a handler past its time limit and count it in the process's registry; True
         when the process is now over the cap (the owner stops it once the charge landed)."""
         self.detach()
-        return leave(self.thread.is_alive)
+        with _abandoned_lock:
+            _abandoned.append(self.thread)
+        return over_cap()
 
     def _loop(self) -> None:
         while (work := self._jobs.get()) is not None:
@@ -191,4 +183,4 @@ class Deadline:
 
 
 __all__ = ["MAX_ABANDONED", "WAIT_SLICE", "Call", "Deadline", "HandlerThread", "abandoned_threads", "cap_exceeded",
-           "leave", "over_cap"]
+           "over_cap"]

@@ -2,8 +2,7 @@
 
 Per batch, the events are grouped by key (in batch order, which is publish order per key) and the
 keys are handed to ``concurrency`` lanes, threads that call the user's ``deliver`` one event at a time
-for one key at a time (an ``async def deliver``'s lanes are tasks on the sink's event loop: tasks.py).
-A key stops at its first failure that will be retried (its later events are
+for one key at a time. A key stops at its first failure that will be retried (its later events are
 not attempted: the checkpoint parks them behind it, so order holds); a ``GiveUp`` lets it go on. A
 ``SinkUnavailable`` stops the whole batch: what was not attempted waits (held, no attempt counted),
 and the next batches are held without calling the sink until the wait is over.
@@ -15,9 +14,7 @@ so the lane is left to it (whatever it returns is ignored), the event is charged
 a new lane takes over the remaining keys. Past the process's cap of threads left to calls that never
 returned (``timelimit.MAX_ABANDONED``, counted with projections' and the inbox's), the batch is
 checkpointed and then ``SinkStuck`` stops the relay (exit 4), so that a fresh process takes over
-instead of piling up threads. An async call past the limit is cancelled; one that goes on is counted
-the same way. A loop the sink's code stopped, or one that started no lane within the limit (a call
-blocked it), is replaced: the calls in flight there are charged, the other keys go on on a new loop.
+instead of piling up threads.
 
 Once every lane is done with a batch, ``commit`` writes its outcomes, fenced, once (the engine's rules
 for parking, backoff, dead letters and metrics apply). A batch that takes longer than
@@ -45,9 +42,8 @@ from ..dsn import describe_error, redact
 from ..errors import MAX_ERROR_CHARS, SinkStuck
 from ..observer import NULL_OBSERVER, Observer
 from ..store import EventFilter, StoredEvent
-from ..timelimit import WAIT_SLICE, HandlerThread, cap_exceeded, leave
+from ..timelimit import WAIT_SLICE, HandlerThread, cap_exceeded
 from .engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, EarlyCheckpoints, Failure, Outcomes
-from .tasks import TaskLane, loop_lost
 from .user import MAX_WAIT_SECONDS, Delivered, EventSink, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
 
 log = logging.getLogger("outbox_relay.sinks")
@@ -151,7 +147,7 @@ class _Run:
         self.keys: deque[list[StoredEvent]] = deque(by_key.values())
         self.outcomes: Outcomes = {}
         self.cond = threading.Condition(threading.Lock())
-        self.active: set[_Lane | TaskLane] = set()
+        self.active: set[_Lane] = set()
         self.unavailable: SinkUnavailable | None = None  # a lane's call raised it: nothing more is attempted
         self.closed = False  # a hard stop: nothing more is attempted, nothing recorded
         self.context = contextvars.copy_context()  # the runner's (the batch's span): calls are traced under it
@@ -188,14 +184,6 @@ class _Run:
             self.active.discard(lane)
             self.cond.notify_all()
             self.cond.release()
-
-    def call(self, e: StoredEvent) -> Any:
-        """An async sink's call for ``e`` (run by a TaskLane), or why the event can not be given."""
-        event = sink_event(e)
-        return event if isinstance(event, Failure) else self.handler(event, None)
-
-    def outcome(self, result: object) -> Failure | None:
-        return outcome_of(result)
 
     def _stopped(self, lane: _Lane) -> bool:
         return self.closed or lane.detached or self.unavailable is not None
@@ -281,9 +269,6 @@ class EventSinkAdapter:
             types=None if types is None else tuple(sorted(types)),
             topics=None if topics is None else tuple(sorted(topics)))
         self.concurrency: int = getattr(sink, "concurrency", 1)
-        # Lanes as tasks on the sink's event loop (tasks.py); a sync deliver (even one returning an
-        # awaitable) keeps lane threads.
-        self.tasks = inspect.iscoroutinefunction(self.user.deliver)
         self.timeout = handler_timeout_seconds
         self.partial_seconds = PARTIAL_CHECKPOINT_SECONDS
         self.observer: Observer = NULL_OBSERVER  # set by the composition root (tracing: a span per call)
@@ -300,9 +285,6 @@ class EventSinkAdapter:
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
         """The event loop an async sink's calls run on (started on first use, on its own thread)."""
-        return self._event_loop()[0]
-
-    def _event_loop(self) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
         with self._lock:
             if self._loop is not None and self._loop_thread is not None and not self._loop_thread.is_alive():
                 # The sink's own code stopped its loop (``loop.stop()``): calls sent there would wait for
@@ -316,8 +298,7 @@ class EventSinkAdapter:
                                                      daemon=True)
                 self._loop_thread.start()
                 self._loop = loop
-            assert self._loop_thread is not None
-            return self._loop, self._loop_thread
+            return self._loop
 
     def handler(self) -> Callable[[SinkEvent, None], Any]:
         """The user's ``deliver`` as the observer wraps it (a span per call), in the (event, tx) shape
@@ -365,11 +346,6 @@ class EventSinkAdapter:
 
     def _start_lane(self, run: _Run) -> None:
         """Put a lane on ``run`` (the caller holds ``run.cond``)."""
-        if self.tasks:
-            task_lane = TaskLane(*self._event_loop())
-            run.active.add(task_lane)
-            task_lane.take(run, run.context.copy())
-            return
         with self._lock:
             lane = self._idle.pop() if self._idle else None
             if lane is None:
@@ -397,8 +373,6 @@ class EventSinkAdapter:
             now = time.monotonic()
             for lane in [lane for lane in run.active if lane.event is not None and now - lane.since > self.timeout]:
                 self._abandon(run, lane)
-            if self.tasks:
-                self._check_loop(run, now)
             if early.due() and run.active:
                 settled = dict(run.outcomes)
                 run.cond.release()  # the lanes go on recording while the checkpoint is written
@@ -407,40 +381,12 @@ class EventSinkAdapter:
                 finally:
                     run.cond.acquire()
 
-    def _check_loop(self, run: _Run, now: float) -> None:
-        """The event loop of ``run``'s task lanes stopped (the sink's code stopped it) or started none of
-        them within the time limit (a call blocks it): its lanes are left, the calls in flight charged, and
-        the other keys go on on a new loop (a blocked one is stopped, and counted against the cap)."""
-        lanes = [lane for lane in run.active if isinstance(lane, TaskLane)]
-        if (why := loop_lost(lanes, now, self.timeout)) is None:
-            return
-        stopped = not lanes[0].loop_thread.is_alive()
-        for lane in lanes:
-            lane.detach()
-            run.active.discard(lane)
-            if lane.event is not None:
-                run.outcomes[lane.event.id] = Failure(f"the sink's event loop {why} during this call of deliver; "
-                                                      "the call was abandoned")
-        with self._lock:
-            loop, thread = lanes[0].loop, lanes[0].loop_thread
-            if self._loop is loop:
-                self._loop = None  # the next lane starts a new one
-        if stopped:
-            loop.close()
-        else:
-            loop.call_soon_threadsafe(loop.stop)  # if its call ever returns, the loop ends
-            self._over_cap |= leave(thread.is_alive)
-        log.warning("sink %s: its event loop %s; abandoned, the calls in flight charged, a new loop takes over",
-                    self.name, why)
-        for _ in range(min(self.concurrency, len(run.keys)) if run.unavailable is None else 0):
-            self._start_lane(run)
-
-    def _abandon(self, run: _Run, lane: _Lane | TaskLane) -> None:
+    def _abandon(self, run: _Run, lane: _Lane) -> None:
         e = lane.event
         assert e is not None
-        if lane.abandon():  # if its call ever returns, the thread ends (a task lane's call is cancelled)
+        if lane.abandon():  # if its call ever returns, the thread ends
             self._over_cap = True
-        if isinstance(lane, _Lane) and lane.future is not None:
+        if lane.future is not None:
             lane.future.cancel()  # an async call can be cancelled (if it awaits), which frees its lane too
         run.active.discard(lane)
         run.outcomes[e.id] = Failure(f"the sink's deliver did not return within {self.timeout:g}s "
