@@ -83,7 +83,7 @@ def seed(dsn: str, events: int, dead: int, relays: int) -> dict[str, Any]:
                      "ON CONFLICT DO NOTHING")
         conn.execute("""
             INSERT INTO outbox.console_samples (sink, at, pending, parked, dead_letters, published)
-            SELECT s, date_trunc('minute', clock_timestamp()) - make_interval(mins => m), 100 + m %% 50, 0, %s, 60000
+            SELECT s, date_trunc('minute', now()) - make_interval(mins => m), 100 + m %% 50, 0, %s, 60000
             FROM unnest(%s::text[]) s, generate_series(0, 1439) m""", (dead, list(SINKS)))
         conn.execute("INSERT INTO outbox.console_audit (who, action, sink, target, count) "
                      "SELECT 'ops', 'retry-dead', 'kafka', 'all dead letters', g FROM generate_series(1, 1000) g")

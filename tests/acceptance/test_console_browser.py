@@ -41,7 +41,7 @@ FAST = ["--heartbeat-seconds", "0.5", "--worker-ttl-seconds", "2", "--housekeepi
 # An hour of per-minute samples: 200 events stored a minute, a backlog that rises to 1,800 and drains.
 SEED_SAMPLES = """
 INSERT INTO outbox.console_samples (sink, at, pending, parked, dead_letters, published)
-SELECT %(sink)s, date_trunc('minute', clock_timestamp()) - make_interval(mins => m),
+SELECT %(sink)s, date_trunc('minute', now()) - make_interval(mins => m),
        (CASE WHEN m BETWEEN 20 AND 40 THEN 1800 - abs(m - 30) * 170 ELSE 30 + m %% 7 END),
        (CASE WHEN m BETWEEN 20 AND 40 THEN 3 ELSE 0 END), 2, 12000
 FROM generate_series(1, 60) m

@@ -59,7 +59,7 @@ def seeded(pg_server: Any, pg_template: Any) -> Iterator[str]:
             FROM outbox.events e WHERE e.seq % 20 = 1 AND e.seq < 40000""")
         conn.execute("""
             INSERT INTO outbox.console_samples (sink, at, pending, parked, dead_letters, published)
-            SELECT 'sink-' || s, date_trunc('minute', clock_timestamp()) - make_interval(mins => m), 0, 0, 0, 0
+            SELECT 'sink-' || s, date_trunc('minute', now()) - make_interval(mins => m), 0, 0, 0, 0  -- one instant
             FROM generate_series(0, 63) s, generate_series(0, 1439) m""")
         conn.execute("""
             INSERT INTO outbox.console_audit (who, action, sink, target, count)
