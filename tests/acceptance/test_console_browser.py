@@ -2,7 +2,7 @@
 `outbox-relay run` delivering to a user sink and a real PostgreSQL, the console under uvicorn: find a dead
 letter from the overview, fix its cause, retry it and see it delivered; pause and resume a key; hostile
 strings render as text (no dialog fires); an action without the token is refused. It takes the docs'
-screenshots: into docs/images/console-*.png with OUTBOX_CONSOLE_SCREENSHOTS=1 set (else into the test's
+screenshots: into assets/console-screenshots/console-*.png with OUTBOX_CONSOLE_SCREENSHOTS=1 set (else into the test's
 temporary directory, so that a test run leaves the work tree as it was)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.servers import wait_until
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
-DOC_IMAGES = HERE.parents[1] / "docs" / "images"
+DOC_IMAGES = HERE.parents[1] / "assets" / "console-screenshots"  # outside docs/: the book is text
 CHROMIUM = Path("/usr/bin/chromium")
 SINK = "orders-sink"
 SCRIPT = "<script>alert(1)</script>"
