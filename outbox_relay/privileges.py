@@ -1,11 +1,11 @@
 """The documented roles' rights in schemas ``outbox`` and ``outbox_inbox``, declared once (docs/roles.md,
 least-privilege roles; docs/inbox.md, roles).
 
-``GRANTS`` is the one table: the grants blocks of docs/roles.md (schema outbox) and docs/inbox.md (schema
-outbox_inbox, which a consuming service's database holds without outbox) are generated from it
-(``python scripts/grants_sql.py --write``), and tests/integration/test_privileges.py walks ``pg_class``
-and ``pg_proc`` and checks every role's rights against it, so a table or function that is not listed
-here (or is open to PUBLIC) fails that test. Anything not granted here is the owner's (the migrator) alone.
+``GRANTS`` is the one table: ``outbox-relay grants`` prints its SQL for schema outbox (docs/roles.md) or
+outbox_inbox (docs/inbox.md; a consuming service's database holds it without outbox), and
+tests/integration/test_privileges.py walks ``pg_class`` and ``pg_proc`` and checks every role's rights
+against it, so a table or function that is not listed here (or is open to PUBLIC) fails that test.
+Anything not granted here is the owner's (the migrator) alone.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from ..admin import DEAD_LETTERS_LIMIT, SKIPPED_ERROR
 from ..dsn import connection_problem, redact
 from ..errors import OutboxError
 from ..inbox import cli as inbox_cli
+from ..privileges import SCHEMAS
 from ..settings import RelaySettings, env_var, listed_fields
 from . import console as console_cli
 from .exit_codes import EXIT_ERROR, EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
@@ -53,6 +54,7 @@ from .relays import (
     REBUILD_SETTINGS,
     REPLAY_SETTINGS,
     cmd_dev,
+    cmd_grants,
     cmd_migrate,
     cmd_rebuild,
     cmd_replay,
@@ -95,7 +97,7 @@ def version() -> str:
 
 
 # The top-level --help: plain text (a docstring's ``markup`` showed as is), every command named.
-DESCRIPTION = """outbox-relay: migrate, run, status, lag, dead-letters, retention, keys, sinks, rebuild, replay,
+DESCRIPTION = """outbox-relay: migrate, grants, run, status, lag, dead-letters, retention, keys, sinks, rebuild, replay,
 verify, dev, console, inbox.
 
 Every option of `run` can also come from the environment variable its --help names (OUTBOX_*)."""
@@ -113,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("migrate", help="create or update the outbox schema (safe to run concurrently)")
     add_dsn_option(p)
+
+    p = sub.add_parser("grants", help="print the SQL that grants the product's roles their rights (run it as the "
+                                      "migrator after every migrate; it takes everything back first)")
+    p.add_argument("--schema", choices=SCHEMAS, default=SCHEMAS[0],
+                   help="the schema whose grants to print: outbox (the relay's), or outbox_inbox once "
+                        "`inbox migrate` made it (default outbox)")
 
     p = sub.add_parser("run", help="run a relay worker until SIGTERM (drain) or a second signal (hard stop)")
     for name, field in listed_fields().items():
@@ -249,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run,
     "migrate": cmd_migrate,
+    "grants": cmd_grants,
     "status": cmd_status,
     "lag": cmd_lag,
     "dead-letters": cmd_dead_letters,

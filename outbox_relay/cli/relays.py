@@ -17,6 +17,7 @@ from ..dsn import describe, redact
 from ..errors import ConfigurationError, WorkerIdInUse
 from ..loader import import_module
 from ..migrate import migrate
+from ..privileges import grants_sql
 from ..settings import RelaySettings, env_var, flag
 from ..sinks.engine import Aborted
 from .exit_codes import EXIT_ERROR, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
@@ -95,6 +96,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     announce_database(dsn)
     say(f"applied {len(applied)} migrations" + (": " + ", ".join(f"{m.version:04d}_{m.name}" for m in applied)
                                                 if applied else " (schema up to date)"))
+    return EXIT_OK
+
+
+def cmd_grants(args: argparse.Namespace) -> int:
+    """Print the grants of the installed version: the migrator runs them after every migration."""
+    sys.stdout.write(grants_sql(args.schema))
     return EXIT_OK
 
 

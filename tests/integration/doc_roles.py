@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import uuid
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+from outbox_relay.cli import main as cli_main
 from tests.servers import PgServer, dbname_of
 
 
@@ -43,3 +46,11 @@ def doc_roles(pg_server: PgServer, dsn: str, roles: tuple[str, ...]) -> Iterator
             for name in existing:
                 admin.execute(f'REVOKE ALL ON DATABASE "{db}" FROM "{name}"')
                 admin.execute(f'DROP ROLE IF EXISTS "{name}"')
+
+
+def printed_grants(*args: str) -> str:
+    """What `outbox-relay grants ARGS` prints: the docs pipe it into psql as the migrator."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["grants", *args]) == 0
+    return out.getvalue()

@@ -23,7 +23,7 @@ from outbox_relay.inbox import migrate_inbox
 from outbox_relay.inbox.admin import list_dead_letters, positions, request_retry
 from outbox_relay.inbox.schema import check_inbox_schema
 from tests.integration import inbox_app
-from tests.integration.doc_roles import doc_roles
+from tests.integration.doc_roles import doc_roles, printed_grants
 from tests.integration.inbox_helpers import consumer_thread, effects, produce_events, scalar, settings
 from tests.servers import PgServer, wait_until
 
@@ -32,7 +32,7 @@ ROLES = ("outbox_inbox_consumer", "orders_migrator", "orders_service")
 
 
 def doc_blocks() -> list[str]:
-    """The SQL blocks of the "Roles" section, in order: the roles, then the grants."""
+    """The SQL blocks of the "Roles" section: the roles (the grants are printed by `outbox-relay grants`)."""
     text = DOC.read_text()
     start = text.index("## Roles")
     section = text[start:text.index("\n## ", start)]
@@ -49,7 +49,9 @@ def roles(pg_server: PgServer, database_factory: Callable[..., str]) -> Iterator
 def test_a_consumer_in_the_documented_role_does_its_whole_job_and_nothing_more(
         roles: dict[str, Any], kafka_bootstrap: str, kafka_topic: str) -> None:
     dsn, rename, as_role = roles["dsn"], roles["rename"], roles["as"]
-    setup, grants = doc_blocks()
+    (setup,) = doc_blocks()
+    grants = printed_grants("--schema", "outbox_inbox")  # as the page says: `outbox-relay grants ... | psql`
+    assert "outbox-relay grants --schema outbox_inbox | psql" in DOC.read_text()
     with psycopg.connect(dsn, autocommit=True) as su:
         su.execute(rename("CREATE ROLE orders_migrator LOGIN; CREATE ROLE orders_service LOGIN;"))
         su.execute(rename(setup))

@@ -23,7 +23,7 @@ from outbox_relay.relay import SinkRunner
 from projections import ProjectionEvent, projection
 from projections.rebuild import Rebuild
 from projections.sink import ProjectionSink
-from tests.integration.doc_roles import doc_roles
+from tests.integration.doc_roles import doc_roles, printed_grants
 from tests.integration.relay_helpers import ALL_BUCKETS, RecordingSink, close_history, make_settings, run_until
 from tests.servers import PgServer
 
@@ -45,7 +45,9 @@ def roles(pg_server: PgServer, database_factory: Callable[..., str]) -> Iterator
 
 def test_the_documented_roles_can_do_their_job_and_no_more(roles: dict[str, Any]) -> None:
     dsn, rename, as_role = roles["dsn"], roles["rename"], roles["as"]
-    setup, grants, read_models = doc_blocks()
+    setup, read_models = doc_blocks()
+    grants = printed_grants()  # `outbox-relay grants | psql`, as the page says
+    assert "outbox-relay grants | psql" in DOC.read_text()
     with psycopg.connect(dsn, autocommit=True) as su:
         su.execute(rename(setup))
         su.execute(rename("CREATE ROLE orders_service LOGIN; CREATE ROLE reader LOGIN;"))
