@@ -1,5 +1,5 @@
 """Whether a long transaction holds back vacuum now, which decides whether a Kafka sink's cursor writes
-are worth deferring (docs/design/read-path.md, "Checkpoint writes").
+are worth deferring (docs/design-read-path.md, "Checkpoint writes").
 
 Every write of a cursor row leaves a dead row version. While nothing holds the vacuum horizon back,
 page pruning removes it at once and a write costs next to nothing; writing the cursor with every batch

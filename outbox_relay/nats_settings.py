@@ -21,7 +21,7 @@ class NatsFields(SettingsBase):
         default=None, min_length=1, max_length=4096,
         description="publish every event to JetStream on these servers, nats://host:4222 or tls://host:4222 "
                     "(comma-separated; turns the NATS sink on; a password in it is masked in logs, better "
-                    "--nats-password-file; see docs/sinks/nats.md)")
+                    "--nats-password-file; see docs/nats.md)")
     nats_sink: str = Field(
         default="nats", min_length=1, max_length=63, description="sink name of the NATS delivery (its own cursors)")
     nats_subject_prefix: str = Field(

@@ -23,7 +23,7 @@ class RabbitMQFields(SettingsBase):
     rabbitmq_url: str | None = Field(
         default=None, min_length=1, max_length=4096,
         description="publish every event to this broker, amqp[s]://user@host:port/vhost (turns the RabbitMQ sink on; "
-                    "a password in it is masked in logs, better --rabbitmq-password-file; see docs/sinks/rabbitmq.md)")
+                    "a password in it is masked in logs, better --rabbitmq-password-file; see docs/rabbitmq.md)")
     rabbitmq_sink: str = Field(
         default="rabbitmq", min_length=1, max_length=63,
         description="sink name of the RabbitMQ delivery (its own cursors)")

@@ -21,7 +21,7 @@ class RedisFields(SettingsBase):
         default=None, min_length=1, max_length=4096,
         description="XADD every event to Redis Streams at this redis:// or rediss:// (TLS) URL, "
                     "redis://[user:password@]host:port/db (turns the Redis sink on; the password is never logged; "
-                    "see docs/sinks/redis.md)")
+                    "see docs/redis.md)")
     redis_sink: str = Field(
         default="redis", min_length=1, max_length=63, description="sink name of the Redis delivery (its own cursors)")
     redis_stream_prefix: str = Field(

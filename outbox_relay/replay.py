@@ -2,7 +2,7 @@
 
 Not a sink: a replay has no cursors or leases and does not touch the live Kafka sink's
 progress. It reads each bucket's events in (xid, seq) order (per key the live order, except for
-two overlapping transactions of one key: docs/design/read-path.md, "What order one key gets"), only
+two overlapping transactions of one key: docs/design-read-path.md, "What order one key gets"), only
 those of transactions that had ended when it started (``horizon`` in sql/queries/replay.sql: its
 own stopping point, below the oldest transaction open then), and produces them with the live
 headers plus ``outbox_replay: true`` (consumers that keep state can tell), to their own topic or to

@@ -82,7 +82,7 @@ class RelaySettings(AttemptSettings, WebhookFields, NatsFields, RedisFields, Rab
         "cloudevents",
         description="the Kafka messages' shape: cloudevents (the payload as value, ce_* headers) or debezium (as "
                     "Debezium's outbox event router emits them: key and value as JSON strings, header id; "
-                    "docs/how-to/debezium-cutover.md)")
+                    "docs/debezium-cutover.md)")
     kafka_debezium_topic: str = Field(
         "outbox.event." + ROUTED_BY_VALUE, min_length=1, max_length=249,
         description="--kafka-format debezium: each message's topic, ${routedByValue} replaced by the routed value "
@@ -118,10 +118,8 @@ class RelaySettings(AttemptSettings, WebhookFields, NatsFields, RedisFields, Rab
     cursor_flush_seconds: float = Field(
         5.0, ge=0, le=600,
         description="while a long transaction holds vacuum back, a sink without a transaction of its own (Kafka) "
-                    "writes a bucket's cursor at most this often (every batch still checks its fence, and a released "
-                    "bucket's cursor is written at once): fewer dead row versions in outbox.cursors, at the cost of "
-                    "up to this much more redelivery after a crash; otherwise every batch writes it; 0: every batch "
-                    "writes it always (projections always do)")
+                    "writes a bucket's cursor at most this often (fences are still checked every batch): fewer dead "
+                    "rows in outbox.cursors, up to this much more redelivery after a crash; 0: every batch")
     heartbeat_seconds: float = Field(2.0, ge=0.01, le=600,
                                      description="registry heartbeat interval; each heartbeat also reads the stored "
                                                  "assignment (and stores a new one when members changed)")

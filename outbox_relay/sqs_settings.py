@@ -61,7 +61,7 @@ class SqsFields(SettingsBase):
     sqs_url: str | None = Field(
         default=None, min_length=1, max_length=2048,
         description="deliver every event to Amazon SQS at this endpoint, e.g. https://sqs.eu-west-1.amazonaws.com, "
-                    "or http://127.0.0.1:4566 for LocalStack (turns the SQS sink on; see docs/sinks/sqs.md)")
+                    "or http://127.0.0.1:4566 for LocalStack (turns the SQS sink on; see docs/sqs.md)")
     sqs_sink: str = Field(
         default="sqs", min_length=1, max_length=63, description="sink name of the SQS delivery (its own cursors)")
     sqs_region: str | None = Field(

@@ -26,7 +26,7 @@ class FenceToken:
       in (a delta in (xid, seq) order; parked events per key in (xid, seq) order).
 
     So a larger token is a later delivery of the key, even where delivery order is not ``(xid,
-    seq)`` order (overlapping transactions of one key: docs/design/read-path.md, "What order one key
+    seq)`` order (overlapping transactions of one key: docs/design-read-path.md, "What order one key
     gets"). An event delivered again gets a new, larger token than its first delivery.
 
     ``read`` 0: not from a relay's read. A key rebuild (``rebuild --key``) replays under the live

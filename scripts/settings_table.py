@@ -57,7 +57,11 @@ def _flag(name: str, field: Any) -> str:
 
 
 def _default_and_bounds(name: str, field: Any) -> str:
-    default, allowed = _default(name, field), (bounds(field) or "").replace(" characters", " chars")
+    # Numeric bounds only: a length limit (a URL's 4096 characters) says nothing a user needs here, and a
+    # value past it is refused naming the option.
+    default, allowed = _default(name, field), bounds(field) or ""
+    if allowed.endswith(" characters"):
+        allowed = ""
     return f"{default} ({allowed})" if default and allowed else default or (allowed and f"({allowed})")
 
 

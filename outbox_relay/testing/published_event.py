@@ -18,7 +18,7 @@ class PublishedEvent:
     """One published event as a test sees it. ``payload`` and ``headers`` are decoded JSON, as a
     consumer gets them; ``time`` is what the producer passed (None if nothing); ``position`` is
     ``(xid, seq)``, per key the order the relays deliver in (except for two overlapping
-    transactions of one key: docs/design/read-path.md, "What order one key gets"); a ``FakeOutbox``
+    transactions of one key: docs/design-read-path.md, "What order one key gets"); a ``FakeOutbox``
     numbers its events ``(0, 1)``, ``(0, 2)``, ... in publish order."""
 
     id: uuid.UUID

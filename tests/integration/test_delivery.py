@@ -3,7 +3,7 @@
 Order per key: the events of one transaction in publish order, transactions in the order they became
 visible to the relay's reads (snapshot cursors, positions.py), those visible between the same two reads
 in (xid, seq) order. A transaction that commits late is read in the next delta, never skipped, and an
-open one holds back only its own events (docs/design/read-path.md, "What order one key gets").
+open one holds back only its own events (docs/design-read-path.md, "What order one key gets").
 """
 
 from __future__ import annotations

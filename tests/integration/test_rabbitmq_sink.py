@@ -400,7 +400,7 @@ def test_read_back_puts_every_message_back_in_its_place(ns: Namespace, broker: s
 
 def test_two_consumers_of_a_consistent_hash_exchange_see_each_key_in_order(dsn: str, ns: Namespace,
                                                                            broker: str) -> None:
-    """The topology of docs/sinks/rabbitmq.md: the routing key (the partition key) is hashed to one of the bound
+    """The topology of docs/rabbitmq.md: the routing key (the partition key) is hashed to one of the bound
     queues, each queue has one consumer, so each key is in one queue, in order, and the consumers share the keys."""
     require_consistent_hash()
     orders = ns.exchange("orders", "x-consistent-hash")

@@ -20,7 +20,9 @@ DOCS_MAX_BYTES = 160 * 1024  # the user book (issue 26): run diaries and fault r
 
 
 def test_the_user_book_stays_short() -> None:
-    sizes = {p: p.stat().st_size for p in (ROOT / "docs").rglob("*") if p.is_file()}
+    """Counted as `du -sb docs` counts: every file and directory entry (a subdirectory costs 4 KiB)."""
+    docs = ROOT / "docs"
+    sizes = {p: p.stat().st_size for p in (docs, *docs.rglob("*"))}
     total = sum(sizes.values())
     largest = sorted(sizes, key=sizes.__getitem__, reverse=True)[:3]
     assert total <= DOCS_MAX_BYTES, (f"docs/ is {total:,} bytes, more than {DOCS_MAX_BYTES:,}; the largest: "

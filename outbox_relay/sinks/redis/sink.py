@@ -2,7 +2,7 @@
 
 Delivered means the server's reply to the ``XADD`` (the new entry's id): the entry is in the stream,
 as durable as the server's persistence makes it (``appendonly yes`` with ``appendfsync always``: on
-disk before the reply; see docs/sinks/redis.md). A key's events go to one stream (one per topic) in
+disk before the reply; see docs/redis.md). A key's events go to one stream (one per topic) in
 publish order, each only once the previous one was acknowledged (the relay's adapter); redelivery may
 repeat an entry, so consumers dedupe by its ``id`` field. Order per key, concurrency across keys,
 retries, dead letters and fencing are the relay's; this module only speaks Redis.
