@@ -4,8 +4,8 @@
 # build_parser (its arguments) and COMMANDS (what runs it); the commands live in one module per group:
 # operate.py (status, lag, dead-letters, retention, sinks, keys: calls of outbox_relay.admin), relays.py (run,
 # migrate, grants, dev, rebuild, replay) and verify.py; values.py holds the argument types, parsers.py the
-# shared options and help format, invocation.py what an invocation's settings, DSN and database resolve to, exit_codes.py the
-# exit statuses, output.py the printing, logs.py the log format.
+# shared options and help format, invocation.py what an invocation's settings, DSN and database resolve to,
+# exit_codes.py the exit statuses, output.py the printing, logs.py the log format.
 
 from __future__ import annotations
 
