@@ -286,13 +286,20 @@ def latency_producer(args: argparse.Namespace) -> None:
                 batch.append({"type": "bench.latency", "key": f"order:{i % args.keys}",
                               "payload": {"n": i, "note": "steady-state latency probe"}})
                 i += 1
-            published = publish(batch)
-            conn.commit()
-            committed = time.time()
-            for event_id in published:
-                commits[event_id] = committed
+            # --per-tx 0: the tick's events in one transaction; N: N events per transaction (1: a
+            # commit per event, as a service that writes one business row per request does).
+            step = args.per_tx or len(batch)
+            for first in range(0, len(batch), step):
+                if first and time.monotonic() - start >= args.duration:
+                    due = first  # a producer that can not keep up: what it committed in time is what was sent
+                    break
+                published = publish(batch[first:first + step])
+                conn.commit()
+                committed = time.time()
+                for event_id in published:
+                    commits[event_id] = committed
+                txs += 1
             sent += due
-            txs += 1
         next_tick = start + (int(elapsed / tick) + 1) * tick
         time.sleep(max(0.0, next_tick - time.monotonic()))
     actual = time.monotonic() - start
@@ -417,6 +424,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, required=True)
     p.add_argument("--duration", type=float, required=True)
     p.add_argument("--tick-ms", type=float, default=10.0)
+    p.add_argument("--per-tx", type=int, default=0, help="latency producer: events per transaction (0: a tick's)")
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--target", choices=("outbox", "tuned"), default="outbox",
                    help="outbox: Outbox.publish_many; tuned: the tuned SQL relay's table")

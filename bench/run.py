@@ -616,13 +616,15 @@ class Bench:
                 spy_raw = self.base / f"lat-spy-{tag}.txt"
                 spy = subprocess.Popen(
                     [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
-                     str(relays[-1][1].pid), "--idle", "--threads", "--format", "raw", "--rate", "200",
+                     str(relays[-1][1].pid), *([] if self.args.latency_spy_on_cpu else ["--idle"]), "--threads",
+                     "--format", "raw", "--rate", "200",
                      "--duration", str(max(1, int(seconds) - 2)), "--output", str(spy_raw), "--nonblocking"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             producer = subprocess.Popen(
                 [sys.executable, str(PROCS), "latency-producer", "--dsn", dsn, "--topic", topic,
                  "--rate", str(rate), "--duration", str(seconds),
-                 "--tick-ms", str(self.args.latency_tick_ms), "--keys", str(self.args.keys),
+                 "--tick-ms", str(self.args.latency_tick_ms), "--per-tx", str(self.args.latency_per_tx),
+                 "--keys", str(self.args.keys),
                  "--target", "outbox" if kind in OURS else "tuned", "--out", str(commits_path)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             assert producer.stdout is not None and producer.stdin is not None
@@ -1352,6 +1354,10 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
             if all(group in r.get("cpu", {}) for r in rs):
                 what = "all cores busy" if group == "machine" else group
                 row(case, f"CPU while publishing: {what}, cores", "cores", [r["cpu"][group] for r in rs])
+        if all({"relays", "postgres for relays"} <= set(r.get("cpu", {})) for r in rs):
+            # What delivering costs the machine: the relays' CPU and their database sessions', per event sent.
+            row(case, "CPU per event: relays + their postgres sessions, ms", "ms",
+                [1000 * (r["cpu"]["relays"] + r["cpu"]["postgres for relays"]) / r["achieved_rate"] for r in rs])
         lost = sum(r["missing"] for r in rs)
         if lost:
             found = sum((r.get("missing_diagnosis") or {}).get("missing_found_by_second_consumer", 0) for r in rs)
@@ -1586,10 +1592,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fleet-start-timeout", type=float, default=300.0)
     p.add_argument("--latency-tick-ms", type=float, default=10.0,
                    help="the producer commits the events due every tick in one transaction")
+    p.add_argument("--latency-per-tx", type=int, default=0,
+                   help="latency case: events per producer transaction (default 0: a tick's; 1: a commit per event)")
     p.add_argument("--latency-stages", action="store_true",
                    help="latency case: also time the wake-up notifications (commit -> notified -> produce())")
     p.add_argument("--latency-spy", action="store_true",
                    help="latency case: py-spy record (--idle, raw) the last relay while events flow")
+    p.add_argument("--latency-spy-on-cpu", action="store_true",
+                   help="with --latency-spy: only samples on the CPU (no --idle), to see where the relay's CPU goes")
     p.add_argument("--producers", type=int, default=4, help="producer processes for the enqueue case")
     p.add_argument("--enqueue-seconds", type=float, default=None, help="default 5")
     p.add_argument("--claim-sizes", default=None, help="stored events, comma list (default 10000,1000000,5000000)")
