@@ -1,6 +1,6 @@
 """What one busy Kafka cycle costs: statements, client CPU and database CPU per cycle (issue 14, goal 5).
 
-    python bench/cycle_cost.py [--cycles 3000] [--events 10] [--keys 1000]
+    python bench/cycle_cost.py [--cycles 3000] [--events 10] [--keys 1000] [--write-every-batch] [--profile F]
 
 Starts its own PostgreSQL 18 (embedded) and Tansu, like bench/run.py. One in-process relay runner (the
 real ``SinkRunner`` with the real ``KafkaSink``, default settings: ``cursor_flush_seconds`` 5) holds all
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
 import random
 import sys
@@ -109,6 +110,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runner.desired = set(range(256))
         runner.run_once()  # acquires every bucket
         runner.listening = lambda: True  # woken for the buckets a commit wrote, as the commit watcher does
+        if args.write_every_batch:  # as a live relay while no long transaction holds vacuum back
+            runner.defer_writes = lambda: False
         outbox = Outbox(default_topic=topic)
         rng = random.Random(7)
         producer = psycopg.connect(dsn, autocommit=False)
@@ -132,14 +135,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         handled = 0
         db_cpu = sum(cpu.cpu_seconds(p) for p in pids)
         thread_cpu = 0.0
+        # CPU time of the runner's thread only, by function (the commits in between are not profiled).
+        profiler = cProfile.Profile(time.thread_time) if args.profile else None
         wall = time.monotonic()
         for _ in range(args.cycles):
             runner.hints.add(commit())
             runner.reads.full_read_at = time.monotonic() + 3600
             t = time.thread_time()
+            if profiler is not None:
+                profiler.enable()
             handled += runner.run_once()
+            if profiler is not None:
+                profiler.disable()
             thread_cpu += time.thread_time() - t
         wall = time.monotonic() - wall
+        if profiler is not None:
+            profiler.dump_stats(str(args.profile))
         db_cpu = sum(cpu.cpu_seconds(p) for p in backends(pg.admin_dsn, database)) - db_cpu
         counts = dict(COUNTS)  # not the release below
         runner.release_all()
@@ -166,6 +177,10 @@ def main() -> None:
     p.add_argument("--events", type=int, default=10, help="events per commit (one commit per cycle)")
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--write-every-batch", action="store_true",
+                   help="write each batch's cursors at once, as a live relay does while nothing holds vacuum back")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="write a cProfile of the runner thread's CPU time (time.thread_time) to this file")
     args = p.parse_args()
     out = run(args)
     text = json.dumps(out, indent=1)

@@ -117,9 +117,10 @@ class RelaySettings(AttemptSettings, WebhookFields, NatsFields, RedisFields, Rab
     # batching and leases (batch_size, lease_seconds: AttemptSettings)
     cursor_flush_seconds: float = Field(
         5.0, ge=0, le=600,
-        description="while a long transaction holds vacuum back, a sink without a transaction of its own (Kafka) "
-                    "writes a bucket's cursor at most this often (fences are still checked every batch): fewer dead "
-                    "rows in outbox.cursors, up to this much more redelivery after a crash; 0: every batch")
+        description="a sink without a transaction of its own (Kafka) writes a bucket's cursor at most this often "
+                    "while a long transaction holds vacuum back, else all its cursors once a second (fences are "
+                    "checked every batch): fewer dead rows and statements, more redelivery after a crash; 0: "
+                    "every batch")
     heartbeat_seconds: float = Field(2.0, ge=0.01, le=600,
                                      description="registry heartbeat interval; each heartbeat also reads the stored "
                                                  "assignment (and stores a new one when members changed)")

@@ -38,26 +38,39 @@ WATCH_WAIT_MS = 1000  # one call returns after this long without a commit (then 
 LEAD_RETRY_FIRST = 1.0  # seconds between tries to lead, for a sink's first live member
 LEAD_RETRY_OTHERS = 20.0  # ... for every other listening relay (a first member that does not listen)
 WATCH_RETRY_AFTER_ERROR = 60.0  # seconds before a relay whose watch failed tries to lead again
+# Under load, the longest wait between two watch calls (``WatchPace.gap_ms``): what a wake-up may add to
+# a commit's latency while commits keep coming, against a call, a scan and a NOTIFY per commit.
+BUSY_GAP_MAX_MS = 4.0
 
 
 class WatchPace:
     """How often the watch looks: every ``shortest_ms`` while commits come; each call (up to
     WATCH_WAIT_MS) that found none doubles the next call's interval up to ``longest_ms``, so that an
     idle server is not woken every millisecond; the first commit found brings it back at once. Per
-    call, not per look: commits a second apart keep the shortest interval."""
+    call, not per look: commits a second apart keep the shortest interval.
+
+    Under load, commits come faster than one per look and every call returns at its first look: a
+    call, a scan and a NOTIFY per commit or two, each waking the owners again while they are still busy
+    with the last batch. ``gap_ms`` then spaces the calls, doubling up to ``BUSY_GAP_MAX_MS`` while calls
+    keep finding commits at once, so that a call gathers the commits of a few milliseconds; a call that
+    had to wait (commits sparser than the looks) brings it back to none."""
 
     def __init__(self, shortest_ms: int, longest_ms: int) -> None:
         self.shortest_ms = shortest_ms
         self.longest_ms = max(shortest_ms, longest_ms)
         self.interval_ms = shortest_ms
+        self.gap_ms = 0.0  # wait before the next call (in the client): commits come faster than the looks
 
-    def after(self, found: bool) -> int:
-        """The interval of the next call, after one that found commits (or none)."""
+    def after(self, found: bool, at_once: bool = False) -> int:
+        """The interval of the next call, after one that found commits (or none); ``at_once``: at its
+        first look, without waiting."""
         self.interval_ms = self.shortest_ms if found else min(self.longest_ms, 2 * self.interval_ms)
+        self.gap_ms = min(BUSY_GAP_MAX_MS, max(self.shortest_ms, 2 * self.gap_ms)) if found and at_once else 0.0
         return self.interval_ms
 
     def reset(self) -> None:
         self.interval_ms = self.shortest_ms
+        self.gap_ms = 0.0
 
 
 class CommitWatcher:
@@ -110,7 +123,10 @@ class CommitWatcher:
 
     def watch(self) -> str | None:
         """Wait (at most WATCH_WAIT_MS) for commits since the last look; the buckets they wrote, or None."""
+        if self.pace.gap_ms:
+            time.sleep(self.pace.gap_ms / 1000)
         self.looks += 1
+        started = time.monotonic()
         row = self.conn.execute(query("wakeups", "watch"), {
             "since": self._since, "wait_ms": self._wait_ms, "interval_ms": self.pace.interval_ms}).fetchone()
         if row is None:
@@ -118,5 +134,6 @@ class CommitWatcher:
         first = self._since is None  # the call that only took a snapshot says nothing about commits
         self._since = row[0]
         if not first:
-            self.pace.after(found=row[1] is not None)
+            at_once = time.monotonic() - started < self.pace.interval_ms / 1000
+            self.pace.after(found=row[1] is not None, at_once=at_once)
         return row[1]  # type: ignore[no-any-return]

@@ -135,7 +135,7 @@ class BatchCommit:
         as a failed check is now. ``Observer.checkpointed`` comes with that read."""
         b = self.batches
         cp = self._plan(outcomes)
-        if not b.book.foldable(cp, b.ramp.suspect, b.hooks.defer_writes()):
+        if not b.book.foldable(cp, b.ramp.suspect, b.hooks.defer_writes(), time.monotonic()):
             return self(outcomes, None)
         self.writer.fold(cp)
         self.checkpoint = cp

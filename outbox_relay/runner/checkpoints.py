@@ -189,11 +189,23 @@ class CheckpointWriter:
 
     # -- cursor flushes --------------------------------------------------------------------
 
+    def until_flush(self, now: float) -> float:
+        """Seconds until deferred cursor writes are due (inf: none): the longest an idle runner may wait.
+        While nothing holds vacuum back, a batch whose fence check waits for the next read counts too:
+        its cursors go out with the next write rather than wait for a read that may be seconds away."""
+        held = self.hooks.defer_writes()
+        until = self.book.until_owed_flush(held, now)
+        if self.pending is not None and not held:
+            until = min(until, self.book.until_busy_flush(now))
+        return until
+
     def flush_due(self, held: dict[int, int], busy: bool) -> None:
         """At the end of a cycle: write the cursors that are due, if any."""
-        if self.book.ahead_due(time.monotonic()):
+        now = time.monotonic()
+        if self.book.ahead_due(now):
             self.flush_ahead(held)
-        elif self.book.owed_due_now(busy, self.hooks.defer_writes(), time.monotonic()):
+        elif self.book.owed_due_now(busy, self.hooks.defer_writes(), now) or (
+                not busy and self.pending is not None and self.until_flush(now) <= 0):
             self.flush_owed(held)
 
     def flush_ahead(self, held: dict[int, int]) -> None:

@@ -5,9 +5,13 @@ Every write of a cursor row leaves a dead row version, and while a long transact
 server holds vacuum back none of them can be removed: a write per bucket per batch piled up tens of
 thousands in outbox.cursors (issue 16). A sink without a transaction of its own (Kafka) has delivered
 before its checkpoint, so writing its cursor later only means more redelivery after a crash, never a
-loss or a reorder: its batches check their fence without writing (a read), and a bucket's cursor is
-written at most once per ``cursor_flush_seconds`` (and when its lease is handed back). A projection's
-checkpoint commits with its read-model writes (G7) and is never deferred.
+loss or a reorder: its batches check their fence without writing (a read). While a long transaction
+holds vacuum back (``held``), a bucket's cursor is written at most once per ``cursor_flush_seconds``;
+otherwise a write leaves no lasting dead row but still costs a statement and a commit, about as much
+as the batch's read (bench/results/2026-12-03-cost-per-event.md), so a busy runner writes its cursors
+together at most once per ``BUSY_FLUSH_SECONDS``, and a batch after a quiet spell writes at once. Both
+also when a lease is handed back. A projection's checkpoint commits with its read-model writes (G7) and
+is never deferred.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ AHEAD_FLUSH_UNFILTERED_SECONDS = 60.0
 # (at most ``cursor_flush_seconds``), so that they go out together about once a second rather than as a
 # statement in most cycles: a Kafka batch defers its due writes too (``BatchCommit.later``).
 OWED_BUSY_SLACK_SECONDS = 1.0
+# While nothing holds vacuum back: a runner's cursor writes go out together at most this often (one
+# statement for every bucket moved since), at most ``cursor_flush_seconds``. After a crash or a lost
+# lease, a next owner resends up to this much of acknowledged events (in order).
+BUSY_FLUSH_SECONDS = 1.0
 
 
 class CursorBook:
@@ -37,6 +45,7 @@ class CursorBook:
         # the next written checkpoint of the bucket, or when they are due (``owed_due``, ``ahead_due``).
         self.ahead: dict[int, Cursor] = {}
         self.flushed_at = now  # when the ahead cursors were last written (monotonic)
+        self.wrote_at = float("-inf")  # when the runner last wrote a cursor row (any bucket; monotonic)
         # Held bucket -> monotonic time its cursor row was last written (or acquired); held buckets whose
         # ``ahead`` cursor passed delivered events that are not written yet; held buckets acquired with
         # lapses counted, written at once until a reset lands.
@@ -103,19 +112,30 @@ class CursorBook:
         # a write.
         return suspect(bucket) or (bucket in cp.resets and bucket in self.lapsed)
 
-    def deferrable(self, cp: Checkpoint, suspect: Callable[[int], bool], may_defer: bool, now: float) -> set[int]:
-        """The buckets of a sink-less-transaction batch checkpoint whose cursor write can wait."""
+    def busy_every(self) -> float:
+        """While nothing holds vacuum back: the shortest time between two of the runner's cursor writes."""
+        return min(self.flush_seconds, BUSY_FLUSH_SECONDS)
+
+    def deferrable(self, cp: Checkpoint, suspect: Callable[[int], bool], held: bool, now: float) -> set[int]:
+        """The buckets of a sink-less-transaction batch checkpoint whose cursor write can wait. ``held``:
+        whether a long transaction holds vacuum back now (then per bucket, else per runner)."""
         every = self.flush_seconds
-        if every <= 0 or not cp.moves_only or not may_defer:
+        if every <= 0 or not cp.moves_only:
             return set()
+        if not held:
+            if now - self.wrote_at >= self.busy_every():
+                return set()
+            return {b for b in cp.advance if not self._must_write(cp, b, suspect)}
         return {b for b in cp.advance
                 if not self._must_write(cp, b, suspect) and now - self.written_at.get(b, -every) < every}
 
-    def foldable(self, cp: Checkpoint, suspect: Callable[[int], bool], may_defer: bool) -> bool:
+    def foldable(self, cp: Checkpoint, suspect: Callable[[int], bool], held: bool, now: float) -> bool:
         """Whether a delivered batch's checkpoint may wait for the runner's next read (``BatchCommit.later``):
         it only moves cursors, one per bucket it read past, and each of them may be written later (as in
-        ``deferrable``, except that a write that is due waits for ``owed_due`` too)."""
-        if self.flush_seconds <= 0 or not cp.moves_only or cp.advance.keys() != cp.fences.keys() or not may_defer:
+        ``deferrable``, except that while ``held`` a write that is due waits for ``owed_due`` too)."""
+        if self.flush_seconds <= 0 or not cp.moves_only or cp.advance.keys() != cp.fences.keys():
+            return False
+        if not held and now - self.wrote_at >= self.busy_every():
             return False
         return not any(self._must_write(cp, b, suspect) for b in cp.fences)
 
@@ -123,12 +143,17 @@ class CursorBook:
         """A batch whose fence check waits for the next read: that read goes on from after it."""
         self.ahead.update(cp.advance)
 
-    def until_owed_flush(self, may_defer: bool, now: float) -> float:
-        """Seconds until the oldest deferred cursor write is due (inf: none is owed)."""
+    def until_owed_flush(self, held: bool, now: float) -> float:
+        """Seconds until the deferred cursor writes are due (inf: none is owed)."""
         if not self.owed:
             return float("inf")
-        if not may_defer:  # the hold that deferred them is over: due now
-            return float("-inf")
+        return self.until_busy_flush(now) if not held else self._until_held_flush(now)
+
+    def until_busy_flush(self, now: float) -> float:
+        """While nothing holds vacuum back: seconds until the runner's next cursor write may go out."""
+        return self.wrote_at + self.busy_every() - now
+
+    def _until_held_flush(self, now: float) -> float:
         if self._owed_oldest is None:  # once per write of an owed cursor, not per cycle
             self._owed_oldest = min(self.written_at.get(b, 0.0) for b in self.owed)
         return self._owed_oldest + self.flush_seconds - now
@@ -139,18 +164,20 @@ class CursorBook:
     def ahead_due(self, now: float) -> bool:
         return bool(self.ahead) and now - self.flushed_at >= self.ahead_flush_seconds
 
-    def owed_due_now(self, busy: bool, may_defer: bool, now: float) -> bool:
-        """Whether the deferred writes go out this cycle: once due, or a little past due while busy."""
-        return bool(self.owed) and self.until_owed_flush(may_defer, now) <= (-self.owed_slack() if busy else 0.0)
+    def owed_due_now(self, busy: bool, held: bool, now: float) -> bool:
+        """Whether the deferred writes go out this cycle: once due (while ``held``, a little past due if busy)."""
+        slack = self.owed_slack() if busy and held else 0.0
+        return bool(self.owed) and self.until_owed_flush(held, now) <= -slack
 
     def ahead_in(self, held: dict[int, int]) -> dict[int, Cursor]:
         return {b: c for b, c in self.ahead.items() if b in held}
 
-    def owed_due(self, held: dict[int, int], may_defer: bool, now: float) -> dict[int, Cursor]:
-        """The deferred cursors of ``held`` that are due."""
-        every = self.flush_seconds if may_defer else 0.0
+    def owed_due(self, buckets: dict[int, int], held: bool, now: float) -> dict[int, Cursor]:
+        """The deferred cursors of ``buckets`` that are due: while ``held``, those written longest ago;
+        otherwise all of them (one write per ``busy_every``)."""
         return {b: self.ahead[b] for b in self.owed
-                if b in held and b in self.ahead and now - self.written_at.get(b, 0.0) >= every}
+                if b in buckets and b in self.ahead and (not held or now - self.written_at.get(b, 0.0)
+                                                         >= self.flush_seconds)}
 
     def landed(self, cp: Checkpoint, ok: set[int], now: float) -> None:
         """``cp`` landed in ``ok``: its cursors are written, or fenced and owed."""
@@ -168,6 +195,7 @@ class CursorBook:
                 self.owed.discard(b)
                 self._owed_oldest = None
                 self.written_at[b] = now
+                self.wrote_at = now
         self.lapsed -= (cp.resets & ok) - cp.defer  # their lapses are 0 in the row now
 
     def drop_unwritten(self) -> int:

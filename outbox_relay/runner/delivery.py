@@ -54,7 +54,7 @@ class Delivery:
         if hinted is None or now >= plan.full_read_at or not self.hooks.listening():
             plan.full_read_at = now + self.hooks.idle_poll()
         else:
-            wanted = {b: f for b, f in held.items() if b in hinted or b in plan.saturated}
+            wanted = {b: held[b] for b in (hinted | plan.saturated) & held.keys()}
             if pending is not None:
                 checks = {b for b in pending.fences if b in held and b not in wanted}
             if not wanted and not checks:

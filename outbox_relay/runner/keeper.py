@@ -48,7 +48,7 @@ class LeaseKeeper:
         if desired is None:
             return
         held = self.leases.snapshot()
-        surplus = {b: f for b, f in held.items() if b not in desired}
+        surplus = {b: held[b] for b in held.keys() - desired}
         if not surplus and (self.draining.is_set() or desired <= held.keys()):
             return  # the usual cycle: nothing to hand over or take
         if surplus:

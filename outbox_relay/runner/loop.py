@@ -173,7 +173,7 @@ class SinkRunner:
                 break
             if n == 0:
                 jitter = 0.8 + 0.4 * (time.monotonic() % 1)
-                until_owed = self.book.until_owed_flush(self.defer_writes(), time.monotonic())
+                until_owed = self.writer.until_flush(time.monotonic())
                 progress.idle = True
                 try:
                     wait_idle(self.sink, self.wake, min(self.hooks.idle_poll() * jitter, self.park.until() + 0.001,
@@ -221,12 +221,13 @@ class SinkRunner:
             self.park_changed.clear()
             self.park.now()
         handled = 0
-        normal = {}
-        for b, fence in held.items():
-            if self.ramp.suspect(b):
-                handled += self.prober.probe(b, fence, len(held))
-            else:
-                normal[b] = fence
+        normal = held
+        suspects = self.ramp.suspects & held.keys()  # usually none: no look at every held bucket
+        if suspects:
+            normal = {b: f for b, f in held.items() if b not in suspects}
+            for b, fence in held.items():
+                if b in suspects:
+                    handled += self.prober.probe(b, fence, len(held))
         if normal:
             if self.park.due():
                 handled += self.delivery.retry_parked(normal)

@@ -106,7 +106,10 @@ class Harness:
         settings = load_settings(
             dsn=self.dsn, worker_id=worker_id, kafka=False, listen=False, poll_seconds=0.05,
             backoff_base_seconds=0.01, backoff_max_seconds=0.05, max_attempts=max_attempts,
-            handler_timeout_seconds=handler_timeout_seconds, heartbeat_seconds=0.2, worker_ttl_seconds=1.0)
+            handler_timeout_seconds=handler_timeout_seconds, heartbeat_seconds=0.2, worker_ttl_seconds=1.0,
+            # Cursors written with each batch, so that a settle sees them at once: a runner would defer them
+            # (up to a second, or cursor_flush_seconds while vacuum is held back; test_cursor_writes.py).
+            cursor_flush_seconds=0)
         sink = self.faulty
         if not self.engine:  # one adapter per test (its close closes the user's sink), its limit per runner
             self.adapter = self.adapter or EventSinkAdapter(self.faulty)
@@ -116,10 +119,6 @@ class Harness:
             store.register_sink(conn, sink.name, sink.kind)
         runner = SinkRunner(sink, self.pool, settings)
         runner.desired = set(range(256))
-        # As under a worker with no long transaction holding vacuum back (the usual state): cursors are
-        # written with each batch. Alone, a runner would defer them up to cursor_flush_seconds (5 s), and
-        # every settle would wait that out (tests/integration/test_cursor_writes.py covers the deferral).
-        runner.hooks.defer_writes = lambda: False
         return runner
 
     def run_until(self, runner: SinkRunner, predicate: Callable[[], bool]) -> None:

@@ -94,3 +94,26 @@ def test_reads_are_numbered_per_bucket_from_one_under_each_new_fence() -> None:
         return e.read
 
     assert [read(1), read(1), read(2), read(2)] == [1, 2, 1, 2]
+
+
+def test_while_nothing_holds_vacuum_back_a_busy_runner_writes_its_cursors_together_once_a_second() -> None:
+    """Unheld, a write costs a statement and a commit, not a lasting dead row: a batch right after a write
+    waits (folds), every owed cursor goes out in one write a second after the last, and a batch after a
+    quiet second writes at once (sparse traffic keeps its cursors current)."""
+    book = book_holding(1, 2, 3, at=100.0)
+    assert book.deferrable(moves(1), never_suspect, False, now=100.5) == set(), "no write yet: written at once"
+    assert not book.foldable(moves(1), never_suspect, False, now=100.5)
+    book.landed(moves(1, to=6), {1}, now=100.5)
+    assert book.wrote_at == 100.5
+    assert book.deferrable(moves(2, 3), never_suspect, False, now=100.7) == {2, 3}
+    assert book.foldable(moves(2, 3), never_suspect, False, now=100.7)
+    assert book.deferrable(moves(2, 3), lambda b: b == 2, False, now=100.7) == {3}, "a suspect's write never waits"
+    cp = moves(2, 3, to=7)
+    cp.defer = {2, 3}
+    book.landed(cp, {2, 3}, now=100.7)
+    assert abs(book.until_owed_flush(False, now=100.7) - 0.8) < 1e-9, "a second after the runner's last write"
+    assert not book.owed_due_now(True, False, now=101.4)
+    assert book.owed_due_now(True, False, now=101.5), "no slack while busy: the cadence is the bound"
+    assert book.owed_due({1: 1, 2: 1, 3: 1}, False, now=101.5) == {2: cursor(7), 3: cursor(7)}, "all owed, in one write"
+    assert book.deferrable(moves(1), never_suspect, False, now=101.6) == set(), "a second since the last write"
+    assert CursorBook(0.3, 60.0, now=0.0).busy_every() == 0.3, "never longer than cursor_flush_seconds"

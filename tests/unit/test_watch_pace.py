@@ -3,7 +3,7 @@ at the first commit."""
 
 from __future__ import annotations
 
-from outbox_relay.wakeups import WatchPace
+from outbox_relay.wakeups import BUSY_GAP_MAX_MS, WatchPace
 
 
 def test_each_call_without_a_commit_doubles_the_interval_up_to_the_longest() -> None:
@@ -28,3 +28,21 @@ def test_a_longest_below_the_shortest_is_read_as_the_shortest_and_reset_starts_o
     pace.after(found=False)
     pace.reset()
     assert pace.interval_ms == 3
+
+
+def test_commits_found_at_every_first_look_space_the_calls_and_a_call_that_waited_ends_that() -> None:
+    """Under load every call returns at its first look: the calls are spaced (up to BUSY_GAP_MAX_MS) so
+    that each gathers a few milliseconds of commits instead of one; a call that waited means commits are
+    sparser than the looks again."""
+    pace = WatchPace(shortest_ms=1, longest_ms=8)
+    assert pace.gap_ms == 0
+    assert [(pace.after(found=True, at_once=True), pace.gap_ms) for _ in range(4)] == [
+        (1, 1), (1, 2), (1, BUSY_GAP_MAX_MS), (1, BUSY_GAP_MAX_MS)]
+    pace.after(found=True, at_once=False)
+    assert pace.gap_ms == 0, "found after waiting: no gap"
+    pace.after(found=True, at_once=True)
+    pace.after(found=False)
+    assert pace.gap_ms == 0, "nothing found: no gap"
+    pace.after(found=True, at_once=True)
+    pace.reset()
+    assert pace.gap_ms == 0
