@@ -220,9 +220,19 @@ class CheckpointWriter:
             self.write(Checkpoint(fences={b: held[b] for b in ahead}, advance=ahead))
 
     def flush_owed(self, held: dict[int, int]) -> None:
-        """Write the deferred cursors that are due (one statement for all of them)."""
-        self.settle_pending()
+        """Write the deferred cursors that are due (one statement for all of them). While nothing holds
+        vacuum back, a batch whose fence check waits is written with them: the write is its check."""
+        vacuum_held = self.hooks.defer_writes()
+        pending = self.take_pending() if not vacuum_held else None
+        if vacuum_held:
+            self.settle_pending()
         held = self.leases.still_held(held)
-        due = self.book.owed_due(held, self.hooks.defer_writes(), time.monotonic())
-        if due:
+        due = self.book.owed_due(held, vacuum_held, time.monotonic())
+        if pending is not None:
+            pending.defer = set()
+            for b, cursor in due.items():
+                if b not in pending.advance:  # the batch's own buckets: its cursors are the newest
+                    pending.fences[b], pending.advance[b] = held[b], cursor
+            self.write(pending)
+        elif due:
             self.write(Checkpoint(fences={b: held[b] for b in due}, advance=due))

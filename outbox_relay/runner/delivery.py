@@ -57,7 +57,10 @@ class Delivery:
             wanted = {b: held[b] for b in (hinted | plan.saturated) & held.keys()}
             if pending is not None:
                 checks = {b for b in pending.fences if b in held and b not in wanted}
-            if not wanted and not checks:
+            if not wanted and (not checks or not self.hooks.defer_writes()):
+                # Nothing to read. While nothing holds vacuum back, a waiting fence check is not a read of its
+                # own either: it rides on the next read or on the write of its cursors, within a second
+                # (``CheckpointWriter.until_flush``, ``flush_owed``).
                 self.writer.put_back(pending)
                 return 0
             held = {**wanted, **{b: held[b] for b in checks}}

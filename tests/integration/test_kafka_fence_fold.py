@@ -123,6 +123,57 @@ def test_a_batch_lands_with_the_next_read_without_a_statement_of_its_own(
     assert sorted(m.headers["ce_id"] for m in got) == sorted(str(i) for i in [*first, *second])
 
 
+def test_unheld_a_burst_writes_its_first_batch_and_the_rest_lands_with_one_write_a_second_later(
+        dsn: str, pool: ConnectionPool[Any], kafka_bootstrap: str, kafka_topic: str, kafka_sink: KafkaSink,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27: while nothing holds vacuum back a batch after a quiet second writes its cursor at once;
+    the batches right after it fold their fence check into the next read, and the last one, with nothing
+    more to read, waits for no read of its own: it lands with the write of the cursors, a second after
+    the first, in one statement that is its fence check (G5: fenced like any checkpoint)."""
+    runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET})
+    runner.defer_writes = lambda: False  # nothing holds vacuum back
+    runner.listening = lambda: True
+    runner.reads.full_read_at = time.monotonic() + 600
+    checkpoints = counting_checkpoints(monkeypatch)
+    reads: list[set[int]] = []
+    real_fetch = store.fetch_events
+
+    def fetch(conn: Any, sink: str, worker: str, wanted: dict[int, Any], *args: Any, **kwargs: Any) -> Any:
+        reads.append(set(wanted))
+        return real_fetch(conn, sink, worker, wanted, *args, **kwargs)
+
+    monkeypatch.setattr(store, "fetch_events", fetch)
+    [key] = keys_in_bucket(dsn, BUCKET, 1)
+    ids = []
+    for n in range(3):
+        ids += publish(dsn, [(key, "t", {"n": n})], topic=kafka_topic)
+        runner.hints.add({BUCKET})
+        assert runner.run_once() == 1
+    assert len(checkpoints) == 1 and checkpoints[0].defer == set(), "the first batch wrote its cursor at once"
+    assert seen.delivered == ids[:2], "the second landed with the third's read; the third waits"
+    reads.clear()
+    assert runner.run_once() == 0
+    assert reads == [], "nothing to read: no read only to check the waiting batch's fence"
+    until = runner.writer.until_flush(time.monotonic())
+    assert 0 < until <= 1.0
+    time.sleep(until + 0.01)
+    assert runner.run_once() == 0
+    assert seen.delivered == ids, "landed with the write"
+    assert len(checkpoints) == 2 and checkpoints[1].defer == set()
+    assert runner.writer.pending is None and not runner.book.owed
+    row = cursor_row(dsn, BUCKET, KAFKA)
+    assert row["cursor"].delivered(*_position(dsn, ids[-1])), "the cursor written past the last event"
+    got = consume_all(kafka_bootstrap, kafka_topic, 3, timeout=20, settle=0.3)
+    assert [m.headers["ce_id"] for m in got] == [str(i) for i in ids]
+
+
+def _position(dsn: str, event_id: uuid.UUID) -> tuple[int, int]:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT xid::text::bigint, seq FROM outbox.events WHERE id = %s", (event_id,)).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
 def _lose(dsn: str, how: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         if how == "taken over":  # another relay acquired it (a new fence, its lease)
