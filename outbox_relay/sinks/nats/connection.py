@@ -198,12 +198,7 @@ class Connection:
         except BaseException as exc:
             # Half made (a timeout, or the call abandoned and cancelled): its socket is closed here, not left to
             # the garbage collector.
-            self._closing = True
-            try:
-                with contextlib.suppress(Exception):
-                    await nc.close()
-            finally:
-                self._closing = False
+            await self._close(nc)
             if not isinstance(exc, Exception):
                 raise
             raise SinkUnavailable(f"nats {self.endpoint}: can not connect: {self._why(exc)}", 1.0) from None
@@ -234,12 +229,16 @@ class Connection:
     async def _drop(self) -> None:
         nc, self._nc, self._js = self._nc, None, None
         if nc is not None and not nc.is_closed:
-            self._closing = True
-            try:
-                with contextlib.suppress(Exception):
-                    await nc.close()
-            finally:
-                self._closing = False
+            await self._close(nc)
+
+    async def _close(self, nc: Client) -> None:
+        """Close a client of ours, its disconnect no news (``_closing``), whatever the close raises."""
+        self._closing = True
+        try:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        finally:
+            self._closing = False
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the client from any thread (on its loop, if that still runs)."""
