@@ -1,6 +1,6 @@
 """What the broker sinks' settings (webhook, NATS, Redis, RabbitMQ, SQS) share: the fields each declares alike
-(its sink name, topics, concurrency, timeouts, TLS files), made by one :class:`Broker` per sink, and the checks
-of them.
+(its URL, sink name, topics, concurrency, timeouts, TLS files), made by one :class:`SinkOptions` per sink, and
+the checks of them.
 
 Each ``*Fields`` class still declares its fields itself, with a factory's ``Field`` as the value, so every
 option keeps its name, its ``OUTBOX_*`` variable, default, help and place in ``run --help``. The fields of a
@@ -61,7 +61,7 @@ def check_topics(value: list[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Broker:
+class SinkOptions:
     """How one broker sink's settings name it: ``kind`` prefixes its fields and is its default sink name,
     ``title`` names it in sentences, ``label`` prefixes its help texts, ``peer`` is what it talks to."""
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from .broker_settings import Broker, as_value_error, check_topic, checked, remembered
+from .broker_settings import SinkOptions, as_value_error, check_topic, checked, remembered
 from .settings_base import ENVIRONMENT_ONLY, NameList, SettingsBase
 
-NATS = Broker("nats", "NATS", label="nats", peer="server")
+NATS = SinkOptions("nats", "NATS", label="nats", peer="server")
 
 
 class NatsFields(SettingsBase):

@@ -10,11 +10,11 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from .broker_settings import Broker, as_value_error, checked, remembered
+from .broker_settings import SinkOptions, as_value_error, checked, remembered
 from .settings_base import ENVIRONMENT_ONLY, TOPIC_NAME, NameList, SettingsBase
 
 ExchangeType = Literal["direct", "topic", "fanout", "headers", "x-consistent-hash"]
-RABBITMQ = Broker("rabbitmq", "RabbitMQ", label="rabbitmq", peer="broker")
+RABBITMQ = SinkOptions("rabbitmq", "RabbitMQ", label="rabbitmq", peer="broker")
 
 
 class RabbitMQFields(SettingsBase):

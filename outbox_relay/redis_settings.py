@@ -7,11 +7,11 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from .broker_settings import Broker, as_value_error, check_topics, checked
+from .broker_settings import SinkOptions, as_value_error, check_topics, checked
 from .settings_base import NameList, SettingsBase
 
 MAX_ENTRY_BYTES = 512 * 1024 * 1024  # Redis's largest proto-max-bulk-len default
-REDIS = Broker("redis", "Redis", label="Redis", peer="server")
+REDIS = SinkOptions("redis", "Redis", label="Redis", peer="server")
 
 
 class RedisFields(SettingsBase):

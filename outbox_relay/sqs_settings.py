@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from .broker_settings import Broker, check_topics
+from .broker_settings import SinkOptions, check_topics
 from .settings_base import TOPIC_NAME, NameList, SettingsBase
 
 # SQS queue names: 1-80 characters of A-Z a-z 0-9 _ -; a FIFO queue's ends in ".fifo" (counted).
@@ -22,7 +22,7 @@ QUEUE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,80}\Z")
 FIFO_QUEUE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,75}\.fifo\Z")
 QUEUE_PREFIX = re.compile(r"^[A-Za-z0-9_-]{0,74}\Z")
 REGION = re.compile(r"^[a-z]{2}(-[a-z0-9]+)+-\d+\Z")
-SQS = Broker("sqs", "SQS", label="SQS", peer="endpoint")
+SQS = SinkOptions("sqs", "SQS", label="SQS", peer="endpoint")
 
 
 def _pairs(value: Any) -> Any:

@@ -9,10 +9,10 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from .broker_settings import Broker, as_value_error, check_topics, checked
+from .broker_settings import SinkOptions, as_value_error, check_topics, checked
 from .settings_base import ENVIRONMENT_ONLY, NameList, SettingsBase
 
-WEBHOOK = Broker("webhook", "webhook", label="webhook", peer="receiver")
+WEBHOOK = SinkOptions("webhook", "webhook", label="webhook", peer="receiver")
 
 
 class WebhookFields(SettingsBase):
