@@ -9,21 +9,20 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from .dsn import remember_secret
-from .errors import ConfigurationError
-from .settings_base import ENVIRONMENT_ONLY, SINK_NAME, TOPIC_NAME, NameList, SettingsBase
+from .broker_settings import SinkOptions, as_value_error, check_topic, checked, remembered
+from .settings_base import ENVIRONMENT_ONLY, NameList, SettingsBase
+
+NATS = SinkOptions("nats", "NATS", label="nats", peer="server")
 
 
 class NatsFields(SettingsBase):
     """The NATS sink's settings, on when ``nats_url`` is set."""
 
-    nats_url: str | None = Field(
-        default=None, min_length=1, max_length=4096,
-        description="publish every event to JetStream on these servers, nats://host:4222 or tls://host:4222 "
-                    "(comma-separated; turns the NATS sink on; a password in it is masked in logs, better "
-                    "--nats-password-file; see docs/nats.md)")
-    nats_sink: str = Field(
-        default="nats", min_length=1, max_length=63, description="sink name of the NATS delivery (its own cursors)")
+    nats_url: str | None = NATS.url(
+        "publish every event to JetStream on these servers, nats://host:4222 or tls://host:4222 "
+        "(comma-separated; turns the NATS sink on; a password in it is masked in logs, better "
+        "--nats-password-file; see docs/nats.md)")
+    nats_sink: str = NATS.sink()
     nats_subject_prefix: str = Field(
         default="outbox", min_length=1, max_length=255,
         description="nats: an event goes to subject PREFIX.TOPIC.KEY (the key escaped into one token); a stream "
@@ -32,16 +31,13 @@ class NatsFields(SettingsBase):
         default=None, min_length=1, max_length=255,
         description="nats: the stream the messages must land in (Nats-Expected-Stream; another one holds the events); "
                     "none: whichever stream takes the subject")
-    nats_concurrency: int = Field(
-        default=16, ge=1, le=256, description="nats: keys published at once (each key stays in order)")
-    nats_topics: NameList = Field(
-        default_factory=list, description="nats: only events of these topics (comma-separated; none: all)")
+    nats_concurrency: int = NATS.concurrency(16, "published")
+    nats_topics: NameList = NATS.topics()
     nats_ack_timeout_seconds: float = Field(
         default=5.0, ge=0.01, le=3600,
         description="nats: seconds to wait for the stream's PubAck; none in time: the server counts as unavailable "
                     "(the event waits, no attempt counted)")
-    nats_connect_timeout_seconds: float = Field(
-        default=5.0, ge=0.01, le=600, description="nats: seconds to connect before the server counts as down")
+    nats_connect_timeout_seconds: float = NATS.connect_timeout()
     nats_user: str | None = Field(default=None, min_length=1, max_length=1000, description="nats: user name")
     nats_password: SecretStr | None = Field(
         default=None, json_schema_extra=ENVIRONMENT_ONLY,
@@ -55,43 +51,31 @@ class NatsFields(SettingsBase):
     nats_creds_file: Path | None = Field(
         default=None, description="nats: a .creds file (user JWT and nkey seed, decentralized auth)")
     nats_nkey_seed_file: Path | None = Field(default=None, description="nats: a file holding an nkey seed")
-    nats_ca_file: Path | None = Field(
-        default=None, description="nats: trust the server's certificate from this CA file (PEM) instead of the "
-                                  "system's")
-    nats_client_cert: Path | None = Field(default=None, description="nats: client certificate (PEM) for mutual TLS")
-    nats_client_key: Path | None = Field(
-        default=None, description="nats: the client certificate's private key (PEM), if not in the certificate file")
-    nats_tls_verify: bool = Field(
-        default=True, description="nats: verify the server's TLS certificate (turn off only for tests)")
+    nats_ca_file: Path | None = NATS.ca_file(" instead of the system's")
+    nats_client_cert: Path | None = NATS.client_cert()
+    nats_client_key: Path | None = NATS.client_key()
+    nats_tls_verify: bool = NATS.tls_verify()
 
     @field_validator("nats_url")
     @classmethod
     def _nats_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            from .sinks.nats.connection import check_url  # the sink's own check (no client library needed)
+        from .sinks.nats.connection import check_url  # the sink's own check (no client library needed)
 
-            try:
-                check_url(value)  # remembers its password or token for redaction first
-            except ConfigurationError as exc:
-                raise ValueError(str(exc)) from None
-        return value
+        return checked(check_url, value)  # check_url remembers its password or token for redaction first
 
     @field_validator("nats_password", "nats_token")
     @classmethod
     def _nats_secret(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None:
-            remember_secret(value.get_secret_value())
-        return value
+        return remembered(value)
 
     @field_validator("nats_subject_prefix")
     @classmethod
     def _nats_prefix(cls, value: str) -> str:
         from .sinks.nats.subjects import check_prefix
 
-        try:
-            return check_prefix(value)
-        except ConfigurationError as exc:
-            raise ValueError(str(exc)) from None
+        with as_value_error():
+            value = check_prefix(value)
+        return value
 
     @field_validator("nats_topics")
     @classmethod
@@ -99,21 +83,16 @@ class NatsFields(SettingsBase):
         from .sinks.nats.subjects import topic_problem
 
         for topic in value:
-            if not TOPIC_NAME.match(topic):
-                raise ValueError(f"{topic[:64]!r} is not a topic name (1-249 characters of A-Z a-z 0-9 . _ -)")
+            check_topic(topic)
             if problem := topic_problem(topic):
                 raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
     def _nats(self) -> NatsFields:
-        if not SINK_NAME.match(self.nats_sink):
-            raise ValueError("nats_sink: a sink name is 1-63 characters of a-z 0-9 _ . : - and starts with a letter "
-                             "or digit")
-        for name in ("password", "token"):
-            if getattr(self, f"nats_{name}") is not None and getattr(self, f"nats_{name}_file") is not None:
-                raise ValueError(f"give the NATS {name} once: --nats-{name}-file or OUTBOX_NATS_{name.upper()}, "
-                                 "not both")
+        NATS.check_sink_name(self)
+        NATS.check_once(self, "password")
+        NATS.check_once(self, "token")
         if self.nats_url is None:
             return self
         from .sinks.nats.connection import read_secret
@@ -121,14 +100,11 @@ class NatsFields(SettingsBase):
         for name in ("password", "token"):
             path = getattr(self, f"nats_{name}_file")
             if path is not None:
-                try:
+                with as_value_error():
                     read_secret(path, name)  # at start-up, and remembered for redaction
-                except ConfigurationError as exc:
-                    raise ValueError(str(exc)) from None
         if (self.nats_password is not None or self.nats_password_file is not None) and self.nats_user is None:
             raise ValueError("a NATS password needs --nats-user")
-        if self.nats_client_key is not None and self.nats_client_cert is None:
-            raise ValueError("--nats-client-key needs --nats-client-cert")
+        NATS.check_client_key(self)
         return self
 
 

@@ -10,34 +10,28 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from .dsn import remember_secret
-from .errors import ConfigurationError
-from .settings_base import ENVIRONMENT_ONLY, SINK_NAME, TOPIC_NAME, NameList, SettingsBase
+from .broker_settings import SinkOptions, as_value_error, checked, remembered
+from .settings_base import ENVIRONMENT_ONLY, TOPIC_NAME, NameList, SettingsBase
 
 ExchangeType = Literal["direct", "topic", "fanout", "headers", "x-consistent-hash"]
+RABBITMQ = SinkOptions("rabbitmq", "RabbitMQ", label="rabbitmq", peer="broker")
 
 
 class RabbitMQFields(SettingsBase):
     """The RabbitMQ sink's settings, on when ``rabbitmq_url`` is set."""
 
-    rabbitmq_url: str | None = Field(
-        default=None, min_length=1, max_length=4096,
-        description="publish every event to this broker, amqp[s]://user@host:port/vhost (turns the RabbitMQ sink on; "
-                    "a password in it is masked in logs, better --rabbitmq-password-file; see docs/rabbitmq.md)")
-    rabbitmq_sink: str = Field(
-        default="rabbitmq", min_length=1, max_length=63,
-        description="sink name of the RabbitMQ delivery (its own cursors)")
+    rabbitmq_url: str | None = RABBITMQ.url(
+        "publish every event to this broker, amqp[s]://user@host:port/vhost (turns the RabbitMQ sink on; "
+        "a password in it is masked in logs, better --rabbitmq-password-file; see docs/rabbitmq.md)")
+    rabbitmq_sink: str = RABBITMQ.sink()
     rabbitmq_password: SecretStr | None = Field(
         default=None, json_schema_extra=ENVIRONMENT_ONLY,
         description="the RabbitMQ password, instead of the URL's (environment only, or --rabbitmq-password-file; "
                     "never logged)")
     rabbitmq_password_file: Path | None = Field(
         default=None, description="read the RabbitMQ password from this file (one trailing newline dropped)")
-    rabbitmq_concurrency: int = Field(
-        default=4, ge=1, le=256,
-        description="rabbitmq: keys published at once, one connection each (each key stays in order)")
-    rabbitmq_topics: NameList = Field(
-        default_factory=list, description="rabbitmq: only events of these topics (comma-separated; none: all)")
+    rabbitmq_concurrency: int = RABBITMQ.concurrency(4, "published", ", one connection each")
+    rabbitmq_topics: NameList = RABBITMQ.topics()
     rabbitmq_default_exchange: str | None = Field(
         default=None, min_length=1, max_length=249,
         description="rabbitmq: exchange of the events published without a topic (an event's topic is its exchange)")
@@ -56,44 +50,30 @@ class RabbitMQFields(SettingsBase):
     rabbitmq_heartbeat_seconds: int = Field(
         default=15, ge=0, le=600,
         description="rabbitmq: AMQP heartbeat (a broker silent about twice this long counts as lost; 0: off)")
-    rabbitmq_connect_timeout_seconds: float = Field(
-        default=5.0, ge=0.01, le=600, description="rabbitmq: seconds to connect before the broker counts as down")
+    rabbitmq_connect_timeout_seconds: float = RABBITMQ.connect_timeout()
     rabbitmq_blocked_timeout_seconds: float = Field(
         default=60.0, ge=1, le=3600,
         description="rabbitmq: drop a connection the broker blocked this long (a memory or disk alarm); its events "
                     "wait")
-    rabbitmq_unavailable_seconds: float = Field(
-        default=5.0, ge=0.01, le=3600,
-        description="rabbitmq: wait this long before trying again after the broker was unreachable, returned a "
-                    "message unroutable or refused it (nack); the events wait meanwhile")
-    rabbitmq_ca_file: Path | None = Field(
-        default=None, description="rabbitmq: trust the broker's certificate from this CA file (PEM), amqps:// only")
-    rabbitmq_client_cert: Path | None = Field(
-        default=None, description="rabbitmq: client certificate (PEM) for mutual TLS (EXTERNAL auth if no password)")
-    rabbitmq_client_key: Path | None = Field(
-        default=None,
-        description="rabbitmq: the client certificate's private key (PEM), if not in the certificate file")
-    rabbitmq_tls_verify: bool = Field(
-        default=True, description="rabbitmq: verify the broker's TLS certificate (turn off only for tests)")
+    rabbitmq_unavailable_seconds: float = RABBITMQ.unavailable(
+        "wait this long before trying again after the broker was unreachable, returned a message unroutable or "
+        "refused it (nack); the events wait meanwhile")
+    rabbitmq_ca_file: Path | None = RABBITMQ.ca_file(", amqps:// only")
+    rabbitmq_client_cert: Path | None = RABBITMQ.client_cert(" (EXTERNAL auth if no password)")
+    rabbitmq_client_key: Path | None = RABBITMQ.client_key()
+    rabbitmq_tls_verify: bool = RABBITMQ.tls_verify()
 
     @field_validator("rabbitmq_url")
     @classmethod
     def _rabbitmq_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            from .sinks.rabbitmq.connection import check_url  # the sink's own check (no client library needed)
+        from .sinks.rabbitmq.connection import check_url  # the sink's own check (no client library needed)
 
-            try:
-                check_url(value)  # remembers its password for redaction first
-            except ConfigurationError as exc:
-                raise ValueError(str(exc)) from None
-        return value
+        return checked(check_url, value)  # check_url remembers its password for redaction first
 
     @field_validator("rabbitmq_password")
     @classmethod
     def _rabbitmq_password(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None:
-            remember_secret(value.get_secret_value())
-        return value
+        return remembered(value)
 
     @field_validator("rabbitmq_topics", "rabbitmq_queues")
     @classmethod
@@ -101,10 +81,8 @@ class RabbitMQFields(SettingsBase):
         from .sinks.rabbitmq.connection import check_name
 
         for name in value:
-            try:
+            with as_value_error():
                 check_name(name, "name")
-            except ConfigurationError as exc:
-                raise ValueError(str(exc)) from None
         return value
 
     @field_validator("rabbitmq_default_exchange")
@@ -117,27 +95,16 @@ class RabbitMQFields(SettingsBase):
 
     @model_validator(mode="after")
     def _rabbitmq(self) -> RabbitMQFields:
-        if not SINK_NAME.match(self.rabbitmq_sink):
-            raise ValueError("rabbitmq_sink: a sink name is 1-63 characters of a-z 0-9 _ . : - and starts with a "
-                             "letter or digit")
-        if self.rabbitmq_password is not None and self.rabbitmq_password_file is not None:
-            raise ValueError("give the RabbitMQ password once: --rabbitmq-password-file or OUTBOX_RABBITMQ_PASSWORD, "
-                             "not both")
+        RABBITMQ.check_sink_name(self)
+        RABBITMQ.check_once(self, "password")
         if self.rabbitmq_url is None:
             return self
         if self.rabbitmq_password_file is not None:
             from .sinks.rabbitmq.connection import read_password
 
-            try:
+            with as_value_error():
                 read_password(self.rabbitmq_password_file)  # at start-up, and remembered for redaction
-            except ConfigurationError as exc:
-                raise ValueError(str(exc)) from None
-        tls = (self.rabbitmq_ca_file or self.rabbitmq_client_cert or self.rabbitmq_client_key
-               or not self.rabbitmq_tls_verify)
-        if tls and not self.rabbitmq_url.strip().lower().startswith("amqps:"):
-            raise ValueError("RabbitMQ TLS settings (CA file, client certificate, verify off) need an amqps:// URL")
-        if self.rabbitmq_client_key is not None and self.rabbitmq_client_cert is None:
-            raise ValueError("--rabbitmq-client-key needs --rabbitmq-client-cert")
+        RABBITMQ.check_tls(self, self.rabbitmq_url.strip().lower().startswith("amqps:"), "an amqps:// URL")
         return self
 
 

@@ -7,23 +7,21 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from .errors import ConfigurationError
-from .settings_base import SINK_NAME, TOPIC_NAME, NameList, SettingsBase
+from .broker_settings import SinkOptions, as_value_error, check_topics, checked
+from .settings_base import NameList, SettingsBase
 
 MAX_ENTRY_BYTES = 512 * 1024 * 1024  # Redis's largest proto-max-bulk-len default
-
+REDIS = SinkOptions("redis", "Redis", label="Redis", peer="server")
 
 
 class RedisFields(SettingsBase):
     """The Redis Streams sink's settings, on when ``redis_url`` is set."""
 
-    redis_url: SecretStr | None = Field(
-        default=None, min_length=1, max_length=4096,
-        description="XADD every event to Redis Streams at this redis:// or rediss:// (TLS) URL, "
-                    "redis://[user:password@]host:port/db (turns the Redis sink on; the password is never logged; "
-                    "see docs/redis.md)")
-    redis_sink: str = Field(
-        default="redis", min_length=1, max_length=63, description="sink name of the Redis delivery (its own cursors)")
+    redis_url: SecretStr | None = REDIS.url(
+        "XADD every event to Redis Streams at this redis:// or rediss:// (TLS) URL, "
+        "redis://[user:password@]host:port/db (turns the Redis sink on; the password is never logged; "
+        "see docs/redis.md)")
+    redis_sink: str = REDIS.sink()
     redis_stream_prefix: str = Field(
         default="", max_length=200,
         description="Redis: an event goes to the stream named this prefix + its topic (or --default-topic)")
@@ -31,10 +29,8 @@ class RedisFields(SettingsBase):
         default=None, ge=1, le=10**15,
         description="Redis: trim each stream to about this many entries (XADD MAXLEN ~); trimming drops entries "
                     "whether consumers read them or not; none: no trimming")
-    redis_concurrency: int = Field(
-        default=4, ge=1, le=256, description="Redis: keys delivered at once (each key stays in order)")
-    redis_topics: NameList = Field(
-        default_factory=list, description="Redis: only events of these topics (comma-separated; none: all)")
+    redis_concurrency: int = REDIS.concurrency(4)
+    redis_topics: NameList = REDIS.topics()
     redis_password_file: Path | None = Field(
         default=None, description="Redis: read the password from this file (instead of the URL's)")
     redis_timeout_seconds: float = Field(
@@ -44,34 +40,23 @@ class RedisFields(SettingsBase):
         default=MAX_ENTRY_BYTES, ge=1, le=MAX_ENTRY_BYTES,
         description="Redis: an event whose entry is larger is dead-lettered at once (set it to the server's "
                     "proto-max-bulk-len)")
-    redis_ca_file: Path | None = Field(
-        default=None, description="Redis: trust the server's certificate from this CA file (PEM), rediss:// only")
-    redis_client_cert: Path | None = Field(
-        default=None, description="Redis: client certificate (PEM) for mutual TLS")
-    redis_client_key: Path | None = Field(
-        default=None, description="Redis: the client certificate's private key (PEM), if not in the certificate file")
-    redis_tls_verify: bool = Field(
-        default=True, description="Redis: verify the server's TLS certificate (turn off only for tests)")
+    redis_ca_file: Path | None = REDIS.ca_file(", rediss:// only")
+    redis_client_cert: Path | None = REDIS.client_cert()
+    redis_client_key: Path | None = REDIS.client_key()
+    redis_tls_verify: bool = REDIS.tls_verify()
 
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None:
-            from .sinks.redis.connection import check_url  # no redis-py needed
+        from .sinks.redis.connection import check_url  # no redis-py needed
 
-            try:
-                check_url(value.get_secret_value())  # remembers its password for redaction first
-            except ConfigurationError as exc:
-                raise ValueError(str(exc)) from None
-        return value
+        # check_url remembers its password for redaction first
+        return checked(lambda url: check_url(url.get_secret_value()), value)
 
     @field_validator("redis_topics")
     @classmethod
     def _redis_topics(cls, value: list[str]) -> list[str]:
-        for topic in value:
-            if not TOPIC_NAME.match(topic):
-                raise ValueError(f"{topic[:64]!r} is not a topic name (1-249 characters of A-Z a-z 0-9 . _ -)")
-        return value
+        return check_topics(value)
 
     @field_validator("redis_stream_prefix")
     @classmethod
@@ -84,9 +69,7 @@ class RedisFields(SettingsBase):
 
     @model_validator(mode="after")
     def _redis(self) -> RedisFields:
-        if not SINK_NAME.match(self.redis_sink):
-            raise ValueError("redis_sink: a sink name is 1-63 characters of a-z 0-9 _ . : - and starts with a "
-                             "letter or digit")
+        REDIS.check_sink_name(self)
         if self.redis_url is None:
             return self
         from .sinks.redis.connection import check_url, read_password
@@ -95,13 +78,7 @@ class RedisFields(SettingsBase):
         if target.password is not None and self.redis_password_file is not None:
             raise ValueError("give the Redis password once: in the URL or --redis-password-file, not both")
         if self.redis_password_file is not None:
-            try:
+            with as_value_error():
                 read_password(self.redis_password_file)  # at start-up, and remembered for redaction
-            except ConfigurationError as exc:
-                raise ValueError(str(exc)) from None
-        tls = self.redis_ca_file or self.redis_client_cert or self.redis_client_key or not self.redis_tls_verify
-        if not target.tls and tls:
-            raise ValueError("Redis TLS settings (CA file, client certificate, verify off) need a rediss:// URL")
-        if self.redis_client_key is not None and self.redis_client_cert is None:
-            raise ValueError("--redis-client-key needs --redis-client-cert")
+        REDIS.check_tls(self, target.tls, "a rediss:// URL")
         return self

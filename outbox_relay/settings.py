@@ -28,6 +28,7 @@ from .settings_base import (
     MODULE_SPEC,
     NO_DSN,
     SINK_NAME,
+    SINK_NAME_RULE,
     TOPIC_NAME,
     AttemptSettings,
     Dsn,
@@ -172,7 +173,7 @@ class RelaySettings(AttemptSettings, WebhookFields, NatsFields, RedisFields, Rab
     @classmethod
     def _kafka_sink(cls, value: str) -> str:
         if not SINK_NAME.match(value):
-            raise ValueError("a sink name is 1-63 characters of a-z 0-9 _ . : - and starts with a letter or digit")
+            raise ValueError(SINK_NAME_RULE)
         return value
 
     @field_validator("default_topic")

@@ -26,6 +26,7 @@ ENV_PREFIX = "OUTBOX_"
 
 # outbox.sinks.name's CHECK constraint.
 SINK_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,62}\Z")
+SINK_NAME_RULE = "a sink name is 1-63 characters of a-z 0-9 _ . : - and starts with a letter or digit"
 # Kafka's rule for topic names (also checked by the events table's trigger).
 TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}\Z")
 # module or module:attribute

@@ -14,14 +14,15 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from .settings_base import SINK_NAME, TOPIC_NAME, NameList, SettingsBase
+from .broker_settings import SinkOptions, check_topics
+from .settings_base import TOPIC_NAME, NameList, SettingsBase
 
 # SQS queue names: 1-80 characters of A-Z a-z 0-9 _ -; a FIFO queue's ends in ".fifo" (counted).
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,80}\Z")
 FIFO_QUEUE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,75}\.fifo\Z")
 QUEUE_PREFIX = re.compile(r"^[A-Za-z0-9_-]{0,74}\Z")
 REGION = re.compile(r"^[a-z]{2}(-[a-z0-9]+)+-\d+\Z")
-
+SQS = SinkOptions("sqs", "SQS", label="SQS", peer="endpoint")
 
 
 def _pairs(value: Any) -> Any:
@@ -58,12 +59,10 @@ def queue_name_of(url: str) -> str:
 class SqsFields(SettingsBase):
     """The SQS sink's settings, on when ``sqs_url`` is set."""
 
-    sqs_url: str | None = Field(
-        default=None, min_length=1, max_length=2048,
-        description="deliver every event to Amazon SQS at this endpoint, e.g. https://sqs.eu-west-1.amazonaws.com, "
-                    "or http://127.0.0.1:4566 for LocalStack (turns the SQS sink on; see docs/sqs.md)")
-    sqs_sink: str = Field(
-        default="sqs", min_length=1, max_length=63, description="sink name of the SQS delivery (its own cursors)")
+    sqs_url: str | None = SQS.url(
+        "deliver every event to Amazon SQS at this endpoint, e.g. https://sqs.eu-west-1.amazonaws.com, "
+        "or http://127.0.0.1:4566 for LocalStack (turns the SQS sink on; see docs/sqs.md)", max_length=2048)
+    sqs_sink: str = SQS.sink()
     sqs_region: str | None = Field(
         default=None, min_length=1, max_length=50,
         description="SQS: the AWS region (none: read from an AWS endpoint's host, else boto3's chain: "
@@ -83,28 +82,22 @@ class SqsFields(SettingsBase):
         default=False,
         description="SQS: accept standard (non-FIFO) queues in --sqs-queue-urls: no order, no deduplication is "
                     "then promised for their events")
-    sqs_concurrency: int = Field(
-        default=10, ge=1, le=256, description="SQS: keys delivered at once (each key stays in order)")
+    sqs_concurrency: int = SQS.concurrency(10)
     sqs_batch_size: int = Field(
         default=10, ge=1, le=10,
         description="SQS: most messages per SendMessageBatch (events of different keys delivered at once share a "
                     "request); 1: one SendMessage per event")
-    sqs_topics: NameList = Field(
-        default_factory=list, description="SQS: only events of these topics (comma-separated; none: all)")
-    sqs_connect_timeout_seconds: float = Field(
-        default=5.0, ge=0.01, le=600, description="SQS: seconds to connect before the endpoint counts as down")
+    sqs_topics: NameList = SQS.topics()
+    sqs_connect_timeout_seconds: float = SQS.connect_timeout()
     sqs_timeout_seconds: float = Field(
         default=10.0, ge=0.01, le=600,
         description="SQS: seconds to wait for an answer before the endpoint counts as down (the events are sent "
                     "again later; the queue's deduplication drops a copy that did arrive)")
-    sqs_unavailable_seconds: float = Field(
-        default=5.0, ge=0.01, le=3600,
-        description="SQS: how long events wait after the endpoint was down, throttled or refused a queue (missing, "
-                    "access denied) before the next try (no attempt counted)")
-    sqs_ca_file: Path | None = Field(
-        default=None, description="SQS: trust the endpoint's certificate from this CA file (PEM)")
-    sqs_tls_verify: bool = Field(
-        default=True, description="SQS: verify the endpoint's TLS certificate (turn off only for tests)")
+    sqs_unavailable_seconds: float = SQS.unavailable(
+        "how long events wait after the endpoint was down, throttled or refused a queue (missing, access denied) "
+        "before the next try (no attempt counted)")
+    sqs_ca_file: Path | None = SQS.ca_file()
+    sqs_tls_verify: bool = SQS.tls_verify()
 
     @field_validator("sqs_url")
     @classmethod
@@ -130,16 +123,11 @@ class SqsFields(SettingsBase):
     @field_validator("sqs_topics")
     @classmethod
     def _sqs_topics(cls, value: list[str]) -> list[str]:
-        for topic in value:
-            if not TOPIC_NAME.match(topic):
-                raise ValueError(f"{topic[:64]!r} is not a topic name (1-249 characters of A-Z a-z 0-9 . _ -)")
-        return value
+        return check_topics(value)
 
     @model_validator(mode="after")
     def _sqs(self) -> SqsFields:
-        if not SINK_NAME.match(self.sqs_sink):
-            raise ValueError("sqs_sink: a sink name is 1-63 characters of a-z 0-9 _ . : - and starts with a letter "
-                             "or digit")
+        SQS.check_sink_name(self)
         for topic, url in self.sqs_queue_urls.items():
             if not TOPIC_NAME.match(topic):
                 raise ValueError(f"sqs_queue_urls: {topic[:64]!r} is not a topic name (1-249 characters of "

@@ -34,6 +34,13 @@ class KeyHead:
     last_error: str | None
     parked_at: datetime | None
 
+    @classmethod
+    def of_row(cls, row: dict[str, Any]) -> KeyHead:
+        """The head in a row of key_state or waiting_keys (their ``head_*`` columns)."""
+        return cls(event_id=row["head_event_id"], type=row["head_type"], attempts=row["head_attempts"],
+                   next_retry=row["head_next_retry"], retry_in_seconds=row["head_retry_in_seconds"],
+                   last_error=row["head_last_error"], parked_at=row["head_parked_at"])
+
 
 @dataclass(frozen=True)
 class KeyPause:
@@ -41,6 +48,19 @@ class KeyPause:
     by: str
     role: str
     reason: str | None
+
+    @classmethod
+    def of_row(cls, row: dict[str, Any]) -> KeyPause | None:
+        """The pause in a row of key_state or waiting_keys (their ``paused_*`` columns); None: not paused."""
+        if row["paused_at"] is None:
+            return None
+        return cls(since=row["paused_at"], by=row["paused_by"], role=row["paused_role"], reason=row["pause_reason"])
+
+
+def lease_holder(row: dict[str, Any]) -> str | None:
+    """The relay whose lease on the key's bucket is live, in a row of key_state or waiting_keys."""
+    left = row["lease_seconds_left"]
+    return row["owner"] if row["owner"] is not None and left is not None and left > 0 else None
 
 
 @dataclass(frozen=True)
@@ -88,8 +108,8 @@ class KeyState:
 
 
 @dataclass(frozen=True)
-class KeyRetried:
-    """The head made due now (its relay retries it at once, then ``parked - 1`` events behind it)."""
+class KeyHeadAction:
+    """The parked head an operator retried or skipped, as it was."""
 
     sink: str
     key: str
@@ -98,20 +118,19 @@ class KeyRetried:
     type: str
     attempts: int
     last_error: str | None
+
+
+@dataclass(frozen=True)
+class KeyRetried(KeyHeadAction):
+    """The head made due now (its relay retries it at once, then ``parked - 1`` events behind it)."""
+
     parked: int
 
 
 @dataclass(frozen=True)
-class KeySkipped:
+class KeySkipped(KeyHeadAction):
     """The head moved to dead letters; ``now_due`` events behind it are due (held instead if ``paused``)."""
 
-    sink: str
-    key: str
-    bucket: int
-    event_id: uuid.UUID
-    type: str
-    attempts: int
-    last_error: str | None
     now_due: int
     paused: bool
 
@@ -163,24 +182,18 @@ def key_state(conn: Conn, key: str, *, sink: str | None = None,
 
 def _key_sink_state(s: dict[str, Any], dead: list[dict[str, Any]], max_attempts: int) -> KeySinkState:
     """The key_state row of one sink regrouped, with a state and a summary."""
-    seconds_left = s["lease_seconds_left"]
-    held = s["owner"] is not None and seconds_left is not None and seconds_left > 0
-    head = None
-    if s["head_event_id"] is not None:
-        head = KeyHead(event_id=s["head_event_id"], type=s["head_type"], attempts=s["head_attempts"],
-                       next_retry=s["head_next_retry"], retry_in_seconds=s["head_retry_in_seconds"],
-                       last_error=s["head_last_error"], parked_at=s["head_parked_at"])
-    paused = None
-    if s["paused_at"] is not None:
-        paused = KeyPause(since=s["paused_at"], by=s["paused_by"], role=s["paused_role"], reason=s["pause_reason"])
-    owner = s["owner"] if held else None
+    owner = lease_holder(s)
+    held = owner is not None
+    head = KeyHead.of_row(s) if s["head_event_id"] is not None else None
+    paused = KeyPause.of_row(s)
     queued_behind = max(0, s["parked"] - 1)
     letters = KeyDeadLetters(count=s["dead_letters"], last_at=s["last_dead_at"], recent=dead)
     state, summary = key_summary(head, paused, owner, s["bucket"], queued_behind, s["parked"], s["unread"],
                                   s["stored"], letters, max_attempts)
     return KeySinkState(
         sink=s["sink"], kind=s["kind"], bucket=s["bucket"], owner=owner, fence=s["fence"],
-        lease_expires_at=s["lease_expires_at"] if held else None, lease_seconds_left=seconds_left if held else None,
+        lease_expires_at=s["lease_expires_at"] if held else None,
+        lease_seconds_left=s["lease_seconds_left"] if held else None,
         head=head, queued_behind=queued_behind, parked=s["parked"], unread=s["unread"],
         oldest_unread=s["oldest_unread"], undelivered=s["parked"] + s["unread"], stored=s["stored"],
         dead_letters=letters, paused=paused, state=state, summary=summary)
@@ -238,6 +251,12 @@ def _pause(conn: Conn, sink: str, key: str) -> dict[str, Any] | None:
     return found[0] if found else None
 
 
+def _acted_on(sink: str, key: str, head: dict[str, Any]) -> dict[str, Any]:
+    """The KeyHeadAction fields of a head locked for retry or skip."""
+    return {"sink": sink, "key": key, "bucket": head["bucket"], "event_id": head["event_id"], "type": head["type"],
+            "attempts": head["attempts"], "last_error": head["last_error"]}
+
+
 def retry_key(conn: Conn, key: str, sink: str) -> KeyRetried:
     """Make the key's parked head due now: its relay retries it at once. OutboxError if nothing is
     parked, or the key is paused (resume it instead)."""
@@ -252,8 +271,7 @@ def retry_key(conn: Conn, key: str, sink: str) -> KeyRetried:
         fetch_table(conn, "retry_key_head", {"sink": sink, "bucket": head["bucket"], "xid": head["xid"],
                                        "seq": head["seq"]})
         fetch_table(conn, "notify_parked", {"bucket": head["bucket"]})
-    return KeyRetried(sink=sink, key=key, bucket=head["bucket"], event_id=head["event_id"], type=head["type"],
-                      attempts=head["attempts"], last_error=head["last_error"], parked=head["parked"])
+    return KeyRetried(**_acted_on(sink, key, head), parked=head["parked"])
 
 
 def skip_key(conn: Conn, key: str, sink: str, *, event_id: uuid.UUID | str | None = None) -> KeySkipped:
@@ -272,9 +290,7 @@ def skip_key(conn: Conn, key: str, sink: str, *, event_id: uuid.UUID | str | Non
         done = fetch_table(conn, "skip_key_head", {"sink": sink, "bucket": head["bucket"], "xid": head["xid"],
                                              "seq": head["seq"], "error": SKIPPED_ERROR}).rows
         fetch_table(conn, "notify_parked", {"bucket": head["bucket"]})
-    return KeySkipped(sink=sink, key=key, bucket=head["bucket"], event_id=head["event_id"], type=head["type"],
-                      attempts=head["attempts"], last_error=head["last_error"], now_due=int(done[0][1]),
-                      paused=paused is not None)
+    return KeySkipped(**_acted_on(sink, key, head), now_due=int(done[0][1]), paused=paused is not None)
 
 
 def operator() -> str:

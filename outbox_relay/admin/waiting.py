@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigurationError
-from .keys import KeyDeadLetters, KeyHead, KeyPause, key_summary
+from .keys import KeyDeadLetters, KeyHead, KeyPause, key_summary, lease_holder
 from .sink_lifecycle import live_sink
 from .table import DEFAULT_MAX_ATTEMPTS, Conn, Table, fetch_table
 
@@ -60,14 +60,7 @@ def waiting_keys(conn: Conn, sink: str, *, limit: int = 50, after: tuple[int, st
 
 
 def _waiting(r: dict[str, Any], max_attempts: int) -> WaitingKey:
-    head = KeyHead(event_id=r["head_event_id"], type=r["head_type"], attempts=r["head_attempts"],
-                   next_retry=r["head_next_retry"], retry_in_seconds=r["head_retry_in_seconds"],
-                   last_error=r["head_last_error"], parked_at=r["head_parked_at"])
-    paused = None
-    if r["paused_at"] is not None:
-        paused = KeyPause(since=r["paused_at"], by=r["paused_by"], role=r["paused_role"], reason=r["pause_reason"])
-    left = r["lease_seconds_left"]
-    owner = r["owner"] if r["owner"] is not None and left is not None and left > 0 else None
+    head, paused, owner = KeyHead.of_row(r), KeyPause.of_row(r), lease_holder(r)
     recent = [{"last_error": r["last_dead_error"]}] if r["dead_letters"] else []
     dead = KeyDeadLetters(count=r["dead_letters"], last_at=r["last_dead_at"], recent=recent)
     state, summary = key_summary(head, paused, owner, r["bucket"], max(0, r["parked"] - 1), r["parked"], None,

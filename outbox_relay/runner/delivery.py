@@ -17,7 +17,7 @@ from .hints import Hints
 from .hooks import Hooks
 from .leases import Losses
 from .parked import PARK_CHECK_IDLE_SECONDS, ParkSchedule
-from .reads import ReadPlan
+from .reads import ReadPlan, fetch_events
 
 PARKED_KEYS_PER_PASS = 256
 PARKED_PER_KEY = 100
@@ -38,7 +38,6 @@ class Delivery:
         self.hints = hints
         self.park = park
         self.hooks = hooks
-        self._formatted = sink.kind == "kafka"  # reads carry the Kafka headers' ready-made values
 
     def deliver_new(self, held: dict[int, int]) -> int:
         # The previous batch's fence check, if it waits (``BatchCommit.later``): this read does it. A read
@@ -72,8 +71,7 @@ class Delivery:
                 reads = {b: (limit, self.book.read_cursor(b)) for b, limit in limits.items()}
                 reads.update((b, (0, self.book.read_cursor(b))) for b in checks)
                 read_at = time.monotonic()
-                read = store.fetch_events(conn, self.sink.name, self.worker, reads, self.sink.event_filter,
-                                          formatted=self._formatted, fences=held)
+                read = fetch_events(conn, self.sink, self.worker, reads, fences=held)
         except BaseException:
             if pending is not None:
                 self.writer.put_back(pending)

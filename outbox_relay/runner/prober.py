@@ -22,7 +22,7 @@ from .cursors import CursorBook
 from .leases import Losses
 from .outcomes import CRASH_ERROR, points_at_events
 from .ramp import Ramp
-from .reads import ReadPlan
+from .reads import ReadPlan, fetch_events
 
 log = logging.getLogger("outbox_relay.relay")  # every part of the runner logs as the relay
 
@@ -46,7 +46,6 @@ class CrashLoopProber:
         self.batches = batches
         self.losses = losses
         self.backoff = backoff
-        self._formatted = sink.kind == "kafka"  # reads carry the Kafka headers' ready-made values
 
     def probe(self, bucket: int, fence: int, held: int) -> int:
         size = self.ramp.size(bucket)
@@ -56,8 +55,7 @@ class CrashLoopProber:
         with self.pool.connection() as conn:
             parked = store.fetch_parked(conn, self.sink.name, [bucket], size, 1, worker=self.worker,
                                         fences={bucket: fence})
-            read = store.fetch_events(conn, self.sink.name, self.worker, {bucket: (size, cursor)},
-                                      self.sink.event_filter, formatted=self._formatted, fences={bucket: fence})
+            read = fetch_events(conn, self.sink, self.worker, {bucket: (size, cursor)}, fences={bucket: fence})
         if bucket not in read.held:  # fenced out (the parked read above returned nothing of it then)
             self.losses.lose({bucket}, {bucket: fence})
             return 0
@@ -86,9 +84,7 @@ class CrashLoopProber:
             cursor = self.book.read_cursor(bucket)
             with self.pool.connection() as conn:
                 events = store.fetch_parked(conn, self.sink.name, [bucket], 1, 1, worker=self.worker, fences=fences)
-                read = None if events else store.fetch_events(
-                    conn, self.sink.name, self.worker, {bucket: (1, cursor)}, self.sink.event_filter,
-                    formatted=self._formatted, fences=fences)
+                read = None if events else fetch_events(conn, self.sink, self.worker, {bucket: (1, cursor)}, fences)
             if read is not None:
                 events = read.events
                 if not events:

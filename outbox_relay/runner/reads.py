@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..positions import Snapshot
+from .. import store
+from ..positions import Cursor, Snapshot
+from ..sinks.engine import Sink
+from ..store import Conn
 
 MIN_BUCKET_LIMIT = 8
 
@@ -23,6 +26,14 @@ def read_limits(buckets: Iterable[int], saturated: set[int], batch_size: int, ro
     hot = max(base, batch_size // max(1, len(busy)))
     start = rotation % len(order)
     return {b: hot if b in busy else base for b in order[start:] + order[:start]}
+
+
+def fetch_events(conn: Conn, sink: Sink, worker: str, reads: dict[int, tuple[int, Cursor]],
+                 fences: dict[int, int]) -> store.Read:
+    """``store.fetch_events`` for ``sink`` (its event filter); the Kafka sink's reads carry its headers'
+    ready-made values."""
+    return store.fetch_events(conn, sink.name, worker, reads, sink.event_filter, formatted=sink.kind == "kafka",
+                              fences=fences)
 
 
 class ReadPlan:

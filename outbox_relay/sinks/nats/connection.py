@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...dsn import describe_error, remember_secret
 from ...errors import ConfigurationError
+from ..credentials import read_secret_file, remember_url_secret
 from ..user import SinkUnavailable
 
 if TYPE_CHECKING:
@@ -54,10 +55,8 @@ def check_url(url: str) -> list[str]:
             parts.port  # noqa: B018 - raises ValueError on a bad port
         except ValueError as exc:
             raise ConfigurationError(f"{where} is not a URL: {exc}") from None
-        for secret in (parts.password, parts.username if parts.password is None else None):
-            if secret:  # nats://token@host or nats://user:password@host
-                remember_secret(secret)
-                remember_secret(urllib.parse.unquote(secret))
+        # nats://token@host or nats://user:password@host
+        remember_url_secret(parts.password if parts.password is not None else parts.username)
         if parts.scheme not in SCHEMES:
             raise ConfigurationError(f"{where} must start with nats:// or tls://")
         if not parts.hostname:
@@ -80,14 +79,7 @@ def endpoint(servers: list[str]) -> str:
 
 def read_secret(path: Path, what: str) -> str:
     """A secret from a file (one trailing newline dropped), remembered for redaction."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigurationError(f"cannot read the NATS {what} file {str(path)!r}: "
-                                 f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
-    text = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
-    remember_secret(text)
-    return text
+    return read_secret_file(path, f"the NATS {what} file", empty_ok=True)
 
 
 @dataclass(frozen=True)
@@ -206,12 +198,7 @@ class Connection:
         except BaseException as exc:
             # Half made (a timeout, or the call abandoned and cancelled): its socket is closed here, not left to
             # the garbage collector.
-            self._closing = True
-            try:
-                with contextlib.suppress(Exception):
-                    await nc.close()
-            finally:
-                self._closing = False
+            await self._close(nc)
             if not isinstance(exc, Exception):
                 raise
             raise SinkUnavailable(f"nats {self.endpoint}: can not connect: {self._why(exc)}", 1.0) from None
@@ -242,12 +229,16 @@ class Connection:
     async def _drop(self) -> None:
         nc, self._nc, self._js = self._nc, None, None
         if nc is not None and not nc.is_closed:
-            self._closing = True
-            try:
-                with contextlib.suppress(Exception):
-                    await nc.close()
-            finally:
-                self._closing = False
+            await self._close(nc)
+
+    async def _close(self, nc: Client) -> None:
+        """Close a client of ours, its disconnect no news (``_closing``), whatever the close raises."""
+        self._closing = True
+        try:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        finally:
+            self._closing = False
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the client from any thread (on its loop, if that still runs)."""

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import logging
 import re
-import urllib.parse
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
+from ..cloudevents import attributes, header_value
 from ..user import GiveUp, SinkEvent
 from .subjects import MAX_SUBJECT_BYTES, subject, topic_problem
 
@@ -25,23 +24,8 @@ MSG_ID = "Nats-Msg-Id"
 # A NATS header name: an HTTP token (what the client accepts; a colon or space would end the name early).
 _NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _RESERVED_PREFIXES = ("ce-", "nats-")
-# CloudEvents NATS binding 3.1.3.2: printable ASCII but space, '"' and '%' stays; the rest is percent-encoded.
-_CE_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
-_CE_UNSAFE = re.compile(r'[^\x21-\x7e]|["%]')
 _HEADER_LINE = len(": \r\n")
 _HEADER_BLOCK = len("NATS/1.0\r\n\r\n")
-
-
-def ce_value(value: str) -> str:
-    if not _CE_UNSAFE.search(value):  # most values (a type, a key, a topic): nothing to encode, no quote() call
-        return value
-    return urllib.parse.quote(value, safe=_CE_SAFE)
-
-
-def rfc3339(when: datetime) -> str:
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)
@@ -80,20 +64,9 @@ def message(event: SinkEvent, *, sink: str, prefix: str, default_topic: str | No
         if any(c in value for c in "\r\n\0"):
             return GiveUp(f"the event's header {name!r} holds a line break or NUL (not allowed in NATS headers)")
         headers[name] = value
-    msg_id = str(event.id)
-    headers.update({
-        MSG_ID: msg_id,
-        "ce-specversion": "1.0",
-        "ce-id": msg_id,
-        "ce-source": ce_value(source),
-        "ce-type": ce_value(event.type),
-        "ce-time": rfc3339(event.time),
-        "ce-datacontenttype": "application/json",
-        "ce-partitionkey": ce_value(event.key),
-        "ce-schemaversion": str(event.version),
-        "ce-topic": ce_value(topic),
-    })
+    headers[MSG_ID] = str(event.id)
+    headers.update({f"ce-{name}": header_value(value) for name, value in attributes(event, source, topic).items()})
     return Message(to, headers, event.payload_json.encode())
 
 
-__all__ = ["MSG_ID", "Message", "ce_value", "message", "rfc3339"]
+__all__ = ["MSG_ID", "Message", "message"]

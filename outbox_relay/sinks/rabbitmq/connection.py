@@ -18,6 +18,7 @@ from typing import Any
 
 from ...dsn import redact, remember_secret
 from ...errors import ConfigurationError
+from ..credentials import read_secret_file, remember_url_secret
 from ..user import SinkUnavailable
 
 log = logging.getLogger("outbox_relay.rabbitmq")
@@ -60,9 +61,7 @@ def check_url(url: str) -> urllib.parse.SplitResult:
         port = parts.port
     except ValueError as exc:  # a port that is not a number, a bracket left open
         raise ConfigurationError(f"the RabbitMQ URL can not be parsed ({redact(str(exc))})") from None
-    if password:
-        remember_secret(password)
-        remember_secret(urllib.parse.unquote(password))
+    remember_url_secret(password)
     if parts.scheme not in ("amqp", "amqps"):
         raise ConfigurationError("the RabbitMQ URL must start with amqp:// or amqps:// (e.g. "
                                  "amqp://user@rabbitmq.internal:5672/vhost)")
@@ -80,16 +79,7 @@ def check_url(url: str) -> urllib.parse.SplitResult:
 
 def read_password(path: Path) -> str:
     """The password in ``path`` (one trailing newline dropped), remembered for redaction."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigurationError(f"cannot read the RabbitMQ password from {str(path)!r}: "
-                                 f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
-    password = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
-    if not password:
-        raise ConfigurationError(f"the RabbitMQ password file {str(path)!r} is empty")
-    remember_secret(password)
-    return password
+    return read_secret_file(path, "the RabbitMQ password file")
 
 
 @dataclass(frozen=True)

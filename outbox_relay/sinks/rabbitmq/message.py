@@ -12,24 +12,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
+from ..cloudevents import CONTENT_TYPE, attributes
 from ..user import GiveUp, SinkEvent
 from .connection import AMQP_NAME
 
 log = logging.getLogger("outbox_relay.rabbitmq")
 
 CE_PREFIX = "cloudEvents_"
-CONTENT_TYPE = "application/json"
 PERSISTENT = 2
 MAX_SHORT_STRING = 255  # AMQP 0-9-1 shortstr: routing keys, header names, exchange names
-
-
-def rfc3339(when: datetime) -> str:
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)
@@ -79,19 +72,11 @@ def message_of(event: SinkEvent, *, sink: str, source: str, default_exchange: st
             return GiveUp(f"the event's header {name[:100]!r} is longer than an AMQP header name may be "
                           f"({MAX_SHORT_STRING} bytes)")
         headers[name] = value
-    headers.update({
-        f"{CE_PREFIX}specversion": "1.0",
-        f"{CE_PREFIX}id": str(event.id),
-        f"{CE_PREFIX}source": source,
-        f"{CE_PREFIX}type": event.type,
-        f"{CE_PREFIX}time": rfc3339(event.time),
-        f"{CE_PREFIX}partitionkey": event.key,
-        f"{CE_PREFIX}schemaversion": str(event.version),
-    })
-    if event.topic is not None:
-        headers[f"{CE_PREFIX}topic"] = event.topic
+    ce = attributes(event, source, event.topic)
+    del ce["datacontenttype"]  # the content_type property
+    headers.update({CE_PREFIX + name: value for name, value in ce.items()})
     timestamp = int(event.time.timestamp())
     return Message(exchange, event.key, body, headers, timestamp)
 
 
-__all__ = ["CE_PREFIX", "CONTENT_TYPE", "Message", "exchange_of", "message_of", "rfc3339"]
+__all__ = ["CE_PREFIX", "Message", "exchange_of", "message_of"]

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...dsn import remember_secret
 from ...errors import ConfigurationError
+from ..credentials import read_secret_file, remember_url_secret
 
 if TYPE_CHECKING:
     import redis
@@ -57,9 +57,7 @@ def check_url(url: str) -> Target:
     except ValueError as exc:
         raise ConfigurationError(f"the Redis URL is not a URL: {exc}") from None
     password = urllib.parse.unquote(parts.password) if parts.password else None
-    if parts.password:
-        remember_secret(parts.password)
-        remember_secret(password or "")
+    remember_url_secret(parts.password)
     if parts.scheme not in SCHEMES:
         raise ConfigurationError("the Redis URL must start with redis://, rediss:// (TLS) or unix://")
     if parts.scheme != "unix" and not parts.hostname:
@@ -78,16 +76,7 @@ def check_url(url: str) -> Target:
 
 def read_password(path: Path) -> str:
     """A password file's content (one trailing newline dropped), remembered for redaction."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigurationError(f"cannot read the Redis password file {str(path)!r}: "
-                                 f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
-    password = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
-    if not password:
-        raise ConfigurationError(f"the Redis password file {str(path)!r} is empty")
-    remember_secret(password)
-    return password
+    return read_secret_file(path, "the Redis password file")
 
 
 def connect(target: Target, *, password: str | None, timeout_seconds: float, max_connections: int,

@@ -10,12 +10,11 @@ clash with one. Every value is encoded here, so that an event that can not be se
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
 
+from ..cloudevents import attributes
 from ..user import GiveUp, SinkEvent
 
 HEADER_PREFIX = "header."
-CONTENT_TYPE = b"application/json"
 # Redis's default proto-max-bulk-len: a larger value is refused by the server (which then closes the
 # connection, a failure that would look like an outage and hold the sink for good).
 DEFAULT_MAX_ENTRY_BYTES = 512 * 1024 * 1024
@@ -25,12 +24,6 @@ PREFIX = re.compile(r"^[!-~]{0,200}\Z")
 TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}\Z")
 
 Fields = dict[bytes, bytes]
-
-
-def rfc3339(when: datetime) -> str:
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def stream_of(prefix: str, topic: str | None, default_topic: str | None) -> str | GiveUp:
@@ -45,17 +38,12 @@ def stream_of(prefix: str, topic: str | None, default_topic: str | None) -> str 
 
 def entry(event: SinkEvent, source: str, max_bytes: int = DEFAULT_MAX_ENTRY_BYTES) -> Fields | GiveUp:
     """The entry's fields (bytes), or why this event can not be one (never retried: the row never changes)."""
+    ce = attributes(event, source, None)  # no topic: the stream's name holds it
+    del ce["schemaversion"]  # not among the entry's fields (docs/redis.md lists them)
     try:
-        fields: Fields = {
-            b"specversion": b"1.0",
-            b"id": str(event.id).encode(),
-            b"source": source.encode(),
-            b"type": event.type.encode(),
-            b"time": rfc3339(event.time).encode(),
-            b"subject": event.key.encode(),
-            b"datacontenttype": CONTENT_TYPE,
-            b"data": event.payload_json.encode(),
-        }
+        fields: Fields = {("subject" if name == "partitionkey" else name).encode(): value.encode()
+                          for name, value in ce.items()}
+        fields[b"data"] = event.payload_json.encode()
         for name, value in event.headers.items():
             fields[(HEADER_PREFIX + name).encode()] = value.encode()
     except UnicodeEncodeError as exc:
@@ -67,4 +55,4 @@ def entry(event: SinkEvent, source: str, max_bytes: int = DEFAULT_MAX_ENTRY_BYTE
     return fields
 
 
-__all__ = ["DEFAULT_MAX_ENTRY_BYTES", "HEADER_PREFIX", "PREFIX", "Fields", "entry", "rfc3339", "stream_of"]
+__all__ = ["DEFAULT_MAX_ENTRY_BYTES", "HEADER_PREFIX", "PREFIX", "Fields", "entry", "stream_of"]

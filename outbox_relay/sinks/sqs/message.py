@@ -14,24 +14,17 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
+from .. import cloudevents
 from ..user import GiveUp, SinkEvent
 
-SPEC_VERSION = "1.0"
 HEADERS_ATTRIBUTE = "outbox-headers"
 # What SQS accepts in a body or a string attribute (XML 1.0 characters); anything else is refused with
 # InvalidMessageContents, so it is checked here, before the event can fail a whole batch.
 _INVALID = re.compile("[^\x09\x0a\x0d\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 # MessageGroupId: 1-128 printable ASCII characters (no space).
 _GROUP_ID = re.compile(r"^[\x21-\x7e]{1,128}\Z")
-
-
-def rfc3339(when: datetime) -> str:
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def group_id(key: str) -> str:
@@ -52,18 +45,7 @@ class Message:
 
 def message_of(event: SinkEvent, source: str, fifo: bool) -> Message | GiveUp:
     """The message of ``event``, or GiveUp if SQS could never take it (never retried: the row never changes)."""
-    attributes: dict[str, str] = {
-        "ce-specversion": SPEC_VERSION,
-        "ce-id": str(event.id),
-        "ce-source": source,
-        "ce-type": event.type,
-        "ce-time": rfc3339(event.time),
-        "ce-partitionkey": event.key,
-        "ce-schemaversion": str(event.version),
-        "ce-datacontenttype": "application/json",
-    }
-    if event.topic is not None:
-        attributes["ce-topic"] = event.topic
+    attributes = {f"ce-{name}": value for name, value in cloudevents.attributes(event, source, event.topic).items()}
     if event.headers:
         # ASCII JSON: any header value round-trips, even one with characters SQS refuses.
         attributes[HEADERS_ATTRIBUTE] = json.dumps(dict(event.headers), separators=(",", ":"))

@@ -24,13 +24,13 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Collection
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ... import __version__
 from ...dsn import remember_secret
 from ...errors import ConfigurationError
+from ..cloudevents import CONTENT_TYPE, attributes, header_value
 from ..user import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
 from .connection import OneWriteConnection, OneWriteTLSConnection, TimedResponse, check_url, ssl_context
 from .responses import excerpt, parse_retry_after, query_secrets
@@ -54,19 +54,6 @@ _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 _RESERVED = frozenset({"content-type", "content-length", "host", "user-agent", "connection", "transfer-encoding",
                        "te", "trailer", "upgrade", "keep-alive", "proxy-connection", "expect"})
 _RESERVED_PREFIXES = ("ce-", "webhook-")
-# CloudEvents HTTP binding 3.1.3.2: header values are percent-encoded outside printable ASCII, and space,
-# '"' and '%' are encoded too.
-_CE_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
-
-
-def _ce_value(value: str) -> str:
-    return urllib.parse.quote(value, safe=_CE_SAFE)
-
-
-def _rfc3339(when: datetime) -> str:
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 
@@ -221,22 +208,19 @@ class WebhookSink:
             if any(c in encoded for c in b"\r\n\0"):
                 return GiveUp(f"the event's header {name!r} holds a line break or NUL (not allowed in HTTP)")
             headers[name] = encoded
+        ce = attributes(event, self.source, event.topic)
+        del ce["datacontenttype"]  # the content-type header
+        topic = ce.pop("topic", None)  # sent last
         headers.update({
-            "content-type": "application/json",
+            "content-type": CONTENT_TYPE,
             "user-agent": USER_AGENT,
-            "ce-specversion": "1.0",
-            "ce-id": msg_id,
-            "ce-source": _ce_value(self.source),
-            "ce-type": _ce_value(event.type),
-            "ce-time": _rfc3339(event.time),
-            "ce-partitionkey": _ce_value(event.key),
-            "ce-schemaversion": str(event.version),
+            **{f"ce-{name}": header_value(value) for name, value in ce.items()},
             "webhook-id": msg_id,
             "webhook-timestamp": str(timestamp),
             "webhook-signature": self._secret.signature(msg_id, timestamp, body),
         })
-        if event.topic is not None:
-            headers["ce-topic"] = _ce_value(event.topic)
+        if topic is not None:
+            headers["ce-topic"] = header_value(topic)
         return headers, body
 
     def _connection(self, fresh: bool) -> tuple[OneWriteConnection, bool]:
