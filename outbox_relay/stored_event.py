@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import operator
 import uuid
@@ -67,8 +68,20 @@ EVENT_COLUMNS = {"bucket": "bucket", "xid": "xid", "seq": "seq", "id": "id", "pa
 def event_reader(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> tuple[
         Callable[..., StoredEvent], dict[str, int]]:
     """A function that turns one of ``cur``'s rows into a StoredEvent by column name (extra keyword
-    arguments set more fields), and the index of every column by name."""
-    column = {d.name: i for i, d in enumerate(cur.description or [])}
+    arguments set more fields), and the index of every column by name (shared: not to be changed)."""
+    # Built once per shape of result, not per read (a relay reads the same columns every cycle): the
+    # names come from the result itself, which costs less than the cursor's description.
+    result = getattr(cur, "pgresult", None)
+    if result is not None:
+        names = tuple((result.fname(i) or b"").decode() for i in range(result.nfields))
+    else:
+        names = tuple(d.name for d in cur.description or [])
+    return _reader(names)
+
+
+@functools.lru_cache(maxsize=64)
+def _reader(names: tuple[str, ...]) -> tuple[Callable[..., StoredEvent], dict[str, int]]:
+    column = {name: i for i, name in enumerate(names)}
     by_field = {EVENT_COLUMNS[name]: i for name, i in column.items() if name in EVENT_COLUMNS}
     # Every field goes in positionally, from its column or else its default (appended to the row): keyword
     # arguments cost half of building the event, once per event of every read.
