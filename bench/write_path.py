@@ -58,7 +58,8 @@ RESULTS = HERE / "results"
 TOPIC = "orders"
 TYPE = "order.placed"
 SINGLE_CASES = ("a", "b", "c", "d", "e", "f", "c_key", "d_key", "e_key")
-BULK_MODES = ("publish_many", "unnest", "unnest_binary", "json_rows", "copy", "copy_events", "copy_leaf")
+BULK_MODES = ("publish_many", "unnest", "unnest_binary", "json_rows", "copy", "copy_events", "copy_leaf",
+              "publish_many_keyed", "unnest_keyed")
 LABELS = {
     "a": "a. business row only (floor)",
     "b": "b. + INSERT into bare table (no index)",
@@ -111,6 +112,10 @@ INSERT_NOTIFY = (f"WITH e AS (INSERT INTO bench_indexed ({COLUMNS}) VALUES (%s, 
 INSERT_UNNEST = (f"INSERT INTO bench_indexed ({COLUMNS}) "
                  "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::jsonb[])")
 INSERT_UNNEST_BINARY = INSERT_UNNEST.replace("%s", "%b")  # psycopg: send this parameter in binary
+# The keyed bulk baseline (issue 27, goal 5): the same batch, each event with its own idempotency key, into
+# the copy with the events table's unique key index, a taken key skipped.
+INSERT_UNNEST_KEYED = (f"INSERT INTO bench_indexed ({COLUMNS}, idempotency_key) "
+                       "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::jsonb[], %s::text[]) " + ON_KEY)
 # The batch as one JSON document: json.dumps is C, where psycopg escapes every quote of every array
 # element in Python when it sends text[] in text format.
 INSERT_JSON_ROWS = (f"INSERT INTO bench_indexed ({COLUMNS}) SELECT {COLUMNS} FROM jsonb_to_recordset(%s::jsonb) "
@@ -190,6 +195,12 @@ def bulk_tx(mode: str, outbox: Outbox, size: int) -> Callable[[psycopg.Connectio
         rows = [ev.next() for _ in range(size)]
         if mode == "publish_many":
             outbox.publish_many(conn, [{"type": TYPE, "key": k, "payload": p, "topic": TOPIC} for k, p, _ in rows])
+        elif mode == "publish_many_keyed":
+            outbox.publish_many(conn, [{"type": TYPE, "key": k, "payload": p, "topic": TOPIC, "idempotency_key": i}
+                                       for k, p, i in rows])
+        elif mode == "unnest_keyed":
+            conn.execute(INSERT_UNNEST_KEYED, ([TOPIC] * size, [k for k, _, _ in rows], [TYPE] * size,
+                                               [json.dumps(p) for _, p, _ in rows], [i for _, _, i in rows]))
         elif mode in ("unnest", "unnest_binary"):
             conn.execute(INSERT_UNNEST if mode == "unnest" else INSERT_UNNEST_BINARY,
                          ([TOPIC] * size, [k for k, _, _ in rows], [TYPE] * size, [json.dumps(p) for _, p, _ in rows]))
@@ -503,7 +514,7 @@ def case_write(bench: HasPostgres) -> None:
                         f"{r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms; cores: producers {r['client_cores']:.2f} "
                         f"(max process {r['client_max_process_cores']:.2f}), postgres {r['postgres_cores']:.2f}, "
                         f"machine {r['machine_cores']:.2f}")
-            for mode in BULK_MODES if a.write_bulk_producers else ():
+            for mode in (a.write_bulk_modes.split(",") if a.write_bulk_producers else ()):
                 empty_tables(dsn)
                 job = {**base, "case": mode, "tag": f"{mode}r{run}", "tx_size": a.write_bulk_tx_size}
                 r = producers.point(pg.dir, job, a.write_bulk_producers)
@@ -679,6 +690,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-procs", type=int, default=4, help="write: producer processes the threads are spread over")
     p.add_argument("--write-bulk-producers", type=int, default=4, help="write: bulk producer processes (0: no bulk)")
     p.add_argument("--write-bulk-tx-size", type=int, default=100, help="write: events per bulk transaction")
+    p.add_argument("--write-bulk-modes", default=",".join(BULK_MODES),
+                   help="write: the bulk writes to run, comma list (publish_many_keyed and unnest_keyed: an "
+                        "idempotency key per event)")
     p.add_argument("--write-profile-seconds", type=float, default=None,
                    help="write: py-spy one producer's publish_many this long (default 3, --quick 1; 0: none)")
 

@@ -184,7 +184,7 @@ class Outbox:
                     stored = yield query("publish", "stored_ids"), {"ids": [r["id"] for r in rows]}
                     raise id_taken(stored[0][0] if stored else "?")
             return results_per_input([Published(i, True) for i in ids], where)
-        params = self._arrays(rows)
+        params = {"rows": _batch_json(rows, keys=True), "ids_new": made}
         answers = yield query("publish", "publish"), params
         for event_id, row, answer in zip(ids, rows, answers, strict=True):
             if answer[3]:
@@ -342,11 +342,11 @@ def _plan_one(row: dict[str, Any], event_id: uuid.UUID) -> _Plan:
     return [Published(_uuid(stored_id), False)]
 
 
-def _batch_json(rows: Sequence[dict[str, Any]]) -> str:
-    """Rows as one JSON array for insert_many; each payload's JSON text (already made and checked by
-    ``_rows``) is spliced in as it is, not parsed and dumped again. Strings are quoted by json's C
-    encoder directly (what json.dumps of a str returns, without its Python layers), topics and types
-    once per batch."""
+def _batch_json(rows: Sequence[dict[str, Any]], *, keys: bool = False) -> str:
+    """Rows as one JSON array for insert_many (``keys``: and publish, with their idempotency keys); each
+    payload's JSON text (already made and checked by ``_rows``) is spliced in as it is, not parsed and
+    dumped again. Strings are quoted by json's C encoder directly (what json.dumps of a str returns,
+    without its Python layers), topics and types once per batch."""
     quote = _quote
     memo: dict[str, str] = {}
     parts = []
@@ -358,9 +358,12 @@ def _batch_json(rows: Sequence[dict[str, Any]]) -> str:
         y = memo.get(type_)
         if y is None:
             y = memo[type_] = quote(type_)
+        ikey = ""
+        if keys:
+            ikey = f',"idempotency_key":{"null" if r["idempotency_key"] is None else quote(r["idempotency_key"])}'
         parts.append(f'{{"id":"{r["id"]}","topic":{t},"key":{quote(r["key"])},"type":{y},"payload":{r["payload"]},'
                      f'"headers":{r["headers"]},"time":{"null" if time is None else quote(time)},'
-                     f'"version":{int(r["version"])}}}')
+                     f'"version":{int(r["version"])}{ikey}}}')
     return "[" + ",".join(parts) + "]"
 
 

@@ -53,7 +53,8 @@ SELECT id FROM outbox.events WHERE id = ANY(%(ids)s::uuid[]);
 
 -- name: publish
 -- Append a batch of events with idempotency keys in one round trip; a repeated idempotency key yields the existing event, and a key that stands for another event makes the batch insert nothing.
--- Every parameter is a text array so that any DB-API driver (psycopg, psycopg2 via SQLAlchemy) can bind it.
+-- The batch is one JSON array of rows, as in insert_many (Outbox._batch_json): one text parameter any
+-- DB-API driver binds as it is (a text array's elements are escaped in Python: 12 ms per 1,000 payloads).
 -- No step joins two CTEs: the planner knows nothing of their columns and would multiply row
 -- estimates until the cost passes jit_above_cost (JIT compiling took 0.3-7 s per batch on PG 15).
 WITH input AS (
@@ -62,15 +63,14 @@ WITH input AS (
     -- ones conflict with it).
     SELECT c.*, count(*) OVER same_key AS uses, first_value(c.id) OVER same_key AS first_id
     FROM (
-        SELECT i.id::uuid AS id, i.topic, i.partition_key, i.type, i.payload::jsonb AS payload,
-               i.headers::jsonb AS headers, i.idempotency_key, i.occurred_at::timestamptz AS occurred_at,
-               i.schema_version, i.ord
-        FROM unnest(
-            %(ids)s::text[], %(topics)s::text[], %(keys)s::text[], %(types)s::text[],
-            %(payloads)s::text[], %(headers)s::text[], %(idempotency_keys)s::text[], %(times)s::text[],
-            %(versions)s::int[]
-        ) WITH ORDINALITY AS i(id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
-                               schema_version, ord)
+        -- A JSON null payload arrives as SQL NULL: stored as the JSON null it was.
+        SELECT i.id, i.topic, i.partition_key, i.type, coalesce(i.payload, 'null'::jsonb) AS payload, i.headers,
+               i.idempotency_key, i.occurred_at, i.schema_version, i.ord
+        FROM ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb)
+                        AS (id uuid, topic text, key text, type text, payload jsonb, headers jsonb,
+                            idempotency_key text, time timestamptz, version integer))
+             WITH ORDINALITY AS i(id, topic, partition_key, type, payload, headers, idempotency_key, occurred_at,
+                                  schema_version, ord)
     ) c
     WINDOW same_key AS (PARTITION BY coalesce(c.topic, ''), c.idempotency_key ORDER BY c.ord
                         ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
@@ -90,7 +90,10 @@ checked AS (
     -- fingerprint and counts as the same). LATERAL ... LIMIT 1 is one index probe per key, where a
     -- join may be planned as a scan and sort of the whole table.
     SELECT i.*, old.id AS known_id,
-           old.idempotency_fingerprint <> outbox.fingerprint_v1(i.type, i.partition_key, i.payload) AS known_differs
+           -- Fingerprinted only against a stored key (a sha256 per event otherwise: a third of a batch's time).
+           CASE WHEN old.id IS NOT NULL
+                THEN old.idempotency_fingerprint <> outbox.fingerprint_v1(i.type, i.partition_key, i.payload)
+           END AS known_differs
     FROM input i
     LEFT JOIN LATERAL (
         SELECT k.event_id AS id, k.fingerprint AS idempotency_fingerprint
@@ -110,10 +113,11 @@ conflicts AS (
 taken AS (
     -- Inputs whose id a stored event has, other than the stored event its idempotency key stands for
     -- (a retry of the same event): inserting them would fail on the primary key and abort the
-    -- caller's transaction. One primary-key probe per input.
+    -- caller's transaction. One primary-key probe per input; none when the caller made every id just
+    -- now (new UUIDv7s: nothing stored has them).
     SELECT c.ord
     FROM checked c
-    WHERE c.known_id IS DISTINCT FROM c.id
+    WHERE NOT %(ids_new)s::boolean AND c.known_id IS DISTINCT FROM c.id
       AND EXISTS (SELECT FROM outbox.events e WHERE e.id = c.id)
 ),
 inserted AS (
