@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...event import RESERVED_HEADER_PREFIX, RESERVED_HEADERS
 from ...store import StoredEvent
@@ -47,8 +46,9 @@ def json_type(value: Any) -> str:
     return "array" if isinstance(value, list) else "object"
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
+    """One event's Kafka message (a tuple: one is made per event of every batch)."""
+
     event: StoredEvent
     topic: str
     headers: list[tuple[str, str | bytes | None]]
