@@ -128,8 +128,9 @@ class TaskLane:
         except SinkUnavailable as exc:
             return exc
         except asyncio.CancelledError as exc:
-            if self.detached:
-                return None  # the runner's cancel of an abandoned call: recorded nowhere
+            if self.detached or self.loop.stopping:
+                self.detached = True  # the runner's cancel of an abandoned call, or the loop's end: recorded nowhere
+                return None
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()  # the sink's code cancelled its own call: a failed attempt, the lane goes on
