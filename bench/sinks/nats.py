@@ -23,6 +23,10 @@ file storage), one stream per run taking ``<prefix>.>``.
 - ``--baseline DIR``: every relay drain case again with the ``outbox_relay`` package of ``DIR`` first on
   the relay's ``PYTHONPATH`` (e.g. ``git archive <commit> outbox_relay | tar -x -C DIR``): before/after
   in one run.
+- ``--profile RAW``: the first NATS relay drain, once warm, under ``py-spy record --gil`` (raw stacks to
+  ``RAW``; only samples holding the GIL, i.e. where the relay process's one interpreter spends its time),
+  summarised: per thread, then the functions with the most samples (inclusive and innermost).
+  ``--profile-idle``: ``--idle`` instead (every thread's wall time, its waits included).
 
 Medians of ``--runs`` (min-max); runs interleaved (relay, plain, relay, plain ...).
 """
@@ -32,6 +36,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,6 +65,8 @@ from outbox_relay.sinks import SinkEvent  # noqa: E402
 from outbox_relay.sinks.nats.message import message  # noqa: E402
 
 RELAY_CONCURRENCY = 0  # --relay-concurrency (0: the sink's default)
+PROFILE: Path | None = None  # --profile: the next NATS relay drain's raw py-spy stacks go there
+PROFILE_MODE = "--gil"  # --profile-idle: "--idle" (every thread's wall time, waiting included)
 NOOP_SINK = '''import os, time
 
 
@@ -175,6 +183,43 @@ def drain_noop(pg: Postgres, base: Path, events: int, keys: int, code: str | Non
         pg.drop_database(name)
 
 
+def _spy(pid: int, raw: Path) -> subprocess.Popen[bytes]:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return subprocess.Popen([spy, "record", "--pid", str(pid), PROFILE_MODE, "--threads", "--rate", "250",
+                             "--nonblocking", "--format", "raw", "--output", str(raw)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def profile_summary(raw: Path, top: int = 25) -> str:
+    """Where the GIL-holding samples of ``raw`` (py-spy's collapsed stacks) went: per thread, then per function,
+    inclusive (the function or anything it called) and self (the innermost frame), as shares of all samples."""
+    threads: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    innermost: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_s = line.rpartition(" ")
+        frames = stack.split(";")
+        count = int(count_s)
+        total += count
+        names = [f.split(" (")[0] for f in frames[1:]]
+        thread = ("the sink's event loop" if "SinkLoop._main" in names else "the sink's runner"
+                  if "SinkRunner.run" in names else "other")
+        threads[thread] = threads.get(thread, 0) + count
+        for name in set(names):
+            inclusive[name] = inclusive.get(name, 0) + count
+        if names:
+            innermost[names[-1]] = innermost.get(names[-1], 0) + count
+
+    def table(title: str, d: dict[str, int], n: int) -> list[str]:
+        rows = sorted(d.items(), key=lambda kv: -kv[1])[:n]
+        return [f"| {title} | share of samples |", "|---|---|",
+                *(f"| `{k}` | {100 * v / max(total, 1):.1f}% |" for k, v in rows), ""]
+
+    return "\n".join([f"{total} samples ({PROFILE_MODE})", "", *table("thread", threads, 5),
+                      *table("function (inclusive)", inclusive, top), *table("function (self)", innermost, top)])
+
+
 def _wait_count(url: str, stream: str, n: int, timeout: float = 300) -> float:
     """Poll the stream until it holds ``n`` messages; the time it first did."""
     async def wait() -> float:
@@ -207,8 +252,13 @@ def drain_relay(pg: Postgres, url: str, events: int, keys: int, code: str | None
     dsn = pg.dsn(name)
     migrate(dsn)
     relay = _relay(dsn, url, prefix, code)
+    global PROFILE
+    spy = None
     try:
         warm = _warm(dsn, url, stream)
+        if PROFILE is not None and code is None:
+            spy, PROFILE = _spy(relay.pid, PROFILE), None
+            time.sleep(1.0)
         with psycopg.connect(dsn) as conn, conn.transaction():
             outbox = Outbox(default_topic="orders")
             for start in range(0, events, 1000):
@@ -218,6 +268,9 @@ def drain_relay(pg: Postgres, url: str, events: int, keys: int, code: str | None
         end = _wait_count(url, stream, warm + events)
         return events / (end - begin)
     finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
         relay.terminate()
         relay.wait(60)
         pg.drop_database(name)
@@ -372,9 +425,13 @@ def main() -> int:
     parser.add_argument("--drain-only", action="store_true")
     parser.add_argument("--noop", action="store_true", help="also drain through a no-op async sink (--sink)")
     parser.add_argument("--baseline", metavar="DIR", help="also run every relay drain with DIR's outbox_relay")
+    parser.add_argument("--profile", metavar="RAW", type=Path, help="the first NATS relay drain under py-spy --gil")
+    parser.add_argument("--profile-idle", action="store_true", help="--profile with py-spy --idle")
     args = parser.parse_args()
-    global RELAY_CONCURRENCY
+    global RELAY_CONCURRENCY, PROFILE, PROFILE_MODE
     RELAY_CONCURRENCY = args.relay_concurrency
+    PROFILE = args.profile
+    PROFILE_MODE = "--idle" if args.profile_idle else "--gil"
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         pg = Postgres(base)
@@ -413,7 +470,8 @@ def main() -> int:
             print(f"| case | drain events/s ({args.events:,} events, {args.keys} keys) | commit->ack p50 ms at "
                   f"{args.rate:,}/s | p99 ms | offered rate reached |")
             print("|---|---|---|---|---|")
-            for kind, title in (("relay", "outbox-relay run, NATS sink (1 relay, concurrency 16)"),
+            relay_title = f"outbox-relay run, NATS sink (1 relay, concurrency {RELAY_CONCURRENCY or 16})"
+            for kind, title in (("relay", relay_title),
                                 ("plain", f"plain nats-py loop ({args.concurrency} tasks, PubAck awaited)")):
                 p50 = [x[0] for x in lat[kind]]
                 p99 = [x[1] for x in lat[kind]]
@@ -426,6 +484,8 @@ def main() -> int:
                 plain = statistics.median(drains["plain"])
                 for case, values in {"NATS sink": drains["relay"], **extra}.items():
                     print(f"| {case} | {_median(values)} | {statistics.median(values) / plain:.2f}x |")
+            if args.profile is not None and args.profile.exists():
+                print(f"\nprofile of the first NATS relay drain ({args.profile}):\n\n{profile_summary(args.profile)}")
         finally:
             server.stop()
             pg.stop()
