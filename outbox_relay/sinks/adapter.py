@@ -56,6 +56,10 @@ log = logging.getLogger("outbox_relay.sinks")
 
 
 _ANSWERS = (Delivered, Retry, GiveUp)
+# An async sink's loop that ran nothing else for longer than the time limit, and at least this long, is given
+# up on: a loaded machine can delay a quiet loop's beat by a fraction of a second, and a call that blocks
+# it is charged at its own time limit anyway (the floor only delays the other keys' move to a new loop).
+MIN_BLOCKED_SECONDS = 1.0
 
 
 def sink_event(e: StoredEvent) -> SinkEvent | Failure:
@@ -363,7 +367,7 @@ class EventSinkAdapter:
         on a new loop (a blocked one is stopped, and counted against the cap while its thread lives)."""
         for sink_loop in {lane.loop for lane in run.active if isinstance(lane, TaskLane)}:
             blocked = sink_loop.blocked_for()
-            if sink_loop.running and blocked <= self.timeout:
+            if sink_loop.running and blocked <= max(self.timeout, MIN_BLOCKED_SECONDS):
                 continue
             why = (f"ran nothing else for {blocked:.1f}s (a call blocks it)" if sink_loop.running
                    else "was stopped")
