@@ -70,8 +70,21 @@ def leftovers(caplog: pytest.LogCaptureFixture) -> list[str]:
     return found
 
 
+def settled_abandoned() -> int:
+    """The process's count of calls left running (timelimit), once calls an earlier test released have ended:
+    unchanged for 0.3 s (at most 5 s)."""
+    deadline = time.monotonic() + 5.0
+    last, since = timelimit.abandoned_threads(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < 0.3:
+        time.sleep(0.02)
+        if (now := timelimit.abandoned_threads()) != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 @pytest.fixture(autouse=True)
 def _nothing_left(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    settled_abandoned()
     yield
     # The loops this test made end once what ran there ended (the release fixture, torn down first, lets
     # calls that never returned return).
@@ -277,7 +290,7 @@ def test_a_hung_call_is_cancelled_at_the_time_limit_charged_and_not_counted(
                 raise
         return None
 
-    before = timelimit.abandoned_threads()
+    before = settled_abandoned()
     sink = AsyncSink(script)
     r, adapter = runner(sink, pool, dsn, handler_timeout_seconds=0.3)
     try:
@@ -307,7 +320,7 @@ def test_a_call_that_ignores_its_cancel_counts_against_the_cap_and_stops_the_rel
                 cancels += 1  # ... and goes on
         return None
 
-    before = timelimit.abandoned_threads()
+    before = settled_abandoned()
     monkeypatch.setattr(timelimit, "MAX_ABANDONED", before)  # one more left call is over the cap
     sink = AsyncSink(script, concurrency=2)
     r, adapter = runner(sink, pool, dsn, handler_timeout_seconds=0.5)
@@ -334,7 +347,7 @@ def test_a_call_that_blocks_the_loop_is_charged_and_the_other_keys_go_on_on_a_ne
             release.wait()  # a blocking call inside async code: the whole loop waits
         return None
 
-    before = timelimit.abandoned_threads()
+    before = settled_abandoned()
     sink = AsyncSink(script)
     r, adapter = runner(sink, pool, dsn, handler_timeout_seconds=0.5)
     try:
