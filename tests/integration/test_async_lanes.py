@@ -10,6 +10,7 @@ awaited, no task destroyed pending (``_nothing_left``, which collects garbage an
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import logging
 import random
@@ -480,3 +481,53 @@ def test_each_call_is_traced_under_its_batch(dsn: str, pool: ConnectionPool[Any]
     assert {s.attributes["messaging.message.id"] for s in calls if s.attributes} == {str(i) for i in ids}
     batches = {s.context.span_id for s in spans if not s.name.startswith("handle ")}
     assert all(s.parent is not None and s.parent.span_id in batches for s in calls), "under the batch's span"
+
+
+class SyncReturningAwaitable:
+    """A sink whose ``deliver`` is a plain function returning a coroutine (a wrapper's): lane threads hand each
+    call to the sink's loop (``SinkLoop.call``), as before tasks."""
+
+    name = NAME
+    kind = "audit"
+    concurrency = 2
+
+    def __init__(self, inner: AsyncSink) -> None:
+        self.inner = inner
+
+    def deliver(self, event: SinkEvent) -> Any:
+        return self.inner.deliver(event)
+
+
+def test_a_sync_deliver_returning_a_coroutine_keeps_lane_threads_and_the_loop_closes(
+        dsn: str, pool: ConnectionPool[Any]) -> None:
+    ids = publish(dsn, [(f"k{n % 3}", "t", {"n": n}) for n in range(12)])
+    hung = ids[4]
+
+    async def script(e: SinkEvent) -> Outcome:
+        if e.id == hung and e.attempt == 1:
+            await asyncio.sleep(3600)  # cancelled at the time limit
+        await asyncio.sleep(0)
+        return None
+
+    inner = AsyncSink(script)
+    r, adapter = runner(SyncReturningAwaitable(inner), pool, dsn, handler_timeout_seconds=0.5)
+    try:
+        run_until(r, lambda: inner.ok == set(ids), timeout=30)
+        assert lane_threads(), "a sync deliver keeps its lane threads"
+    finally:
+        adapter.close()
+    assert inner.threads == {LOOP_THREAD} and inner.loops[0].is_closed()
+    assert [c.id for c in inner.calls].count(hung) == 2 and not dead_letters(dsn, NAME)
+
+
+def test_a_call_handed_to_a_stopped_loop_is_closed_never_awaited() -> None:
+    from outbox_relay.sinks.loop import SinkLoop
+
+    sink_loop = SinkLoop(NAME)
+    assert sink_loop.stop(5.0), "stopped and closed"
+
+    async def never() -> None:
+        raise AssertionError("never run")
+
+    future = sink_loop.call(never(), contextvars.copy_context())
+    assert future.cancelled() and not sink_loop.submit(lambda: None)
