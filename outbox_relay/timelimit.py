@@ -12,7 +12,8 @@ waits with a deadline (``Deadline``), and past it the owner gives up on it:
 2. The owner makes whatever the thread still does harmless (ends its transaction, closes its
    connection) and ``HandlerThread.abandon`` leaves the thread to its handler: it ends if that returns.
 3. Abandoned threads still alive are counted in one registry for the whole process, whoever abandoned
-   them. Past ``MAX_ABANDONED`` the owner that crossed it charges its event as usual, then stops the
+   them, with an async sink's calls that went on after they were cancelled and event loops a call
+   blocked (``leave``). Past ``MAX_ABANDONED`` the owner that crossed it charges its event as usual, then stops the
    process (the relay exits 4, the inbox consumer stops) rather than pile up threads; the restarted
    process starts without them, and the attempts were counted.
 """
@@ -32,14 +33,24 @@ WAIT_SLICE = 0.2  # how often an owner looks at its stop flag and the clock whil
 T = TypeVar("T")
 
 _abandoned_lock = threading.Lock()
-_abandoned: list[threading.Thread] = []  # guarded by _abandoned_lock
+_abandoned: list[Callable[[], bool]] = []  # each: does it still run? (guarded by _abandoned_lock)
 
 
 def abandoned_threads() -> int:
-    """Threads left to handlers that have not returned yet (this process, every owner)."""
+    """Threads (or async calls, or event loops) left to handlers that have not returned yet (this process,
+    every owner)."""
     with _abandoned_lock:
-        _abandoned[:] = [t for t in _abandoned if t.is_alive()]
+        _abandoned[:] = [alive for alive in _abandoned if alive()]
         return len(_abandoned)
+
+
+def leave(alive: Callable[[], bool]) -> bool:
+    """Count a call given up on for as long as ``alive()`` says it still runs (an abandoned thread, an async
+    call that did not end when it was cancelled, an event loop a call blocks); True when the process is now
+    over the cap."""
+    with _abandoned_lock:
+        _abandoned.append(alive)
+    return over_cap()
 
 
 def over_cap() -> bool:
@@ -86,9 +97,7 @@ class HandlerThread:
         """Leave the thread to a handler past its time limit and count it in the process's registry; True
         when the process is now over the cap (the owner stops it once the charge landed)."""
         self.detach()
-        with _abandoned_lock:
-            _abandoned.append(self.thread)
-        return over_cap()
+        return leave(self.thread.is_alive)
 
     def _loop(self) -> None:
         while (work := self._jobs.get()) is not None:
@@ -183,4 +192,4 @@ class Deadline:
 
 
 __all__ = ["MAX_ABANDONED", "WAIT_SLICE", "Call", "Deadline", "HandlerThread", "abandoned_threads", "cap_exceeded",
-           "over_cap"]
+           "leave", "over_cap"]

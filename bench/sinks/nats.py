@@ -17,6 +17,17 @@ file storage), one stream per run taking ``<prefix>.>``.
   subscriber on ``<prefix>.>`` (same host, same clock) takes each message; commit -> received.
 - latency, plain loop: a message due every 1/rate s, published when due and its PubAck awaited; due -> PubAck.
 
+- drain, no-op async sink (``--noop``): the same drain through ``outbox-relay run --no-kafka --sink ...``
+  with an ``async def deliver`` that does nothing (``concurrency`` 16): the user sink contract's own
+  ceiling; the drain ends when the sink has been called for every event (its wall clock, same host).
+- ``--baseline DIR``: every relay drain case again with the ``outbox_relay`` package of ``DIR`` first on
+  the relay's ``PYTHONPATH`` (e.g. ``git archive <commit> outbox_relay | tar -x -C DIR``): before/after
+  in one run.
+- ``--profile RAW``: the first NATS relay drain, once warm, under ``py-spy record --gil`` (raw stacks to
+  ``RAW``; only samples holding the GIL, i.e. where the relay process's one interpreter spends its time),
+  summarised: per thread, then the functions with the most samples (inclusive and innermost).
+  ``--profile-idle``: ``--idle`` instead (every thread's wall time, its waits included).
+
 Medians of ``--runs`` (min-max); runs interleaved (relay, plain, relay, plain ...).
 """
 
@@ -25,6 +36,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,6 +65,29 @@ from outbox_relay.sinks import SinkEvent  # noqa: E402
 from outbox_relay.sinks.nats.message import message  # noqa: E402
 
 RELAY_CONCURRENCY = 0  # --relay-concurrency (0: the sink's default)
+PROFILE: Path | None = None  # --profile: the next NATS relay drain's raw py-spy stacks go there
+PROFILE_MODE = "--gil"  # --profile-idle: "--idle" (every thread's wall time, waiting included)
+NOOP_SINK = '''import os, time
+
+
+class Noop:
+    name = "noop"
+    kind = "bench"
+    concurrency = 16
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.target = int(os.environ["BENCH_NOOP_TARGET"])
+
+    async def deliver(self, event):
+        self.seen += 1
+        if self.seen == 64:
+            open(os.environ["BENCH_NOOP_DONE"] + ".warm", "w").close()
+        if self.seen == self.target:
+            with open(os.environ["BENCH_NOOP_DONE"], "w") as f:
+                f.write(repr(time.time()))
+        return None
+'''
 PAYLOAD = {"order": 12345, "amount": "19.90", "currency": "EUR", "items": [1, 2, 3]}
 
 
@@ -94,12 +130,94 @@ async def _count(url: str, stream: str) -> int:
         await nc.close()
 
 
-def _relay(dsn: str, url: str, prefix: str) -> subprocess.Popen[bytes]:
+def _relay(dsn: str, url: str, prefix: str, code: str | None = None) -> subprocess.Popen[bytes]:
+    """``code``: a directory whose ``outbox_relay`` the relay runs (None: this tree's); the relay starts there,
+    since ``-m`` puts its working directory first on the path."""
     env = {**os.environ, "OUTBOX_DSN": dsn, **({"OUTBOX_NATS_CONCURRENCY": str(RELAY_CONCURRENCY)}
                                                 if RELAY_CONCURRENCY else {})}
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join([code, *filter(None, [env.get("PYTHONPATH")])])
     return subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run", "--no-kafka", "--nats-url", url,
                              "--nats-subject-prefix", prefix, "--default-topic", "orders", "--batch-size", "1000",
-                             "--worker-id", "bench"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--worker-id", "bench"], env=env, cwd=code, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def drain_noop(pg: Postgres, base: Path, events: int, keys: int, code: str | None = None) -> float:
+    """The drain through a no-op async sink (``--sink``), timed by the sink's own clock."""
+    name = pg.create_database()
+    dsn = pg.dsn(name)
+    migrate(dsn)
+    (base / "bench_noop_sink.py").write_text(NOOP_SINK)
+    done = base / f"noop-done-{uuid.uuid4().hex}"
+    env = {**os.environ, "OUTBOX_DSN": dsn, "BENCH_NOOP_TARGET": str(events + 64), "BENCH_NOOP_DONE": str(done),
+           "PYTHONPATH": os.pathsep.join([*([code] if code else []), str(base)])}
+    relay = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run", "--no-kafka", "--sink",
+                              "bench_noop_sink:Noop", "--default-topic", "orders", "--batch-size", "1000",
+                              "--worker-id", "bench"], env=env, cwd=code, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        with psycopg.connect(dsn) as conn:  # warm: buckets taken, the sink called once per lane at least
+            Outbox(default_topic="orders").publish_many(conn, [{"key": f"warm{i}", "type": "warm", "payload": i}
+                                                               for i in range(64)])
+        deadline = time.monotonic() + 120
+        while not done.with_name(done.name + ".warm").exists():
+            if time.monotonic() > deadline or relay.poll() is not None:
+                raise RuntimeError("the no-op sink's relay did not deliver the warm-up events")
+            time.sleep(0.05)
+        with psycopg.connect(dsn) as conn, conn.transaction():
+            outbox = Outbox(default_topic="orders")
+            for start in range(0, events, 1000):
+                outbox.publish_many(conn, [{"key": f"k{i % keys}", "type": "order.placed", "payload": PAYLOAD}
+                                           for i in range(start, min(events, start + 1000))])
+        begin = time.time()
+        deadline = time.monotonic() + 300
+        while not done.exists() or not done.read_text():
+            if time.monotonic() > deadline or relay.poll() is not None:
+                raise RuntimeError("the no-op sink was not called for every event")
+            time.sleep(0.01)
+        return events / (float(done.read_text()) - begin)
+    finally:
+        relay.terminate()
+        relay.wait(60)
+        pg.drop_database(name)
+
+
+def _spy(pid: int, raw: Path) -> subprocess.Popen[bytes]:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return subprocess.Popen([spy, "record", "--pid", str(pid), PROFILE_MODE, "--threads", "--rate", "250",
+                             "--nonblocking", "--format", "raw", "--output", str(raw)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def profile_summary(raw: Path, top: int = 25) -> str:
+    """Where the GIL-holding samples of ``raw`` (py-spy's collapsed stacks) went: per thread, then per function,
+    inclusive (the function or anything it called) and self (the innermost frame), as shares of all samples."""
+    threads: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    innermost: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_s = line.rpartition(" ")
+        frames = stack.split(";")
+        count = int(count_s)
+        total += count
+        names = [f.split(" (")[0] for f in frames[1:]]
+        thread = ("the sink's event loop" if "SinkLoop._main" in names else "the sink's runner"
+                  if "SinkRunner.run" in names else "other")
+        threads[thread] = threads.get(thread, 0) + count
+        for name in set(names):
+            inclusive[name] = inclusive.get(name, 0) + count
+        if names:
+            innermost[names[-1]] = innermost.get(names[-1], 0) + count
+
+    def table(title: str, d: dict[str, int], n: int) -> list[str]:
+        rows = sorted(d.items(), key=lambda kv: -kv[1])[:n]
+        return [f"| {title} | share of samples |", "|---|---|",
+                *(f"| `{k}` | {100 * v / max(total, 1):.1f}% |" for k, v in rows), ""]
+
+    return "\n".join([f"{total} samples ({PROFILE_MODE})", "", *table("thread", threads, 5),
+                      *table("function (inclusive)", inclusive, top), *table("function (self)", innermost, top)])
 
 
 def _wait_count(url: str, stream: str, n: int, timeout: float = 300) -> float:
@@ -128,14 +246,19 @@ def _warm(dsn: str, url: str, stream: str) -> int:
     return 64
 
 
-def drain_relay(pg: Postgres, url: str, events: int, keys: int) -> float:
+def drain_relay(pg: Postgres, url: str, events: int, keys: int, code: str | None = None) -> float:
     prefix, stream = asyncio.run(_new_stream(url))
     name = pg.create_database()
     dsn = pg.dsn(name)
     migrate(dsn)
-    relay = _relay(dsn, url, prefix)
+    relay = _relay(dsn, url, prefix, code)
+    global PROFILE
+    spy = None
     try:
         warm = _warm(dsn, url, stream)
+        if PROFILE is not None and code is None:
+            spy, PROFILE = _spy(relay.pid, PROFILE), None
+            time.sleep(1.0)
         with psycopg.connect(dsn) as conn, conn.transaction():
             outbox = Outbox(default_topic="orders")
             for start in range(0, events, 1000):
@@ -145,6 +268,9 @@ def drain_relay(pg: Postgres, url: str, events: int, keys: int) -> float:
         end = _wait_count(url, stream, warm + events)
         return events / (end - begin)
     finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
         relay.terminate()
         relay.wait(60)
         pg.drop_database(name)
@@ -297,9 +423,15 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--relay-concurrency", type=int, default=0, help="--nats-concurrency of the relay (0: default)")
     parser.add_argument("--drain-only", action="store_true")
+    parser.add_argument("--noop", action="store_true", help="also drain through a no-op async sink (--sink)")
+    parser.add_argument("--baseline", metavar="DIR", help="also run every relay drain with DIR's outbox_relay")
+    parser.add_argument("--profile", metavar="RAW", type=Path, help="the first NATS relay drain under py-spy --gil")
+    parser.add_argument("--profile-idle", action="store_true", help="--profile with py-spy --idle")
     args = parser.parse_args()
-    global RELAY_CONCURRENCY
+    global RELAY_CONCURRENCY, PROFILE, PROFILE_MODE
     RELAY_CONCURRENCY = args.relay_concurrency
+    PROFILE = args.profile
+    PROFILE_MODE = "--idle" if args.profile_idle else "--gil"
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         pg = Postgres(base)
@@ -307,11 +439,23 @@ def main() -> int:
         try:
             load = busy_fraction()
             drains: dict[str, list[float]] = {"relay": [], "plain": []}
+            codes: list[tuple[str, str | None]] = [("", None), *([(" (baseline)", args.baseline)]
+                                                                 if args.baseline else [])]
+            extra: dict[str, list[float]] = {}
             lat: dict[str, list[tuple[float, float, float]]] = {"relay": [], "plain": []}
             for run in range(args.runs):
                 print(f"run {run + 1}: drain", file=sys.stderr)
                 drains["relay"].append(drain_relay(pg, server.url, args.events, args.keys))
                 drains["plain"].append(drain_plain(server.url, args.events, args.keys, args.concurrency))
+                for tag, code in codes:
+                    if code is not None:
+                        extra.setdefault(f"NATS sink{tag}", []).append(
+                            drain_relay(pg, server.url, args.events, args.keys, code))
+                    if args.noop:
+                        extra.setdefault(f"no-op async sink{tag}", []).append(
+                            drain_noop(pg, base, args.events, args.keys, code))
+                print(f"run {run + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in extra.items()),
+                      file=sys.stderr)
                 print(f"run {run + 1}: drain relay {drains['relay'][-1]:,.0f}/s, plain {drains['plain'][-1]:,.0f}/s",
                       file=sys.stderr)
                 if args.drain_only:
@@ -326,7 +470,8 @@ def main() -> int:
             print(f"| case | drain events/s ({args.events:,} events, {args.keys} keys) | commit->ack p50 ms at "
                   f"{args.rate:,}/s | p99 ms | offered rate reached |")
             print("|---|---|---|---|---|")
-            for kind, title in (("relay", "outbox-relay run, NATS sink (1 relay, concurrency 16)"),
+            relay_title = f"outbox-relay run, NATS sink (1 relay, concurrency {RELAY_CONCURRENCY or 16})"
+            for kind, title in (("relay", relay_title),
                                 ("plain", f"plain nats-py loop ({args.concurrency} tasks, PubAck awaited)")):
                 p50 = [x[0] for x in lat[kind]]
                 p99 = [x[1] for x in lat[kind]]
@@ -334,6 +479,13 @@ def main() -> int:
                 print(f"| {title} | {_median(drains[kind])} | {_median(p50)} | {_median(p99)} | {_median(reached)}% |")
             ratio = statistics.median(drains["relay"]) / statistics.median(drains["plain"])
             print(f"\ndrain ratio relay/plain: {ratio:.2f}x")
+            if extra:
+                print("\n| relay drain case | events/s | x plain loop |\n|---|---|---|")
+                plain = statistics.median(drains["plain"])
+                for case, values in {"NATS sink": drains["relay"], **extra}.items():
+                    print(f"| {case} | {_median(values)} | {statistics.median(values) / plain:.2f}x |")
+            if args.profile is not None and args.profile.exists():
+                print(f"\nprofile of the first NATS relay drain ({args.profile}):\n\n{profile_summary(args.profile)}")
         finally:
             server.stop()
             pg.stop()

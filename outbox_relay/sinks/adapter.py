@@ -2,7 +2,8 @@
 
 Per batch, the events are grouped by key (in batch order, which is publish order per key) and the
 keys are handed to ``concurrency`` lanes, threads that call the user's ``deliver`` one event at a time
-for one key at a time. A key stops at its first failure that will be retried (its later events are
+for one key at a time (an ``async def deliver``'s lanes are tasks on the sink's event loop: tasks.py,
+loop.py). A key stops at its first failure that will be retried (its later events are
 not attempted: the checkpoint parks them behind it, so order holds); a ``GiveUp`` lets it go on. A
 ``SinkUnavailable`` stops the whole batch: what was not attempted waits (held, no attempt counted),
 and the next batches are held without calling the sink until the wait is over.
@@ -14,7 +15,9 @@ so the lane is left to it (whatever it returns is ignored), the event is charged
 a new lane takes over the remaining keys. Past the process's cap of threads left to calls that never
 returned (``timelimit.MAX_ABANDONED``, counted with projections' and the inbox's), the batch is
 checkpointed and then ``SinkStuck`` stops the relay (exit 4), so that a fresh process takes over
-instead of piling up threads.
+instead of piling up threads. An async call past the limit is cancelled; one that goes on is counted
+the same way, and so is a loop a call blocks past the limit: it is replaced, the calls in flight there
+charged, and the other keys go on on a new loop.
 
 Once every lane is done with a batch, ``commit`` writes its outcomes, fenced, once (the engine's rules
 for parking, backoff, dead letters and metrics apply). A batch that takes longer than
@@ -43,13 +46,20 @@ from ..errors import MAX_ERROR_CHARS, SinkStuck
 from ..observer import NULL_OBSERVER, Observer
 from ..store import EventFilter, StoredEvent
 from ..timelimit import WAIT_SLICE, HandlerThread, cap_exceeded
+from . import tasks
 from .engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, EarlyCheckpoints, Failure, Outcomes
+from .loop import Raised, SinkLoop
+from .tasks import TaskLane
 from .user import MAX_WAIT_SECONDS, Delivered, EventSink, GiveUp, Retry, SinkEvent, SinkUnavailable, check_sink
 
 log = logging.getLogger("outbox_relay.sinks")
 
 
 _ANSWERS = (Delivered, Retry, GiveUp)
+# An async sink's loop that ran nothing else for longer than the time limit, and at least this long, is given
+# up on: a loaded machine can delay a quiet loop's beat by a fraction of a second, and a call that blocks
+# it is charged at its own time limit anyway (the floor only delays the other keys' move to a new loop).
+MIN_BLOCKED_SECONDS = 1.0
 
 
 def sink_event(e: StoredEvent) -> SinkEvent | Failure:
@@ -147,7 +157,7 @@ class _Run:
         self.keys: deque[list[StoredEvent]] = deque(by_key.values())
         self.outcomes: Outcomes = {}
         self.cond = threading.Condition(threading.Lock())
-        self.active: set[_Lane] = set()
+        self.active: set[_Lane | TaskLane] = set()
         self.unavailable: SinkUnavailable | None = None  # a lane's call raised it: nothing more is attempted
         self.closed = False  # a hard stop: nothing more is attempted, nothing recorded
         self.context = contextvars.copy_context()  # the runner's (the batch's span): calls are traced under it
@@ -185,6 +195,14 @@ class _Run:
             self.cond.notify_all()
             self.cond.release()
 
+    def call(self, e: StoredEvent) -> Any:
+        """An async sink's call for ``e`` (a TaskLane awaits it), or why the event can not be given."""
+        event = sink_event(e)
+        return event if isinstance(event, Failure) else self.handler(event, None)
+
+    def outcome(self, result: object) -> Failure | None:
+        return outcome_of(result)
+
     def _stopped(self, lane: _Lane) -> bool:
         return self.closed or lane.detached or self.unavailable is not None
 
@@ -197,11 +215,11 @@ class _Run:
             if result is not None and not isinstance(result, _ANSWERS) and inspect.isawaitable(result):
                 # One event loop per sink for every lane's calls, so that a client the sink keeps (an HTTP
                 # session, a connection pool) serves them all; the lane waits for its call there.
-                lane.future = _submit(self.adapter.event_loop(), _awaited(result), contextvars.copy_context())
+                lane.future = self.adapter.sink_loop().call(result, contextvars.copy_context())
                 result = lane.future.result()
         except SinkUnavailable as exc:
             return exc
-        except _Raised as exc:
+        except Raised as exc:
             return Failure(describe_error(exc.raised))
         except Exception as exc:  # the event's attempt failed; one failure never kills the lane
             return Failure(describe_error(exc))
@@ -210,50 +228,6 @@ class _Run:
         finally:
             lane.future = None
         return outcome_of(result)
-
-
-class _Raised(Exception):
-    """A ``KeyboardInterrupt`` or ``SystemExit`` an async sink raised, carried to its lane: raised as is
-    inside a task, asyncio re-raises them out of ``run_forever``, which would end the sink's event loop
-    and leave every later call of the sink waiting for its time limit."""
-
-    def __init__(self, raised: BaseException) -> None:
-        super().__init__()
-        self.raised = raised
-
-
-async def _awaited(awaitable: Any) -> Any:
-    try:
-        return await awaitable
-    except (KeyboardInterrupt, SystemExit) as exc:
-        raise _Raised(exc) from None
-
-
-def _submit(loop: asyncio.AbstractEventLoop, coro: Any, context: contextvars.Context) -> concurrent.futures.Future[Any]:
-    """``coro`` as a task on ``loop`` (another thread's) run in ``context`` (the lane's: the batch's span is
-    current there, so the call's span is its child); cancelling the returned future cancels the task."""
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def settle(task: asyncio.Task[Any]) -> None:
-        if future.cancelled():
-            return
-        if task.cancelled():
-            future.cancel()
-        elif task.exception() is not None:
-            future.set_exception(task.exception())
-        else:
-            future.set_result(task.result())
-
-    def start() -> None:
-        if future.cancelled():
-            coro.close()
-            return
-        task = loop.create_task(coro, context=context)
-        task.add_done_callback(settle)
-        future.add_done_callback(lambda f: loop.call_soon_threadsafe(task.cancel) if f.cancelled() else None)
-
-    loop.call_soon_threadsafe(start)
-    return future
 
 
 class EventSinkAdapter:
@@ -269,6 +243,9 @@ class EventSinkAdapter:
             types=None if types is None else tuple(sorted(types)),
             topics=None if topics is None else tuple(sorted(topics)))
         self.concurrency: int = getattr(sink, "concurrency", 1)
+        # Lanes as tasks on the sink's event loop (tasks.py); a sync deliver (even one returning an
+        # awaitable) keeps lane threads.
+        self.tasks = inspect.iscoroutinefunction(self.user.deliver)
         self.timeout = handler_timeout_seconds
         self.partial_seconds = PARTIAL_CHECKPOINT_SECONDS
         self.observer: Observer = NULL_OBSERVER  # set by the composition root (tracing: a span per call)
@@ -280,25 +257,18 @@ class EventSinkAdapter:
         self._unavailable_until = 0.0
         self._unavailable: SinkUnavailable | None = None
         self._over_cap = False
-        self._loop: asyncio.AbstractEventLoop | None = None  # an async sink's, on a thread of its own
-        self._loop_thread: threading.Thread | None = None
+        self._loop: SinkLoop | None = None  # an async sink's, on a thread of its own (guarded by _lock)
+
+    def sink_loop(self) -> SinkLoop:
+        """The event loop an async sink's calls run on (started on first use; a new one once the last was
+        given up on)."""
+        with self._lock:
+            if self._loop is None or not self._loop.running:
+                self._loop = SinkLoop(self.name)
+            return self._loop
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop an async sink's calls run on (started on first use, on its own thread)."""
-        with self._lock:
-            if self._loop is not None and self._loop_thread is not None and not self._loop_thread.is_alive():
-                # The sink's own code stopped its loop (``loop.stop()``): calls sent there would wait for
-                # their time limit, each charged to an event that did nothing wrong. A new loop takes over.
-                log.warning("sink %s: its event loop was stopped by the sink's code; starting a new one", self.name)
-                self._loop.close()
-                self._loop = None
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                self._loop_thread = threading.Thread(target=loop.run_forever, name=f"sink-{self.name}-loop",
-                                                     daemon=True)
-                self._loop_thread.start()
-                self._loop = loop
-            return self._loop
+        return self.sink_loop().loop
 
     def handler(self) -> Callable[[SinkEvent, None], Any]:
         """The user's ``deliver`` as the observer wraps it (a span per call), in the (event, tx) shape
@@ -325,8 +295,7 @@ class EventSinkAdapter:
             return commit({e.id: failure for e in events}, None)
         run = _Run(self, events)
         with run.cond:
-            for _ in range(min(self.concurrency, len(run.keys))):
-                self._start_lane(run)
+            self._start_lanes(run, min(self.concurrency, len(run.keys)))
             # The runner's commit checkpoints the delivered part of a long batch early; another may write nothing.
             self._wait(run, abort, commit.partial)
         outcomes = run.outcomes
@@ -344,8 +313,17 @@ class EventSinkAdapter:
         self._check_cap()
         return landed
 
+    def _start_lanes(self, run: _Run, count: int) -> None:
+        """Put ``count`` lanes on ``run`` (the caller holds ``run.cond``): tasks on the sink's loop, handed over
+        in one hop, or threads."""
+        if self.tasks:
+            while count > 0 and not tasks.start(self.sink_loop(), run, count):
+                pass  # the loop was just given up on: the next one takes them
+            return
+        for _ in range(count):
+            self._start_lane(run)
+
     def _start_lane(self, run: _Run) -> None:
-        """Put a lane on ``run`` (the caller holds ``run.cond``)."""
         with self._lock:
             lane = self._idle.pop() if self._idle else None
             if lane is None:
@@ -371,6 +349,8 @@ class EventSinkAdapter:
                     lane.detach()  # it ends after its call; nothing of it is recorded
                 raise Aborted()
             now = time.monotonic()
+            if self.tasks:
+                self._check_loop(run)
             for lane in [lane for lane in run.active if lane.event is not None and now - lane.since > self.timeout]:
                 self._abandon(run, lane)
             if early.due() and run.active:
@@ -381,12 +361,39 @@ class EventSinkAdapter:
                 finally:
                     run.cond.acquire()
 
-    def _abandon(self, run: _Run, lane: _Lane) -> None:
+    def _check_loop(self, run: _Run) -> None:
+        """The event loop of ``run``'s task lanes ran nothing else for longer than the time limit (a call blocks
+        it), or takes no more work: its lanes are left, the calls in flight charged, and the other keys go on
+        on a new loop (a blocked one is stopped, and counted against the cap while its thread lives)."""
+        for sink_loop in {lane.loop for lane in run.active if isinstance(lane, TaskLane)}:
+            blocked = sink_loop.blocked_for()
+            if sink_loop.running and blocked <= max(self.timeout, MIN_BLOCKED_SECONDS):
+                continue
+            why = (f"ran nothing else for {blocked:.1f}s (a call blocks it)" if sink_loop.running
+                   else "was stopped")
+            for lane in [lane for lane in run.active if isinstance(lane, TaskLane) and lane.loop is sink_loop]:
+                lane.detach()
+                run.active.discard(lane)
+                if lane.event is not None:
+                    run.outcomes[lane.event.id] = Failure(f"the sink's event loop {why} during this call of deliver "
+                                                          f"(--handler-timeout-seconds {self.timeout:g}); the call "
+                                                          "was abandoned")
+            with self._lock:
+                if self._loop is sink_loop:
+                    self._loop = None  # the next lane starts a new one
+            if sink_loop.running:
+                self._over_cap |= sink_loop.abandon()  # if its call ever returns, the loop ends
+            log.warning("sink %s: its event loop %s; abandoned, the calls in flight charged, a new loop takes over",
+                        self.name, why)
+            if run.keys and run.unavailable is None:
+                self._start_lanes(run, min(self.concurrency, len(run.keys)))
+
+    def _abandon(self, run: _Run, lane: _Lane | TaskLane) -> None:
         e = lane.event
         assert e is not None
-        if lane.abandon():  # if its call ever returns, the thread ends
+        if lane.abandon():  # if its call ever returns, the thread ends (a task lane's call is cancelled)
             self._over_cap = True
-        if lane.future is not None:
+        if isinstance(lane, _Lane) and lane.future is not None:
             lane.future.cancel()  # an async call can be cancelled (if it awaits), which frees its lane too
         run.active.discard(lane)
         run.outcomes[e.id] = Failure(f"the sink's deliver did not return within {self.timeout:g}s "
@@ -394,7 +401,7 @@ class EventSinkAdapter:
         log.warning("sink %s: deliver of event %s (key %r) did not return within %gs; abandoned, the attempt counted",
                     self.name, e.id, e.key, self.timeout)
         if run.keys and run.unavailable is None:
-            self._start_lane(run)  # the other keys go on
+            self._start_lanes(run, 1)  # the other keys go on
 
     def _check_cap(self) -> None:
         """After the batch that charged them landed: too many threads left to calls that never returned."""
@@ -434,12 +441,9 @@ class EventSinkAdapter:
             except BaseException as exc:  # SystemExit too: the relay still releases its leases and leaves
                 log.warning("sink %s: close failed: %s", self.name, describe_error(exc))
         with self._lock:
-            loop, thread, self._loop = self._loop, self._loop_thread, None
-        if loop is not None and thread is not None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(5.0)
-            if not thread.is_alive():
-                loop.close()
+            sink_loop, self._loop = self._loop, None
+        if sink_loop is not None:
+            sink_loop.stop(5.0)  # what is left there is cancelled, then the loop closed on its thread
 
 
 __all__ = ["EventSinkAdapter", "sink_event"]

@@ -1,9 +1,12 @@
 """The contract kit's planned answers (``SinkContract``): wrappers in front of the sink under test that answer
 for it on chosen calls (``Retry``, ``GiveUp``, an exception, ``SinkUnavailable``, a call that never returns)
-and record what the engine was told was delivered."""
+and record what the engine was told was delivered. An async sink's wrapper (``AsyncFaultyEventSink``) is
+async too, so that the adapter runs it as it runs the sink (lanes as tasks on its loop), and its call that
+never returns awaits (it can be cancelled, as the sink's own would be)."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 import uuid
@@ -65,6 +68,20 @@ class FaultyEventSink:
 
     def deliver(self, event: SinkEvent) -> Any:
         fault = self.plan.fault(event.id)
+        if fault == HANG:
+            self.plan.release.wait()
+            return None
+        planned = self._planned(fault)
+        if planned is not None:
+            return planned
+        result = self.inner.deliver(event)
+        if inspect.isawaitable(result):
+            return self._recorded_async(event, result)
+        self._record(event, result)
+        return result
+
+    def _planned(self, fault: str | None) -> Any:
+        """The kit's answer for ``fault`` (None: none, the sink answers); raises the planned exceptions."""
         if fault == RETRY:
             return Retry("contract: planned retry", after_seconds=0.3)
         if fault == GIVE_UP:
@@ -73,14 +90,7 @@ class FaultyEventSink:
             raise RuntimeError("contract: planned exception")
         if fault == UNAVAILABLE:
             raise SinkUnavailable("contract: planned outage", retry_after_seconds=0.2)
-        if fault == HANG:
-            self.plan.release.wait()
-            return None
-        result = self.inner.deliver(event)
-        if inspect.isawaitable(result):
-            return self._recorded_async(event, result)
-        self._record(event, result)
-        return result
+        return None
 
     async def _recorded_async(self, event: SinkEvent, awaitable: Any) -> Any:
         result = await awaitable
@@ -100,6 +110,27 @@ class FaultyEventSink:
         close = getattr(self.inner, "close", None)
         if close is not None:
             close()
+
+
+class AsyncFaultyEventSink(FaultyEventSink):
+    """``FaultyEventSink`` for a sink whose ``deliver`` is ``async def``."""
+
+    async def deliver(self, event: SinkEvent) -> Any:  # async, as the sink's
+        fault = self.plan.fault(event.id)
+        if fault == HANG:
+            while not self.plan.release.is_set():  # never returns in the test; a cancel ends it
+                await asyncio.sleep(0.05)
+            return None
+        planned = self._planned(fault)
+        if planned is not None:
+            return planned
+        return await self._recorded_async(event, self.inner.deliver(event))
+
+
+def faulty_event_sink(inner: Any, plan: Plan, recorder: Recorder) -> FaultyEventSink:
+    """The kit's wrapper for a user's sink: async if its ``deliver`` is."""
+    kind = AsyncFaultyEventSink if inspect.iscoroutinefunction(getattr(inner, "deliver", None)) else FaultyEventSink
+    return kind(inner, plan, recorder)
 
 
 class FaultyCommit:

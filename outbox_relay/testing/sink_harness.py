@@ -22,7 +22,7 @@ from ..relay import SinkRunner
 from ..settings import load_settings
 from ..sinks.adapter import EventSinkAdapter
 from ..sinks.engine import is_engine_sink
-from .sink_faults import FaultyEngineSink, FaultyEventSink, Plan, Recorder
+from .sink_faults import FaultyEngineSink, Plan, Recorder, faulty_event_sink
 
 if TYPE_CHECKING:
     from .sink_contract import SinkContract
@@ -69,7 +69,7 @@ class Harness:
         self.plan = Plan()
         self.recorder = Recorder()
         self.custom_received = False
-        self.faulty: Any = (FaultyEngineSink if self.engine else FaultyEventSink)(self.sink, self.plan, self.recorder)
+        self.faulty: Any = (FaultyEngineSink if self.engine else faulty_event_sink)(self.sink, self.plan, self.recorder)
         self.pool: ConnectionPool[Any] = ConnectionPool(dsn, min_size=1, max_size=4, open=True,
                                                         kwargs={"autocommit": True})
         self.adapter: EventSinkAdapter | None = None
