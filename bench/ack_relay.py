@@ -56,15 +56,38 @@ class AckTimes(Observer):
             self.batches.append((handed, self._last_ack, scope.at, len(events)))
 
 
+class Reads:
+    """How many reads the relay ran and how many found nothing (a wake-up for events an earlier read took)."""
+
+    def __init__(self) -> None:
+        self.reads = self.empty = 0
+
+    def install(self) -> None:
+        from outbox_relay import store
+
+        real = store.fetch_events
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            read = real(*args, **kwargs)
+            self.reads += 1
+            self.empty += not read.events
+            return read
+
+        store.fetch_events = counting  # type: ignore[assignment]
+
+
 def run(out: str, argv: list[str]) -> int:
     acks = AckTimes()
+    reads = Reads()
+    reads.install()
     # `run` builds its worker through compose.build_worker(settings); the bench adds its observer there.
     compose.build_worker = functools.partial(compose.build_worker, observer=acks)
     try:
         return main(argv)
     finally:
         with open(out, "w") as f:
-            json.dump({"acks": {str(i): t for i, t in list(acks.first.items())}, "batches": list(acks.batches)}, f)
+            json.dump({"acks": {str(i): t for i, t in list(acks.first.items())}, "batches": list(acks.batches),
+                       "reads": reads.reads, "empty_reads": reads.empty}, f)
 
 
 if __name__ == "__main__":
