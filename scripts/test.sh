@@ -13,6 +13,8 @@
 #   PYTHON                interpreter that creates it (default python3)
 #   OUTBOX_TEST_DSN       run the suite against this PostgreSQL instead of a private one
 #   OUTBOX_TEST_KAFKA     ... and this Kafka (bootstrap servers)
+#   OUTBOX_TEST_PG_DIR    where private PostgreSQL servers keep their data (default /dev/shm when it has
+#                         8 GiB free, else the temporary directory: tests/servers.py, pg_data_root)
 #   OUTBOX_PG15_BIN       PostgreSQL 15's bin directory for the second run (default
 #                         /usr/lib/postgresql/15/bin, Debian's): each process starts a private server
 #   OUTBOX_LOCAL_PG_DSN   without those binaries, the machine's PostgreSQL for the second run, in one
