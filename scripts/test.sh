@@ -13,6 +13,8 @@
 #   PYTHON                interpreter that creates it (default python3)
 #   OUTBOX_TEST_DSN       run the suite against this PostgreSQL instead of a private one
 #   OUTBOX_TEST_KAFKA     ... and this Kafka (bootstrap servers)
+#   OUTBOX_TEST_PG_DIR    where private PostgreSQL servers keep their data (default /dev/shm when it has
+#                         8 GiB free, else the temporary directory: tests/servers.py, pg_data_root)
 #   OUTBOX_PG15_BIN       PostgreSQL 15's bin directory for the second run (default
 #                         /usr/lib/postgresql/15/bin, Debian's): each process starts a private server
 #   OUTBOX_LOCAL_PG_DSN   without those binaries, the machine's PostgreSQL for the second run, in one
@@ -46,16 +48,19 @@ step() {
 
 # PostgreSQL 15 (no uuidv7(), other planner defaults, another pg_stat_activity): the integration tests
 # whose SQL can behave differently there, chosen by what they run (a test of the engine's Python over
-# the same SQL stays in the PostgreSQL 18 step only). Started first and run beside the steps below: in 2
-# processes, each with a private server from the machine's PostgreSQL 15 binaries (roles are
-# server-wide, and vacuum_horizon reads every session of a server); without those binaries, in one
-# process against the server at $LOCAL_PG_DSN.
+# the same SQL stays in the PostgreSQL 18 step only): the tests marked pg15 in the files below, a whole
+# file as `pytestmark`, in the others the chosen tests or parameters (each file's docstring says which,
+# and why; tests/unit/test_pg15_selection.py keeps this list and the marks in step). Started first and
+# run beside the steps below: in 2 processes, each with a private server from the machine's PostgreSQL
+# 15 binaries (roles are server-wide, and vacuum_horizon reads every session of a server); without those
+# binaries, in one process against the server at $LOCAL_PG_DSN.
 PG15_TESTS=(
     # the schema: migrations, the partitioned history and its retention classes, retention's input
     test_migrations.py test_history.py test_history_classes.py test_retention_input.py
     # grants: every role's rights, the documented roles' SQL as written in the docs
     test_privileges.py test_roles.py test_inbox_role.py
-    # the producers' SQL: publish (every driver), FakeOutbox against Outbox
+    # the producers' SQL: publish (one driver: every driver runs one plan's statements; the database's
+    # checks, idempotency lookups and races, the producer's rights), FakeOutbox against Outbox
     test_publish.py test_outbox_contract.py
     # the relay's SQL: claims, leases and fences, snapshot reads, order, cursor writes and the vacuum
     # horizon, parked retries, membership, housekeeping and recovery, commit watching and wake-ups
@@ -64,8 +69,10 @@ PG15_TESTS=(
     test_recovery.py test_quiet_producers.py test_wakeups.py test_idle_watch.py
     # plans: the plan-regression tests (another planner)
     test_relay_plan.py test_rebuild_plan.py
-    # the projections' and rebuilds' SQL: exactly-once writes, bulk slices over xid partitions, the
-    # counts, retention against a rebuild, operator decisions, the switch-over's DDL and locks
+    # the projections' and rebuilds' SQL: exactly-once writes (sync handlers; async ones send the same
+    # statements), bulk slices over xid partitions and the lanes' claims (not the hand-overs of a
+    # handler's failure or time limit), the counts, retention against a rebuild, operator decisions (with
+    # per-event handlers), the switch-over's DDL and locks
     test_projections.py test_batched_projections.py test_rebuild.py test_rebuild_bulk.py
     test_rebuild_counts.py test_rebuild_history.py test_rebuild_decisions.py
     # the operators' SQL: admin actions, keys, sinks, status of databases in every state,
@@ -102,7 +109,7 @@ PY
     if [ ${#pg15[@]} -gt 0 ]; then
         pg15_log=$(mktemp "${TMPDIR:-/tmp}/outbox-test-pg15.XXXXXX")
         echo "+ PostgreSQL 15 step ($pg15_where) started beside the others (its output follows them): $pg15_log"
-        "${pg15[@]}" -p no:cacheprovider -q --durations=10 -m "not slow" \
+        "${pg15[@]}" -p no:cacheprovider -q --durations=10 -m "pg15 and not slow" \
             "${PG15_TESTS[@]/#/tests/integration/}" >"$pg15_log" 2>&1 &
         pg15_pid=$!
         trap '[ -z "$pg15_pid" ] || kill "$pg15_pid" 2>/dev/null || true' EXIT

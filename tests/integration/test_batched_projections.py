@@ -39,6 +39,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     undelivered,
 )
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 TABLES = """
 CREATE TABLE order_totals (customer text PRIMARY KEY, orders int NOT NULL, paid_cents bigint NOT NULL);
 CREATE TABLE applied_log (n bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL,

@@ -45,6 +45,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
 )
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 def _lease_expired(dsn: str, bucket: int) -> bool:
     rows = fetch_all(dsn, "SELECT lease_expires_at < clock_timestamp() FROM outbox.cursors "

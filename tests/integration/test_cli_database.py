@@ -17,6 +17,8 @@ from psycopg.conninfo import make_conninfo
 from outbox_relay import cli
 from tests.servers import PgServer, wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 APP = ["--projections", "tests.integration.projection_app"]
 
 READ_COMMANDS = [

@@ -34,6 +34,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     settled,
 )
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 def keys(capsys: pytest.CaptureFixture[str], dsn: str, action: str, key: str, *argv: str) -> tuple[int, str, str]:
     return run_cli(capsys, "keys", action, "--dsn", dsn, key, *argv)

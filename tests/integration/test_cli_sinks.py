@@ -16,6 +16,8 @@ from tests.cli_helpers import run_cli
 from tests.integration.relay_helpers import fetch_all, publish, register
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 SINK = "old_model"
 
 

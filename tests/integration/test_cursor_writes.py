@@ -45,6 +45,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
 )
 from tests.servers import PgServer, require_restartable, wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 BUCKET = 91
 BATCHES = 20
 

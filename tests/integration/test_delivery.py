@@ -39,6 +39,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     runner_for,
 )
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 def test_failing_head_blocks_only_its_own_key(dsn: str, pool: ConnectionPool[Any]) -> None:
     bucket = 20

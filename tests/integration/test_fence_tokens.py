@@ -33,6 +33,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     run_until,
 )
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 TABLES = """
 CREATE TABLE remote_state (key text PRIMARY KEY, n text NOT NULL, fence_token text NOT NULL);
 CREATE TABLE token_log (i bigserial PRIMARY KEY, key text NOT NULL, n text NOT NULL, token text NOT NULL,

@@ -38,6 +38,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
 )
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 def leaves(dsn: str) -> dict[str, str | None]:
     """Leaf partitions of outbox.events with their class (None: a mixed leaf)."""

@@ -40,6 +40,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
 )
 from tests.integration.test_history import _migrate_to
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 def seen_projection(name: str, topics: list[str] | None, fail: set[uuid.UUID] | None = None) -> Projection:
     """Records each event it applies in ``<name>_seen``, in order; raises for the events in ``fail``."""

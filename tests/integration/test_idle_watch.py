@@ -16,6 +16,8 @@ from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import RecordingSink, make_settings, publish, running, settled
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 def test_a_quiet_watcher_backs_off_and_the_first_commit_brings_it_back(
         dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,6 +18,8 @@ from tests.integration import inbox_app
 from tests.integration.inbox_helpers import consumer_thread, effects, inbox_database, produce_events, scalar, settings
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 @pytest.fixture
 def inbox_dsn(database_factory: Callable[..., str]) -> str:

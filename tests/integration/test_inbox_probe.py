@@ -19,6 +19,8 @@ from tests.cli_helpers import run_cli
 from tests.integration.inbox_helpers import consumer_thread, effects, inbox_database, settings
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 Headers = Sequence[tuple[str, bytes]]
 ESCAPES = "\x1b[2J\x1b]0;pwned\x07\r\u202e"
 

@@ -27,6 +27,8 @@ from tests.integration.doc_roles import doc_roles, printed_grants
 from tests.integration.inbox_helpers import consumer_thread, effects, produce_events, scalar, settings
 from tests.servers import PgServer, wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "inbox.md"
 ROLES = ("outbox_inbox_consumer", "orders_migrator", "orders_service")
 

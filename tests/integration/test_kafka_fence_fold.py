@@ -33,6 +33,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
 from tests.integration.test_cursor_writes import durable_crashes  # noqa: F401  (a fixture)
 from tests.servers import PgServer, consume_all
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 KAFKA = "kafka"
 BUCKET, OTHER = 41, 42
 

@@ -19,6 +19,8 @@ from outbox_relay.errors import SchemaError
 from outbox_relay.migrate import Migration, check_schema, migrate, migrations
 from outbox_relay.sqlfiles import sql_dir
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 # Each section lists the objects of schema `outbox` in a form that does not depend on oids, so
 # two databases built differently compare equal exactly when their schemas are the same.
 CATALOG: dict[str, str] = {

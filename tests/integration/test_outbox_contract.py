@@ -24,6 +24,8 @@ from outbox_relay import Event, IdempotencyConflict, InvalidEvent, Outbox, Publi
 from outbox_relay.event import MAX_KEY_BYTES, MAX_PAYLOAD_DEPTH
 from outbox_relay.testing import FakeOutbox, PublishedEvent, published
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 TOPIC = "orders"
 CONFLICT = ("already stands for another event, stored or in this batch (type, key or payload differ): a retry must "
             "publish the same event, a new event needs a new key; nothing of this call was written")

@@ -13,6 +13,8 @@ import pytest
 from outbox_relay import history, store
 from tests.integration.relay_helpers import SINK, register
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 BUCKETS = list(range(256))
 
 

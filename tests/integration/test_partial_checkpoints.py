@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg_pool import ConnectionPool
 
 from outbox_relay.sinks.engine import Commit, Outcomes
@@ -31,6 +32,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     runner_for,
 )
 from tests.servers import wait_until
+
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
 
 BUCKET = 77
 

@@ -33,6 +33,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     runner_for,
 )
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 REASON = "fixing its read model"
 
 

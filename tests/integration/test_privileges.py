@@ -23,6 +23,8 @@ from outbox_relay import Outbox, history, migrate, privileges, store
 from outbox_relay.inbox.schema import migrate_inbox
 from tests.servers import PgServer, dbname_of
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 BARE = "bare"  # a role with USAGE on the schemas and nothing else
 
 

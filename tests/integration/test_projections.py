@@ -2,6 +2,10 @@
 event-type filtering, payload models, async handlers, per-key order across a hand-over (G6).
 
 The relay loop is the real SinkRunner; the sink is the real ProjectionSink. Nothing is mocked.
+
+``pg15``: what PostgreSQL 15 runs too (scripts/test.sh): the exactly-once writes, fences, retries, dead
+letters, retention and hand-overs, with the sync handlers; an async handler sends the same statements,
+and the declarations and registries are Python.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     undelivered,
 )
 from tests.servers import wait_until
+
+
+def on_pg15(*values: Any) -> list[Any]:
+    """Parameters that the PostgreSQL 15 step runs too."""
+    return [pytest.param(v, marks=pytest.mark.pg15) for v in values]
+
 
 TOTALS = """
 CREATE TABLE order_totals (customer text PRIMARY KEY, orders int NOT NULL, paid_cents bigint NOT NULL);
@@ -137,6 +147,7 @@ def test_load_registry_gathers_a_module_and_rejects_what_is_not_there() -> None:
 # -- G7: exactly-once effects ------------------------------------------------------------------
 
 
+@pytest.mark.pg15
 def test_events_are_applied_once_in_order_with_the_checkpoint(dsn: str, pool: ConnectionPool[Any]) -> None:
     setup_tables(dsn)
     events = orders(customers=20, per_customer=5)
@@ -152,6 +163,7 @@ def test_events_are_applied_once_in_order_with_the_checkpoint(dsn: str, pool: Co
     assert undelivered(dsn, "order_totals") == 0, "the cursors moved past every applied event"
 
 
+@pytest.mark.pg15
 def test_a_fenced_out_batch_rolls_back_the_handlers_writes(dsn: str, pool: ConnectionPool[Any]) -> None:
     """The lease is taken over while the batch is being applied: its writes must not land (G5/G7)."""
     setup_tables(dsn)
@@ -180,6 +192,7 @@ def test_a_fenced_out_batch_rolls_back_the_handlers_writes(dsn: str, pool: Conne
     assert sorted(e for e, _ in applied(dsn)) == sorted(ids)
 
 
+@pytest.mark.pg15
 def test_a_connection_lost_before_commit_applies_nothing_and_the_retry_applies_once(
         dsn: str, pool: ConnectionPool[Any]) -> None:
     setup_tables(dsn)
@@ -234,6 +247,7 @@ def test_async_handlers_get_the_same_guarantees(dsn: str, pool: ConnectionPool[A
 # -- failures ----------------------------------------------------------------------------------
 
 
+@pytest.mark.pg15
 def test_a_raising_handler_is_retried_then_dead_lettered_and_its_key_moves_on(
         dsn: str, pool: ConnectionPool[Any]) -> None:
     setup_tables(dsn)
@@ -259,6 +273,7 @@ def test_a_raising_handler_is_retried_then_dead_lettered_and_its_key_moves_on(
     assert parked_ids(dsn, "order_totals") == set()
 
 
+@pytest.mark.pg15
 def test_non_retriable_delivery_and_invalid_payloads_are_dead_lettered_at_once(
         dsn: str, pool: ConnectionPool[Any]) -> None:
     setup_tables(dsn)
@@ -291,6 +306,7 @@ def test_non_retriable_delivery_and_invalid_payloads_are_dead_lettered_at_once(
     assert good not in letters
 
 
+@pytest.mark.pg15
 def test_unknown_event_types_are_ignored_or_rejected_as_declared(dsn: str, pool: ConnectionPool[Any]) -> None:
     setup_tables(dsn)
     seen: dict[str, list[str]] = {"lenient": [], "strict": []}
@@ -312,6 +328,7 @@ def test_unknown_event_types_are_ignored_or_rejected_as_declared(dsn: str, pool:
         1, "projection 'strict' does not handle event type 'OrderRefunded'")
 
 
+@pytest.mark.pg15
 def test_a_projection_moves_past_events_it_does_not_want_so_retention_can_delete_them(
         dsn: str, pool: ConnectionPool[Any]) -> None:
     """Buckets that hold only other types: the cursor still moves (else every read walks past
@@ -340,6 +357,7 @@ def test_a_projection_moves_past_events_it_does_not_want_so_retention_can_delete
 # -- G6 across a hand-over ---------------------------------------------------------------------
 
 
+@pytest.mark.pg15
 def test_per_key_order_and_exactly_once_hold_while_buckets_move_between_workers(
         dsn: str, pool: ConnectionPool[Any]) -> None:
     setup_tables(dsn)
@@ -367,6 +385,7 @@ def test_per_key_order_and_exactly_once_hold_while_buckets_move_between_workers(
 # -- fencing helper ----------------------------------------------------------------------------
 
 
+@pytest.mark.pg15
 def test_fenced_upsert_writes_only_over_an_older_token(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE remote_view (id text PRIMARY KEY, status text, fence_token text NOT NULL)")
@@ -403,6 +422,7 @@ def insert_raw(dsn: str, rows: list[tuple[str, str, str, str]]) -> list[uuid.UUI
                 for key, type_, payload, headers in rows]
 
 
+@pytest.mark.pg15
 def test_events_that_can_not_be_prepared_are_dead_lettered_at_once_and_the_rest_lands(
         dsn: str, pool: ConnectionPool[Any]) -> None:
     """Item 5: a payload too deep for json.loads, headers that are not a JSON object of strings, and
@@ -453,7 +473,7 @@ ESCAPES = {"commit": ["COMMIT"], "end": ["END"], "rollback": ["ROLLBACK"], "comm
 
 
 @pytest.mark.parametrize("escape", list(ESCAPES))
-@pytest.mark.parametrize("path", ["pipelined", "savepoint", "async", "async_savepoint"])
+@pytest.mark.parametrize("path", [*on_pg15("pipelined", "savepoint"), "async", "async_savepoint"])
 def test_a_handler_that_ends_the_transaction_is_charged_with_it_and_nothing_lands_twice(
         dsn: str, pool: ConnectionPool[Any], escape: str, path: str) -> None:
     """Item 7: ``tx.execute("COMMIT")`` (or END, ROLLBACK, then BEGIN) in a handler must not
@@ -515,7 +535,7 @@ def test_a_handler_that_ends_the_transaction_is_charged_with_it_and_nothing_land
     assert parked_ids(dsn, "order_totals") == set()
 
 
-@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("is_async", [*on_pg15(False), True])
 def test_a_handler_that_swallows_a_failed_statement_is_charged_with_it(
         dsn: str, pool: ConnectionPool[Any], is_async: bool) -> None:
     """A handler that catches a failed statement's error and goes on: its transaction can not go on,
@@ -550,7 +570,7 @@ def test_a_handler_that_swallows_a_failed_statement_is_charged_with_it(
     assert attempts == 2 and "went on" in error, error
 
 
-@pytest.mark.parametrize("is_async", [False, True], ids=["sync-savepoint-walk", "async"])
+@pytest.mark.parametrize("is_async", [*on_pg15(False), True], ids=["sync-savepoint-walk", "async"])
 def test_a_handler_slower_than_the_lease_is_charged_with_it_and_its_key_moves_on(
         dsn: str, pool: ConnectionPool[Any], is_async: bool) -> None:
     """Issue 7, item 5: where every statement is synced (async handlers; the event-by-event walk with a
@@ -624,6 +644,7 @@ def done(dsn: str) -> list[uuid.UUID]:
     return [event_id for event_id, _key in applied(dsn)]
 
 
+@pytest.mark.pg15
 def test_a_skip_while_the_heads_attempt_is_in_flight_wins_and_that_attempt_lands_nothing(
         dsn: str, pool: ConnectionPool[Any]) -> None:
     """The documented outcome (docs/keys-and-dead-letters.md, keys skip), made deterministic: the head's retry is
@@ -668,6 +689,7 @@ def test_a_skip_while_the_heads_attempt_is_in_flight_wins_and_that_attempt_lands
     assert dead_letters(dsn, "order_totals") == {}
 
 
+@pytest.mark.pg15
 def test_a_skip_after_the_heads_attempt_landed_skips_nothing_and_says_so(
         dsn: str, pool: ConnectionPool[Any]) -> None:
     """The other order: the retry succeeded and committed before the operator's skip. The head and the events

@@ -2,6 +2,11 @@
 
 Every driver a producer may hold is covered: psycopg sync (connection and cursor), psycopg async,
 SQLAlchemy Connection and Session, sync and async.
+
+``pg15``: the tests whose SQL can behave differently on PostgreSQL 15, which scripts/test.sh runs there
+too: one driver's (every driver runs the statements of one plan), the database's own checks, the
+idempotency lookups and races, the producer's rights, the statements chosen. Input that Python refuses
+before anything is sent, and the driver-specific refusals, are the same on every server.
 """
 
 from __future__ import annotations
@@ -103,7 +108,7 @@ def sync_engine(dsn: str) -> Iterator[Any]:
 # -- G1: an event exists iff the business transaction committed ------------------------------
 
 
-@pytest.mark.parametrize("via", ["connection", "cursor"])
+@pytest.mark.parametrize("via", [pytest.param("connection", marks=pytest.mark.pg15), "cursor"])
 def test_psycopg_rollback_discards_and_commit_keeps(shop: str, outbox: Outbox, via: str) -> None:
     with psycopg.connect(shop) as conn:
         target: Any = conn if via == "connection" else conn.cursor()
@@ -131,6 +136,7 @@ def test_psycopg_rollback_discards_and_commit_keeps(shop: str, outbox: Outbox, v
         "order-2", TOPIC, "order.placed", {"total": 200}, {"trace": "abc"})
 
 
+@pytest.mark.pg15
 def test_exception_in_transaction_block_and_savepoint(shop: str, outbox: Outbox) -> None:
     with psycopg.connect(shop, autocommit=True) as conn:
         with pytest.raises(RuntimeError), conn.transaction():
@@ -150,6 +156,7 @@ def test_exception_in_transaction_block_and_savepoint(shop: str, outbox: Outbox)
     assert orders(shop) == [2]
 
 
+@pytest.mark.pg15
 def test_connection_lost_before_commit_leaves_nothing(shop: str, outbox: Outbox, pg_server: Any) -> None:
     with psycopg.connect(shop) as conn:
         conn.execute("INSERT INTO orders VALUES (1, 100)")
@@ -374,6 +381,7 @@ def test_sqlalchemy_async_autocommit_is_refused(shop: str, outbox: Outbox) -> No
 # -- the database owns the time retention counts from ------------------------------------------
 
 
+@pytest.mark.pg15
 def test_time_is_when_the_event_happened_not_the_retention_clock(dsn: str, outbox: Outbox) -> None:
     epoch = datetime(1970, 1, 1, tzinfo=UTC)
     with psycopg.connect(dsn) as conn:
@@ -389,6 +397,7 @@ def test_time_is_when_the_event_happened_not_the_retention_clock(dsn: str, outbo
     assert rows == {stamped.id: (row[0], epoch), plain.id: (row[0], None)}
 
 
+@pytest.mark.pg15
 @pytest.mark.parametrize("path", ["publish", "publish_many with headers"])
 def test_a_time_in_any_utc_offset_python_allows_is_stored_as_that_instant(dsn: str, outbox: Outbox, path: str) -> None:
     """Python allows offsets up to 23:59 either way, PostgreSQL's timestamptz input only to 15:59: such a
@@ -407,6 +416,7 @@ def test_a_time_in_any_utc_offset_python_allows_is_stored_as_that_instant(dsn: s
     assert [stored_times[i] for i in ids] == times
 
 
+@pytest.mark.pg15
 @pytest.mark.parametrize(("column", "value"), [("created_at", "1970-01-01T00:00:00Z"), ("xid", "1")])
 def test_sql_producers_can_not_set_what_the_database_owns(dsn: str, column: str, value: str) -> None:
     insert = sql.SQL("INSERT INTO outbox.events (topic, partition_key, type, payload, {}) "
@@ -418,6 +428,7 @@ def test_sql_producers_can_not_set_what_the_database_owns(dsn: str, column: str,
     assert stored(dsn) == []
 
 
+@pytest.mark.pg15
 @pytest.mark.parametrize(("topic", "headers", "error"), [
     ("orders", '["a"]', r"headers must be a JSON object of strings, not a JSON array"),
     ("orders", '"a"', r"headers must be a JSON object of strings, not a JSON string"),
@@ -446,6 +457,7 @@ def test_sql_producers_can_not_store_what_no_relay_could_deliver(dsn: str, topic
 # -- G2: one idempotency key, one event, and the caller learns which -------------------------
 
 
+@pytest.mark.pg15
 def test_same_key_in_separate_transactions(dsn: str, outbox: Outbox) -> None:
     with psycopg.connect(dsn) as conn:
         first = outbox.publish(conn, type="payment.captured", key="pay-1", payload={"a": 1, "b": 2},
@@ -461,6 +473,7 @@ def test_same_key_in_separate_transactions(dsn: str, outbox: Outbox) -> None:
     assert event["headers"] == {"try": "1"}, "the first event stands; a retry changes nothing"
 
 
+@pytest.mark.pg15
 def test_same_key_twice_in_one_batch(dsn: str, outbox: Outbox) -> None:
     with psycopg.connect(dsn) as conn:
         before = outbox.publish(conn, type="t", key="a", payload=0, idempotency_key="old")
@@ -481,6 +494,7 @@ def test_same_key_twice_in_one_batch(dsn: str, outbox: Outbox) -> None:
     assert by_id[results[4].id]["idempotency_key"] == "new"
 
 
+@pytest.mark.pg15
 def test_a_large_batch_with_keys_published_again_creates_nothing(dsn: str, outbox: Outbox) -> None:
     """publish_many of plain dicts with idempotency keys (its quick path): a retry of the whole batch,
     with new events among it, learns which were stored and creates only the new ones."""
@@ -536,6 +550,7 @@ CONFLICTS: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.pg15
 @pytest.mark.parametrize("differs", list(CONFLICTS))
 def test_a_key_reused_for_another_event_is_a_conflict(dsn: str, outbox: Outbox, differs: str) -> None:
     original: dict[str, Any] = {"type": "order.placed", "key": "order-1", "payload": {"n": 1},
@@ -562,6 +577,7 @@ def test_a_key_reused_for_another_event_is_a_conflict(dsn: str, outbox: Outbox, 
     assert elsewhere.created and retry == Published(first.id, False)
 
 
+@pytest.mark.pg15
 def test_fingerprints_tell_apart_type_and_key_that_run_together(dsn: str, outbox: Outbox) -> None:
     """Type "a\\nb" with key "c" is not type "a" with key "b\\nc" (found in review: a separator alone
     made them one fingerprint)."""
@@ -571,6 +587,7 @@ def test_fingerprints_tell_apart_type_and_key_that_run_together(dsn: str, outbox
             outbox.publish(conn, type="a", key="b\nc", payload={}, idempotency_key="joined")
 
 
+@pytest.mark.pg15
 def test_a_key_used_twice_in_one_batch_for_different_events_is_a_conflict(dsn: str, outbox: Outbox) -> None:
     with counting_connection(dsn) as conn:
         with pytest.raises(IdempotencyConflict, match="'dup' of topic 'orders'"):
@@ -586,6 +603,7 @@ def test_a_key_used_twice_in_one_batch_for_different_events_is_a_conflict(dsn: s
     assert [e["id"] for e in stored(dsn)] == [after.id]
 
 
+@pytest.mark.pg15
 def test_events_stored_without_a_fingerprint_count_as_the_same(dsn: str, outbox: Outbox) -> None:
     # Events stored before migration 0005 have no fingerprint: a reuse of their key is taken as a retry.
     with psycopg.connect(dsn) as conn:
@@ -599,6 +617,7 @@ def test_events_stored_without_a_fingerprint_count_as_the_same(dsn: str, outbox:
     assert [e["payload"] for e in stored(dsn)] == [1]
 
 
+@pytest.mark.pg15
 @pytest.mark.parametrize("idempotency_key", ["same-object", None])
 def test_same_event_object_twice_in_one_batch(dsn: str, outbox: Outbox, idempotency_key: str | None) -> None:
     event = make_event(type="t", key="k", topic=TOPIC, payload={}, idempotency_key=idempotency_key)
@@ -609,6 +628,7 @@ def test_same_event_object_twice_in_one_batch(dsn: str, outbox: Outbox, idempote
     assert results == [Published(event.id, True), Published(event.id, False)]
 
 
+@pytest.mark.pg15
 def test_two_different_events_with_one_id_are_refused(dsn: str, outbox: Outbox) -> None:
     a = make_event(type="t", key="k", topic=TOPIC, payload=1)
     b = make_event(type="t", key="k", topic=TOPIC, payload=2, id=a.id)
@@ -727,7 +747,9 @@ def race(dsn: str, outbox: Outbox, pg_server: Any, second: str, batch: str, firs
     return outcome
 
 
-@pytest.mark.parametrize("second", list(SECOND_PRODUCERS))
+# On PostgreSQL 15 the race runs with one driver: the others send the same statements (publish_drivers.py).
+@pytest.mark.parametrize("second", [pytest.param(s, marks=pytest.mark.pg15) if s == "psycopg" else s
+                                    for s in SECOND_PRODUCERS])
 @pytest.mark.parametrize("first_outcome", ["commit", "rollback"])
 @pytest.mark.parametrize("batch", list(SECOND_BATCHES))
 def test_concurrent_producers_with_one_key(dsn: str, outbox: Outbox, pg_server: Any, second: str,
@@ -781,6 +803,7 @@ def producer_dsn(dsn: str, pg_server: Any) -> Iterator[str]:
             admin.execute(sql.SQL("DROP ROLE {}").format(role))
 
 
+@pytest.mark.pg15
 def test_conflicts_are_found_with_a_producers_rights(dsn: str, producer_dsn: str, outbox: Outbox,
                                                      pg_server: Any) -> None:
     with psycopg.connect(producer_dsn) as conn:
@@ -802,6 +825,7 @@ def test_conflicts_are_found_with_a_producers_rights(dsn: str, producer_dsn: str
 # -- batches ------------------------------------------------------------------------------
 
 
+@pytest.mark.pg15
 def test_publish_many_is_one_statement_in_input_order(dsn: str, outbox: Outbox) -> None:
     # Every tenth event repeats the event 7 before it (a retry inside the batch).
     events = [make_event(type="t", key=f"key-{j % 37}", topic=TOPIC, payload={"i": j}, idempotency_key=f"idem-{j}")
@@ -819,6 +843,7 @@ def test_publish_many_is_one_statement_in_input_order(dsn: str, outbox: Outbox) 
     assert [r.id for r in results[7::10]] == [e.id for e in events[0::10]]
 
 
+@pytest.mark.pg15
 def test_publish_statement_cost_grows_linearly(dsn: str, outbox: Outbox) -> None:
     # The planner knows nothing of a CTE's columns, so joins between CTEs multiply its row estimates
     # (n * n / 200): a batch of a few thousand events was costed past jit_above_cost (100,000 by
@@ -934,6 +959,7 @@ def test_unknown_fields(dsn: str, outbox: Outbox) -> None:
     assert stored(dsn) == []
 
 
+@pytest.mark.pg15
 def test_limits_agree_with_the_database(dsn: str, outbox: Outbox) -> None:
     # The largest key Python accepts is one the CHECK constraint accepts (bytes, not characters),
     # and the deepest payload is stored and read back.
@@ -970,6 +996,7 @@ HEADER_NAMES = [*sorted(RESERVED_HEADERS), "CE_ID", "Ce_SpecVersion", "Content-T
                 "trace", *LOOKALIKES]
 
 
+@pytest.mark.pg15
 def test_reserved_header_names_agree_with_the_database(dsn: str) -> None:
     # Every name the trigger refuses, Python refuses first (a refusal mid-statement would abort the
     # caller's transaction); for ASCII names the two lists are the same.
@@ -1002,6 +1029,7 @@ def test_reserved_header_names_agree_with_the_database(dsn: str) -> None:
 # -- producers in other languages (docs/sql-producers.md, run as written there) -----------------------
 
 
+@pytest.mark.pg15
 def test_the_documented_sql_producer(dsn: str, outbox: Outbox) -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "sql-producers.md").read_text()
     insert, check = re.findall(r"```sql\n(.*?)```", text, re.S)
@@ -1025,6 +1053,7 @@ def test_the_documented_sql_producer(dsn: str, outbox: Outbox) -> None:
     assert when == (datetime(2026, 11, 2, 10, 15, tzinfo=UTC),)
 
 
+@pytest.mark.pg15
 def test_the_schema_version_is_stored_and_checked(dsn: str, outbox: Outbox) -> None:
     with psycopg.connect(dsn) as conn:
         outbox.publish(conn, type="t", key="k", payload={})
@@ -1042,6 +1071,7 @@ def test_the_schema_version_is_stored_and_checked(dsn: str, outbox: Outbox) -> N
                      "VALUES ('t', 'k', 't', '{}', 0)")
 
 
+@pytest.mark.pg15
 def test_each_call_sends_the_cheapest_statement_that_keeps_its_promises(dsn: str, outbox: Outbox) -> None:
     """One event is a plain INSERT of the fields that differ from the defaults (insert_plain), with or
     without an idempotency key (its row count says whether the key was free: a look-up only when it was
@@ -1079,6 +1109,7 @@ def test_each_call_sends_the_cheapest_statement_that_keeps_its_promises(dsn: str
     assert sent(lambda c: outbox.publish_many(c, keyed)) == ["publish"]
 
 
+@pytest.mark.pg15
 def test_a_batch_round_trips_every_field_as_given(dsn: str, outbox: Outbox) -> None:
     """publish_many sends a batch as one JSON document: every field must come back as given, whatever
     the characters (quotes, backslashes, non-ASCII, JSON null, nested payloads, headers, times)."""
@@ -1103,6 +1134,7 @@ def test_a_batch_round_trips_every_field_as_given(dsn: str, outbox: Outbox) -> N
     assert fetch_rows(dsn, "SELECT count(*) FROM outbox.events WHERE payload = 'null'::jsonb") == [(1,)]
 
 
+@pytest.mark.pg15
 def test_plain_dicts_round_trip_as_the_general_path_stores_them(dsn: str, outbox: Outbox) -> None:
     """publish_many builds rows from plain dicts without an Event (its quick path): the stored rows are
     the ones the general path (an Event per dict) stores, field by field."""

@@ -20,6 +20,8 @@ from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import RecordingSink, keys_in_bucket, make_settings, publish, running, settled
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 TOPIC = "orders"
 
 

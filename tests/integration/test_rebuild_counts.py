@@ -15,6 +15,8 @@ from outbox_relay.positions import Cursor
 from outbox_relay.sqlfiles import query
 from tests.integration.relay_helpers import publish
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 SINK = "counted.rebuild"
 
 

@@ -35,6 +35,8 @@ from tests.integration.test_rebuild import (  # noqa: F401  (the `live` fixture)
     totals_projection,
 )
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 def until(condition: Callable[[], Any], timeout: float = 60.0) -> None:
     """Poll a condition of the database (nothing else signals it) until it holds."""

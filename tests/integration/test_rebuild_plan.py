@@ -20,6 +20,8 @@ from outbox_relay.sqlfiles import query
 from projections.bulk import LANES, lane_buckets
 from tests.integration.test_relay_plan import explain, nodes, on_events_table
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 RANGES = 4
 PER_RANGE = 25_000
 LIMIT = 2_000

@@ -53,6 +53,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
 )
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 # -- helpers ----------------------------------------------------------------------------------
 
 

@@ -23,6 +23,8 @@ from outbox_relay.positions import Cursor, Snapshot
 from outbox_relay.sqlfiles import query
 from tests.integration.relay_helpers import SINK
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 ROWS = 200_000
 LEASED = list(range(0, 256, 4))  # 64 buckets
 LIMIT = 16

@@ -10,10 +10,13 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+import pytest
 
 from outbox_relay import Outbox
 from tests.integration.relay_helpers import fetch_all, register
 from tests.servers import consume_all, create_topic
+
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
 
 
 def main(args: list[str]) -> subprocess.CompletedProcess[str]:

@@ -9,6 +9,8 @@ import pytest
 from outbox_relay import cli
 from tests.cli_helpers import run_cli
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-5", "1e308", "3650.1d"])
 def test_a_retention_the_relays_would_refuse_is_refused(dsn: str, capsys: pytest.CaptureFixture[str],

@@ -27,6 +27,8 @@ from tests.integration.doc_roles import doc_roles, printed_grants
 from tests.integration.relay_helpers import ALL_BUCKETS, RecordingSink, close_history, make_settings, run_until
 from tests.servers import PgServer
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "roles.md"
 ROLES = ("outbox_migrator", "outbox_relay", "outbox_producer", "outbox_projector", "outbox_console",
          "orders_read_models")

@@ -14,6 +14,8 @@ from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import SINK, RecordingSink, fetch_all, make_settings, publish, register
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 def drop(dsn: str, sink: str = SINK) -> None:
     """What ``outbox-relay sinks drop --force`` leaves: a tombstone, no cursors, parked or dead letters."""

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg_pool import ConnectionPool
 
 from outbox_relay.publish import Outbox
@@ -27,6 +28,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     undelivered,
 )
 from tests.servers import wait_until
+
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
 
 
 def test_a_transaction_open_the_whole_time_holds_nothing_back(dsn: str, pool: ConnectionPool[Any]) -> None:

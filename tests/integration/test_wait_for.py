@@ -43,6 +43,8 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
 )
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 # Far longer than any of these tests needs: a waiter that raises "at once" must beat it by a wide margin.
 LONG = 30.0
 AT_ONCE = 5.0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
+
 from outbox_relay.relay import SinkRunner
 from outbox_relay.sinks.engine import Failure
 from outbox_relay.worker import Worker
@@ -18,6 +20,8 @@ from tests.integration.relay_helpers import (
     settled,
 )
 from tests.servers import wait_until
+
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
 
 
 def _count_cycles(runner: SinkRunner) -> list[int]:

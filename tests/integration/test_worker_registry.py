@@ -20,6 +20,8 @@ from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import SINK, RecordingSink, fetch_all, make_settings, register, running, settled
 from tests.servers import wait_until
 
+pytestmark = pytest.mark.pg15  # the PostgreSQL 15 step runs it too (scripts/test.sh)
+
 
 def meta(instance: str, host: str = "elsewhere", pid: int = 4242, ttl: float = 10.0) -> dict[str, Any]:
     return {"instance": instance, "host": host, "pid": pid, "ttl_seconds": ttl}
