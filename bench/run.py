@@ -690,6 +690,8 @@ class Bench:
                     for i, t in recorded["acks"].items():
                         acked[i] = min(t, acked.get(i, t))  # a bucket handed over may be sent twice
                     batches.extend(recorded["batches"])
+                    out["reads"] = out.get("reads", 0) + recorded.get("reads", 0)
+                    out["empty_reads"] = out.get("empty_reads", 0) + recorded.get("empty_reads", 0)
                 out.update(batch_stages(batches, json.loads(commits_path.read_text())["commits"]))
             else:
                 out["peak_rss_mb"] = {f"tuned-{i}": self.peak_rss_mb(p.pid) for i, p in enumerate(workers)}
@@ -1349,6 +1351,9 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                 row(case, label, "ms", [r.get(k) for r in rs])
         if all("batches" in r for r in rs):
             row(case, "batches (claims with events) while publishing", "", [r["batches"] for r in rs])
+        if all("reads" in r for r in rs):  # the whole run, warm-up and drain included
+            row(case, "relay reads (the whole run)", "", [r["reads"] for r in rs])
+            row(case, "relay reads that found nothing", "", [r["empty_reads"] for r in rs])
         for group in ("relays", "postgres for relays", "postgres for producer", "postgres other", "broker",
                       "bench clients", "machine"):
             if all(group in r.get("cpu", {}) for r in rs):
