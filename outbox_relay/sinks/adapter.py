@@ -184,16 +184,23 @@ class _Run:
                 lane.event = None
                 if lane.detached:
                     return  # abandoned: the runner already charged this call
-                if isinstance(result, SinkUnavailable):
-                    self.unavailable = result
+                if self.record(e, result, todo):
                     return
-                self.outcomes[e.id] = result
-                if result is not None and result.retriable:
-                    todo.clear()  # the key waits for this event's retry: its later events are not attempted
         finally:
             self.active.discard(lane)
             self.cond.notify_all()
             self.cond.release()
+
+    def record(self, e: StoredEvent, result: Failure | SinkUnavailable | None, todo: deque[StoredEvent]) -> bool:
+        """A lane's call for ``e`` returned ``result`` (under ``cond``; thread and task lanes alike): True when
+        the lane stops, because the sink said it is unavailable and nothing more is attempted."""
+        if isinstance(result, SinkUnavailable):
+            self.unavailable = result
+            return True
+        self.outcomes[e.id] = result
+        if result is not None and result.retriable:
+            todo.clear()  # the key waits for this event's retry: its later events are not attempted
+        return False
 
     def call(self, e: StoredEvent) -> Any:
         """An async sink's call for ``e`` (a TaskLane awaits it), or why the event can not be given."""

@@ -52,6 +52,9 @@ class Run(Protocol):
     def outcome(self, result: object) -> Failure | None:
         """What the engine makes of the call's answer."""
 
+    def record(self, e: StoredEvent, result: Failure | SinkUnavailable | None, todo: deque[StoredEvent]) -> bool:
+        """Take a call's result (under ``cond``); True when the lane stops (the sink is unavailable)."""
+
 
 class TaskLane:
     """One lane of an async sink for one batch: a task on ``loop``. ``event``, ``since`` and ``detached`` are
@@ -87,6 +90,8 @@ class TaskLane:
             self.task = self.loop.loop.create_task(self._work(run), context=run.context.copy())
 
     async def _work(self, run: Run) -> None:
+        # A twin of the thread lane's loop (adapter._Run.work), kept by hand: that one blocks in the call, this
+        # one awaits it; the rules they share (what a result does to the key and the batch) are in ``record``.
         cond = run.cond
         todo: deque[StoredEvent] = deque()  # the rest of this lane's current key
         cond.acquire()
@@ -106,12 +111,8 @@ class TaskLane:
                 self.event = None
                 if self.detached:
                     return  # abandoned: the runner already charged this call
-                if isinstance(result, SinkUnavailable):
-                    run.unavailable = result
+                if run.record(e, result, todo):
                     return
-                run.outcomes[e.id] = result
-                if result is not None and result.retriable:
-                    todo.clear()  # the key waits for this event's retry: its later events are not attempted
         finally:
             run.active.discard(self)
             if not run.active:
