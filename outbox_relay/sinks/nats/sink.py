@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from ...dsn import describe_error
 from ...errors import ConfigurationError
 from ..user import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
+from .acks import JetStreamError, NoStream
 from .connection import Connection, ConnectOptions, check_url, client_library, read_secret
 from .message import message
 from .subjects import check_prefix, check_topic
@@ -42,6 +43,7 @@ MESSAGE_TOO_LARGE = 10054  # JSStreamMessageExceedsMaximumErr: the stream's max_
 STREAM_MISMATCH = 10060  # JSStreamNotMatchErr: Nats-Expected-Stream is another stream
 STORE_FULL = frozenset({10077, 10047, 10023})  # maximum messages/bytes exceeded, insufficient resources
 UNAVAILABLE_SECONDS = 2.0  # a condition's wait when the server named none
+EXPECTED_STREAM = "Nats-Expected-Stream"  # the header that makes the server check the subject's stream
 
 
 class NatsSink:
@@ -86,6 +88,11 @@ class NatsSink:
         self.connection = Connection(options, name)
         self.endpoint = self.connection.endpoint
         self._client = client_library()
+        errors = self._client.errors
+        # What the client's publish raises when the connection is down (TimeoutError: no PubAck in time).
+        self._down = (errors.ConnectionClosedError, errors.ConnectionReconnectingError, errors.OutboundBufferLimitError,
+                      errors.StaleConnectionError, errors.NoServersError, errors.ConnectionDrainingError,
+                      ConnectionError)
 
     def __repr__(self) -> str:
         return f"NatsSink(name={self.name!r}, endpoint={self.endpoint!r}, prefix={self.prefix!r})"
@@ -95,38 +102,39 @@ class NatsSink:
                        source=self.source)
         if isinstance(made, GiveUp):
             return made
-        js = await self.connection.jetstream()
+        acks = await self.connection.acks()
         limit = self.connection.max_payload()
         if made.size > limit:
             return GiveUp(f"the message is {made.size} bytes (headers and payload), over the server's max_payload "
                           f"of {limit}")
-        errors, js_errors = self._client.errors, self._client.js.errors
-        where = f"nats {self.endpoint}: subject {made.subject[:200]}"
+        if self.stream is not None:
+            made.headers[EXPECTED_STREAM] = self.stream
         try:
-            await js.publish(made.subject, made.payload, timeout=self.ack_timeout_seconds, stream=self.stream,
-                             headers=made.headers)
-        except js_errors.NoStreamResponseError:
-            raise SinkUnavailable(f"{where}: no stream takes this subject (no responders; add a stream whose subjects "
-                                  f"cover {self.prefix}.>)", self.unavailable_seconds) from None
-        except js_errors.APIError as exc:
-            return self._api_error(where, exc)
-        except errors.MaxPayloadError:
-            return GiveUp(f"{where}: the payload is over the server's max_payload of {limit} bytes")
-        except (TimeoutError, errors.TimeoutError):
+            error = await acks.publish(made.subject, made.payload, made.headers, self.ack_timeout_seconds)
+        except NoStream:
+            raise SinkUnavailable(f"{self._where(made.subject)}: no stream takes this subject (no responders; add a "
+                                  f"stream whose subjects cover {self.prefix}.>)", self.unavailable_seconds) from None
+        except self._client.errors.MaxPayloadError:
+            return GiveUp(f"{self._where(made.subject)}: the payload is over the server's max_payload of {limit} "
+                          "bytes")
+        except (TimeoutError, self._client.errors.TimeoutError):
             said = self.connection.last_error
-            raise SinkUnavailable(f"{where}: no PubAck within {self.ack_timeout_seconds:g}s (the server did not "
-                                  f"answer{f'; it last said: {said}' if said else ''})",
+            raise SinkUnavailable(f"{self._where(made.subject)}: no PubAck within {self.ack_timeout_seconds:g}s (the "
+                                  f"server did not answer{f'; it last said: {said}' if said else ''})",
                                   self.unavailable_seconds) from None
-        except (errors.ConnectionClosedError, errors.ConnectionReconnectingError, errors.OutboundBufferLimitError,
-                errors.StaleConnectionError, errors.NoServersError, errors.ConnectionDrainingError,
-                ConnectionError) as exc:
-            raise SinkUnavailable(f"{where}: the connection is down: {describe_error(exc)}",
+        except self._down as exc:
+            raise SinkUnavailable(f"{self._where(made.subject)}: the connection is down: {describe_error(exc)}",
                                   self.unavailable_seconds) from None
+        if error is not None:
+            return self._api_error(self._where(made.subject), error)
         return Delivered()
 
-    def _api_error(self, where: str, exc: Exception) -> Retry | GiveUp:
-        code, err_code = getattr(exc, "code", None), getattr(exc, "err_code", None)
-        what = f"{where}: JetStream error {code}/{err_code}: {getattr(exc, 'description', None) or exc}"
+    def _where(self, subject: str) -> str:
+        return f"nats {self.endpoint}: subject {subject[:200]}"
+
+    def _api_error(self, where: str, error: JetStreamError) -> Retry | GiveUp:
+        code, err_code = error.code, error.err_code
+        what = f"{where}: JetStream error {code}/{err_code}: {error.description}"
         if err_code == MESSAGE_TOO_LARGE:
             return GiveUp(what)
         if err_code == STREAM_MISMATCH:
