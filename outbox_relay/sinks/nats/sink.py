@@ -30,7 +30,7 @@ from ...errors import ConfigurationError
 from ..user import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
 from .acks import JetStreamError, NoStream
 from .connection import Connection, ConnectOptions, check_url, client_library, read_secret
-from .message import message
+from .message import Messages
 from .subjects import check_prefix, check_topic
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ MESSAGE_TOO_LARGE = 10054  # JSStreamMessageExceedsMaximumErr: the stream's max_
 STREAM_MISMATCH = 10060  # JSStreamNotMatchErr: Nats-Expected-Stream is another stream
 STORE_FULL = frozenset({10077, 10047, 10023})  # maximum messages/bytes exceeded, insufficient resources
 UNAVAILABLE_SECONDS = 2.0  # a condition's wait when the server named none
-EXPECTED_STREAM = "Nats-Expected-Stream"  # the header that makes the server check the subject's stream
 
 
 class NatsSink:
@@ -86,6 +85,8 @@ class NatsSink:
         if not tls_verify:
             log.warning("nats sink %s: TLS certificate verification is OFF", name)
         self.connection = Connection(options, name)
+        self.messages = Messages(sink=name, prefix=self.prefix, default_topic=default_topic, source=source,
+                                 stream=stream)
         self.endpoint = self.connection.endpoint
         self._client = client_library()
         errors = self._client.errors
@@ -98,8 +99,7 @@ class NatsSink:
         return f"NatsSink(name={self.name!r}, endpoint={self.endpoint!r}, prefix={self.prefix!r})"
 
     async def deliver(self, event: SinkEvent) -> Delivered | Retry | GiveUp:
-        made = message(event, sink=self.name, prefix=self.prefix, default_topic=self.default_topic,
-                       source=self.source)
+        made = self.messages.build(event)
         if isinstance(made, GiveUp):
             return made
         acks = await self.connection.acks()
@@ -107,8 +107,6 @@ class NatsSink:
         if made.size > limit:
             return GiveUp(f"the message is {made.size} bytes (headers and payload), over the server's max_payload "
                           f"of {limit}")
-        if self.stream is not None:
-            made.headers[EXPECTED_STREAM] = self.stream
         try:
             error = await acks.publish(made.subject, made.payload, made.headers, self.ack_timeout_seconds)
         except NoStream:
