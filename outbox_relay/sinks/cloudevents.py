@@ -22,9 +22,9 @@ _HEADER_UNSAFE = re.compile(r'[^\x21-\x7e]|["%]')
 
 def rfc3339(when: datetime) -> str:
     """``when`` in UTC as CloudEvents' ``time`` (a naive time is read as UTC)."""
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    if when.tzinfo is not UTC:  # what a read gives is UTC already: no conversion
+        when = when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
+    return when.isoformat().replace("+00:00", "Z")
 
 
 def header_value(value: str) -> str:

@@ -52,6 +52,8 @@ def test_a_message_goes_to_prefix_topic_key() -> None:
 @pytest.mark.parametrize(("event", "words"), [
     (_event(topic=None), "no topic"),
     (_event(topic="a..b"), "empty token"),
+    (_event(topic="a b"), "whitespace"),  # the sink writes the protocol line itself (acks.py)
+    (_event(topic="a\r\nPUB x 1"), "control character"),
     (_event(key="日" * 500), "bytes once escaped"),  # past the 1,024-byte key limit: rows from before it
     (_event(headers={"bad name": "v"}), "not a valid NATS header name"),
     (_event(headers={"x-a": "line\r\nbreak"}), "line break"),

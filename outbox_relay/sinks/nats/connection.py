@@ -21,10 +21,10 @@ from ...dsn import describe_error, remember_secret
 from ...errors import ConfigurationError
 from ..credentials import read_secret_file, remember_url_secret
 from ..user import SinkUnavailable
+from .acks import Acks
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
-    from nats.js import JetStreamContext
 
 log = logging.getLogger("outbox_relay.nats")
 
@@ -148,7 +148,8 @@ class ConnectOptions:
 
 
 class Connection:
-    """One NATS client and its JetStream context, made on the event loop of the first call that needs it.
+    """One NATS client and its PubAck subscription (``Acks``), made on the event loop of the first call that
+    needs it.
     Only touched on that loop, but for ``close`` (any thread)."""
 
     def __init__(self, options: ConnectOptions, sink: str) -> None:
@@ -157,14 +158,14 @@ class Connection:
         self.endpoint = endpoint(options.servers)
         self.last_error: str | None = None  # the last asynchronous error the server sent (e.g. a permission)
         self._nc: Client | None = None
-        self._js: JetStreamContext | None = None
+        self._acks: Acks | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock: asyncio.Lock | None = None
         self._closing = False  # close() was called: a disconnect is no news
         client_library()  # a missing extra is a configuration error at start-up, not a failure per event
 
-    async def jetstream(self) -> JetStreamContext:
-        """The JetStream context of a connected client; SinkUnavailable if there is none now."""
+    async def acks(self) -> Acks:
+        """The publisher of a connected client; SinkUnavailable if there is none now."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             await self._drop()
@@ -172,14 +173,14 @@ class Connection:
         assert self._lock is not None
         async with self._lock:
             if self._nc is not None and self._nc.is_closed:
-                self._nc = self._js = None
+                self._nc = self._acks = None
             if self._nc is None:
                 await self._connect()
-        nc, js = self._nc, self._js
-        assert nc is not None and js is not None
+        nc, acks = self._nc, self._acks
+        assert nc is not None and acks is not None
         if not nc.is_connected:
             raise SinkUnavailable(f"nats {self.endpoint}: not connected (reconnecting)", RECONNECT_WAIT_SECONDS * 2)
-        return js
+        return acks
 
     def max_payload(self) -> int:
         """The largest message (headers and payload) the connected server takes, from its INFO."""
@@ -195,6 +196,7 @@ class Connection:
                 nc.connect(**self.options.arguments(), error_cb=self._error, disconnected_cb=self._disconnected,
                            reconnected_cb=self._reconnected, name=f"outbox-relay {self.sink}"),
                 self.options.connect_timeout_seconds * (RECONNECT_ATTEMPTS + 1) + RECONNECT_WAIT_SECONDS * 2)
+            acks = await Acks(nc).start()
         except BaseException as exc:
             # Half made (a timeout, or the call abandoned and cancelled): its socket is closed here, not left to
             # the garbage collector.
@@ -202,7 +204,7 @@ class Connection:
             if not isinstance(exc, Exception):
                 raise
             raise SinkUnavailable(f"nats {self.endpoint}: can not connect: {self._why(exc)}", 1.0) from None
-        self._nc, self._js = nc, nc.jetstream()
+        self._nc, self._acks = nc, acks
         log.info("nats sink %s: connected to %s", self.sink, self.endpoint)
 
     def _why(self, exc: BaseException) -> str:
@@ -227,7 +229,7 @@ class Connection:
         log.info("nats sink %s: reconnected to %s", self.sink, self.endpoint)
 
     async def _drop(self) -> None:
-        nc, self._nc, self._js = self._nc, None, None
+        nc, self._nc, self._acks = self._nc, None, None
         if nc is not None and not nc.is_closed:
             await self._close(nc)
 
@@ -244,7 +246,7 @@ class Connection:
         """Close the client from any thread (on its loop, if that still runs)."""
         nc, loop = self._nc, self._loop
         if nc is None or loop is None or loop.is_closed() or nc.is_closed:
-            self._nc = self._js = None
+            self._nc = self._acks = None
             return
         try:
             running = asyncio.get_running_loop()

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING
 from ...dsn import describe_error
 from ...errors import ConfigurationError
 from ..user import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
+from .acks import JetStreamError, NoStream
 from .connection import Connection, ConnectOptions, check_url, client_library, read_secret
-from .message import message
+from .message import Messages
 from .subjects import check_prefix, check_topic
 
 if TYPE_CHECKING:
@@ -84,49 +85,54 @@ class NatsSink:
         if not tls_verify:
             log.warning("nats sink %s: TLS certificate verification is OFF", name)
         self.connection = Connection(options, name)
+        self.messages = Messages(sink=name, prefix=self.prefix, default_topic=default_topic, source=source,
+                                 stream=stream)
         self.endpoint = self.connection.endpoint
         self._client = client_library()
+        errors = self._client.errors
+        # What the client's publish raises when the connection is down (TimeoutError: no PubAck in time).
+        self._down = (errors.ConnectionClosedError, errors.ConnectionReconnectingError, errors.OutboundBufferLimitError,
+                      errors.StaleConnectionError, errors.NoServersError, errors.ConnectionDrainingError,
+                      ConnectionError)
 
     def __repr__(self) -> str:
         return f"NatsSink(name={self.name!r}, endpoint={self.endpoint!r}, prefix={self.prefix!r})"
 
     async def deliver(self, event: SinkEvent) -> Delivered | Retry | GiveUp:
-        made = message(event, sink=self.name, prefix=self.prefix, default_topic=self.default_topic,
-                       source=self.source)
+        made = self.messages.build(event)
         if isinstance(made, GiveUp):
             return made
-        js = await self.connection.jetstream()
+        acks = await self.connection.acks()
         limit = self.connection.max_payload()
         if made.size > limit:
             return GiveUp(f"the message is {made.size} bytes (headers and payload), over the server's max_payload "
                           f"of {limit}")
-        errors, js_errors = self._client.errors, self._client.js.errors
-        where = f"nats {self.endpoint}: subject {made.subject[:200]}"
         try:
-            await js.publish(made.subject, made.payload, timeout=self.ack_timeout_seconds, stream=self.stream,
-                             headers=made.headers)
-        except js_errors.NoStreamResponseError:
-            raise SinkUnavailable(f"{where}: no stream takes this subject (no responders; add a stream whose subjects "
-                                  f"cover {self.prefix}.>)", self.unavailable_seconds) from None
-        except js_errors.APIError as exc:
-            return self._api_error(where, exc)
-        except errors.MaxPayloadError:
-            return GiveUp(f"{where}: the payload is over the server's max_payload of {limit} bytes")
-        except (TimeoutError, errors.TimeoutError):
+            error = await acks.publish(made.subject, made.payload, made.headers, self.ack_timeout_seconds)
+        except NoStream:
+            raise SinkUnavailable(f"{self._where(made.subject)}: no stream takes this subject (no responders; add a "
+                                  f"stream whose subjects cover {self.prefix}.>)", self.unavailable_seconds) from None
+        except self._client.errors.MaxPayloadError:
+            return GiveUp(f"{self._where(made.subject)}: the payload is over the server's max_payload of {limit} "
+                          "bytes")
+        except (TimeoutError, self._client.errors.TimeoutError):
             said = self.connection.last_error
-            raise SinkUnavailable(f"{where}: no PubAck within {self.ack_timeout_seconds:g}s (the server did not "
-                                  f"answer{f'; it last said: {said}' if said else ''})",
+            raise SinkUnavailable(f"{self._where(made.subject)}: no PubAck within {self.ack_timeout_seconds:g}s (the "
+                                  f"server did not answer{f'; it last said: {said}' if said else ''})",
                                   self.unavailable_seconds) from None
-        except (errors.ConnectionClosedError, errors.ConnectionReconnectingError, errors.OutboundBufferLimitError,
-                errors.StaleConnectionError, errors.NoServersError, errors.ConnectionDrainingError,
-                ConnectionError) as exc:
-            raise SinkUnavailable(f"{where}: the connection is down: {describe_error(exc)}",
+        except self._down as exc:
+            raise SinkUnavailable(f"{self._where(made.subject)}: the connection is down: {describe_error(exc)}",
                                   self.unavailable_seconds) from None
+        if error is not None:
+            return self._api_error(self._where(made.subject), error)
         return Delivered()
 
-    def _api_error(self, where: str, exc: Exception) -> Retry | GiveUp:
-        code, err_code = getattr(exc, "code", None), getattr(exc, "err_code", None)
-        what = f"{where}: JetStream error {code}/{err_code}: {getattr(exc, 'description', None) or exc}"
+    def _where(self, subject: str) -> str:
+        return f"nats {self.endpoint}: subject {subject[:200]}"
+
+    def _api_error(self, where: str, error: JetStreamError) -> Retry | GiveUp:
+        code, err_code = error.code, error.err_code
+        what = f"{where}: JetStream error {code}/{err_code}: {error.description}"
         if err_code == MESSAGE_TOO_LARGE:
             return GiveUp(what)
         if err_code == STREAM_MISMATCH:

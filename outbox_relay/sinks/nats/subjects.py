@@ -24,6 +24,7 @@ MAX_PREFIX_CHARS = 255
 # The server refuses a protocol line (HPUB subject reply sizes) longer than max_control_line, 4096 by default, by
 # closing the connection: a longer subject is refused here, with the reply inbox's room left.
 MAX_SUBJECT_BYTES = 3900
+_BREAKS_LINE = re.compile(r"[\x00-\x20\x7f]")
 
 
 def subject_token(key: str) -> str:
@@ -42,7 +43,10 @@ def check_prefix(prefix: str) -> str:
 
 
 def topic_problem(topic: str) -> str | None:
-    """Why ``topic`` can not be part of a subject (an empty token), or None."""
+    """Why ``topic`` can not be part of a subject (an empty token, whitespace or a control character: it would
+    break the protocol line), or None."""
+    if _BREAKS_LINE.search(topic):
+        return f"topic {topic[:100]!r} can not be a NATS subject: it holds whitespace or a control character"
     if any(not token for token in topic.split(".")):
         return (f"topic {topic[:100]!r} can not be a NATS subject: it has an empty token (a leading, trailing or "
                 "double '.')")
