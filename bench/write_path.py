@@ -77,6 +77,8 @@ LABELS = {
     "copy": "COPY into c (ceiling)",
     "copy_events": "COPY into outbox.events (trigger, two routing levels)",
     "copy_leaf": "COPY into the leaf partition directly (trigger, no routing; leaf looked up per transaction)",
+    "publish_many_keyed": "Outbox.publish_many, an idempotency key per event",
+    "unnest_keyed": "INSERT ... SELECT FROM unnest ... ON CONFLICT DO NOTHING into the copy (a key per event)",
 }
 # The case each ratio compares with, and the goal (issue 14 goal 1; f/c: goal 2, NOTIFY under 5%).
 RATIOS = (("e", "c", 0.8, 1.2), ("d", "c", 0.8, 1.2), ("e_key", "c_key", 0.8, 1.2), ("d_key", "c_key", 0.8, 1.2),
