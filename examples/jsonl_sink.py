@@ -14,7 +14,9 @@ only says how each delivery went (docs/writing-a-sink.md):
   not the event's fault, so the events wait without using up their attempts.
 
 Delivery is at least once: after a crash the relay delivers again what it had not checkpointed, so a
-reader of the log skips lines whose ``id`` it has seen.
+reader of the log skips lines whose ``id`` it has seen. A crash in the middle of a write (SIGKILL, power)
+can leave the last line torn; the sink ends such a line before it appends, so a reader skips the one line
+that is not JSON and the events on it come again.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class JsonLinesSink:
         self.max_line_bytes = max_line_bytes
         self.unavailable_seconds = unavailable_seconds
         self._lock = threading.Lock()  # with concurrency > 1, lines of several keys are written at once
+        self._tail_checked = False  # whether a line torn by a crash before this process was ended
 
     def deliver(self, event: SinkEvent) -> Delivered | GiveUp:
         meta = json.dumps({"id": str(event.id), "key": event.key, "type": event.type, "topic": event.topic,
@@ -47,6 +50,9 @@ class JsonLinesSink:
                           "limit of the audit log")
         try:
             with self._lock, self.path.open("a", encoding="utf-8") as log:
+                if not self._tail_checked:
+                    line = self._after_torn_tail() + line
+                    self._tail_checked = True
                 log.write(line)
                 log.flush()
                 os.fsync(log.fileno())  # delivered means on disk: the relay checkpoints after this returns
@@ -54,6 +60,15 @@ class JsonLinesSink:
             raise SinkUnavailable(f"cannot write to {self.path}: {exc.strerror or exc}",
                                   retry_after_seconds=self.unavailable_seconds) from exc
         return Delivered()
+
+
+    def _after_torn_tail(self) -> str:
+        """A newline if the log's last line was torn by a crash (it does not end with one), else nothing."""
+        with self.path.open("rb") as log:
+            if log.seek(0, os.SEEK_END) == 0:
+                return ""
+            log.seek(-1, os.SEEK_END)
+            return "" if log.read(1) == b"\n" else "\n"
 
 
 def make_sink() -> JsonLinesSink:
