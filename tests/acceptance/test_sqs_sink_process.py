@@ -42,7 +42,10 @@ def start(dsn: str, tmp_path: Path, worker_id: str, url: str, prefix: str) -> su
     env.pop("AWS_PROFILE", None)
     with (tmp_path / f"{worker_id}.stderr").open("wb") as err:
         return subprocess.Popen(
+            # --cursor-flush-seconds 0: delivered() reads the stored cursors, so they follow every batch (a busy
+            # relay otherwise writes them once a second, and the kill below could land after the last batch).
             [*command(), "run", "--worker-id", worker_id, *FAST, "--no-kafka", "--batch-size", "100",
+             "--cursor-flush-seconds", "0",
              "--sqs-url", url, "--sqs-queue-prefix", prefix, "--sqs-unavailable-seconds", "0.3",
              "--sqs-timeout-seconds", "2", "--sqs-connect-timeout-seconds", "1"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
