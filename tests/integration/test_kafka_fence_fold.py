@@ -72,6 +72,19 @@ def kafka_runner(dsn: str, pool: ConnectionPool[Any], sink: KafkaSink, buckets: 
     return runner, seen
 
 
+def counting_reads(monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
+    """The buckets of every read the runner runs (``store.fetch_events``), recorded as it goes to the database."""
+    reads: list[set[int]] = []
+    real = store.fetch_events
+
+    def fetch(conn: Any, sink: str, worker: str, wanted: dict[int, Any], *args: Any, **kwargs: Any) -> Any:
+        reads.append(set(wanted))
+        return real(conn, sink, worker, wanted, *args, **kwargs)
+
+    monkeypatch.setattr(store, "fetch_events", fetch)
+    return reads
+
+
 def counting_checkpoints(monkeypatch: pytest.MonkeyPatch) -> list[store.Checkpoint]:
     """Every checkpoint statement the runner runs (``store.checkpoint``: the fence check of a batch of
     its own, cursor writes), recorded as it goes to the real database."""
@@ -93,14 +106,7 @@ def test_a_batch_lands_with_the_next_read_without_a_statement_of_its_own(
     buckets (a notification named only those): the batch's buckets are read with it."""
     runner, seen = kafka_runner(dsn, pool, kafka_sink, {BUCKET, OTHER})
     checkpoints = counting_checkpoints(monkeypatch)
-    reads: list[set[int]] = []
-    real_fetch = store.fetch_events
-
-    def fetch(conn: Any, sink: str, worker: str, wanted: dict[int, Any], *args: Any, **kwargs: Any) -> Any:
-        reads.append(set(wanted))
-        return real_fetch(conn, sink, worker, wanted, *args, **kwargs)
-
-    monkeypatch.setattr(store, "fetch_events", fetch)
+    reads = counting_reads(monkeypatch)
     runner.listening = lambda: True  # notifications reach it: it reads the buckets they name ...
     runner.reads.full_read_at = time.monotonic() + 600  # ... and no full read comes in this test
     [key] = keys_in_bucket(dsn, BUCKET, 1)
@@ -137,14 +143,7 @@ def test_unheld_a_burst_writes_its_first_batch_and_the_rest_lands_with_one_write
     runner.listening = lambda: True
     runner.reads.full_read_at = time.monotonic() + 600
     checkpoints = counting_checkpoints(monkeypatch)
-    reads: list[set[int]] = []
-    real_fetch = store.fetch_events
-
-    def fetch(conn: Any, sink: str, worker: str, wanted: dict[int, Any], *args: Any, **kwargs: Any) -> Any:
-        reads.append(set(wanted))
-        return real_fetch(conn, sink, worker, wanted, *args, **kwargs)
-
-    monkeypatch.setattr(store, "fetch_events", fetch)
+    reads = counting_reads(monkeypatch)
     [key] = keys_in_bucket(dsn, BUCKET, 1)
     ids = []
     for n in range(3):
