@@ -28,6 +28,7 @@ from outbox_relay.positions import Cursor
 from outbox_relay.publish import Outbox
 from outbox_relay.relay import SinkRunner
 from outbox_relay.settings import RelaySettings
+from outbox_relay.sinks.adapter import EventSinkAdapter
 from outbox_relay.sinks.engine import Aborted, Commit, Failure, Outcomes
 from outbox_relay.store import StoredEvent
 from outbox_relay.worker import Worker
@@ -323,6 +324,23 @@ def runner_for(sink: Any, pool: ConnectionPool[Any], settings: RelaySettings,
     runner = SinkRunner(sink, pool, settings)
     runner.desired = set(buckets)
     return runner
+
+
+def user_sink_runner(sink: Any, pool: ConnectionPool[Any], dsn: str,
+                     **settings: Any) -> tuple[SinkRunner, EventSinkAdapter]:
+    """A runner over a user sink (or an adapter made already) and its adapter; ``handler_timeout_seconds``
+    goes to the adapter, the rest to the settings."""
+    adapter = sink if isinstance(sink, EventSinkAdapter) else EventSinkAdapter(
+        sink, handler_timeout_seconds=settings.pop("handler_timeout_seconds", 30.0))
+    return runner_for(adapter, pool, make_settings(dsn, "w", **settings)), adapter
+
+
+@pytest.fixture(name="release")
+def release_fixture() -> Iterator[threading.Event]:
+    """Set at teardown: lets calls a test abandoned return (their answers, their work, must land nowhere)."""
+    released = threading.Event()
+    yield released
+    released.set()
 
 
 def run_until(runner: SinkRunner, predicate: Callable[[], Any], timeout: float = 15.0,

@@ -40,10 +40,12 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     parked_ids,
     pool_fixture,
     publish,
+    release_fixture,
     run_until,
     runner_for,
     running,
     undelivered,
+    user_sink_runner,
 )
 from tests.servers import wait_until
 
@@ -128,17 +130,6 @@ class AsyncSink:
             self.in_flight -= 1
 
 
-@pytest.fixture(name="release")
-def release_fixture() -> Iterator[threading.Event]:
-    """Set at teardown: lets calls that never returned return (their answers must land nowhere)."""
-    released = threading.Event()
-    yield released
-    released.set()
-
-
-def runner(sink: Any, pool: ConnectionPool[Any], dsn: str, **settings: Any) -> tuple[Any, EventSinkAdapter]:
-    adapter = EventSinkAdapter(sink, handler_timeout_seconds=settings.pop("handler_timeout_seconds", 30.0))
-    return runner_for(adapter, pool, make_settings(dsn, "w", **settings)), adapter
 
 
 def lane_threads() -> list[str]:
@@ -189,7 +180,7 @@ def test_one_key_is_never_two_calls_at_once(dsn: str, pool: ConnectionPool[Any])
         return None
 
     sink = AsyncSink(script, concurrency=8)
-    r, adapter = runner(sink, pool, dsn)
+    r, adapter = user_sink_runner(sink, pool, dsn)
     try:
         run_until(r, lambda: sink.ok == set(ids), timeout=30)
     finally:
@@ -209,7 +200,7 @@ def test_sink_unavailable_stops_the_batch_without_counting_attempts(dsn: str, po
         return None
 
     sink = AsyncSink(script)
-    r, adapter = runner(sink, pool, dsn, max_attempts=2)
+    r, adapter = user_sink_runner(sink, pool, dsn, max_attempts=2)
     try:
         run_until(r, lambda: len(parked_ids(dsn, NAME)) == 3)
         assert len(sink.calls) == 1, "one call said the sink is down: the rest of the batch was not attempted"
@@ -233,7 +224,7 @@ def test_a_long_batch_checkpoints_what_is_delivered_while_a_slow_call_runs(
         return None
 
     sink = AsyncSink(script, concurrency=2)
-    r, adapter = runner(sink, pool, dsn)
+    r, adapter = user_sink_runner(sink, pool, dsn)
     adapter.partial_seconds = 0.2
     done = threading.Thread(target=run_until, args=(r, lambda: sink.ok == set(ids)), kwargs={"timeout": 40})
     done.start()
@@ -293,7 +284,7 @@ def test_a_hung_call_is_cancelled_at_the_time_limit_charged_and_not_counted(
 
     before = settled_abandoned()
     sink = AsyncSink(script)
-    r, adapter = runner(sink, pool, dsn, handler_timeout_seconds=0.3)
+    r, adapter = user_sink_runner(sink, pool, dsn, handler_timeout_seconds=0.3)
     try:
         run_until(r, lambda: ids[0] in parked_ids(dsn, NAME) or ids[0] in sink.ok, timeout=20)
         rows = fetch_all(dsn, "SELECT attempts, last_error FROM outbox.parked WHERE event_id = %s", (ids[0],))
@@ -324,7 +315,7 @@ def test_a_call_that_ignores_its_cancel_counts_against_the_cap_and_stops_the_rel
     before = settled_abandoned()
     monkeypatch.setattr(timelimit, "MAX_ABANDONED", before)  # one more left call is over the cap
     sink = AsyncSink(script, concurrency=2)
-    r, adapter = runner(sink, pool, dsn, handler_timeout_seconds=0.5)
+    r, adapter = user_sink_runner(sink, pool, dsn, handler_timeout_seconds=0.5)
     try:
         with pytest.raises(SinkStuck, match="calls of deliver that never returned"):
             run_until(r, lambda: False, timeout=20)
@@ -350,7 +341,7 @@ def test_a_call_that_blocks_the_loop_is_charged_and_the_other_keys_go_on_on_a_ne
 
     before = settled_abandoned()
     sink = AsyncSink(script)
-    r, adapter = runner(sink, pool, dsn, handler_timeout_seconds=0.5)
+    r, adapter = user_sink_runner(sink, pool, dsn, handler_timeout_seconds=0.5)
     try:
         run_until(r, lambda: sink.ok == set(ids), timeout=30)
         assert timelimit.abandoned_threads() == before + 1, "the blocked loop counts against the cap, once"
@@ -374,7 +365,7 @@ def test_a_loop_the_sink_stops_runs_on_and_nothing_is_charged(dsn: str, pool: Co
         return None
 
     sink = AsyncSink(script)
-    r, adapter = runner(sink, pool, dsn, handler_timeout_seconds=30.0, max_attempts=2)
+    r, adapter = user_sink_runner(sink, pool, dsn, handler_timeout_seconds=30.0, max_attempts=2)
     started = time.monotonic()
     try:
         run_until(r, lambda: sink.ok == set(ids), timeout=20)
@@ -407,7 +398,7 @@ def test_close_cancels_what_runs_on_the_loop_and_closes_it(dsn: str, pool: Conne
         return None
 
     sink = AsyncSink(script)
-    r, adapter = runner(sink, pool, dsn, handler_timeout_seconds=30.0)
+    r, adapter = user_sink_runner(sink, pool, dsn, handler_timeout_seconds=30.0)
     batch = threading.Thread(target=r.run_once)
     batch.start()
     assert entered.wait(20)
@@ -510,7 +501,7 @@ def test_a_sync_deliver_returning_a_coroutine_keeps_lane_threads_and_the_loop_cl
         return None
 
     inner = AsyncSink(script)
-    r, adapter = runner(SyncReturningAwaitable(inner), pool, dsn, handler_timeout_seconds=0.5)
+    r, adapter = user_sink_runner(SyncReturningAwaitable(inner), pool, dsn, handler_timeout_seconds=0.5)
     try:
         run_until(r, lambda: inner.ok == set(ids), timeout=30)
         assert lane_threads(), "a sync deliver keeps its lane threads"

@@ -25,6 +25,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     run_until,
     runner_for,
     undelivered,
+    user_sink_runner,
 )
 from tests.servers import wait_until
 
@@ -51,10 +52,6 @@ class Sink:
         self.deliver = deliver
 
 
-def runner(sink: Any, pool: ConnectionPool[Any], dsn: str, **settings: Any) -> Any:
-    adapter = EventSinkAdapter(sink, handler_timeout_seconds=settings.pop("handler_timeout_seconds", 30.0))
-    return runner_for(adapter, pool, make_settings(dsn, "w", **settings)), adapter
-
 
 def test_a_retry_whose_reason_can_not_be_shown_is_charged_and_dead_letters(dsn: str, pool: ConnectionPool[Any]) -> None:
     ids = publish(dsn, [("a", "t", {}), ("a", "t", {})])
@@ -64,7 +61,7 @@ def test_a_retry_whose_reason_can_not_be_shown_is_charged_and_dead_letters(dsn: 
         calls.append(e.id)
         return Retry(Unprintable()) if e.id == ids[0] else None  # type: ignore[arg-type]
 
-    r, _ = runner(Sink(deliver), pool, dsn, max_attempts=2)
+    r, _ = user_sink_runner(Sink(deliver), pool, dsn, max_attempts=2)
     run_until(r, lambda: ids[1] in calls, timeout=15)
     [(attempts, error)] = dead_letters(dsn, NAME).values()
     assert attempts == 2 and "Unprintable" in error
@@ -81,7 +78,7 @@ def test_an_exception_whose_message_can_not_be_shown_is_charged(dsn: str, pool: 
             raise BadMessage()
         return None
 
-    r, _ = runner(Sink(deliver), pool, dsn, max_attempts=2)
+    r, _ = user_sink_runner(Sink(deliver), pool, dsn, max_attempts=2)
     run_until(r, lambda: ids[1] in calls, timeout=15)
     [(attempts, error)] = dead_letters(dsn, NAME).values()
     assert attempts == 2 and "BadMessage" in error
@@ -100,7 +97,7 @@ def test_an_async_sink_that_raises_system_exit_keeps_its_event_loop(dsn: str, po
         got.append(e.id)
         return None
 
-    r, adapter = runner(Sink(deliver), pool, dsn, handler_timeout_seconds=3.0)
+    r, adapter = user_sink_runner(Sink(deliver), pool, dsn, handler_timeout_seconds=3.0)
     try:
         run_until(r, lambda: undelivered(dsn, NAME) == 0 and not parked_ids(dsn, NAME), timeout=20)
     finally:
@@ -119,7 +116,7 @@ def test_an_async_sink_that_stops_its_event_loop_gets_a_new_one(dsn: str, pool: 
         got.append(e.id)
         return None
 
-    r, adapter = runner(Sink(deliver), pool, dsn, handler_timeout_seconds=1.0, max_attempts=2)
+    r, adapter = user_sink_runner(Sink(deliver), pool, dsn, handler_timeout_seconds=1.0, max_attempts=2)
     try:
         run_until(r, lambda: undelivered(dsn, NAME) == 0 and not parked_ids(dsn, NAME), timeout=20)
     finally:
@@ -144,7 +141,7 @@ def test_the_relays_log_lines_show_hostile_strings_escaped(dsn: str, pool: Conne
         conn.execute("INSERT INTO outbox.events (partition_key, type, topic, payload) VALUES ('k', %s, 't', '{}')",
                      (f"order{HOSTILE}",))
     setup_logging("info", False, "w")
-    r, _ = runner(Sink(lambda e: GiveUp(f"receiver said {HOSTILE}")), pool, dsn)
+    r, _ = user_sink_runner(Sink(lambda e: GiveUp(f"receiver said {HOSTILE}")), pool, dsn)
     run_until(r, lambda: bool(dead_letters(dsn, NAME)))
     err = capsys.readouterr().err
     assert "dead-lettered" in err and "\\x1b[31mred" in err, err

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -36,6 +36,7 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     pool_fixture,
     publish,
     register,
+    release_fixture,
     run_until,
     running,
 )
@@ -44,13 +45,6 @@ from tests.servers import wait_until
 LOG = "CREATE TABLE applied_log (n bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL)"
 LOG_SQL = "INSERT INTO applied_log (event_id, key) VALUES (%s, %s)"
 
-
-@pytest.fixture(name="release")
-def release_fixture() -> Iterator[threading.Event]:
-    """Set at teardown: lets the abandoned handlers return (their work must then land nowhere)."""
-    released = threading.Event()
-    yield released
-    released.set()
 
 
 def applied(dsn: str) -> list[Any]:

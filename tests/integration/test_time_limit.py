@@ -5,7 +5,6 @@ counted together, so the process stops at the cap whichever of them left the thr
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,18 +23,11 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     make_settings,
     pool_fixture,
     publish,
+    release_fixture,
     run_until,
     runner_for,
 )
 from tests.servers import wait_until
-
-
-@pytest.fixture(name="release")
-def release_fixture() -> Iterator[threading.Event]:
-    """Set at teardown: lets the abandoned calls return (their work must then land nowhere)."""
-    released = threading.Event()
-    yield released
-    released.set()
 
 
 class HangingSink:

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -33,10 +33,12 @@ from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provi
     parked_ids,
     pool_fixture,
     publish,
+    release_fixture,
     run_until,
     runner_for,
     running,
     undelivered,
+    user_sink_runner,
 )
 from tests.servers import wait_until
 
@@ -93,18 +95,6 @@ def per_key(ids: list[uuid.UUID], keys: list[str]) -> dict[str, list[uuid.UUID]]
     return dict(out)
 
 
-@pytest.fixture(name="release")
-def release_fixture() -> Iterator[threading.Event]:
-    """Set at teardown: lets calls that never returned return (their answers must land nowhere)."""
-    released = threading.Event()
-    yield released
-    released.set()
-
-
-def runner(sink: Any, pool: ConnectionPool[Any], dsn: str, **settings: Any) -> Any:
-    adapter = sink if isinstance(sink, EventSinkAdapter) else EventSinkAdapter(
-        sink, handler_timeout_seconds=settings.pop("handler_timeout_seconds", 30.0))
-    return runner_for(adapter, pool, make_settings(dsn, "w", **settings))
 
 
 def test_a_user_sink_of_its_own_kind_gets_every_event_in_order_under_a_worker(dsn: str) -> None:
@@ -133,7 +123,7 @@ def test_retry_parks_its_key_for_at_least_after_seconds_while_other_keys_go_on(
         return Delivered()
 
     sink = ScriptedSink(script)
-    r = runner(sink, pool, dsn)
+    r, _ = user_sink_runner(sink, pool, dsn)
     run_until(r, lambda: {ids[0], ids[2]} <= {c.id for c in sink.calls})
     assert sorted(c.id for c in sink.calls) == sorted([ids[0], ids[2]]), "the key waits behind its retry; b goes on"
     assert parked_ids(dsn, NAME) == {ids[0], ids[1]}
@@ -149,7 +139,7 @@ def test_retry_parks_its_key_for_at_least_after_seconds_while_other_keys_go_on(
 def test_give_up_dead_letters_at_once_and_the_key_goes_on(dsn: str, pool: ConnectionPool[Any]) -> None:
     ids = publish(dsn, [("a", "t", {"n": 1}), ("a", "t", {"n": 2})])
     sink = ScriptedSink(lambda e: GiveUp("HTTP 400: bad payload") if e.id == ids[0] else None)
-    r = runner(sink, pool, dsn, max_attempts=5)
+    r, _ = user_sink_runner(sink, pool, dsn, max_attempts=5)
     run_until(r, lambda: len(sink.calls) == 2)
     assert [c.id for c in sink.calls] == ids
     assert dead_letters(dsn, NAME) == {ids[0]: (1, "HTTP 400: bad payload")}
@@ -164,7 +154,7 @@ def test_an_exception_is_a_retry_and_dead_letters_past_max_attempts(dsn: str, po
         return None
 
     sink = ScriptedSink(script)
-    r = runner(sink, pool, dsn, max_attempts=3)
+    r, _ = user_sink_runner(sink, pool, dsn, max_attempts=3)
     run_until(r, lambda: ids[1] in {c.id for c in sink.calls}, timeout=10)
     assert [(c.id, c.attempt) for c in sink.calls] == [(ids[0], 1), (ids[0], 2), (ids[0], 3), (ids[1], 1)]
     assert dead_letters(dsn, NAME) == {ids[0]: (3, "ConnectionError: refused")}
@@ -181,7 +171,7 @@ def test_sink_unavailable_holds_the_batch_without_counting_attempts(dsn: str, po
         return None
 
     sink = ScriptedSink(script)
-    r = runner(sink, pool, dsn, max_attempts=2)
+    r, _ = user_sink_runner(sink, pool, dsn, max_attempts=2)
     run_until(r, lambda: len(parked_ids(dsn, NAME)) == 3)
     assert len(sink.calls) == 1, "one call said the sink is down: the rest of the batch was not attempted"
     rows = fetch_all(dsn, "SELECT attempts, last_error FROM outbox.parked WHERE sink = %s", (NAME,))
@@ -206,7 +196,7 @@ def test_a_call_that_never_returns_is_abandoned_and_charged_while_other_keys_go_
         return None
 
     sink = ScriptedSink(script)
-    r = runner(sink, pool, dsn, handler_timeout_seconds=0.5)
+    r, _ = user_sink_runner(sink, pool, dsn, handler_timeout_seconds=0.5)
     run_until(r, lambda: {ids[2], ids[3]} <= {c.id for c in sink.calls} and ids[0] in parked_ids(dsn, NAME))
     rows = fetch_all(dsn, "SELECT attempts, last_error FROM outbox.parked WHERE event_id = %s", (ids[0],))
     assert rows[0][0] == 1 and "did not return within 0.5s" in rows[0][1]
@@ -307,7 +297,7 @@ def test_a_long_batch_checkpoints_what_is_delivered_while_a_slow_call_runs(
     sink = ScriptedSink(script, concurrency=2)
     adapter = EventSinkAdapter(sink)
     adapter.partial_seconds = 0.2
-    r = runner(adapter, pool, dsn)
+    r, _ = user_sink_runner(adapter, pool, dsn)
     done = threading.Thread(target=run_until, args=(r, lambda: sink.ok == set(ids)), kwargs={"timeout": 40})
     done.start()
     try:
@@ -355,7 +345,7 @@ def test_readiness_says_the_sink_is_unavailable(dsn: str, pool: ConnectionPool[A
         raise SinkUnavailable("endpoint answers 503", retry_after_seconds=60)
 
     adapter = EventSinkAdapter(ScriptedSink(down))
-    r = runner(adapter, pool, dsn)
+    r, _ = user_sink_runner(adapter, pool, dsn)
     run_until(r, lambda: bool(parked_ids(dsn, NAME)))
     problem = adapter.problem()
     assert problem is not None and problem.startswith("unavailable: endpoint answers 503 (its events wait, ")
@@ -376,7 +366,7 @@ def test_each_call_is_traced_under_its_batch(dsn: str, pool: ConnectionPool[Any]
         observer = TracingObserver(provider)
         adapter = EventSinkAdapter(ScriptedSink(concurrency=2))
         adapter.observer = observer
-        r = runner(adapter, pool, dsn)
+        r, _ = user_sink_runner(adapter, pool, dsn)
         r.observer = observer
         run_until(r, lambda: undelivered(dsn, NAME) == 0)
     finally:
@@ -425,7 +415,7 @@ def test_an_async_sink_runs_every_call_on_one_loop_and_a_stuck_call_is_cancelled
     ids = publish(dsn, [(k, "t", {"n": n}) for n, k in enumerate(keys)])
     sink = AsyncClientSink(hang=ids[5])
     adapter = EventSinkAdapter(sink, handler_timeout_seconds=0.5)
-    r = runner(adapter, pool, dsn)
+    r, _ = user_sink_runner(adapter, pool, dsn)
     try:
         run_until(r, lambda: undelivered(dsn, NAME) == 0 and not parked_ids(dsn, NAME), timeout=30)
     finally:
