@@ -567,6 +567,8 @@ BEGIN
     snapshot := since;
 END
 $$;
+-- 0024: its looks read the index whatever the statistics said when a session planned them.
+ALTER FUNCTION outbox.watch_commits_v1(pg_snapshot, integer, double precision) SET enable_seqscan = off;
 
 -- 0011_history_watermark: what retention has removed (see the migration; a new installation has
 -- removed nothing).
@@ -1094,4 +1096,5 @@ INSERT INTO outbox.schema_migrations (version, name, min_code_version) VALUES
     (20, 'retention_recheck', NULL),
     (21, 'fenced_by', NULL),
     (22, 'idle_watch', NULL),
-    (23, 'console_audit', NULL);
+    (23, 'console_audit', NULL),
+    (24, 'watch_plan', NULL);
