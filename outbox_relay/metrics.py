@@ -407,6 +407,10 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         now = time.monotonic()
         with self._lock:
             late = [sock for sock, deadline in self._open.items() if deadline < now]
+            # A cut connection stops counting at once: its client sees it closed now, and the thread that
+            # closes it may not run for a while on a busy machine (a probe right after was refused: seen in CI).
+            for sock in late:
+                del self._open[sock]
         for sock in late:
             with contextlib.suppress(OSError):  # closed meanwhile
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on it; it closes the socket
