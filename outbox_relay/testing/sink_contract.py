@@ -137,7 +137,9 @@ class SinkContract:
         contract.plan.set(first, RETRY)
         runner = contract.runner()
         contract.run_until(runner, lambda: contract.parked().get(first, (0, None))[0] == 1)
-        assert contract.parked_for(first) >= 0.15, "Retry(after_seconds=0.3) is a floor on the park"
+        # The park as stored (the seconds left by now would depend on how fast this loop ran); parked_at is
+        # read a moment after the due time is computed, in the same statement: hence 0.29.
+        assert contract.park_seconds(first) >= 0.29, "Retry(after_seconds=0.3) is a floor on the park"
         assert second not in contract.delivered_ids(), "the key waits behind its retry"
         contract.run_until_settled(runner)
         contract.assert_in_order({"k0": [first, second]})

@@ -172,6 +172,13 @@ class Harness:
                           "WHERE sink = %s AND event_id = %s", [self.name(), event_id])
         return float(rows[0][0]) if rows else 0.0
 
+    def park_seconds(self, event_id: uuid.UUID) -> float:
+        """How long the event's park is, as stored: from when it was first parked to when it is next due (the
+        seconds left, ``parked_for``, shrink with every moment a slow test takes); 0.0 when it is not parked."""
+        rows = self._rows("SELECT extract(epoch FROM available_at - parked_at) FROM outbox.parked "
+                          "WHERE sink = %s AND event_id = %s", [self.name(), event_id])
+        return float(rows[0][0]) if rows else 0.0
+
     def dead_letters(self) -> dict[uuid.UUID, tuple[int, str]]:
         rows = self._rows("SELECT event_id, attempts, last_error FROM outbox.dead_letters WHERE sink = %s",
                           [self.name()])

@@ -156,7 +156,10 @@ class Connection:
         self.options = options
         self.sink = sink  # for log lines
         self.endpoint = endpoint(options.servers)
-        self.last_error: str | None = None  # the last asynchronous error the server sent (e.g. a permission)
+        self.last_error: str | None = None  # the last asynchronous error (e.g. a permission, a reset socket)
+        # ... and the last one the server itself sent, since this connect began: a refused login is followed by
+        # the socket the server then closes, and the reason must name the login, not the reset.
+        self.server_said: str | None = None
         self._nc: Client | None = None
         self._acks: Acks | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -190,6 +193,7 @@ class Connection:
     async def _connect(self) -> None:
         nats = client_library()
         nc = nats.aio.client.Client()
+        self.server_said = None
         try:
             # The client retries each server RECONNECT_ATTEMPTS times; the wait bounds a server that never answers.
             await asyncio.wait_for(
@@ -211,12 +215,16 @@ class Connection:
         if isinstance(exc, asyncio.TimeoutError):
             return "timed out"
         text = describe_error(exc)
+        if self.server_said and self.server_said not in text:
+            text += f" (the server said: {self.server_said})"
         if self.last_error and self.last_error not in text:
             text += f" (last error: {self.last_error})"
         return text
 
     async def _error(self, exc: Exception) -> None:
         self.last_error = describe_error(exc)
+        if not isinstance(exc, OSError):  # the server's word (-ERR), not the transport's
+            self.server_said = self.last_error
         log.debug("nats sink %s: %s", self.sink, self.last_error)
 
     async def _disconnected(self) -> None:
