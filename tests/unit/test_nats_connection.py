@@ -6,7 +6,7 @@ import asyncio
 
 import nats.errors
 
-from outbox_relay.sinks.nats.connection import ConnectOptions, Connection
+from outbox_relay.sinks.nats.connection import Connection, ConnectOptions
 
 
 def test_a_refused_login_is_named_even_when_a_reset_socket_came_after_it() -> None:
