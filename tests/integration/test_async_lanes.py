@@ -130,8 +130,6 @@ class AsyncSink:
             self.in_flight -= 1
 
 
-
-
 def lane_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(f"sink-{NAME}-") and t.name != LOOP_THREAD]
 

@@ -52,7 +52,6 @@ class Sink:
         self.deliver = deliver
 
 
-
 def test_a_retry_whose_reason_can_not_be_shown_is_charged_and_dead_letters(dsn: str, pool: ConnectionPool[Any]) -> None:
     ids = publish(dsn, [("a", "t", {}), ("a", "t", {})])
     calls: list[uuid.UUID] = []

@@ -46,7 +46,6 @@ LOG = "CREATE TABLE applied_log (n bigserial PRIMARY KEY, event_id uuid NOT NULL
 LOG_SQL = "INSERT INTO applied_log (event_id, key) VALUES (%s, %s)"
 
 
-
 def applied(dsn: str) -> list[Any]:
     return [r[0] for r in fetch_all(dsn, "SELECT event_id FROM applied_log ORDER BY n")]
 

@@ -95,8 +95,6 @@ def per_key(ids: list[uuid.UUID], keys: list[str]) -> dict[str, list[uuid.UUID]]
     return dict(out)
 
 
-
-
 def test_a_user_sink_of_its_own_kind_gets_every_event_in_order_under_a_worker(dsn: str) -> None:
     keys = [f"k{i % 4}" for i in range(40)]
     ids = publish(dsn, [(k, "OrderPlaced", {"n": n}) for n, k in enumerate(keys)])
@@ -226,7 +224,6 @@ def test_concurrency_delivers_keys_at_once_and_keeps_each_keys_order(dsn: str) -
         if not ks or ks[-1] != c.id:
             ks.append(c.id)
     assert seen == per_key(ids, keys)
-
 
 
 # -- embedding (issue 17 item 5) ----------------------------------------------------------------
