@@ -29,7 +29,7 @@ class RedisFields(SettingsBase):
         default=None, ge=1, le=10**15,
         description="Redis: trim each stream to about this many entries (XADD MAXLEN ~); trimming drops entries "
                     "whether consumers read them or not; none: no trimming")
-    redis_concurrency: int = REDIS.concurrency(4)
+    redis_concurrency: int = REDIS.concurrency(64, note=" (their events sent in one pipeline)")
     redis_topics: NameList = REDIS.topics()
     redis_password_file: Path | None = Field(
         default=None, description="Redis: read the password from this file (instead of the URL's)")

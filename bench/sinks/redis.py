@@ -1,7 +1,7 @@
 """The Redis Streams sink next to a plain redis-py loop, in one run: drain events/s and latency at a
 steady rate.
 
-    python bench/sinks/redis.py [--events 20000] [--rate 1000] [--seconds 10] [--concurrency 4] [--runs 3]
+    python bench/sinks/redis.py [--events 20000] [--rate 1000] [--seconds 10] [--concurrency 64] [--runs 3]
 
 Servers: a private PostgreSQL 18 (embedded, as bench/run.py) and a private ``redis-server`` (no
 persistence: the same for both cases, so the ratio is the relay's own cost).
@@ -9,7 +9,8 @@ persistence: the same for both cases, so the ratio is the relay's own cost).
 - drain: ``--events`` events (``--keys`` keys) committed in one transaction while one relay runs the
   sink (settings ``redis_url``, as ``outbox-relay run --redis-url``); timed from the commit to the last
   acknowledgement (the last entry's stream id, the server's clock). The plain loop: the same entries
-  (``message.entry``), one ``XADD`` at a time, each reply waited for, from one thread.
+  (``message.entry``), one ``XADD`` at a time, each reply waited for, from one thread (the issue's
+  baseline); and the ceiling the sink's pipelines aim at: pipelines of ``--concurrency`` XADDs.
 - latency: a producer process commits what is due every ``--tick-ms`` at ``--rate``/s for ``--seconds``;
   commit -> ack is the entry's stream id (server time, ms) minus the commit time. The plain loop sends
   one ``XADD`` at a time at the same rate: its latency is send -> reply. The relay's own part: the same
@@ -136,6 +137,23 @@ def drain_plain(port: int, args: argparse.Namespace) -> float:
     return rate
 
 
+def drain_pipelined(port: int, args: argparse.Namespace) -> float:
+    """The same entries in pipelines of ``--concurrency`` XADDs (what the sink sends per wave): the ceiling."""
+    client = redis.Redis(port=port)
+    stream = f"pipe{uuid.uuid4().hex[:6]}"
+    entries = events(args.events)
+    start = time.perf_counter()
+    for at in range(0, len(entries), args.concurrency):
+        pipe = client.pipeline(transaction=False)
+        for fields in entries[at:at + args.concurrency]:
+            pipe.xadd(stream, fields)
+        pipe.execute()
+    rate = args.events / (time.perf_counter() - start)
+    client.delete(stream)
+    client.close()
+    return rate
+
+
 def _produce(dsn: str, rate: float, seconds: float, tick_ms: float, out: Any) -> None:
     """What is due every ``tick_ms`` in one transaction (as bench/procs.py's latency producer)."""
     outbox = Outbox(default_topic="bench")
@@ -242,11 +260,11 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--tick-ms", type=float, default=5.0,
                         help="latency: the producer commits what is due this often")
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=64, help="the sink's redis_concurrency (keys per pipeline)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--drain-only", action="store_true", help="skip the latency cases")
     args = parser.parse_args()
-    drains: dict[str, list[float]] = {"sink": [], "plain": []}
+    drains: dict[str, list[float]] = {"sink": [], "plain": [], "pipelined": []}
     lats: dict[str, list[tuple[float, float, float]]] = {"sink": [], "plain": [], "noop": []}
     with tempfile.TemporaryDirectory() as tmp:
         proc, port = redis_server(Path(tmp))
@@ -255,6 +273,7 @@ def main() -> int:
             for run in range(args.runs):
                 print(f"run {run + 1}/{args.runs}", file=sys.stderr, flush=True)
                 drains["plain"].append(drain_plain(port, args))
+                drains["pipelined"].append(drain_pipelined(port, args))
                 drains["sink"].append(drain_sink(pg, port, args))
                 if not args.drain_only:
                     lats["plain"].append(latency_plain(port, args))
@@ -273,6 +292,7 @@ def main() -> int:
           f"medians of {args.runs} (min-max)\n")
     print("| case | events/s |\n|---|---|")
     print(f"| plain loop (one XADD at a time, reply waited) | {span(drains['plain'])} |")
+    print(f"| plain loop, pipelines of {args.concurrency} XADDs | {span(drains['pipelined'])} |")
     print(f"| sink (relay, commit -> last ack) | {span(drains['sink'])} ({ratio:.2f}x plain) |\n")
     if args.drain_only:
         return 0

@@ -3,7 +3,9 @@
 Per batch, the events are grouped by key (in batch order, which is publish order per key) and the
 keys are handed to ``concurrency`` lanes, threads that call the user's ``deliver`` one event at a time
 for one key at a time (an ``async def deliver``'s lanes are tasks on the sink's event loop: tasks.py,
-loop.py). A key stops at its first failure that will be retried (its later events are
+loop.py). A sink with ``deliver_many`` (a broker that pipelines: Redis) gets one lane that sends waves
+instead, each the next event of up to ``concurrency`` keys in one call, so that no answer in a wave can
+let a key's later event land first. A key stops at its first failure that will be retried (its later events are
 not attempted: the checkpoint parks them behind it, so order holds); a ``GiveUp`` lets it go on. A
 ``SinkUnavailable`` stops the whole batch: what was not attempted waits (held, no attempt counted),
 and the next batches are held without calling the sink until the wait is over.
@@ -46,7 +48,7 @@ from ..errors import MAX_ERROR_CHARS, SinkStuck
 from ..observer import NULL_OBSERVER, Observer
 from ..store import EventFilter, StoredEvent
 from ..timelimit import WAIT_SLICE, HandlerThread, cap_exceeded
-from . import tasks
+from . import tasks, waves
 from .engine import PARTIAL_CHECKPOINT_SECONDS, Aborted, Commit, EarlyCheckpoints, Failure, Outcomes
 from .loop import Raised, SinkLoop
 from .tasks import TaskLane
@@ -137,6 +139,7 @@ class _Lane(HandlerThread):
         self.since = 0.0  # when that call began (monotonic)
         # An async sink's call in flight on the adapter's event loop (cancelled if the call is abandoned).
         self.future: concurrent.futures.Future[Any] | None = None
+        self.wave: Sequence[StoredEvent] = ()  # a deliver_many call's events (``event`` is the first of them)
         super().__init__(f"sink-{adapter.name}-{number}")
 
     def take(self, run: _Run) -> None:
@@ -162,10 +165,13 @@ class _Run:
         self.closed = False  # a hard stop: nothing more is attempted, nothing recorded
         self.context = contextvars.copy_context()  # the runner's (the batch's span): calls are traced under it
         self.handler = adapter.handler()
+        self.handler_many = adapter.handler_many() if adapter.many else None
 
     def work(self, lane: _Lane) -> None:
         """On a lane: take keys and deliver their events in order until none is left or the run stops.
         One hold of the condition per event: record the last call's outcome and take the next event."""
+        if self.adapter.many:
+            return waves.work(self, lane, self.adapter.concurrency)
         todo: deque[StoredEvent] = deque()  # the rest of this lane's current key
         self.cond.acquire()
         try:
@@ -253,6 +259,7 @@ class EventSinkAdapter:
         # Lanes as tasks on the sink's event loop (tasks.py); a sync deliver (even one returning an
         # awaitable) keeps lane threads.
         self.tasks = inspect.iscoroutinefunction(self.user.deliver)
+        self.many = callable(getattr(sink, "deliver_many", None))  # waves on one lane (``_Run._waves``)
         self.timeout = handler_timeout_seconds
         self.partial_seconds = PARTIAL_CHECKPOINT_SECONDS
         self.observer: Observer = NULL_OBSERVER  # set by the composition root (tracing: a span per call)
@@ -290,6 +297,14 @@ class EventSinkAdapter:
             return deliver(event)
         return self.observer.handler(self.name, call)
 
+    def handler_many(self) -> Callable[[list[SinkEvent], None], Any]:
+        """The user's ``deliver_many`` as the observer wraps it (one span per call, as a batched handler's)."""
+        deliver_many = self.user.deliver_many  # type: ignore[attr-defined]  # self.many says it is there
+
+        def call(events: list[SinkEvent], _tx: None) -> Any:
+            return deliver_many(events)
+        return self.observer.handler(self.name, call)
+
     # -- the engine's Sink --------------------------------------------------------------------
 
     def deliver(self, events: Sequence[StoredEvent], fences: dict[int, int], commit: Commit,
@@ -302,7 +317,7 @@ class EventSinkAdapter:
             return commit({e.id: failure for e in events}, None)
         run = _Run(self, events)
         with run.cond:
-            self._start_lanes(run, min(self.concurrency, len(run.keys)))
+            self._start_lanes(run, 1 if self.many else min(self.concurrency, len(run.keys)))
             # The runner's commit checkpoints the delivered part of a long batch early; another may write nothing.
             self._wait(run, abort, commit.partial)
         outcomes = run.outcomes
@@ -403,8 +418,9 @@ class EventSinkAdapter:
         if isinstance(lane, _Lane) and lane.future is not None:
             lane.future.cancel()  # an async call can be cancelled (if it awaits), which frees its lane too
         run.active.discard(lane)
-        run.outcomes[e.id] = Failure(f"the sink's deliver did not return within {self.timeout:g}s "
-                                     "(--handler-timeout-seconds); the call was abandoned")
+        for charged in getattr(lane, "wave", ()) or (e,):  # a deliver_many call answers for its whole wave
+            run.outcomes[charged.id] = Failure(f"the sink's deliver did not return within {self.timeout:g}s "
+                                               "(--handler-timeout-seconds); the call was abandoned")
         log.warning("sink %s: deliver of event %s (key %r) did not return within %gs; abandoned, the attempt counted",
                     self.name, e.id, e.key, self.timeout)
         if run.keys and run.unavailable is None:

@@ -25,10 +25,17 @@ Everything else (order, parking and backoff, dead letters, fencing, crash isolat
 tracing, the time limit ``--handler-timeout-seconds``) is the relay's job (``adapter.py``).
 Optional attributes, read with ``getattr``: ``topics`` and ``types`` (only these events; None: all),
 ``concurrency`` (keys delivered at once, default 1), ``close()`` and ``idle()``.
+
+A sink that can send several events in one round trip (a pipelining broker) may also define
+``deliver_many(events) -> list`` (plain, not async): it is then called instead of ``deliver``, from one
+thread, with the next event of each of up to ``concurrency`` keys (never two of one key), and returns one
+answer per event, in order: those above, or a ``SinkUnavailable`` instance for an event the sink could not
+take now. An exception answers for every event of the call (sinks/waves.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -165,6 +172,11 @@ def check_sink(sink: object, where: str = "") -> EventSink:
     concurrency = getattr(sink, "concurrency", 1)
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= MAX_CONCURRENCY:
         problems.append(f"`concurrency` must be an int from 1 to {MAX_CONCURRENCY}, not {concurrency!r}")
+    many = getattr(sink, "deliver_many", None)
+    if many is not None and (not callable(many) or inspect.iscoroutinefunction(many)
+                             or inspect.iscoroutinefunction(getattr(sink, "deliver", None))):
+        problems.append("`deliver_many` must be a plain method taking a list of events (not async, and beside a "
+                        "plain `deliver`)")
     for method in ("close", "idle"):
         value = getattr(sink, method, None)
         if value is not None and not callable(value):

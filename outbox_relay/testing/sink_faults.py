@@ -34,6 +34,12 @@ class Plan:
         with self.lock:
             self.faults[event_id] = list(faults)
 
+    def next(self, event_id: uuid.UUID) -> str | None:
+        """What ``fault`` would answer, without using it up."""
+        with self.lock:
+            planned = self.faults.get(event_id)
+            return planned[0] if planned else None
+
     def fault(self, event_id: uuid.UUID) -> str | None:
         with self.lock:
             planned = self.faults.get(event_id)
@@ -127,8 +133,42 @@ class AsyncFaultyEventSink(FaultyEventSink):
         return await self._recorded_async(event, self.inner.deliver(event))
 
 
+class FaultyManySink(FaultyEventSink):
+    """``FaultyEventSink`` for a sink with ``deliver_many`` (adapter.py's waves): the kit answers for the planned
+    events of a call and passes the others on in one call; a planned exception is the whole call's, a planned
+    outage that event's answer, a planned hang the whole call's."""
+
+    def deliver_many(self, events: Sequence[SinkEvent]) -> list[Any]:
+        answers: list[Any] = [None] * len(events)
+        passed: list[int] = []
+        ahead = [self.plan.next(event.id) for event in events]
+        for whole in (HANG, RAISE):  # the call's own fault: only it is used up, the others' wait for their next call
+            if whole in ahead:
+                self.plan.fault(events[ahead.index(whole)].id)
+                if whole == RAISE:
+                    raise RuntimeError("contract: planned exception")
+                self.plan.release.wait()
+                return answers
+        faults = [self.plan.fault(event.id) for event in events]
+        for i, fault in enumerate(faults):
+            if fault == UNAVAILABLE:
+                answers[i] = SinkUnavailable("contract: planned outage", retry_after_seconds=0.2)
+            elif fault is not None:
+                answers[i] = self._planned(fault)
+            else:
+                passed.append(i)
+        if passed:
+            results = self.inner.deliver_many([events[i] for i in passed])
+            for i, result in zip(passed, results, strict=True):
+                answers[i] = result
+                self._record(events[i], result)
+        return answers
+
+
 def faulty_event_sink(inner: Any, plan: Plan, recorder: Recorder) -> FaultyEventSink:
-    """The kit's wrapper for a user's sink: async if its ``deliver`` is."""
+    """The kit's wrapper for a user's sink: async if its ``deliver`` is, with ``deliver_many`` if it has one."""
+    if callable(getattr(inner, "deliver_many", None)):
+        return FaultyManySink(inner, plan, recorder)
     kind = AsyncFaultyEventSink if inspect.iscoroutinefunction(getattr(inner, "deliver", None)) else FaultyEventSink
     return kind(inner, plan, recorder)
 

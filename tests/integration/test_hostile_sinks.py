@@ -83,6 +83,49 @@ def test_an_exception_whose_message_can_not_be_shown_is_charged(dsn: str, pool: 
     assert attempts == 2 and "BadMessage" in error
 
 
+class ManySink:
+    """A sink with ``deliver_many`` (waves): ``answer`` is what each call returns, given the call's events."""
+
+    kind = "hostile"
+    name = NAME
+    concurrency = 8
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.calls: list[list[uuid.UUID]] = []
+
+    def deliver(self, event: SinkEvent) -> Outcome:
+        raise AssertionError("not called: the sink has deliver_many")
+
+    def deliver_many(self, events: list[SinkEvent]) -> Any:
+        self.calls.append([e.id for e in events])
+        return self.answer(events)
+
+
+def _exit() -> None:
+    raise SystemExit(3)
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    (lambda events: [None] * (len(events) - 1), "returned 1 answers for 2 events"),
+    (lambda events: None, "returned a NoneType for 2 events"),
+    (lambda events: [GiveUp("no")] * len(events) + [None], "returned 3 answers for 2 events"),
+    (lambda events: _exit(), "SystemExit"),
+])
+def test_a_wave_answered_wrongly_charges_each_of_its_events(dsn: str, pool: ConnectionPool[Any], answer: Any,
+                                                           expected: str) -> None:
+    ids = publish(dsn, [("a", "t", {}), ("b", "t", {}), ("a", "t", {})])
+    sink = ManySink(answer)
+    r, _ = user_sink_runner(sink, pool, dsn, max_attempts=2)
+    run_until(r, lambda: len(dead_letters(dsn, NAME)) == 2, timeout=15)
+    dead = dead_letters(dsn, NAME)
+    assert set(dead) == {ids[0], ids[1]}, "the heads of both keys, each charged twice"
+    assert all(attempts == 2 and expected in error for attempts, error in dead.values()), dead
+    run_until(r, lambda: undelivered(dsn, NAME) == 0 or len(sink.calls) > 2, timeout=15)
+    assert [set(c) for c in sink.calls[:2]] == [{ids[0], ids[1]}] * 2, "one call per wave, one event per key"
+    assert all(ids[2] not in c for c in sink.calls[:2]), "a key's next event waits for its head's answer"
+
+
 def test_an_async_sink_that_raises_system_exit_keeps_its_event_loop(dsn: str, pool: ConnectionPool[Any]) -> None:
     ids = publish(dsn, [("a", "t", {}), ("b", "t", {}), ("c", "t", {})])
     got: list[uuid.UUID] = []

@@ -326,6 +326,29 @@ def test_a_key_of_another_type_holds_the_sink(dsn: str, server: PrivateRedis,
                          lambda: admin.delete("p:orders"), "WRONGTYPE", caplog)
 
 
+def test_in_one_pipeline_an_error_reply_holds_only_its_own_event(dsn: str, server: PrivateRedis,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    # The test that fails if a pipeline's replies are not read one by one: three keys' events go to a stream,
+    # the fourth key's to a key of another type, all in one wave (one read, one pipeline).
+    admin = server.client()
+    admin.set("p:refunds", "not a stream")
+    with caplog.at_level(logging.WARNING), running(relay(dsn, server.url, "p:", max_attempts=2)):
+        wait_until(lambda: settled(dsn), timeout=20, message="the sink registered")
+        with psycopg.connect(dsn) as conn:
+            published = Outbox().publish_many(conn, [
+                {"key": f"key-{k}", "type": "t", "payload": {}, "topic": "refunds" if k == 3 else "orders"}
+                for k in range(4)])
+        ids = [p.id for p in published]
+        wait_until(lambda: "WRONGTYPE" in caplog.text and pending(dsn) == 1, timeout=20,
+                   message="the three other events delivered, the refund held")
+        assert sorted(uuid.UUID(f[b"id"].decode()) for _, f in admin.xrange("p:orders")) == sorted(ids[:3])
+        assert [n for _i, n, _e in parked_rows(dsn, "key-3", SINK)] == [0], "held, no attempt counted"
+        admin.delete("p:refunds")
+        wait_until(lambda: settled(dsn), timeout=20, message="the refund delivered once its stream can be")
+    assert [uuid.UUID(f[b"id"].decode()) for _, f in admin.xrange("p:refunds")] == ids[3:]
+    assert dead_letters(dsn, SINK) == {}
+
+
 def test_a_paused_server_holds_the_sink_until_it_answers(dsn: str, server: PrivateRedis,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     events = [("k", "t", {"n": n}) for n in range(5)]

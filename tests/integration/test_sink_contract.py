@@ -3,6 +3,7 @@
 - the example sink of docs/writing-a-sink.md (examples/jsonl_sink.py), an ``EventSink`` through the
   adapter: every test, ``break_downstream("down")`` included (its directory taken away);
 - an async ``EventSink``: every adapter test;
+- an ``EventSink`` with ``deliver_many`` (waves, sinks/waves.py): every adapter test;
 - ``RecordingSink`` (outbox_relay.testing), Kafka and a projection, engine sinks: every test but the
   two that are the adapter's own rules (an exception is a retry; the time limit), which are skipped.
   Their ``received`` is the downstream's own record: what the recorder kept, the topic read back,
@@ -100,6 +101,39 @@ class TestAsyncEventSink(SinkContract):
         return AsyncSink()
 
     def received(self, sink: Any) -> Sequence[uuid.UUID]:
+        return list(sink.got)
+
+
+class WaveSink:
+    """An EventSink with ``deliver_many`` (the adapter's waves). It notes a call that holds two events of a key
+    or more than ``concurrency`` (the adapter's promise: no answer in a wave can let a key's later event land
+    first), and ``received`` fails the test on one."""
+
+    name = "wave-audit"
+    kind = "audit"
+    concurrency = 3
+
+    def __init__(self) -> None:
+        self.got: list[uuid.UUID] = []
+        self.broken: list[str] = []  # calls that broke the promise
+
+    def deliver(self, event: SinkEvent) -> None:
+        self.broken.append("deliver called: a sink with deliver_many is given waves only")
+
+    def deliver_many(self, events: Sequence[SinkEvent]) -> list[None]:
+        keys = [e.key for e in events]
+        if len(set(keys)) < len(keys) or len(keys) > self.concurrency:
+            self.broken.append(f"a call with keys {keys}")
+        self.got.extend(e.id for e in events)
+        return [None] * len(events)
+
+
+class TestWaveSink(SinkContract):
+    def make_sink(self) -> Any:
+        return WaveSink()
+
+    def received(self, sink: Any) -> Sequence[uuid.UUID]:
+        assert not sink.broken, sink.broken
         return list(sink.got)
 
 

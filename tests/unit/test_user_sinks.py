@@ -115,6 +115,32 @@ def test_check_sink_lists_every_problem() -> None:
     assert check_sink(Minimal()).name == "m"
 
 
+def test_deliver_many_must_be_a_plain_method_beside_a_plain_deliver() -> None:
+    class AsyncMany(Minimal):
+        async def deliver_many(self, events: list[object]) -> list[None]:
+            return [None] * len(events)
+
+    class AsyncDeliver(Minimal):
+        async def deliver(self, event: object) -> None:  # type: ignore[override]
+            return None
+
+        def deliver_many(self, events: list[object]) -> list[None]:
+            return [None] * len(events)
+
+    class NotCallable(Minimal):
+        deliver_many = 3
+
+    for bad in (AsyncMany(), AsyncDeliver(), NotCallable()):
+        with pytest.raises(ConfigurationError, match="`deliver_many` must be a plain method"):
+            check_sink(bad)
+
+    class Many(Minimal):
+        def deliver_many(self, events: list[object]) -> list[None]:
+            return [None] * len(events)
+
+    assert EventSinkAdapter(Many()).many and not EventSinkAdapter(Minimal()).many
+
+
 def test_the_adapter_reads_the_optional_attributes() -> None:
     sink = Minimal()
     assert EventSinkAdapter(sink).event_filter is None

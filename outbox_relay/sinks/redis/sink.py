@@ -1,22 +1,25 @@
-"""The Redis Streams sink: one ``XADD`` per event, to the stream of its topic.
+"""The Redis Streams sink: ``XADD`` each event to the stream of its topic, pipelined.
 
-Delivered means the server's reply to the ``XADD`` (the new entry's id): the entry is in the stream,
-as durable as the server's persistence makes it (``appendonly yes`` with ``appendfsync always``: on
-disk before the reply; see docs/redis.md). A key's events go to one stream (one per topic) in
-publish order, each only once the previous one was acknowledged (the relay's adapter); redelivery may
-repeat an entry, so consumers dedupe by its ``id`` field. Order per key, concurrency across keys,
-retries, dead letters and fencing are the relay's; this module only speaks Redis.
+Delivered means the server's reply to the event's ``XADD`` (the new entry's id): the entry is in the
+stream, as durable as the server's persistence makes it (``appendonly yes`` with ``appendfsync always``: on
+disk before the reply; see docs/redis.md). The relay's adapter calls ``deliver_many`` with the next event of
+each of up to ``concurrency`` keys (sinks/waves.py), and they go out in one pipeline, one round trip, each
+``XADD`` answered on its own; a key's next event goes only once the previous one was acknowledged, so a
+key's events reach their stream (one per topic) in publish order. Redelivery may repeat an entry, so
+consumers dedupe by its ``id`` field. Order per key, retries, dead letters and fencing are the relay's; this
+module only speaks Redis.
 
-Outcomes: the reply is ``Delivered``; a connection error, a timeout and a server that can not take
-writes now (auth refused, ACL, OOM, read-only replica, loading, a key of another type) raise
-``SinkUnavailable`` (no attempt counted, never a dead letter); an event that can not be an entry
-(no topic, too large) is a ``GiveUp``; any other error of the server is a ``Retry`` with its message.
+Outcomes, per event: the reply is ``Delivered``; a connection error, a timeout (for the whole pipeline:
+which of its entries landed is not known, and they are sent again) and a server that can not take writes
+now (auth refused, ACL, OOM, read-only replica, loading, a key of another type) are ``SinkUnavailable`` (no
+attempt counted, never a dead letter); an event that can not be an entry (no topic, too large) is a
+``GiveUp``; any other error of the server is a ``Retry`` with its message.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,15 +37,16 @@ UNAVAILABLE_SECONDS = 2.0  # the wait after a failure of the server or the conne
 
 
 class RedisStreamsSink:
-    """``XADD``s each event to ``stream_prefix`` + its topic. An ``EventSink`` (outbox_relay.sinks).
+    """``XADD``s each event to ``stream_prefix`` + its topic. An ``EventSink`` (outbox_relay.sinks) with
+    ``deliver_many``: ``concurrency`` is how many keys' events one pipeline holds.
 
-    Thread-safe: the client's connection pool gives each delivering thread a connection of its own."""
+    Thread-safe: the client's connection pool gives each calling thread a connection of its own."""
 
     kind = "redis"
 
     def __init__(self, url: str, *, name: str = "redis", source: str = "outbox-relay",
                  default_topic: str | None = None, stream_prefix: str = "", maxlen: int | None = None,
-                 concurrency: int = 4, topics: Collection[str] | None = None, types: Collection[str] | None = None,
+                 concurrency: int = 64, topics: Collection[str] | None = None, types: Collection[str] | None = None,
                  password: str | None = None, password_file: Path | None = None, timeout_seconds: float = 5.0,
                  max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, ca_file: Path | None = None,
                  client_cert: Path | None = None, client_key: Path | None = None, verify_tls: bool = True,
@@ -76,10 +80,10 @@ class RedisStreamsSink:
             raise ConfigurationError("give the Redis password once: in the URL, or as a password file, not both")
         if password_file is not None:
             password = read_password(password_file)
-        # Room for the lanes, and for calls past the time limit that still hold a connection until their timeout.
-        self._client = connect(target, password=password, timeout_seconds=timeout_seconds,
-                               max_connections=2 * concurrency + 2, ca_file=ca_file, client_cert=client_cert,
-                               client_key=client_key, verify_tls=verify_tls)
+        # One pipeline is in flight at a time; room too for calls past the time limit that still hold a
+        # connection until their timeout.
+        self._client = connect(target, password=password, timeout_seconds=timeout_seconds, max_connections=8,
+                               ca_file=ca_file, client_cert=client_cert, client_key=client_key, verify_tls=verify_tls)
         if target.tls and not verify_tls:
             log.warning("redis sink %s: TLS certificate verification is OFF for %s", name, self.endpoint)
         self._errors: Any = redis_module().exceptions
@@ -90,21 +94,43 @@ class RedisStreamsSink:
     # -- the contract
 
     def deliver(self, event: SinkEvent) -> Delivered | Retry | GiveUp:
-        stream = stream_of(self.stream_prefix, event.topic, self.default_topic)
-        if isinstance(stream, GiveUp):
-            return stream
-        fields = entry(event, self.source, self.max_entry_bytes)
-        if isinstance(fields, GiveUp):
-            return fields
+        answer = self.deliver_many([event])[0]
+        if isinstance(answer, SinkUnavailable):
+            raise answer
+        return answer
+
+    def deliver_many(self, events: Sequence[SinkEvent]) -> list[Delivered | Retry | GiveUp | SinkUnavailable]:
+        """One pipeline of ``XADD``s for ``events`` (of distinct keys), one round trip: an answer each."""
+        answers: list[Delivered | Retry | GiveUp | SinkUnavailable] = []
+        sent: list[tuple[int, str]] = []  # (answer's index, stream) of each XADD in the pipeline
+        pipe = self._client.pipeline(transaction=False)
+        for event in events:
+            stream = stream_of(self.stream_prefix, event.topic, self.default_topic)
+            fields = stream if isinstance(stream, GiveUp) else entry(event, self.source, self.max_entry_bytes)
+            if isinstance(fields, GiveUp):  # no topic, or too large
+                answers.append(fields)
+                continue
+            assert isinstance(stream, str)
+            pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]  # bytes keys
+            sent.append((len(answers), stream))
+            answers.append(Delivered())
+        if not sent:
+            return answers
         try:
-            # The reply (the entry's id) is the server's acknowledgement; an error reply raises.
-            self._client.xadd(stream, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]  # bytes keys
-        except self._errors.RedisError as exc:
-            why = condition(exc)
-            if why is None:
-                return Retry(f"XADD {stream} on {self.endpoint}: {type(exc).__name__}: {exc}")
-            raise SinkUnavailable(f"XADD {stream} on {self.endpoint}: {why}", self.unavailable_seconds) from None
-        return Delivered()
+            # Each reply (an entry's id) is the server's acknowledgement of its XADD; an error reply is in its place.
+            replies = pipe.execute(raise_on_error=False)
+        except self._errors.RedisError as exc:  # the connection, a timeout: none of them is known to have landed
+            replies = [exc] * len(sent)
+        for (i, stream), reply in zip(sent, replies, strict=True):
+            if isinstance(reply, Exception):
+                answers[i] = self._failed(stream, reply)
+        return answers
+
+    def _failed(self, stream: str, exc: Exception) -> Retry | SinkUnavailable:
+        why = condition(exc)
+        if why is None:
+            return Retry(f"XADD {stream} on {self.endpoint}: {type(exc).__name__}: {exc}")
+        return SinkUnavailable(f"XADD {stream} on {self.endpoint}: {why}", self.unavailable_seconds)
 
     def close(self) -> None:
         self._client.close()
