@@ -27,6 +27,11 @@ def configure_connection(conn: Conn) -> None:
     # statement can be the GUIDE's trap (section 4): tests/integration/test_relay_plan.py pins the
     # generic plans of the read and of retention to the same index walks as the custom ones.
     conn.execute("SET plan_cache_mode = auto")
+    # Every statement of a relay is an index walk by design (test_relay_plan.py). A generic plan made while a
+    # partition was new and analysed empty would be a sequential scan instead, kept until the partition is
+    # next analysed: the read then scanned the whole growing partition per bucket (0024 did this for the
+    # commit watcher's function). Off, a scan of a table is chosen only where no index can serve.
+    conn.execute("SET enable_seqscan = off")
 
 
 def open_pool(dsn: str, max_size: int, worker_id: str, stopping: threading.Event) -> ConnectionPool[Conn] | None:

@@ -20,6 +20,7 @@ import pytest
 
 from outbox_relay import history, store
 from outbox_relay.positions import Cursor, Snapshot
+from outbox_relay.services.pool import configure_connection
 from outbox_relay.sqlfiles import query
 from tests.integration.relay_helpers import SINK
 
@@ -56,22 +57,33 @@ def explain(conn: psycopg.Connection[Any], sql: str, params: dict[str, Any], pla
         conn.execute("SET plan_cache_mode = force_custom_plan")
         row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchone()
     else:
-        # PREPARE with $n in order of first use (as psycopg numbers them), values passed as literals.
-        names: list[str] = []
-        for name in re.findall(r"%\((\w+)\)s", sql):
-            if name not in names:
-                names.append(name)
-        body = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m.group(1)) + 1}", sql).replace("%%", "%")
-        conn.execute("DEALLOCATE ALL")
-        conn.execute("PREPARE planned AS " + body)
         conn.execute("SET plan_cache_mode = force_generic_plan")
-        args = ", ".join(f"%({n})s" for n in names)
-        row = psycopg.ClientCursor(conn).execute(
-            f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE planned({args})", params).fetchone()
+        row = execute_prepared(conn, prepare(conn, sql), params, explain=True)
     conn.execute("RESET plan_cache_mode")
     assert row is not None
     doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
     return dict(doc[0]["Plan"])
+
+
+def prepare(conn: psycopg.Connection[Any], sql: str) -> list[str]:
+    """``sql`` as the prepared statement ``planned``, with $n in order of first use (as psycopg numbers them):
+    its parameters' names, in that order."""
+    names: list[str] = []
+    for name in re.findall(r"%\((\w+)\)s", sql):
+        if name not in names:
+            names.append(name)
+    body = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m.group(1)) + 1}", sql).replace("%%", "%")
+    conn.execute("DEALLOCATE ALL")
+    conn.execute("PREPARE planned AS " + body)
+    return names
+
+
+def execute_prepared(conn: psycopg.Connection[Any], names: list[str], params: dict[str, Any], *,
+                     explain: bool = False) -> Any:
+    """EXECUTE ``planned`` (values passed as literals), or its EXPLAIN (ANALYZE, BUFFERS): the first row."""
+    args = ", ".join(f"%({n})s" for n in names)
+    head = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " if explain else ""
+    return psycopg.ClientCursor(conn).execute(f"{head}EXECUTE planned({args})", params).fetchone()
 
 
 @pytest.mark.parametrize("plan", ["custom", "generic"])
@@ -127,6 +139,40 @@ def test_fetch_events_walks_events_position_from_each_cursor(dsn: str, wanted: s
     # park's index once per leased bucket: a few hits each, not the trap this is about).
     touched = sum(n.get("Shared Hit Blocks", 0) + n.get("Shared Read Blocks", 0) for n in on_events)
     assert touched < 40 * len(LEASED), f"{touched} buffers for {len(events)} rows: the read is not a range scan"
+
+
+def test_a_generic_plan_made_while_the_table_was_empty_still_walks_the_index_once_it_has_grown(dsn: str) -> None:
+    """The relay's read is prepared (psycopg, after five executions) on a table that may be new and analysed
+    empty; Postgres keeps the generic plan until the partition is next analysed. The commit watcher's plan
+    made that way read the whole partition at every look (0024); the read's must stay on events_position,
+    on a connection set up as the relay's pool sets up each of its own."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        configure_connection(conn)
+        for (leaf,) in conn.execute("SELECT relid::regclass::text FROM pg_partition_tree('outbox.events') "
+                                    "WHERE isleaf").fetchall():
+            conn.execute(f"ALTER TABLE {leaf} SET (autovacuum_enabled = false)")  # no analyse while it grows
+        conn.execute("ANALYZE outbox.events")  # empty, and believed
+        store.register_sink(conn, SINK, "projection")
+        assert len(store.acquire_leases(conn, SINK, "w", LEASED, 600.0)) == len(LEASED)
+        reads = {b: (LIMIT, Cursor.at((0, 0))) for b in LEASED}
+        names = prepare(conn, store.fetch_sql(conn, reads))
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        execute_prepared(conn, names, store.fetch_params(SINK, "w", reads))  # planned now, on the empty table
+        conn.execute("INSERT INTO outbox.events (partition_key, type, payload) "
+                     "SELECT 'key-' || (g % 5000), 'bulk', '{}' FROM generate_series(1, 100000) AS g")
+        tail = conn.execute("SELECT xid::text::bigint, max(seq) - %s FROM outbox.events GROUP BY xid",
+                            (PENDING_PER_BUCKET * 256,)).fetchone()
+        assert tail is not None
+        reads = {b: (LIMIT, Cursor.at((int(tail[0]), int(tail[1])))) for b in LEASED}
+        row = execute_prepared(conn, names, store.fetch_params(SINK, "w", reads), explain=True)
+        conn.execute("RESET plan_cache_mode")
+    assert row is not None
+    root = (row[0] if not isinstance(row[0], str) else json.loads(row[0]))[0]["Plan"]
+    on_events = [n for n in nodes(root) if on_events_table(n)]
+    assert on_events and not [n for n in on_events if n["Node Type"] in ("Seq Scan", "Bitmap Heap Scan")], \
+        json.dumps(root, indent=1)
+    touched = sum(n.get("Shared Hit Blocks", 0) + n.get("Shared Read Blocks", 0) for n in on_events)
+    assert touched < 40 * len(LEASED), f"{touched} buffers: the read is not a range scan from each cursor"
 
 
 @pytest.mark.parametrize("plan", ["custom", "generic"])
