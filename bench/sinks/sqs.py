@@ -56,11 +56,13 @@ class TimedSqsSink(SqsSink):
         super().__init__(*args, **kwargs)
         self.acked: dict[uuid.UUID, float] = {}
 
-    def deliver(self, event: SinkEvent) -> Any:
-        answer = super().deliver(event)
-        if isinstance(answer, Delivered):
-            self.acked.setdefault(event.id, time.time())
-        return answer
+    def deliver_many(self, events: Any) -> Any:  # what the relay calls (deliver calls it too)
+        answers = super().deliver_many(events)
+        now = time.time()
+        for event, answer in zip(events, answers, strict=True):
+            if isinstance(answer, Delivered):
+                self.acked.setdefault(event.id, now)
+        return answers
 
 
 def _messages(n: int, keys: int) -> list[Message]:

@@ -259,7 +259,7 @@ class EventSinkAdapter:
         # Lanes as tasks on the sink's event loop (tasks.py); a sync deliver (even one returning an
         # awaitable) keeps lane threads.
         self.tasks = inspect.iscoroutinefunction(self.user.deliver)
-        self.many = callable(getattr(sink, "deliver_many", None))  # waves on one lane (``_Run._waves``)
+        self.many = waves.takes_waves(sink)  # waves on one lane (waves.py)
         self.timeout = handler_timeout_seconds
         self.partial_seconds = PARTIAL_CHECKPOINT_SECONDS
         self.observer: Observer = NULL_OBSERVER  # set by the composition root (tracing: a span per call)

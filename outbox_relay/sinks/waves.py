@@ -45,6 +45,23 @@ class Lane(Protocol):
     wave: Sequence[StoredEvent]  # the call's events, charged together if it is abandoned
 
 
+def takes_waves(sink: object) -> bool:
+    """Whether the relay calls ``sink.deliver_many``: it has one, and no ``deliver`` below it in the class
+    hierarchy (or on the instance) overrides the one beside it. A subclass of a product sink that wraps
+    ``deliver`` (to log, to count) is called as it says, one event at a time."""
+    if not callable(getattr(sink, "deliver_many", None)):
+        return False
+    own = getattr(sink, "__dict__", {})
+    if "deliver" in own or "deliver_many" in own:
+        return "deliver_many" in own
+    mro = type(sink).__mro__
+
+    def defined_at(name: str) -> int:
+        return next((i for i, c in enumerate(mro) if name in vars(c)), len(mro))
+
+    return defined_at("deliver_many") <= defined_at("deliver")
+
+
 def work(run: Run, lane: Lane, concurrency: int) -> None:
     """On the lane's thread: waves until no key is left or the run stops."""
     run.cond.acquire()
@@ -104,4 +121,4 @@ def call_many(handler: Callable[[list[SinkEvent], None], Any] | None, wave: Sequ
     return answers
 
 
-__all__ = ["Lane", "Run", "call_many", "work"]
+__all__ = ["Lane", "Run", "call_many", "takes_waves", "work"]

@@ -1,13 +1,11 @@
 """The SQS sink's parts that need no server: settings and their errors, the message, queue names, what
-SQS's answers mean, the batcher (tests/integration/test_sqs_sink.py runs them against an endpoint)."""
+SQS's answers mean, a wave's requests (tests/integration/test_sqs_sink.py runs them against an endpoint)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import threading
-import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -17,8 +15,9 @@ from pydantic import ValidationError
 
 from outbox_relay.settings import RelaySettings
 from outbox_relay.sinks import GiveUp, Retry, SinkEvent, SinkUnavailable
+from outbox_relay.sinks.sqs import SqsSink
 from outbox_relay.sinks.sqs.answers import of_error
-from outbox_relay.sinks.sqs.batcher import Batcher
+from outbox_relay.sinks.sqs.batches import requests
 from outbox_relay.sinks.sqs.client import region_of
 from outbox_relay.sinks.sqs.message import Message, group_id, message_of
 from outbox_relay.sinks.sqs.queues import Queues
@@ -183,46 +182,40 @@ def test_what_an_sqs_error_means(code: str, status: int, sender: bool, answer: t
     assert isinstance(of_error({code}, "msg", status, "send to q", sender, 1.0), answer)
 
 
-# -- the batcher ----------------------------------------------------------------------------------
+# -- a wave's requests ----------------------------------------------------------------------------
 
 
-def test_concurrent_calls_share_requests_and_each_gets_its_own_answer() -> None:
-    requests: list[list[str]] = []
-    gate = threading.Event()
+class Client:
+    """A boto3 SQS client's two sends, answering from ``answer(entry)`` (None: sent) and noting each request."""
 
-    def send(url: str, messages: Any) -> list[object]:
-        if not requests:
-            gate.wait(5)  # the first request is slow: the other calls gather meanwhile
-        requests.append([m.entry["MessageBody"] for m in messages])
-        return [GiveUp(m.entry["MessageBody"]) for m in messages]
+    def __init__(self, answer: Any = lambda entry: None) -> None:
+        self.answer = answer
+        self.requests: list[list[str]] = []
 
-    batcher = Batcher(send, size=10)
-    answers: dict[str, object] = {}
+    def send_message(self, QueueUrl: str, **entry: Any) -> dict[str, Any]:
+        return self.send_message_batch(QueueUrl, [{"Id": "0", **entry}])
 
-    def call(body: str) -> None:
-        answers[body] = batcher.submit("q", Message({"MessageBody": body}, 10))
+    def send_message_batch(self, QueueUrl: str, Entries: list[dict[str, Any]]) -> dict[str, Any]:
+        self.requests.append([e["MessageBody"] for e in Entries])
+        failed = [{"Id": e["Id"], "Code": code, "Message": "no", "SenderFault": True}
+                  for e in Entries if (code := self.answer(e)) is not None]
+        return {"Successful": [{"Id": e["Id"]} for e in Entries if self.answer(e) is None], "Failed": failed}
 
-    threads = [threading.Thread(target=call, args=(f"m{i}",)) for i in range(13)]
-    threads[0].start()
-    while not batcher.in_flight("q"):  # the first call's request
-        time.sleep(0.001)
-    for t in threads[1:]:
-        t.start()
-    while batcher.waiting("q") < 12:
-        time.sleep(0.001)
-    gate.set()
-    for t in threads:
-        t.join(5)
-    assert [len(r) for r in requests] == [1, 10, 2]
-    assert all(isinstance(a, GiveUp) and a.reason == body for body, a in answers.items())
+    def close(self) -> None:
+        pass
 
 
-def test_a_batch_stays_within_the_byte_limit() -> None:
-    sizes: list[int] = []
-    batcher = Batcher(lambda url, ms: sizes.append(sum(m.size for m in ms)) or [None] * len(ms), max_bytes=100)
-    threads = [threading.Thread(target=batcher.submit, args=("q", Message({}, 60))) for _ in range(5)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(5)
-    assert sizes and all(s <= 100 for s in sizes) and sum(sizes) == 300
+def test_a_waves_messages_share_requests_of_ten_and_each_gets_its_own_answer() -> None:
+    client = Client(lambda entry: "InvalidMessageContents" if entry["MessageBody"] == '"bad"' else None)
+    sink = SqsSink("https://sqs.eu-west-1.amazonaws.com", queue_urls={"orders": QUEUE}, client=client)
+    events = [event(key=f"k{i}", payload_json=json.dumps("bad" if i == 3 else i)) for i in range(13)]
+    answers = sink.deliver_many(events)
+    assert [len(r) for r in client.requests] == [10, 3]
+    assert [type(a).__name__ for a in answers] == ["Delivered"] * 3 + ["GiveUp"] + ["Delivered"] * 9
+
+
+def test_a_request_stays_within_the_byte_limit() -> None:
+    line = [(i, Message({}, 60)) for i in range(5)] + [(5, Message({}, 500))]
+    cut = list(requests(line, 10, max_bytes=100))
+    assert [[i for i, _ in r] for r in cut] == [[0], [1], [2], [3], [4], [5]], "a larger message goes alone"
+    assert [[i for i, _ in r] for r in requests(line[:5], 2, max_bytes=1000)] == [[0, 1], [2, 3], [4]]

@@ -140,6 +140,19 @@ def test_deliver_many_must_be_a_plain_method_beside_a_plain_deliver() -> None:
 
     assert EventSinkAdapter(Many()).many and not EventSinkAdapter(Minimal()).many
 
+    class Wrapped(Many):  # a subclass of a sink with waves that wraps deliver: called as it says
+        def deliver(self, event: object) -> None:
+            return super().deliver(event)
+
+    class WrappedMany(Wrapped):
+        def deliver_many(self, events: list[object]) -> list[None]:
+            return super().deliver_many(events)
+
+    on_instance = Many()
+    on_instance.deliver = lambda event: None  # type: ignore[method-assign]
+    assert not EventSinkAdapter(Wrapped()).many and not EventSinkAdapter(on_instance).many
+    assert EventSinkAdapter(WrappedMany()).many
+
 
 def test_the_adapter_reads_the_optional_attributes() -> None:
     sink = Minimal()

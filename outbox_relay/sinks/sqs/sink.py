@@ -3,10 +3,12 @@
 "Delivered" is SQS's own acknowledgement: the event's id among the ``Successful`` entries of a
 SendMessageBatch answer (or a SendMessage answer), which SQS gives once the message is stored. Each
 event is sent with ``MessageGroupId`` = its partition key and ``MessageDeduplicationId`` = its id
-(message.py); events of different keys delivered at once share requests (batcher.py); what an error
-means is answers.py's; which queue, queues.py's. Order per key, retries, dead letters and fencing are
-the relay's (the sink contract's adapter): a key's next event reaches the sink only once the previous
-one is answered, so the group's order in the queue is the key's publish order.
+(message.py). The relay's adapter calls ``deliver_many`` with the next event of each of up to
+``concurrency`` keys (sinks/waves.py); their messages go out per queue in SendMessageBatch requests of
+up to ``batch_size`` (batches.py), one after another. What an error means is answers.py's; which queue,
+queues.py's. Order per key, retries, dead letters and fencing are the relay's: a key's next event reaches
+the sink only once the previous one is answered, so the group's order in the queue is the key's publish
+order.
 
 A standard queue (no order, no deduplication) is refused unless ``allow_standard_queue``.
 """
@@ -18,11 +20,12 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...dsn import describe_error
 from ...errors import ConfigurationError
 from ...sqs_settings import FIFO_QUEUE_NAME, QUEUE_NAME, QUEUE_PREFIX, check_endpoint, queue_name_of
 from ..user import MAX_CONCURRENCY, Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
 from .answers import MISSING_QUEUE, codes, of_error, of_exception, parsed
-from .batcher import Batcher
+from .batches import requests
 from .client import make_client
 from .message import Message, message_of
 from .queues import Queues
@@ -82,7 +85,7 @@ class SqsSink:
             connect_timeout_seconds=connect_timeout_seconds, timeout_seconds=timeout_seconds,
             ca_file=Path(ca_file) if ca_file is not None else None, verify_tls=verify_tls)
         self.queues = Queues(queue_prefix, urls, default_topic, self._queue_url)
-        self._batcher = Batcher(self._send, size=batch_size)
+        self.batch_size = batch_size
 
     def __repr__(self) -> str:
         return f"SqsSink(name={self.name!r}, endpoint={self.endpoint!r})"
@@ -90,21 +93,39 @@ class SqsSink:
     # -- the contract
 
     def deliver(self, event: SinkEvent) -> Delivered | Retry | GiveUp:
-        queue = self.queues.of(event.topic)  # SinkUnavailable if SQS can not say where the queue is
-        if isinstance(queue, GiveUp):
-            return queue
-        message = message_of(event, self.source, queue.fifo)
-        if isinstance(message, GiveUp):
-            return message
-        answer = self._batcher.submit(queue.url, message)
-        if answer is None:
-            return Delivered()
+        answer = self.deliver_many([event])[0]
         if isinstance(answer, SinkUnavailable):
-            raise SinkUnavailable(answer.reason, answer.retry_after_seconds)  # one per call: raised on many lanes
-        if isinstance(answer, GiveUp | Retry):
-            return answer
-        assert isinstance(answer, BaseException), answer
-        raise answer
+            raise answer
+        return answer
+
+    def deliver_many(self, events: Sequence[SinkEvent]) -> list[Delivered | Retry | GiveUp | SinkUnavailable]:
+        """Each event's message to its topic's queue, in requests shared by the events of one queue: an answer
+        each."""
+        answers: list[Delivered | Retry | GiveUp | SinkUnavailable] = [Delivered()] * len(events)
+        lines: dict[str, list[tuple[int, Message]]] = {}
+        for i, event in enumerate(events):
+            try:
+                queue = self.queues.of(event.topic)
+            except SinkUnavailable as exc:  # SQS can not say where the queue is
+                answers[i] = exc
+                continue
+            message = queue if isinstance(queue, GiveUp) else message_of(event, self.source, queue.fifo)
+            if isinstance(message, GiveUp):
+                answers[i] = message
+                continue
+            assert not isinstance(queue, GiveUp)
+            lines.setdefault(queue.url, []).append((i, message))
+        for url, line in lines.items():
+            for request in requests(line, self.batch_size):
+                try:
+                    sent = self._send(url, [m for _, m in request])
+                except Exception as exc:  # what answers.py does not know: each message's attempt failed
+                    sent = [Retry(f"sqs: send to {queue_name_of(url)}: {describe_error(exc)}")] * len(request)
+                for (i, _), answer in zip(request, sent, strict=True):
+                    if answer is not None:
+                        assert isinstance(answer, Retry | GiveUp | SinkUnavailable), answer
+                        answers[i] = answer
+        return answers
 
     def close(self) -> None:
         self._client.close()
