@@ -3,10 +3,10 @@
 Per batch, the events are grouped by key (in batch order, which is publish order per key) and the
 keys are handed to ``concurrency`` lanes, threads that call the user's ``deliver`` one event at a time
 for one key at a time (an ``async def deliver``'s lanes are tasks on the sink's event loop: tasks.py,
-loop.py). A sink with ``deliver_many`` (a broker that pipelines: Redis) gets one lane that sends waves
-instead, each the next event of up to ``concurrency`` keys in one call, so that no answer in a wave can
-let a key's later event land first. A key stops at its first failure that will be retried (its later events are
-not attempted: the checkpoint parks them behind it, so order holds); a ``GiveUp`` lets it go on. A
+loop.py). A sink with ``deliver_many`` (a broker that pipelines: Redis, SQS) gets one lane that sends
+waves instead, each the next event of up to ``concurrency`` keys in one call (waves.py). A key stops at
+its first failure that will be retried (its later events are not attempted: the checkpoint parks them
+behind it, so order holds); a ``GiveUp`` lets it go on. A
 ``SinkUnavailable`` stops the whole batch: what was not attempted waits (held, no attempt counted),
 and the next batches are held without calling the sink until the wait is over.
 

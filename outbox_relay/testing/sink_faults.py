@@ -15,6 +15,7 @@ from typing import Any
 
 from ..sinks import Delivered, GiveUp, Retry, SinkEvent, SinkUnavailable
 from ..sinks.engine import Commit, Failure, KeyHold, Outcomes
+from ..sinks.waves import takes_waves
 from ..store import StoredEvent
 
 # What the kit answers for the sink on a planned attempt (``Plan``).
@@ -167,7 +168,7 @@ class FaultyManySink(FaultyEventSink):
 
 def faulty_event_sink(inner: Any, plan: Plan, recorder: Recorder) -> FaultyEventSink:
     """The kit's wrapper for a user's sink: async if its ``deliver`` is, with ``deliver_many`` if it has one."""
-    if callable(getattr(inner, "deliver_many", None)):
+    if takes_waves(inner):
         return FaultyManySink(inner, plan, recorder)
     kind = AsyncFaultyEventSink if inspect.iscoroutinefunction(getattr(inner, "deliver", None)) else FaultyEventSink
     return kind(inner, plan, recorder)
