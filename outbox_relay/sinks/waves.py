@@ -105,19 +105,23 @@ def call_many(handler: Callable[[list[SinkEvent], None], Any] | None, wave: Sequ
             events.append(event)
     if not events:
         return answers
-    results: Any
+    mapped: list[Answer]
     try:
         results = handler(events, None)
     except SinkUnavailable as exc:
-        results = [exc] * len(events)
+        mapped = [exc] * len(events)
     except BaseException as exc:  # as a deliver's: the wave's attempts failed (SystemExit too), the lane goes on
-        results = [Failure(describe_error(exc))] * len(events)
-    if not isinstance(results, list | tuple) or len(results) != len(events):
-        shape = f"{len(results)} answers" if isinstance(results, list | tuple) else f"a {type(results).__name__}"
-        results = [Failure(f"the sink's deliver_many returned {shape} for {len(events)} events: expected a list of "
-                           "one answer per event (a bug in the sink; retried)")] * len(events)
-    for i, result in zip(given, results, strict=True):
-        answers[i] = result if isinstance(result, Failure | SinkUnavailable) else outcome_of(result)
+        mapped = [Failure(describe_error(exc))] * len(events)
+    else:
+        if isinstance(results, list | tuple) and len(results) == len(events):
+            # The sink's own answers, each by the thread lanes' rules (an engine Failure included: a bug, retried).
+            mapped = [r if isinstance(r, SinkUnavailable) else outcome_of(r) for r in results]
+        else:
+            shape = f"{len(results)} answers" if isinstance(results, list | tuple) else f"a {type(results).__name__}"
+            mapped = [Failure(f"the sink's deliver_many returned {shape} for {len(events)} events: expected a list "
+                              "of one answer per event (a bug in the sink; retried)")] * len(events)
+    for i, answer in zip(given, mapped, strict=True):
+        answers[i] = answer
     return answers
 
 

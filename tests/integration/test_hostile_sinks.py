@@ -14,6 +14,7 @@ from psycopg_pool import ConnectionPool
 
 from outbox_relay.sinks import GiveUp, Outcome, Retry, SinkEvent
 from outbox_relay.sinks.adapter import EventSinkAdapter
+from outbox_relay.sinks.engine import Failure
 from outbox_relay.worker import Worker
 from tests.integration.relay_helpers import (  # noqa: F401  (pool_fixture provides `pool`)
     dead_letters,
@@ -111,6 +112,7 @@ def _exit() -> None:
     (lambda events: None, "returned a NoneType for 2 events"),
     (lambda events: [GiveUp("no")] * len(events) + [None], "returned 3 answers for 2 events"),
     (lambda events: _exit(), "SystemExit"),
+    (lambda events: [Failure("not an answer", retriable=False)] * len(events), "returned a Failure"),
 ])
 def test_a_wave_answered_wrongly_charges_each_of_its_events(dsn: str, pool: ConnectionPool[Any], answer: Any,
                                                            expected: str) -> None:
